@@ -1,0 +1,1 @@
+//! slowfast-backend (skeleton; filled in by its owner).

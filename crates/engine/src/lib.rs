@@ -1,0 +1,1 @@
+//! slowfast-engine (skeleton; filled in by its owner).

@@ -1,0 +1,1 @@
+//! slowfast-kv (skeleton; filled in by its owner).

@@ -1,0 +1,1 @@
+//! slowfast-loader (skeleton; filled in by its owner).

@@ -1,0 +1,1 @@
+//! slowfast-model (skeleton; filled in by its owner).

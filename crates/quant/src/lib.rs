@@ -1,0 +1,1 @@
+//! slowfast-quant (skeleton; filled in by its owner).

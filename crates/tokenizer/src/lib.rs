@@ -1,0 +1,1 @@
+//! slowfast-tokenizer (skeleton; filled in by its owner).
