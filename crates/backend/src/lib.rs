@@ -1,1 +1,2 @@
-//! slowfast-backend (skeleton; filled in by its owner).
+//! slowfast-backend: compute kernels. `cpu` holds the CPU kernels (attention, elementwise ops).
+pub mod cpu;

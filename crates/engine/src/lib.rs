@@ -1,1 +1,2 @@
-//! slowfast-engine (skeleton; filled in by its owner).
+//! slowfast-engine: sampling, the generate loop, evaluation and benchmarks.
+pub mod sampler;

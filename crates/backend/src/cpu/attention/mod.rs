@@ -1,0 +1,1 @@
+//! CPU attention kernels (owned by the attention work; skeleton).

@@ -1,0 +1,2 @@
+//! CPU kernels: attention (tiled online softmax) and elementwise ops.
+pub mod attention;
