@@ -1,0 +1,253 @@
+// attn_decode.cu: flash-decoding. Each block takes one (sequence, kv head, split) and a
+// chunk of that sequence's keys, computes the G query heads of the kv group on tensor
+// cores (the group's heads are the 16 rows of the mma, so every K/V byte is loaded once
+// per group), and writes an unnormalised partial (O, max, sum). attn_decode_reduce
+// merges the splits. K/V tiles stream through a STAGES-deep cp.async pipeline.
+#define DEC_THREADS 128
+#define DEC_BK 64
+
+// q [batch, n_heads, D]; caches [num_slots, kv_heads, capacity, D]; seq_lens, slots [batch];
+// part_o [batch, n_heads, splits, D] f32; part_ml [batch, n_heads, splits, 2] f32 (max in
+// log2 units of the scaled score, sum). Sequence b sees keys [lo, len) with
+// lo = window ? max(0, len - window) : 0; split s covers [lo + s*chunk, lo + (s+1)*chunk).
+// grid (splits, kv_heads * ceil(G / 16), batch), block 128,
+// dynamic smem (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes.
+template <int D, int STAGES>
+__device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                                                 const bf16* __restrict__ v_cache, const u32* __restrict__ seq_lens,
+                                                 const u32* __restrict__ slots, float* __restrict__ part_o,
+                                                 float* __restrict__ part_ml, u32 n_heads, u32 kv_heads,
+                                                 u32 capacity, u32 num_slots, u32 window, u32 chunk,
+                                                 float scale_log2) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    constexpr int CH = D / 8, STR = D + 8, DT = D / 8, BK = DEC_BK;
+    bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [16][STR]
+    bf16* ks = qs + 16 * STR;                       // [STAGES][BK][STR]
+    bf16* vs = ks + STAGES * BK * STR;              // [STAGES][BK][STR]
+
+    const int split = blockIdx.x, splits = gridDim.x, b = blockIdx.z;
+    const int G = n_heads / kv_heads;
+    const int row_groups = (G + 15) / 16;
+    const int kvh = blockIdx.y / row_groups, rg = blockIdx.y % row_groups;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, tig = lane & 3;
+
+    const u32 slot = slots[b];
+    int len = slot < num_slots ? (int)min(seq_lens[b], capacity) : 0;
+    const int lo_seq = window ? max(0, len - (int)window) : 0;
+    const int s_lo = lo_seq + split * (int)chunk;
+    const int s_hi = min(len, s_lo + (int)chunk);
+
+    if (s_lo >= s_hi) {
+        for (int r = threadIdx.x; r < 16; r += DEC_THREADS) {
+            const int hig = rg * 16 + r;
+            if (hig >= G) continue;
+            const u64 idx = ((u64)b * n_heads + kvh * G + hig) * splits + split;
+            part_ml[idx * 2] = NEG_INF;
+            part_ml[idx * 2 + 1] = 0.0f;
+        }
+        return;
+    }
+    const bf16* kc = k_cache + ((u64)slot * kv_heads + kvh) * capacity * D;
+    const bf16* vc = v_cache + ((u64)slot * kv_heads + kvh) * capacity * D;
+
+    for (int idx = threadIdx.x; idx < 16 * CH; idx += DEC_THREADS) {
+        const int r = idx / CH, c = idx % CH, hig = rg * 16 + r;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (hig < G) v = *reinterpret_cast<const uint4*>(q + ((u64)b * n_heads + kvh * G + hig) * D + c * 8);
+        *reinterpret_cast<uint4*>(qs + r * STR + c * 8) = v;
+    }
+
+    const int n_tiles = (s_hi - s_lo + BK - 1) / BK;
+    auto load_tile = [&](int t) {
+        bf16* kd = ks + (t % STAGES) * BK * STR;
+        bf16* vd = vs + (t % STAGES) * BK * STR;
+        const int j0 = s_lo + t * BK;
+        for (int idx = threadIdx.x; idx < BK * CH; idx += DEC_THREADS) {
+            const int r = idx / CH, c = idx % CH, j = j0 + r;
+            const bool ok = j < s_hi;
+            const u64 off = (u64)(ok ? j : s_lo) * D + c * 8;
+            cp_async_16(smem_addr(kd + r * STR + c * 8), kc + off, ok ? 16u : 0u);
+            cp_async_16(smem_addr(vd + r * STR + c * 8), vc + off, ok ? 16u : 0u);
+        }
+    };
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < n_tiles) load_tile(st);
+        cp_async_commit();
+    }
+
+    float m_r[2] = {NEG_INF, NEG_INF}, l_r[2] = {0.0f, 0.0f};
+    float acc[DT][4];
+#pragma unroll
+    for (int i = 0; i < DT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+    for (int t = 0; t < n_tiles; ++t) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (t + STAGES - 1 < n_tiles) load_tile(t + STAGES - 1);
+        cp_async_commit();
+        const bf16* kst = ks + (t % STAGES) * BK * STR + warp * 16 * STR;
+        const bf16* vst = vs + (t % STAGES) * BK * STR + warp * 16 * STR;
+        const int jw = s_lo + t * BK + warp * 16;
+        if (jw >= s_hi) continue;  // this warp's 16 keys are all past the end
+
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 a[4], bb[4];
+            ldmatrix_x4(a, smem_addr(qs + ((lane & 7) + ((lane >> 3) & 1) * 8) * STR + kk * 16 + (lane >> 4) * 8));
+            ldmatrix_x4(bb, smem_addr(kst + ((lane & 7) + (lane >> 4) * 8) * STR + kk * 16 + ((lane >> 3) & 1) * 8));
+            mma_16816(s[0], a, bb);
+            mma_16816(s[1], a, bb + 2);
+        }
+        float mx[2] = {m_r[0], m_r[1]};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = jw + nt * 8 + 2 * tig + (e & 1);
+                const float v = j < s_hi ? s[nt][e] * scale_log2 : NEG_INF;
+                s[nt][e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+        }
+        float base[2], alpha[2], rs[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            base[i] = mx[i] == NEG_INF ? 0.0f : mx[i];
+            alpha[i] = exp2f(m_r[i] - base[i]);
+            m_r[i] = mx[i];
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            s[nt][0] = exp2f(s[nt][0] - base[0]);
+            s[nt][1] = exp2f(s[nt][1] - base[0]);
+            s[nt][2] = exp2f(s[nt][2] - base[1]);
+            s[nt][3] = exp2f(s[nt][3] - base[1]);
+            rs[0] += s[nt][0] + s[nt][1];
+            rs[1] += s[nt][2] + s[nt][3];
+        }
+        l_r[0] = l_r[0] * alpha[0] + rs[0];
+        l_r[1] = l_r[1] * alpha[1] + rs[1];
+        u32 a[4];
+        a[0] = pack_bf16x2(s[0][0], s[0][1]);
+        a[1] = pack_bf16x2(s[0][2], s[0][3]);
+        a[2] = pack_bf16x2(s[1][0], s[1][1]);
+        a[3] = pack_bf16x2(s[1][2], s[1][3]);
+#pragma unroll
+        for (int dd = 0; dd < D / 16; ++dd) {
+            acc[2 * dd][0] *= alpha[0];
+            acc[2 * dd][1] *= alpha[0];
+            acc[2 * dd][2] *= alpha[1];
+            acc[2 * dd][3] *= alpha[1];
+            acc[2 * dd + 1][0] *= alpha[0];
+            acc[2 * dd + 1][1] *= alpha[0];
+            acc[2 * dd + 1][2] *= alpha[1];
+            acc[2 * dd + 1][3] *= alpha[1];
+            u32 bb[4];
+            ldmatrix_x4_trans(bb, smem_addr(vst + ((lane & 7) + ((lane >> 3) & 1) * 8) * STR + dd * 16 + (lane >> 4) * 8));
+            mma_16816(acc[2 * dd], a, bb);
+            mma_16816(acc[2 * dd + 1], a, bb + 2);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Merge the four warps' partials in shared memory (the K stages are free now).
+    float* obuf = reinterpret_cast<float*>(ks);  // [16][D]
+    float* mls = obuf + 16 * D;                  // m [4][16], then l [4][16]
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l_r[i] += __shfl_xor_sync(0xffffffffu, l_r[i], 1);
+        l_r[i] += __shfl_xor_sync(0xffffffffu, l_r[i], 2);
+    }
+    if (tig == 0) {
+        mls[warp * 16 + g] = m_r[0];
+        mls[warp * 16 + g + 8] = m_r[1];
+        mls[64 + warp * 16 + g] = l_r[0];
+        mls[64 + warp * 16 + g + 8] = l_r[1];
+    }
+    __syncthreads();
+    float wsc[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int row = g + 8 * i;
+        float M = NEG_INF;
+        for (int w = 0; w < 4; ++w) M = fmaxf(M, mls[w * 16 + row]);
+        const float base = M == NEG_INF ? 0.0f : M;
+        wsc[i] = m_r[i] == NEG_INF ? 0.0f : exp2f(m_r[i] - base);
+    }
+    for (int w = 0; w < 4; ++w) {
+        if (warp == w) {
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = g + (e >> 1) * 8, col = dt * 8 + 2 * tig + (e & 1);
+                    const float v = acc[dt][e] * wsc[e >> 1];
+                    obuf[row * D + col] = w == 0 ? v : obuf[row * D + col] + v;
+                }
+            }
+        }
+        __syncthreads();
+    }
+    for (int idx = threadIdx.x; idx < 16 * D; idx += DEC_THREADS) {
+        const int r = idx / D, d = idx % D, hig = rg * 16 + r;
+        if (hig >= G) continue;
+        part_o[(((u64)b * n_heads + kvh * G + hig) * splits + split) * D + d] = obuf[idx];
+    }
+    if (threadIdx.x < 16) {
+        const int r = threadIdx.x, hig = rg * 16 + r;
+        if (hig < G) {
+            float M = NEG_INF;
+            for (int w = 0; w < 4; ++w) M = fmaxf(M, mls[w * 16 + r]);
+            const float base = M == NEG_INF ? 0.0f : M;
+            float L = 0.0f;
+            for (int w = 0; w < 4; ++w) {
+                const float mw = mls[w * 16 + r];
+                if (mw != NEG_INF) L += mls[64 + w * 16 + r] * exp2f(mw - base);
+            }
+            const u64 idx = ((u64)b * n_heads + kvh * G + hig) * splits + split;
+            part_ml[idx * 2] = M;
+            part_ml[idx * 2 + 1] = L;
+        }
+    }
+}
+
+#define DECODE_ENTRY(NAME, D, STAGES)                                                                    \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS)                                            \
+        NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, const u32* seq_lens,               \
+             const u32* slots, float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity,    \
+             u32 num_slots, u32 window, u32 chunk, float scale_log2) {                                    \
+        attn_decode_impl<D, STAGES>(q, k_cache, v_cache, seq_lens, slots, part_o, part_ml, n_heads,       \
+                                    kv_heads, capacity, num_slots, window, chunk, scale_log2);           \
+    }
+DECODE_ENTRY(attn_decode_d64, 64, 4)
+DECODE_ENTRY(attn_decode_d128, 128, 3)
+DECODE_ENTRY(attn_decode_d256, 256, 2)
+
+// Merges the splits: out [batch, n_heads, D] bf16, lse [batch, n_heads] (natural log) or null.
+// grid (n_heads, batch), block 128.
+extern "C" __global__ void attn_decode_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                              bf16* __restrict__ out, float* __restrict__ lse, u32 n_heads,
+                                              u32 splits, u32 head_dim) {
+    const u64 bh = (u64)blockIdx.y * n_heads + blockIdx.x;
+    const float* ml = part_ml + bh * splits * 2;
+    float M = NEG_INF;
+    for (u32 s = 0; s < splits; ++s) M = fmaxf(M, ml[2 * s]);
+    const float base = M == NEG_INF ? 0.0f : M;
+    float L = 0.0f;
+    for (u32 s = 0; s < splits; ++s)
+        if (ml[2 * s] != NEG_INF) L += ml[2 * s + 1] * exp2f(ml[2 * s] - base);
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float a = 0.0f;
+        for (u32 s = 0; s < splits; ++s)
+            if (ml[2 * s] != NEG_INF) a += part_o[(bh * splits + s) * head_dim + d] * exp2f(ml[2 * s] - base);
+        out[bh * head_dim + d] = f2bf(a * inv);
+    }
+    if (lse != nullptr && threadIdx.x == 0) lse[bh] = L > 0.0f ? (M + log2f(L)) * LN2_F : NEG_INF;
+}

@@ -1,0 +1,63 @@
+// elementwise.cu: embedding gather, residual add, SwiGLU/GeGLU and KV-cache append.
+
+// out[i, :] = table[ids[i], :] * scale. Ids outside the table give a zero row.
+// table [vocab, hidden], ids [n], out [n, hidden]; grid (n), block 256.
+extern "C" __global__ void embed_gather(const bf16* __restrict__ table, const u32* __restrict__ ids,
+                                        bf16* __restrict__ out, u32 hidden, u32 vocab, float scale) {
+    const u32 row = blockIdx.x;
+    const u32 id = ids[row];
+    bf16* dst = out + (u64)row * hidden;
+    if (id >= vocab) {
+        for (u32 c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = f2bf(0.0f);
+        return;
+    }
+    const bf16* src = table + (u64)id * hidden;
+    for (u32 c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = f2bf(bf2f(src[c]) * scale);
+}
+
+// out[i] = a[i] + b[i] (out may alias a or b); grid-stride.
+extern "C" __global__ void add_bf16(const bf16* a, const bf16* b, bf16* out, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));
+}
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+    return 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x)));
+}
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+// out[r, c] = act(gate[r, c]) * up[r, c]; act 0 = SiLU (SwiGLU), 1 = GELU-tanh (GeGLU).
+// gate/up rows are `in_stride` elements apart (2*cols for a fused [gate|up] GEMM output),
+// out [rows, cols]; grid-stride over rows*cols.
+extern "C" __global__ void glu_bf16(const bf16* __restrict__ gate, const bf16* __restrict__ up,
+                                    bf16* __restrict__ out, u32 rows, u32 cols, u32 in_stride,
+                                    u32 act) {
+    const u64 n = (u64)rows * cols;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / cols, c = i % cols;
+        const float g = bf2f(gate[r * in_stride + c]);
+        const float u = bf2f(up[r * in_stride + c]);
+        const float a = act == 0 ? silu(g) : gelu_tanh(g);
+        out[i] = f2bf(a * u);
+    }
+}
+
+// Writes new keys/values into a paged-by-slot cache.
+// k, v [n, kv_heads, head_dim]; caches [num_slots, kv_heads, capacity, head_dim];
+// positions [n], slots [n]. Rows whose slot/position is out of range are skipped.
+// grid (n, kv_heads), block head_dim/8 threads (16-byte copies).
+extern "C" __global__ void kv_append(const bf16* __restrict__ k, const bf16* __restrict__ v,
+                                     bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+                                     const u32* __restrict__ positions, const u32* __restrict__ slots,
+                                     u32 kv_heads, u32 capacity, u32 head_dim, u32 num_slots) {
+    const u32 t = blockIdx.x, h = blockIdx.y;
+    const u32 pos = positions[t], slot = slots[t];
+    if (pos >= capacity || slot >= num_slots) return;
+    const u64 src = ((u64)t * kv_heads + h) * head_dim;
+    const u64 dst = (((u64)slot * kv_heads + h) * capacity + pos) * head_dim;
+    for (u32 c = threadIdx.x; c < head_dim / 8; c += blockDim.x) {
+        reinterpret_cast<uint4*>(k_cache + dst)[c] = reinterpret_cast<const uint4*>(k + src)[c];
+        reinterpret_cast<uint4*>(v_cache + dst)[c] = reinterpret_cast<const uint4*>(v + src)[c];
+    }
+}

@@ -1,0 +1,45 @@
+//! The CUDA C++ kernel sources (kernels/*.cu, embedded at build time) and the names of
+//! every `extern "C"` entry point they define.
+
+/// Shared header prepended to every source file.
+const COMMON: &str = include_str!("../kernels/common.cuh");
+
+/// (file name, source) of each kernel file, in the order they are concatenated.
+pub const SOURCES: &[(&str, &str)] = &[
+    ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
+    ("norm.cu", include_str!("../kernels/norm.cu")),
+    ("sampling.cu", include_str!("../kernels/sampling.cu")),
+    ("attn_prefill.cu", include_str!("../kernels/attn_prefill.cu")),
+    ("attn_decode.cu", include_str!("../kernels/attn_decode.cu")),
+];
+
+/// Every kernel entry point; the context loads each of these at start.
+pub const KERNEL_NAMES: &[&str] = &[
+    "embed_gather",
+    "add_bf16",
+    "glu_bf16",
+    "kv_append",
+    "rmsnorm_bf16",
+    "head_rmsnorm_bf16",
+    "rope_neox_bf16",
+    "argmax_f32",
+    "sample_top_p_f32",
+    "attn_prefill_d64",
+    "attn_prefill_d128",
+    "attn_prefill_d256",
+    "attn_decode_d64",
+    "attn_decode_d128",
+    "attn_decode_d256",
+    "attn_decode_reduce",
+];
+
+/// The single translation unit handed to NVRTC: the common header followed by every file.
+pub fn kernel_source() -> String {
+    let mut src = String::with_capacity(64 * 1024);
+    src.push_str(COMMON);
+    for (name, body) in SOURCES {
+        src.push_str(&format!("\n// ---- {name} ----\n"));
+        src.push_str(body);
+    }
+    src
+}

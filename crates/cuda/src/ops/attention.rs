@@ -1,0 +1,223 @@
+//! Attention over the slot KV cache: flash-decoding for decode (split over the KV length,
+//! then a reduce) and tiled flash attention for prefill. Optional per-row log-sum-exp.
+
+use half::bf16;
+
+use super::{u32_of, KvLayout};
+use crate::buffer::GpuBuffer;
+use crate::context::{attn_smem_bytes, CudaContext, KArg};
+use crate::error::CudaError;
+
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const DECODE_BK: usize = 64;
+
+/// One decode step for a batch of sequences (one new query token each).
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeAttn {
+    pub batch: usize,
+    pub n_heads: usize,
+    /// Softmax scale applied to q·k (e.g. 1/sqrt(head_dim)).
+    pub scale: f32,
+    /// Sliding window: a query at position p sees keys (p - window, p].
+    pub window: Option<usize>,
+    /// Upper bound of the sequence lengths in this batch (sizes the split).
+    pub max_seq_len: usize,
+    /// Force a number of KV splits (None: chosen from the SM count).
+    pub splits: Option<usize>,
+}
+
+/// A prefill chunk of one sequence: query rows at positions pos0..pos0 + n_tokens, whose keys
+/// and values are already in the cache (append before calling).
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillAttn {
+    pub n_tokens: usize,
+    pub n_heads: usize,
+    /// Cache slot of the sequence.
+    pub slot: usize,
+    pub pos0: usize,
+    pub scale: f32,
+    pub window: Option<usize>,
+}
+
+/// Scratch for flash-decoding partials; grows on demand and is reused between calls.
+#[derive(Default)]
+pub struct AttnWorkspace {
+    part_o: Option<GpuBuffer<f32>>,
+    part_ml: Option<GpuBuffer<f32>>,
+}
+
+impl AttnWorkspace {
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+fn check_heads(op: &'static str, n_heads: usize, kv: &KvLayout, scale: f32, window: Option<usize>) -> Result<(), CudaError> {
+    kv.check(op)?;
+    if n_heads == 0 || n_heads % kv.kv_heads != 0 || n_heads > 65535 {
+        return Err(CudaError::bad(op, format!("n_heads {n_heads} must be a positive multiple of kv_heads {}", kv.kv_heads)));
+    }
+    if !scale.is_finite() || scale <= 0.0 {
+        return Err(CudaError::bad(op, format!("scale {scale} must be finite and positive")));
+    }
+    if window == Some(0) {
+        return Err(CudaError::bad(op, "window 0 (use None for full attention)"));
+    }
+    Ok(())
+}
+
+impl CudaContext {
+    /// (splits, chunk) that flash-decoding uses for `p` on layout `kv`.
+    pub fn decode_split(&self, p: &DecodeAttn, kv: &KvLayout) -> (usize, usize) {
+        let visible = p.max_seq_len.min(kv.capacity).min(p.window.unwrap_or(usize::MAX)).max(1);
+        let tiles = visible.div_ceil(DECODE_BK);
+        let row_groups = (p.n_heads / kv.kv_heads.max(1)).div_ceil(16);
+        let groups = (p.batch * kv.kv_heads * row_groups).max(1);
+        let resident = self.sm_count() as usize * if kv.head_dim == 256 { 1 } else { 2 };
+        let want = p.splits.unwrap_or_else(|| (2 * resident).div_ceil(groups));
+        let splits = want.clamp(1, tiles.min(1024));
+        let chunk = visible.div_ceil(splits).div_ceil(DECODE_BK) * DECODE_BK;
+        (visible.div_ceil(chunk), chunk)
+    }
+
+    /// Flash-decoding: out[b, h, :] = softmax(scale q[b, h] · K^T) V over the first
+    /// `seq_lens[b]` cached positions of slot `slots[b]` (the last `window` of them with a
+    /// sliding window). q, out [batch, n_heads, head_dim]; lse [batch, n_heads] (natural log).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_decode(
+        &self,
+        q: &GpuBuffer<bf16>,
+        k_cache: &GpuBuffer<bf16>,
+        v_cache: &GpuBuffer<bf16>,
+        kv: KvLayout,
+        seq_lens: &GpuBuffer<u32>,
+        slots: &GpuBuffer<u32>,
+        out: &mut GpuBuffer<bf16>,
+        lse: Option<&mut GpuBuffer<f32>>,
+        ws: &mut AttnWorkspace,
+        p: &DecodeAttn,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "attn_decode";
+        check_heads(OP, p.n_heads, &kv, p.scale, p.window)?;
+        if p.batch == 0 || p.batch > 65535 {
+            return Err(CudaError::bad(OP, format!("batch {} (1..=65535)", p.batch)));
+        }
+        let d = kv.head_dim;
+        let rows = p.batch * p.n_heads;
+        let pq = q.ptr_min(OP, "q [batch, n_heads, head_dim]", rows * d)?;
+        let pk = k_cache.ptr_min(OP, "k_cache", kv.elems())?;
+        let pv = v_cache.ptr_min(OP, "v_cache", kv.elems())?;
+        let pl = seq_lens.ptr_min(OP, "seq_lens [batch]", p.batch)?;
+        let ps = slots.ptr_min(OP, "slots [batch]", p.batch)?;
+        let po = out.ptr_min(OP, "out [batch, n_heads, head_dim]", rows * d)?;
+        let plse = match lse {
+            Some(b) => b.ptr_min(OP, "lse [batch, n_heads]", rows)?,
+            None => 0,
+        };
+        let (splits, chunk) = self.decode_split(p, &kv);
+        let need_o = rows * splits * d;
+        let need_ml = rows * splits * 2;
+        if ws.part_o.as_ref().is_none_or(|b| b.len() < need_o) {
+            ws.part_o = Some(self.alloc::<f32>(need_o)?);
+        }
+        if ws.part_ml.as_ref().is_none_or(|b| b.len() < need_ml) {
+            ws.part_ml = Some(self.alloc::<f32>(need_ml)?);
+        }
+        let part_o = ws.part_o.as_ref().map(|b| b.device_ptr()).unwrap_or(0);
+        let part_ml = ws.part_ml.as_ref().map(|b| b.device_ptr()).unwrap_or(0);
+        let kernel = match d {
+            64 => "attn_decode_d64",
+            128 => "attn_decode_d128",
+            _ => "attn_decode_d256",
+        };
+        let smem = attn_smem_bytes(kernel).unwrap_or(0);
+        let row_groups = (p.n_heads / kv.kv_heads).div_ceil(16);
+        let args = [
+            KArg::P(pq),
+            KArg::P(pk),
+            KArg::P(pv),
+            KArg::P(pl),
+            KArg::P(ps),
+            KArg::P(part_o),
+            KArg::P(part_ml),
+            KArg::U(p.n_heads as u32),
+            KArg::U(kv.kv_heads as u32),
+            KArg::U(kv.capacity as u32),
+            KArg::U(u32_of(OP, "num_slots", kv.num_slots)?),
+            KArg::U(p.window.map_or(Ok(0), |w| u32_of(OP, "window", w))?),
+            KArg::U(u32_of(OP, "chunk", chunk)?),
+            KArg::F(p.scale * LOG2E),
+        ];
+        let grid_y = u32_of(OP, "kv_heads * row groups", kv.kv_heads * row_groups)?;
+        self.launch(kernel, (splits as u32, grid_y, p.batch as u32), (128, 1, 1), smem, &args)?;
+        let rargs = [
+            KArg::P(part_o),
+            KArg::P(part_ml),
+            KArg::P(po),
+            KArg::P(plse),
+            KArg::U(p.n_heads as u32),
+            KArg::U(splits as u32),
+            KArg::U(d as u32),
+        ];
+        self.launch("attn_decode_reduce", (p.n_heads as u32, p.batch as u32, 1), (128, 1, 1), 0, &rargs)
+    }
+
+    /// Causal flash attention for a prefill chunk: out[i, h, :] attends to cached keys
+    /// 0..=pos0 + i (within the window). q, out [n_tokens, n_heads, head_dim];
+    /// lse [n_tokens, n_heads] (natural log). No buffer grows with n_tokens^2.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prefill(
+        &self,
+        q: &GpuBuffer<bf16>,
+        k_cache: &GpuBuffer<bf16>,
+        v_cache: &GpuBuffer<bf16>,
+        kv: KvLayout,
+        out: &mut GpuBuffer<bf16>,
+        lse: Option<&mut GpuBuffer<f32>>,
+        p: &PrefillAttn,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "attn_prefill";
+        check_heads(OP, p.n_heads, &kv, p.scale, p.window)?;
+        if p.n_tokens == 0 || p.pos0 + p.n_tokens > kv.capacity {
+            return Err(CudaError::bad(
+                OP,
+                format!("positions {}..{} do not fit the cache capacity {}", p.pos0, p.pos0 + p.n_tokens, kv.capacity),
+            ));
+        }
+        if p.slot >= kv.num_slots {
+            return Err(CudaError::bad(OP, format!("slot {} of {}", p.slot, kv.num_slots)));
+        }
+        let d = kv.head_dim;
+        let rows = p.n_tokens * p.n_heads;
+        let slot_elems = kv.kv_heads * kv.capacity * d;
+        let pk = k_cache.ptr_range(OP, "k_cache slot", p.slot * slot_elems, slot_elems)?;
+        let pv = v_cache.ptr_range(OP, "v_cache slot", p.slot * slot_elems, slot_elems)?;
+        let pq = q.ptr_min(OP, "q [n_tokens, n_heads, head_dim]", rows * d)?;
+        let po = out.ptr_min(OP, "out [n_tokens, n_heads, head_dim]", rows * d)?;
+        let plse = match lse {
+            Some(b) => b.ptr_min(OP, "lse [n_tokens, n_heads]", rows)?,
+            None => 0,
+        };
+        let kernel = match d {
+            64 => "attn_prefill_d64",
+            128 => "attn_prefill_d128",
+            _ => "attn_prefill_d256",
+        };
+        let args = [
+            KArg::P(pq),
+            KArg::P(pk),
+            KArg::P(pv),
+            KArg::P(po),
+            KArg::P(plse),
+            KArg::U(u32_of(OP, "n_tokens", p.n_tokens)?),
+            KArg::U(p.n_heads as u32),
+            KArg::U(kv.kv_heads as u32),
+            KArg::U(kv.capacity as u32),
+            KArg::U(p.pos0 as u32),
+            KArg::U(p.window.map_or(Ok(0), |w| u32_of(OP, "window", w))?),
+            KArg::F(p.scale * LOG2E),
+        ];
+        let grid = (p.n_tokens.div_ceil(64) as u32, p.n_heads as u32, 1);
+        self.launch(kernel, grid, (128, 1, 1), attn_smem_bytes(kernel).unwrap_or(0), &args)
+    }
+}

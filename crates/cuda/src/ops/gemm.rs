@@ -1,0 +1,72 @@
+//! cuBLAS GEMM for linear layers: `Y[n, out] = X[n, in] · W[out, in]^T`, bf16 operands, f32
+//! accumulation, bf16 or f32 output.
+
+use std::ffi::c_void;
+
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use half::bf16;
+
+use crate::buffer::{GpuBuffer, GpuElem};
+use crate::context::CudaContext;
+use crate::error::CudaError;
+
+/// Output element types of [`CudaContext::linear`].
+pub trait GemmOut: GpuElem {
+    #[doc(hidden)]
+    const CUDA_TYPE: cudaDataType;
+}
+impl GemmOut for bf16 {
+    const CUDA_TYPE: cudaDataType = cudaDataType::CUDA_R_16BF;
+}
+impl GemmOut for f32 {
+    const CUDA_TYPE: cudaDataType = cudaDataType::CUDA_R_32F;
+}
+
+impl CudaContext {
+    /// `y[n, out] = x[n, in] · w[out, in]^T` (row-major everywhere), f32 accumulation.
+    pub fn linear<O: GemmOut>(
+        &self,
+        x: &GpuBuffer<bf16>,
+        w: &GpuBuffer<bf16>,
+        y: &mut GpuBuffer<O>,
+        n: usize,
+        in_features: usize,
+        out_features: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "linear";
+        let lim = i32::MAX as usize;
+        if n == 0 || in_features == 0 || out_features == 0 || n > lim || in_features > lim || out_features > lim {
+            return Err(CudaError::bad(OP, format!("shape n={n}, in={in_features}, out={out_features}")));
+        }
+        let px = x.ptr_min(OP, "x [n, in]", n * in_features)?;
+        let pw = w.ptr_min(OP, "w [out, in]", out_features * in_features)?;
+        let py = y.ptr_min(OP, "y [n, out]", n * out_features)?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Column-major view: Y^T[out, n] = W[out, in] · X^T[in, n], with W read transposed
+        // from its column-major [in, out] storage.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                out_features as i32,
+                n as i32,
+                in_features as i32,
+                &alpha as *const f32 as *const c_void,
+                pw as *const c_void,
+                cudaDataType::CUDA_R_16BF,
+                in_features as i32,
+                px as *const c_void,
+                cudaDataType::CUDA_R_16BF,
+                in_features as i32,
+                &beta as *const f32 as *const c_void,
+                py as *mut c_void,
+                O::CUDA_TYPE,
+                out_features as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+            )
+        }
+        .map_err(|e| CudaError::Blas { op: OP, reason: format!("cublasGemmEx: {e:?}") })
+    }
+}
