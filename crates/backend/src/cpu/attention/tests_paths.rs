@@ -1,0 +1,352 @@
+//! Tests of the side paths: partial merging, logits capture, empty rows, extreme logits,
+//! argument errors, the vector `exp`.
+
+use super::tests::{assert_close, range, Case, Rng};
+use super::tile::Isa;
+use super::*;
+
+const TOL: f32 = 2e-5;
+
+#[test]
+fn partial_plus_merge_equals_whole() {
+    for seed in 0..4 {
+        // Keys 0..700 split into an old part [0, 400) and a recent part [400, 700).
+        let c = Case::<f32>::new(
+            seed,
+            (8, 2, 64),
+            5,
+            695,
+            &[range(0, 400), range(400, 700)],
+            4.0,
+        );
+        let shape = c.shape;
+        let views = c.views();
+        let old: Vec<Vec<KvSegment<f32>>> = views.iter().map(|h| vec![h[0]]).collect();
+        let recent: Vec<Vec<KvSegment<f32>>> = views.iter().map(|h| vec![h[1]]).collect();
+        let qp = QueryPositions::List(&c.q_pos);
+        let (n, nl) = (c.q.len(), c.n_q() * shape.n_heads);
+        let mask = Mask {
+            causal: true,
+            window: Some(500),
+        };
+        let (mut oa, mut la) = (vec![0.0; n], vec![0.0; nl]);
+        let (mut ob, mut lb) = (vec![0.0; n], vec![0.0; nl]);
+        attention(&shape, &c.q, qp, &old, mask, &mut oa, Some(&mut la)).unwrap();
+        attention(&shape, &c.q, qp, &recent, mask, &mut ob, Some(&mut lb)).unwrap();
+        merge_partials(&mut oa, &mut la, &ob, &lb, shape.head_dim).unwrap();
+        let (mut ow, mut lw) = (vec![0.0; n], vec![0.0; nl]);
+        attention_reference(&shape, &c.q, qp, &views, mask, &mut ow, Some(&mut lw), None).unwrap();
+        assert_close("merged out", &oa, &ow, TOL);
+        assert_close("merged lse", &la, &lw, TOL);
+    }
+}
+
+#[test]
+fn merge_with_empty_partial() {
+    let mut rng = Rng::new(7);
+    let (mut oa, mut la) = (rng.vec(2 * 4, 1.0), vec![0.3, f32::NEG_INFINITY]);
+    let ob = rng.vec(2 * 4, 1.0);
+    let lb = vec![f32::NEG_INFINITY, f32::NEG_INFINITY];
+    let keep = oa[..4].to_vec();
+    merge_partials(&mut oa, &mut la, &ob, &lb, 4).unwrap();
+    assert_close("kept row", &oa[..4], &keep, 1e-7);
+    assert_eq!(la, vec![0.3, f32::NEG_INFINITY]);
+    assert_eq!(&oa[4..], &[0.0; 4]);
+    assert!(merge_partials(&mut oa, &mut la, &ob[..3], &lb, 4).is_err());
+}
+
+#[test]
+fn logits_capture_matches_reference() {
+    let layout = [(vec![0, 3, 9, 17, 40, 41, 77], false), range(100, 260)];
+    for seed in 0..3 {
+        for (n_q, q0) in [(1usize, 259u32), (6, 254), (40, 220)] {
+            let c = Case::<f32>::new(seed, (8, 2, 128), n_q, q0, &layout, 4.0);
+            let views = c.views();
+            let qp = QueryPositions::List(&c.q_pos);
+            let (n, nl) = (c.q.len(), n_q * c.shape.n_heads);
+            let len = logits_len(&c.shape, n_q, &views);
+            assert_eq!(len, c.shape.n_heads * n_q * 167);
+            let mask = Mask {
+                causal: true,
+                window: Some(200),
+            };
+            for isa in Isa::available() {
+                for chunks in [None, Some(2)] {
+                    let (mut out, mut lse, mut lg) =
+                        (vec![0.0; n], vec![0.0; nl], vec![f32::NAN; len]);
+                    attention_impl(
+                        isa,
+                        chunks,
+                        &c.shape,
+                        &c.q,
+                        qp,
+                        &views,
+                        mask,
+                        &mut out,
+                        Some(&mut lse),
+                        Some(&mut lg),
+                    )
+                    .unwrap();
+                    let (mut ro, mut rl, mut rlg) = (vec![0.0; n], vec![0.0; nl], vec![0.0; len]);
+                    attention_reference(
+                        &c.shape,
+                        &c.q,
+                        qp,
+                        &views,
+                        mask,
+                        &mut ro,
+                        Some(&mut rl),
+                        Some(&mut rlg),
+                    )
+                    .unwrap();
+                    assert_close("logits", &lg, &rlg, TOL);
+                    assert_close("out", &out, &ro, TOL);
+                    assert_close("lse", &lse, &rl, TOL);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn logits_with_uneven_kv_heads() {
+    // Kv head 0 holds 50 keys, kv head 1 holds 90 (per-head selections differ).
+    let mut c = Case::<f32>::new(3, (4, 2, 64), 3, 97, &[range(0, 90)], 3.0);
+    let d = 64;
+    c.heads[0][0].k.truncate(50 * d);
+    c.heads[0][0].v.truncate(50 * d);
+    c.heads[0][0].pos.truncate(50);
+    let views = c.views();
+    let qp = QueryPositions::List(&c.q_pos);
+    let len = logits_len(&c.shape, 3, &views);
+    assert_eq!(len, 3 * 2 * (50 + 90));
+    let (n, nl) = (c.q.len(), 3 * 4);
+    let (mut out, mut lg) = (vec![0.0; n], vec![0.0; len]);
+    attention_with_logits(
+        &c.shape,
+        &c.q,
+        qp,
+        &views,
+        Mask::CAUSAL,
+        &mut out,
+        None,
+        &mut lg,
+    )
+    .unwrap();
+    let (mut ro, mut rl, mut rlg) = (vec![0.0; n], vec![0.0; nl], vec![0.0; len]);
+    attention_reference(
+        &c.shape,
+        &c.q,
+        qp,
+        &views,
+        Mask::CAUSAL,
+        &mut ro,
+        Some(&mut rl),
+        Some(&mut rlg),
+    )
+    .unwrap();
+    assert_close("logits", &lg, &rlg, TOL);
+    assert_close("out", &out, &ro, TOL);
+}
+
+#[test]
+fn rows_without_visible_keys_are_zero() {
+    // Queries at positions 0..4 see no key at positions 10.. (causal); window 0 hides all.
+    let c = Case::<f32>::new(1, (4, 2, 64), 4, 0, &[range(10, 60)], 3.0);
+    for mask in [
+        Mask::CAUSAL,
+        Mask {
+            causal: true,
+            window: Some(0),
+        },
+    ] {
+        for isa in Isa::available() {
+            for chunks in [None, Some(2)] {
+                let views = c.views();
+                let (mut out, mut lse) = (vec![f32::NAN; c.q.len()], vec![0.0; 16]);
+                let qp = QueryPositions::Start(0);
+                attention_impl(
+                    isa,
+                    chunks,
+                    &c.shape,
+                    &c.q,
+                    qp,
+                    &views,
+                    mask,
+                    &mut out,
+                    Some(&mut lse),
+                    None,
+                )
+                .unwrap();
+                assert!(out.iter().all(|&x| x == 0.0), "{mask:?} {isa:?}");
+                assert!(lse.iter().all(|&x| x == f32::NEG_INFINITY));
+            }
+        }
+    }
+    // No segments at all.
+    let shape = c.shape;
+    let empty: Vec<Vec<KvSegment<f32>>> = vec![vec![], vec![]];
+    let mut out = vec![1.0; c.q.len()];
+    attention(
+        &shape,
+        &c.q,
+        QueryPositions::Start(5),
+        &empty,
+        Mask::CAUSAL,
+        &mut out,
+        None,
+    )
+    .unwrap();
+    assert!(out.iter().all(|&x| x == 0.0));
+    // Partly visible: some rows see keys, earlier rows none (mixed within one tile).
+    let c = Case::<f32>::new(2, (4, 2, 64), 30, 0, &[range(20, 40)], 3.0);
+    for isa in Isa::available() {
+        c.check(Mask::CAUSAL, isa, None, TOL);
+    }
+}
+
+#[test]
+fn large_logits_do_not_overflow() {
+    for seed in 0..3 {
+        // Scores of several hundred: naive exp would overflow f32.
+        let c = Case::<f32>::new(seed, (4, 1, 128), 20, 500, &[range(0, 520)], 300.0);
+        for isa in Isa::available() {
+            c.check(Mask::CAUSAL, isa, None, 1e-4);
+            c.check(Mask::CAUSAL, isa, Some(3), 1e-4);
+        }
+    }
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    let c = Case::<f32>::new(1, (4, 2, 64), 2, 10, &[range(0, 12)], 1.0);
+    let views = c.views();
+    let qp = QueryPositions::Start(10);
+    let mut out = vec![0.0; c.q.len()];
+    let bad = AttnShape {
+        n_heads: 4,
+        n_kv_heads: 3,
+        ..c.shape
+    };
+    assert!(matches!(
+        attention(&bad, &c.q, qp, &views, Mask::CAUSAL, &mut out, None),
+        Err(AttnError::BadShape(_))
+    ));
+    let mut short = vec![0.0; 5];
+    assert!(matches!(
+        attention(&c.shape, &c.q, qp, &views, Mask::CAUSAL, &mut short, None),
+        Err(AttnError::Length { .. })
+    ));
+    let mut lse = vec![0.0; 3];
+    assert!(attention(
+        &c.shape,
+        &c.q,
+        qp,
+        &views,
+        Mask::CAUSAL,
+        &mut out,
+        Some(&mut lse)
+    )
+    .is_err());
+    let list = [10u32, 11, 12];
+    assert!(attention(
+        &c.shape,
+        &c.q,
+        QueryPositions::List(&list),
+        &views,
+        Mask::CAUSAL,
+        &mut out,
+        None
+    )
+    .is_err());
+    let d = &c.heads[0][0];
+    let seg = KvSegment {
+        k: &d.k,
+        v: &d.v[..64],
+        pos: KvPositions::Range { start: 0 },
+    };
+    let segs: Vec<Vec<KvSegment<f32>>> = vec![vec![seg], vec![]];
+    let e = attention(&c.shape, &c.q, qp, &segs, Mask::CAUSAL, &mut out, None).unwrap_err();
+    assert!(e.to_string().contains("kv head 0 segment 0"), "{e}");
+    let seg = KvSegment {
+        k: &d.k,
+        v: &d.v,
+        pos: KvPositions::List(&list),
+    };
+    let segs: Vec<Vec<KvSegment<f32>>> = vec![vec![seg], vec![]];
+    assert!(matches!(
+        attention(&c.shape, &c.q, qp, &segs, Mask::CAUSAL, &mut out, None),
+        Err(AttnError::SegmentPositions { .. })
+    ));
+    let mut lg = vec![0.0; 7];
+    assert!(attention_with_logits(
+        &c.shape,
+        &c.q,
+        qp,
+        &views,
+        Mask::CAUSAL,
+        &mut out,
+        None,
+        &mut lg
+    )
+    .is_err());
+}
+
+#[test]
+fn closure_source_and_mask_rule() {
+    let c = Case::<f32>::new(5, (4, 2, 64), 3, 40, &[range(0, 43)], 2.0);
+    let views = c.views();
+    let src = KvFn(|h: usize| views[h].as_slice());
+    let qp = QueryPositions::Start(40);
+    let (mut a, mut b) = (vec![0.0; c.q.len()], vec![0.0; c.q.len()]);
+    attention(&c.shape, &c.q, qp, &src, Mask::CAUSAL, &mut a, None).unwrap();
+    attention(&c.shape, &c.q, qp, &views, Mask::CAUSAL, &mut b, None).unwrap();
+    assert_eq!(a, b);
+    let m = Mask {
+        causal: true,
+        window: Some(3),
+    };
+    assert!(m.visible(10, 10) && m.visible(10, 8) && !m.visible(10, 7) && !m.visible(10, 11));
+    let m = Mask {
+        causal: false,
+        window: Some(3),
+    };
+    assert!(m.visible(10, 12) && !m.visible(10, 7));
+}
+
+#[test]
+fn vector_exp_accuracy() {
+    use super::simd::{exp, Scalar, Simd};
+    fn check<S: Simd>() {
+        let mut x = -100.0f32;
+        while x < 88.0 {
+            let mut buf = vec![x; S::LANES];
+            // SAFETY: buf holds LANES floats; the caller checked the ISA.
+            unsafe { S::store(buf.as_mut_ptr(), exp::<S>(S::load(buf.as_ptr()))) };
+            let want = (x as f64).exp();
+            if x < -87.3 {
+                assert_eq!(buf[0], 0.0, "exp({x})");
+            } else {
+                assert!(
+                    ((buf[0] as f64 - want) / want).abs() < 5e-7,
+                    "exp({x}) = {} want {want}",
+                    buf[0]
+                );
+            }
+            x += 0.0137;
+        }
+        let mut buf = vec![f32::NEG_INFINITY; S::LANES];
+        unsafe { S::store(buf.as_mut_ptr(), exp::<S>(S::load(buf.as_ptr()))) };
+        assert_eq!(buf[0], 0.0);
+    }
+    check::<Scalar>();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if Isa::available().contains(&Isa::Avx2) {
+            check::<super::simd::Avx2>();
+        }
+        if Isa::available().contains(&Isa::Avx512) {
+            check::<super::simd::Avx512>();
+        }
+    }
+}
