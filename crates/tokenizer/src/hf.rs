@@ -1,0 +1,241 @@
+//! HF `tokenizer.json` (via the `tokenizers` crate) plus `tokenizer_config.json` (special
+//! tokens, chat template) and the per-token byte table used for streaming.
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use serde_json::Value;
+
+use crate::error::{Result, TokenizerError};
+
+/// What the HF side of a model directory gives us.
+pub struct HfTokenizer {
+    tok: tokenizers::Tokenizer,
+    /// The same tokenizer with special-token matching off (for `parse_special = false`).
+    literal: OnceLock<tokenizers::Tokenizer>,
+    pieces: Vec<Vec<u8>>, // [vocab_size] decoded bytes per id
+    special: Vec<bool>,   // [vocab_size] added special tokens (hidden on decode)
+    pub(crate) bos_token: Option<String>,
+    pub(crate) eos_token: Option<String>,
+    pub(crate) chat_template: Option<String>,
+    pub(crate) extra_eos: Vec<u32>,
+    pub(crate) model_type: Option<String>,
+}
+
+/// How the tokenizer's decoder turns vocabulary strings into bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PieceStyle {
+    /// GPT-2 byte-to-unicode alphabet.
+    ByteLevel,
+    /// SentencePiece style: U+2581 for spaces, `<0xXX>` byte fallback.
+    Metaspace { byte_fallback: bool },
+    /// Strings as they are.
+    Plain,
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| TokenizerError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| TokenizerError::BadFile {
+        path: path.to_owned(),
+        msg: format!("invalid JSON: {e}"),
+    })
+}
+
+/// `"<s>"` or `{"content": "<s>", ...}`.
+fn token_string(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content")?.as_str().map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// A chat template given as a string or as a list of `{name, template}`.
+fn template_of(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(list) => {
+            let pick = list
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .or_else(|| list.first())?;
+            pick.get("template")?.as_str().map(str::to_owned)
+        }
+        _ => None,
+    }
+}
+
+fn piece_style(decoder: Option<&Value>) -> PieceStyle {
+    let Some(d) = decoder else {
+        return PieceStyle::Plain;
+    };
+    let text = d.to_string();
+    if text.contains("\"ByteLevel\"") {
+        PieceStyle::ByteLevel
+    } else if text.contains("\"Metaspace\"") || text.contains('\u{2581}') {
+        PieceStyle::Metaspace {
+            byte_fallback: text.contains("\"ByteFallback\""),
+        }
+    } else {
+        PieceStyle::Plain
+    }
+}
+
+/// GPT-2's byte -> printable char table, inverted.
+fn byte_level_inverse() -> std::collections::HashMap<char, u8> {
+    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32).collect();
+    printable.extend(0xA1..=0xAC);
+    printable.extend(0xAE..=0xFF);
+    let mut map = std::collections::HashMap::new();
+    let mut extra = 0u32;
+    for b in 0..=255u32 {
+        let c = if printable.contains(&b) {
+            b
+        } else {
+            extra += 1;
+            255 + extra
+        };
+        map.insert(char::from_u32(c).unwrap_or('\u{FFFD}'), b as u8);
+    }
+    map
+}
+
+fn decode_piece(s: &str, style: PieceStyle, inv: &std::collections::HashMap<char, u8>) -> Vec<u8> {
+    match style {
+        PieceStyle::Plain => s.as_bytes().to_vec(),
+        PieceStyle::ByteLevel => s
+            .chars()
+            .flat_map(|c| match inv.get(&c) {
+                Some(&b) => vec![b],
+                None => c.to_string().into_bytes(),
+            })
+            .collect(),
+        PieceStyle::Metaspace { byte_fallback } => {
+            if byte_fallback {
+                if let Some(hex) = s.strip_prefix("<0x").and_then(|r| r.strip_suffix('>')) {
+                    if let Ok(b) = u8::from_str_radix(hex, 16) {
+                        return vec![b];
+                    }
+                }
+            }
+            s.replace('\u{2581}', " ").into_bytes()
+        }
+    }
+}
+
+impl HfTokenizer {
+    /// Load `dir/tokenizer.json` and, when present, `tokenizer_config.json`,
+    /// `generation_config.json` (extra EOS ids) and `config.json` (`model_type`).
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let opt = |name: &str| -> Option<PathBuf> {
+            let p = dir.join(name);
+            p.is_file().then_some(p)
+        };
+        let mut t = Self::from_files(
+            &dir.join("tokenizer.json"),
+            opt("tokenizer_config.json").as_deref(),
+        )?;
+        if let Some(p) = opt("generation_config.json") {
+            let v = read_json(&p)?;
+            let ids: Vec<u32> = match v.get("eos_token_id") {
+                Some(Value::Number(n)) => n.as_u64().into_iter().map(|x| x as u32).collect(),
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .filter_map(Value::as_u64)
+                    .map(|x| x as u32)
+                    .collect(),
+                _ => Vec::new(),
+            };
+            t.extra_eos.extend(ids);
+        }
+        if let Some(p) = opt("config.json") {
+            let v = read_json(&p)?;
+            t.model_type = v
+                .get("model_type")
+                .and_then(Value::as_str)
+                .map(str::to_owned);
+        }
+        Ok(t)
+    }
+
+    /// Load a `tokenizer.json` and an optional `tokenizer_config.json`.
+    pub fn from_files(tokenizer_json: &Path, config: Option<&Path>) -> Result<Self> {
+        let raw = read_json(tokenizer_json)?;
+        let tok = tokenizers::Tokenizer::from_file(tokenizer_json).map_err(|e| {
+            TokenizerError::BadFile {
+                path: tokenizer_json.to_owned(),
+                msg: e.to_string(),
+            }
+        })?;
+        let style = piece_style(raw.get("decoder"));
+        let inv = byte_level_inverse();
+        let n = tok.get_vocab_size(true);
+        let added = tok.get_added_tokens_decoder();
+        let mut pieces = Vec::with_capacity(n);
+        let mut special = vec![false; n];
+        for id in 0..n as u32 {
+            if let Some(a) = added.get(&id) {
+                special[id as usize] = a.special;
+                pieces.push(a.content.as_bytes().to_vec());
+            } else if let Some(s) = tok.id_to_token(id) {
+                pieces.push(decode_piece(&s, style, &inv));
+            } else {
+                pieces.push(Vec::new());
+            }
+        }
+        let cfg = match config {
+            Some(p) => read_json(p)?,
+            None => Value::Null,
+        };
+        Ok(HfTokenizer {
+            tok,
+            literal: OnceLock::new(),
+            pieces,
+            special,
+            bos_token: token_string(cfg.get("bos_token")),
+            eos_token: token_string(cfg.get("eos_token")),
+            chat_template: template_of(cfg.get("chat_template")),
+            extra_eos: Vec::new(),
+            model_type: None,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.pieces.len()
+    }
+
+    pub fn id_of(&self, text: &str) -> Option<u32> {
+        self.tok.token_to_id(text)
+    }
+
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        self.tok.id_to_token(id)
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    pub fn token_bytes(&self, id: u32, special: bool) -> &[u8] {
+        match self.pieces.get(id as usize) {
+            Some(_) if self.special[id as usize] && !special => &[],
+            Some(p) => p,
+            None => &[],
+        }
+    }
+
+    pub fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>> {
+        let tok = if parse_special {
+            &self.tok
+        } else {
+            self.literal.get_or_init(|| {
+                let mut t = self.tok.clone();
+                t.set_encode_special_tokens(true);
+                t
+            })
+        };
+        let enc = tok
+            .encode(text, add_special)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+}

@@ -1,0 +1,54 @@
+//! Token classes derived from the vocabulary's decoded text: sentence enders and newline-only
+//! tokens (the Slow-Fast Inference trigger fires near sentence boundaries).
+
+/// Characters that end a sentence.
+const ENDERS: &[char] = &['.', '?', '!', '。', '？', '！'];
+
+fn is_newline(c: char) -> bool {
+    c == '\n' || c == '\r'
+}
+
+/// Decoded text ends a sentence: after stripping trailing newlines it ends in `.` `?` `!`
+/// `。` `？` `！` (a text of only newlines does not count).
+pub fn is_sentence_ender(text: &str) -> bool {
+    let core = text.trim_end_matches(is_newline);
+    core.ends_with(ENDERS)
+}
+
+/// Decoded text is one or more newlines and nothing else.
+pub fn is_newline_only(text: &str) -> bool {
+    !text.is_empty() && text.chars().all(is_newline)
+}
+
+/// Ids whose decoded bytes (as valid UTF-8) satisfy `pred`.
+pub fn scan(
+    vocab_size: usize,
+    bytes_of: impl Fn(u32) -> Vec<u8>,
+    pred: impl Fn(&str) -> bool,
+) -> Vec<u32> {
+    (0..vocab_size as u32)
+        .filter(|&id| {
+            let b = bytes_of(id);
+            std::str::from_utf8(&b).is_ok_and(&pred)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes() {
+        for t in [".", " end.", "?\n", "!\n\n", "。", "？", "Mr.", "...\r\n"] {
+            assert!(is_sentence_ender(t), "{t:?}");
+        }
+        for t in ["Mr", "\n", "", ". ", "a", ".a", "\n\n"] {
+            assert!(!is_sentence_ender(t), "{t:?}");
+        }
+        assert!(is_newline_only("\n"));
+        assert!(is_newline_only("\r\n\n"));
+        assert!(!is_newline_only(""));
+        assert!(!is_newline_only(" \n"));
+    }
+}
