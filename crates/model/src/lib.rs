@@ -1,1 +1,15 @@
-//! slowfast-model (skeleton; filled in by its owner).
+//! slowfast-model: model configs (GGUF, HF, presets), weights by role, and the one generic
+//! decoder that runs Llama, Qwen3 and Gemma 3 on the CPU.
+pub mod attention;
+pub mod config;
+pub mod decoder;
+pub mod error;
+pub mod load;
+pub mod presets;
+pub mod random;
+pub mod weights;
+
+pub use config::{Activation, Arch, ModelConfig, RopeScaling};
+pub use decoder::{LogitsRows, Model, Scratch};
+pub use error::ModelError;
+pub use weights::{ModelWeights, Weight};

@@ -1,2 +1,3 @@
 //! CPU kernels: attention (tiled online softmax) and elementwise ops.
 pub mod attention;
+pub mod ops;

@@ -1,0 +1,62 @@
+//! The attention step of a layer: the one place where the decoder meets the KV store. It
+//! gathers the segments a query chunk may see and runs the exact tiled-softmax kernel.
+use slowfast_backend::cpu::attention::{attention, AttnShape, KvSegment, Mask, QueryPositions};
+use slowfast_kv::{CacheElem, KvStore};
+
+use crate::config::ModelConfig;
+use crate::ModelError;
+
+/// Per-call reusable state of the attention step.
+#[derive(Default)]
+pub struct AttnScratch {}
+
+/// Attention of `n` query rows (`q`: `[n, heads, head_dim]`, positions `pos0..pos0 + n`) of
+/// `layer` over the cached keys they may see; writes `out` `[n, heads, head_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_layer<T: CacheElem>(
+    cfg: &ModelConfig,
+    layer: usize,
+    q: &[f32],
+    pos0: usize,
+    n: usize,
+    window: Option<usize>,
+    cache: &KvStore<T>,
+    out: &mut [f32],
+    _scratch: &mut AttnScratch,
+) -> Result<(), ModelError> {
+    let shape = AttnShape {
+        n_heads: cfg.num_attention_heads,
+        n_kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim,
+        scale: cfg.attn_scale,
+    };
+    let hi = pos0 + n;
+    // The oldest key any row of the chunk can see.
+    let lo = match window {
+        Some(w) => (pos0 + 1).saturating_sub(w),
+        None => 0,
+    };
+    let segs: Vec<Vec<KvSegment<'_, T>>> = (0..cfg.num_key_value_heads)
+        .map(|h| {
+            cache
+                .segments(layer, h, lo, hi)
+                .into_iter()
+                .flatten()
+                .collect()
+        })
+        .collect();
+    let mask = Mask {
+        causal: true,
+        window: window.map(|w| w as u32),
+    };
+    attention(
+        &shape,
+        q,
+        QueryPositions::Start(pos0 as u32),
+        &segs,
+        mask,
+        out,
+        None,
+    )
+    .map_err(|e| ModelError::Compute(format!("attention in layer {layer}: {e}")))
+}
