@@ -51,13 +51,6 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     const bf16* kc = k_cache + ((u64)slot * kv_heads + kvh) * capacity * D;
     const bf16* vc = v_cache + ((u64)slot * kv_heads + kvh) * capacity * D;
 
-    for (int idx = threadIdx.x; idx < 16 * CH; idx += DEC_THREADS) {
-        const int r = idx / CH, c = idx % CH, hig = rg * 16 + r;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (hig < G) v = *reinterpret_cast<const uint4*>(q + ((u64)b * n_heads + kvh * G + hig) * D + c * 8);
-        *reinterpret_cast<uint4*>(qs + r * STR + c * 8) = v;
-    }
-
     const int n_tiles = (s_hi - s_lo + BK - 1) / BK;
     auto load_tile = [&](int t) {
         bf16* kd = ks + (t % STAGES) * BK * STR;
@@ -75,6 +68,13 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     for (int st = 0; st < STAGES - 1; ++st) {
         if (st < n_tiles) load_tile(st);
         cp_async_commit();
+    }
+    // Q after the first K/V requests are in flight; the loop's first barrier publishes it.
+    for (int idx = threadIdx.x; idx < 16 * CH; idx += DEC_THREADS) {
+        const int r = idx / CH, c = idx % CH, hig = rg * 16 + r;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (hig < G) v = *reinterpret_cast<const uint4*>(q + ((u64)b * n_heads + kvh * G + hig) * D + c * 8);
+        *reinterpret_cast<uint4*>(qs + r * STR + c * 8) = v;
     }
 
     float m_r[2] = {NEG_INF, NEG_INF}, l_r[2] = {0.0f, 0.0f};
@@ -230,23 +230,60 @@ DECODE_ENTRY(attn_decode_d128, 128, 3)
 DECODE_ENTRY(attn_decode_d256, 256, 2)
 
 // Merges the splits: out [batch, n_heads, D] bf16, lse [batch, n_heads] (natural log) or null.
-// grid (n_heads, batch), block 128.
-extern "C" __global__ void attn_decode_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                              bf16* __restrict__ out, float* __restrict__ lse, u32 n_heads,
-                                              u32 splits, u32 head_dim) {
+// Weights in shared memory; warp w sums splits w, w + 8, ... with float4 loads; then the
+// eight warp partials are added. splits <= 1024, D <= 256. grid (n_heads, batch), block 256.
+extern "C" __global__ void __launch_bounds__(256) attn_decode_reduce(
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, bf16* __restrict__ out,
+    float* __restrict__ lse, u32 n_heads, u32 splits, u32 head_dim) {
+    __shared__ float scratch[32];
+    __shared__ float wts[1024];
+    __shared__ float4 red[8][64];
     const u64 bh = (u64)blockIdx.y * n_heads + blockIdx.x;
     const float* ml = part_ml + bh * splits * 2;
-    float M = NEG_INF;
-    for (u32 s = 0; s < splits; ++s) M = fmaxf(M, ml[2 * s]);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float m = NEG_INF;
+    for (u32 s = threadIdx.x; s < splits; s += blockDim.x) m = fmaxf(m, ml[2 * s]);
+    const float M = block_max(m, scratch);
     const float base = M == NEG_INF ? 0.0f : M;
-    float L = 0.0f;
-    for (u32 s = 0; s < splits; ++s)
-        if (ml[2 * s] != NEG_INF) L += ml[2 * s + 1] * exp2f(ml[2 * s] - base);
+    float l = 0.0f;
+    for (u32 s = threadIdx.x; s < splits; s += blockDim.x) {
+        const float ms = ml[2 * s];
+        const float w = ms == NEG_INF ? 0.0f : exp2f(ms - base);
+        wts[s] = w;
+        l += w * ml[2 * s + 1];
+    }
+    const float L = block_sum(l, scratch);  // its barriers also publish wts
+    const u32 d4 = head_dim / 4;
+    float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
+#pragma unroll 4
+    for (u32 s = warp; s < splits; s += 8) {
+        const float w = wts[s];
+        if (w == 0.0f) continue;  // empty split: its O was never written
+        const float4* row = reinterpret_cast<const float4*>(part_o + (bh * splits + s) * head_dim);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const u32 c = lane + 32 * i;
+            if (c < d4) {
+                const float4 v = row[c];
+                acc[i].x += w * v.x;
+                acc[i].y += w * v.y;
+                acc[i].z += w * v.z;
+                acc[i].w += w * v.w;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+        if (lane + 32 * i < d4) red[warp][lane + 32 * i] = acc[i];
+    __syncthreads();
     const float inv = L > 0.0f ? 1.0f / L : 0.0f;
     for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float a = 0.0f;
-        for (u32 s = 0; s < splits; ++s)
-            if (ml[2 * s] != NEG_INF) a += part_o[(bh * splits + s) * head_dim + d] * exp2f(ml[2 * s] - base);
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+            const float4 v = red[w][d / 4];
+            a += (d & 3) == 0 ? v.x : (d & 3) == 1 ? v.y : (d & 3) == 2 ? v.z : v.w;
+        }
         out[bh * head_dim + d] = f2bf(a * inv);
     }
     if (lse != nullptr && threadIdx.x == 0) lse[bh] = L > 0.0f ? (M + log2f(L)) * LN2_F : NEG_INF;

@@ -2,7 +2,6 @@
 // f32 online softmax). Causal over positions pos0.., GQA, optional sliding window; reads
 // earlier keys from the cache; memory is O(tile), never O(prompt^2).
 #define ATT_THREADS 128
-#define PF_BQ 64
 
 // Async-copies key rows [j0, j0 + BK) of one head into shared tiles [BK][D + 8];
 // rows outside [0, kv_len) are zero-filled.
@@ -22,35 +21,37 @@ __device__ __forceinline__ void pf_load_kv(bf16* ks, bf16* vs, const bf16* kc, c
 // q, o [n_q, n_heads, D]; k_cache, v_cache [kv_heads, capacity, D] (one slot);
 // lse [n_q, n_heads] natural-log log-sum-exp of the scaled scores, or null.
 // Query row i sits at position pos0 + i and sees keys j <= pos0 + i (and j > pos0 + i - window
-// when window > 0). grid (ceil(n_q / 64), n_heads), block 128, dynamic smem (64 + 4 BK)(D + 8) * 2.
-template <int D, int BK>
+// when window > 0). Each of the 4 warps owns MT 16-row m-tiles (BQ = 64 MT rows a block), so
+// every K/V fragment read from shared memory feeds MT mma instructions.
+// grid (ceil(n_q / BQ), n_heads), block 128, dynamic smem (BQ + 4 BK)(D + 8) * 2 bytes.
+template <int D, int BK, int MT>
 __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                   const bf16* __restrict__ v_cache, bf16* __restrict__ o,
                                                   float* __restrict__ lse, u32 n_q, u32 n_heads, u32 kv_heads,
                                                   u32 capacity, u32 pos0, u32 window, float scale_log2) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    constexpr int CH = D / 8, STR = D + 8, NT = BK / 8, DT = D / 8;
-    bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [64][STR]
-    bf16* ks = qs + PF_BQ * STR;                    // [2][BK][STR]
+    constexpr int CH = D / 8, STR = D + 8, NT = BK / 8, DT = D / 8, BQ = 64 * MT;
+    bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [BQ][STR]
+    bf16* ks = qs + BQ * STR;                       // [2][BK][STR]
     bf16* vs = ks + 2 * BK * STR;                   // [2][BK][STR]
 
     const int tile = gridDim.x - 1 - blockIdx.x;  // heaviest (last) query tiles first
     const int h = blockIdx.y;
     const int kvh = h / (n_heads / kv_heads);
-    const int q0 = tile * PF_BQ;
+    const int q0 = tile * BQ;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, tig = lane & 3;
     const int kv_len = pos0 + n_q;
     const bf16* kc = k_cache + (u64)kvh * capacity * D;
     const bf16* vc = v_cache + (u64)kvh * capacity * D;
 
-    const int last_row = min(q0 + PF_BQ - 1, (int)n_q - 1);
+    const int last_row = min(q0 + BQ - 1, (int)n_q - 1);
     const int p_first = pos0 + q0, p_last = pos0 + last_row;
     const int hi = p_last + 1;
     const int lo = window ? max(0, p_first - (int)window + 1) : 0;
     const int t_begin = lo / BK, t_end = (hi + BK - 1) / BK;
 
-    for (int idx = threadIdx.x; idx < PF_BQ * CH; idx += ATT_THREADS) {
+    for (int idx = threadIdx.x; idx < BQ * CH; idx += ATT_THREADS) {
         const int r = idx / CH, c = idx % CH, row = q0 + r;
         const bool ok = row < (int)n_q;
         const bf16* src = q + ((u64)(ok ? row : 0) * n_heads + h) * D + c * 8;
@@ -59,12 +60,18 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
     pf_load_kv<D, BK>(ks, vs, kc, vc, t_begin * BK, kv_len);
     cp_async_commit();
 
-    float m_r[2] = {NEG_INF, NEG_INF}, l_r[2] = {0.0f, 0.0f};
-    float acc[DT][4];
+    float m_r[MT][2], l_r[MT][2];
+    float acc[MT][DT][4];
+    int pa[MT], pb[MT];
 #pragma unroll
-    for (int i = 0; i < DT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-    const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
-    const int pa = pos0 + row_a, pb = pos0 + row_b;
+    for (int mt = 0; mt < MT; ++mt) {
+        m_r[mt][0] = m_r[mt][1] = NEG_INF;
+        l_r[mt][0] = l_r[mt][1] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DT; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.0f;
+        pa[mt] = pos0 + q0 + (warp * MT + mt) * 16 + g;
+        pb[mt] = pa[mt] + 8;
+    }
 
     for (int t = t_begin; t < t_end; ++t) {
         cp_async_wait<0>();
@@ -77,120 +84,140 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
         const bf16* vst = vs + stage * BK * STR;
         const int j0 = t * BK;
 
-        float s[NT][4];
+        float s[MT][NT][4];
 #pragma unroll
-        for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < NT; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            u32 a[4];
-            ldmatrix_x4(a, smem_addr(qs + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * STR + kk * 16 + (lane >> 4) * 8));
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldmatrix_x4(a[mt], smem_addr(qs + ((warp * MT + mt) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * STR + kk * 16 + (lane >> 4) * 8));
 #pragma unroll
             for (int nn = 0; nn < BK / 16; ++nn) {
                 u32 b[4];
                 ldmatrix_x4(b, smem_addr(kst + (nn * 16 + (lane & 7) + (lane >> 4) * 8) * STR + kk * 16 + ((lane >> 3) & 1) * 8));
-                mma_16816(s[2 * nn], a, b);
-                mma_16816(s[2 * nn + 1], a, b + 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816(s[mt][2 * nn], a[mt], b);
+                    mma_16816(s[mt][2 * nn + 1], a[mt], b + 2);
+                }
             }
         }
         const bool need_mask = (j0 + BK - 1 > p_first) || (j0 + BK > kv_len) ||
                                (window != 0 && j0 <= p_last - (int)window);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float v = s[nt][e] * scale_log2;
-                if (need_mask) {
-                    const int j = j0 + nt * 8 + 2 * tig + (e & 1);
-                    const int p = e < 2 ? pa : pb;
-                    const bool ok = j <= p && j < kv_len && (window == 0 || j + (int)window > p);
-                    if (!ok) v = NEG_INF;
+            for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float v = s[mt][nt][e] * scale_log2;
+                    if (need_mask) {
+                        const int j = j0 + nt * 8 + 2 * tig + (e & 1);
+                        const int p = e < 2 ? pa[mt] : pb[mt];
+                        const bool ok = j <= p && j < kv_len && (window == 0 || j + (int)window > p);
+                        if (!ok) v = NEG_INF;
+                    }
+                    s[mt][nt][e] = v;
                 }
-                s[nt][e] = v;
             }
-        }
-        float mx[2] = {m_r[0], m_r[1]};
+            float mx[2] = {m_r[mt][0], m_r[mt][1]};
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            mx[0] = fmaxf(mx[0], fmaxf(s[nt][0], s[nt][1]));
-            mx[1] = fmaxf(mx[1], fmaxf(s[nt][2], s[nt][3]));
-        }
-        float base[2], alpha[2], rs[2] = {0.0f, 0.0f};
+            for (int nt = 0; nt < NT; ++nt) {
+                mx[0] = fmaxf(mx[0], fmaxf(s[mt][nt][0], s[mt][nt][1]));
+                mx[1] = fmaxf(mx[1], fmaxf(s[mt][nt][2], s[mt][nt][3]));
+            }
+            float base[2], alpha[2], rs[2] = {0.0f, 0.0f};
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            base[i] = mx[i] == NEG_INF ? 0.0f : mx[i];
-            alpha[i] = exp2f(m_r[i] - base[i]);
-            m_r[i] = mx[i];
-        }
+            for (int i = 0; i < 2; ++i) {
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+                base[i] = mx[i] == NEG_INF ? 0.0f : mx[i];
+                alpha[i] = exp2f(m_r[mt][i] - base[i]);
+                m_r[mt][i] = mx[i];
+            }
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            s[nt][0] = exp2f(s[nt][0] - base[0]);
-            s[nt][1] = exp2f(s[nt][1] - base[0]);
-            s[nt][2] = exp2f(s[nt][2] - base[1]);
-            s[nt][3] = exp2f(s[nt][3] - base[1]);
-            rs[0] += s[nt][0] + s[nt][1];
-            rs[1] += s[nt][2] + s[nt][3];
-        }
-        l_r[0] = l_r[0] * alpha[0] + rs[0];
-        l_r[1] = l_r[1] * alpha[1] + rs[1];
+            for (int nt = 0; nt < NT; ++nt) {
+                s[mt][nt][0] = exp2f(s[mt][nt][0] - base[0]);
+                s[mt][nt][1] = exp2f(s[mt][nt][1] - base[0]);
+                s[mt][nt][2] = exp2f(s[mt][nt][2] - base[1]);
+                s[mt][nt][3] = exp2f(s[mt][nt][3] - base[1]);
+                rs[0] += s[mt][nt][0] + s[mt][nt][1];
+                rs[1] += s[mt][nt][2] + s[mt][nt][3];
+            }
+            l_r[mt][0] = l_r[mt][0] * alpha[0] + rs[0];
+            l_r[mt][1] = l_r[mt][1] * alpha[1] + rs[1];
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
-            acc[dt][0] *= alpha[0];
-            acc[dt][1] *= alpha[0];
-            acc[dt][2] *= alpha[1];
-            acc[dt][3] *= alpha[1];
+            for (int dt = 0; dt < DT; ++dt) {
+                acc[mt][dt][0] *= alpha[0];
+                acc[mt][dt][1] *= alpha[0];
+                acc[mt][dt][2] *= alpha[1];
+                acc[mt][dt][3] *= alpha[1];
+            }
         }
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-            u32 a[4];
-            a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][0] = pack_bf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                a[mt][1] = pack_bf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                a[mt][2] = pack_bf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                a[mt][3] = pack_bf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int dd = 0; dd < D / 16; ++dd) {
                 u32 b[4];
                 ldmatrix_x4_trans(b, smem_addr(vst + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * STR + dd * 16 + (lane >> 4) * 8));
-                mma_16816(acc[2 * dd], a, b);
-                mma_16816(acc[2 * dd + 1], a, b + 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816(acc[mt][2 * dd], a[mt], b);
+                    mma_16816(acc[mt][2 * dd + 1], a[mt], b + 2);
+                }
             }
         }
     }
     cp_async_wait<0>();
 
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        l_r[i] += __shfl_xor_sync(0xffffffffu, l_r[i], 1);
-        l_r[i] += __shfl_xor_sync(0xffffffffu, l_r[i], 2);
-    }
-    const float inv_a = l_r[0] > 0.0f ? 1.0f / l_r[0] : 0.0f;
-    const float inv_b = l_r[1] > 0.0f ? 1.0f / l_r[1] : 0.0f;
-    if (row_a < (int)n_q) {
-        bf16* orow = o + ((u64)row_a * n_heads + h) * D;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-            *reinterpret_cast<u32*>(orow + dt * 8 + 2 * tig) = pack_bf16x2(acc[dt][0] * inv_a, acc[dt][1] * inv_a);
-        if (lse != nullptr && tig == 0)
-            lse[(u64)row_a * n_heads + h] = l_r[0] > 0.0f ? (m_r[0] + log2f(l_r[0])) * LN2_F : NEG_INF;
-    }
-    if (row_b < (int)n_q) {
-        bf16* orow = o + ((u64)row_b * n_heads + h) * D;
+        for (int i = 0; i < 2; ++i) {
+            l_r[mt][i] += __shfl_xor_sync(0xffffffffu, l_r[mt][i], 1);
+            l_r[mt][i] += __shfl_xor_sync(0xffffffffu, l_r[mt][i], 2);
+        }
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-            *reinterpret_cast<u32*>(orow + dt * 8 + 2 * tig) = pack_bf16x2(acc[dt][2] * inv_b, acc[dt][3] * inv_b);
-        if (lse != nullptr && tig == 0)
-            lse[(u64)row_b * n_heads + h] = l_r[1] > 0.0f ? (m_r[1] + log2f(l_r[1])) * LN2_F : NEG_INF;
+        for (int half = 0; half < 2; ++half) {
+            const int row = q0 + (warp * MT + mt) * 16 + g + 8 * half;
+            if (row >= (int)n_q) continue;
+            const float l = l_r[mt][half];
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            bf16* orow = o + ((u64)row * n_heads + h) * D;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+                *reinterpret_cast<u32*>(orow + dt * 8 + 2 * tig) =
+                    pack_bf16x2(acc[mt][dt][2 * half] * inv, acc[mt][dt][2 * half + 1] * inv);
+            if (lse != nullptr && tig == 0)
+                lse[(u64)row * n_heads + h] = l > 0.0f ? (m_r[mt][half] + log2f(l)) * LN2_F : NEG_INF;
+        }
     }
 }
 
-#define PREFILL_ENTRY(NAME, D, BK)                                                                      \
+#define PREFILL_ENTRY(NAME, D, BK, MT)                                                                  \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                           \
         NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* o, float* lse, u32 n_q,       \
              u32 n_heads, u32 kv_heads, u32 capacity, u32 pos0, u32 window, float scale_log2) {           \
-        attn_prefill_impl<D, BK>(q, k_cache, v_cache, o, lse, n_q, n_heads, kv_heads, capacity, pos0,    \
-                                 window, scale_log2);                                                    \
+        attn_prefill_impl<D, BK, MT>(q, k_cache, v_cache, o, lse, n_q, n_heads, kv_heads, capacity,      \
+                                     pos0, window, scale_log2);                                          \
     }
-PREFILL_ENTRY(attn_prefill_d64, 64, 64)
-PREFILL_ENTRY(attn_prefill_d128, 128, 64)
-PREFILL_ENTRY(attn_prefill_d256, 256, 32)
+PREFILL_ENTRY(attn_prefill_d64, 64, 64, 1)
+PREFILL_ENTRY(attn_prefill_d128, 128, 64, 1)
+PREFILL_ENTRY(attn_prefill_d256, 256, 32, 1)
+// Two m-tiles a warp (128 query rows a block): half the shared-memory reads per mma.
+PREFILL_ENTRY(attn_prefill_d64_m2, 64, 64, 2)
+PREFILL_ENTRY(attn_prefill_d128_m2, 128, 32, 2)
+// Narrow, smaller key tile: less shared memory and registers, more resident blocks.
+PREFILL_ENTRY(attn_prefill_d128_k32, 128, 32, 1)

@@ -55,12 +55,24 @@ impl<T: GpuElem> GpuBuffer<T> {
     }
 
     /// Raw device address of element `offset` after checking that `len` elements fit there.
-    pub fn ptr_range(&self, op: &'static str, what: &str, offset: usize, len: usize) -> Result<u64, CudaError> {
+    pub fn ptr_range(
+        &self,
+        op: &'static str,
+        what: &str,
+        offset: usize,
+        len: usize,
+    ) -> Result<u64, CudaError> {
         match offset.checked_add(len) {
-            Some(end) if end <= self.len() => Ok(self.ptr + (offset * std::mem::size_of::<T>()) as u64),
+            Some(end) if end <= self.len() => {
+                Ok(self.ptr + (offset * std::mem::size_of::<T>()) as u64)
+            }
             _ => Err(CudaError::bad(
                 op,
-                format!("{what}: needs {len} {} elements at offset {offset}, buffer holds {}", T::NAME, self.len()),
+                format!(
+                    "{what}: needs {len} {} elements at offset {offset}, buffer holds {}",
+                    T::NAME,
+                    self.len()
+                ),
             )),
         }
     }
@@ -73,6 +85,12 @@ impl<T: GpuElem> GpuBuffer<T> {
 
 impl<T: GpuElem> std::fmt::Debug for GpuBuffer<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "GpuBuffer<{}>[{}] @ {:#x}", T::NAME, self.len(), self.ptr)
+        write!(
+            f,
+            "GpuBuffer<{}>[{}] @ {:#x}",
+            T::NAME,
+            self.len(),
+            self.ptr
+        )
     }
 }

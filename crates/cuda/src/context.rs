@@ -24,7 +24,10 @@ pub(crate) enum KArg {
 }
 
 pub(crate) fn drv(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> CudaError {
-    move |e| CudaError::Driver { op, reason: format!("{e:?}") }
+    move |e| CudaError::Driver {
+        op,
+        reason: format!("{e:?}"),
+    }
 }
 
 /// Handle on one CUDA device with everything needed to run slowfast's kernels.
@@ -41,7 +44,11 @@ pub struct CudaContext {
 
 impl std::fmt::Debug for CudaContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CudaContext({}, sm_{}{})", self.name, self.compute_capability.0, self.compute_capability.1)
+        write!(
+            f,
+            "CudaContext({}, sm_{}{})",
+            self.name, self.compute_capability.0, self.compute_capability.1
+        )
     }
 }
 
@@ -52,6 +59,9 @@ pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
         "attn_prefill_d64" => s(64 + 4 * 64, 64),
         "attn_prefill_d128" => s(64 + 4 * 64, 128),
         "attn_prefill_d256" => s(64 + 4 * 32, 256),
+        "attn_prefill_d64_m2" => s(128 + 4 * 64, 64),
+        "attn_prefill_d128_m2" => s(128 + 4 * 32, 128),
+        "attn_prefill_d128_k32" => s(64 + 4 * 32, 128),
         "attn_decode_d64" => s(16 + 2 * 4 * 64, 64),
         "attn_decode_d128" => s(16 + 2 * 3 * 64, 128),
         "attn_decode_d256" => s(16 + 2 * 2 * 64, 256),
@@ -69,30 +79,48 @@ impl CudaContext {
                 reason: "not found by the dynamic loader; is an NVIDIA driver installed?".into(),
             });
         }
-        let count = cudarc::driver::CudaContext::device_count()
-            .map_err(|e| CudaError::NoDevice { ordinal, reason: format!("cuDeviceGetCount failed: {e:?}") })?;
+        let count =
+            cudarc::driver::CudaContext::device_count().map_err(|e| CudaError::NoDevice {
+                ordinal,
+                reason: format!("cuDeviceGetCount failed: {e:?}"),
+            })?;
         if ordinal >= count.max(0) as usize {
-            return Err(CudaError::NoDevice { ordinal, reason: format!("the driver reports {count} device(s)") });
+            return Err(CudaError::NoDevice {
+                ordinal,
+                reason: format!("the driver reports {count} device(s)"),
+            });
         }
-        let ctx = cudarc::driver::CudaContext::new(ordinal)
-            .map_err(|e| CudaError::NoDevice { ordinal, reason: format!("{e:?}") })?;
+        let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| CudaError::NoDevice {
+            ordinal,
+            reason: format!("{e:?}"),
+        })?;
         // One stream, raw pointers: cudarc's per-buffer event tracking is not needed.
         unsafe { ctx.disable_event_tracking() };
         let name = ctx.name().map_err(drv("cuDeviceGetName"))?;
-        let (major, minor) = ctx.compute_capability().map_err(drv("compute capability"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(drv("compute capability"))?;
         if major < 8 {
             return Err(CudaError::UnsupportedDevice { name, major, minor });
         }
-        let sm_count =
-            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(drv("SM count"))? as u32;
+        let sm_count = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(drv("SM count"))? as u32;
         let image = load_or_compile_kernels(&format!("sm_{major}{minor}"))?;
-        let module = ctx.load_module(Ptx::from_binary(image.cubin)).map_err(drv("cuModuleLoadData"))?;
+        let module = ctx
+            .load_module(Ptx::from_binary(image.cubin))
+            .map_err(drv("cuModuleLoadData"))?;
         let mut funcs = HashMap::new();
         for &k in KERNEL_NAMES {
-            let f = module.load_function(k).map_err(drv("cuModuleGetFunction"))?;
+            let f = module
+                .load_function(k)
+                .map_err(drv("cuModuleGetFunction"))?;
             if let Some(bytes) = attn_smem_bytes(k) {
-                f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
-                    .map_err(drv("raising the dynamic shared-memory limit"))?;
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .map_err(drv("raising the dynamic shared-memory limit"))?;
             }
             funcs.insert(k, f);
         }
@@ -100,10 +128,15 @@ impl CudaContext {
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(CudaError::LibraryMissing {
                 library: "cuBLAS (libcublas.so.13)",
-                reason: "not found by the dynamic loader; add the CUDA lib64 folder to LD_LIBRARY_PATH".into(),
+                reason:
+                    "not found by the dynamic loader; add the CUDA lib64 folder to LD_LIBRARY_PATH"
+                        .into(),
             });
         }
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas { op: "cublasCreate", reason: format!("{e:?}") })?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas {
+            op: "cublasCreate",
+            reason: format!("{e:?}"),
+        })?;
         Ok(CudaContext {
             ctx,
             stream,
@@ -143,12 +176,17 @@ impl CudaContext {
 
     /// Waits for all queued work; surfaces asynchronous kernel faults.
     pub fn synchronize(&self) -> Result<(), CudaError> {
-        self.stream.synchronize().map_err(drv("cuStreamSynchronize"))
+        self.stream
+            .synchronize()
+            .map_err(drv("cuStreamSynchronize"))
     }
 
     /// A zero-filled buffer of `len` elements.
     pub fn alloc<T: GpuElem>(&self, len: usize) -> Result<GpuBuffer<T>, CudaError> {
-        let s = self.stream.alloc_zeros::<T>(len.max(1)).map_err(drv("cuMemAlloc"))?;
+        let s = self
+            .stream
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(drv("cuMemAlloc"))?;
         Ok(GpuBuffer::from_slice(s, &self.stream))
     }
 
@@ -162,38 +200,69 @@ impl CudaContext {
     }
 
     /// Overwrites the start of `dst` with `data`.
-    pub fn upload_into<T: GpuElem>(&self, data: &[T], dst: &mut GpuBuffer<T>) -> Result<(), CudaError> {
+    pub fn upload_into<T: GpuElem>(
+        &self,
+        data: &[T],
+        dst: &mut GpuBuffer<T>,
+    ) -> Result<(), CudaError> {
         if data.len() > dst.len() {
-            return Err(CudaError::bad("upload_into", format!("{} elements into a buffer of {}", data.len(), dst.len())));
+            return Err(CudaError::bad(
+                "upload_into",
+                format!("{} elements into a buffer of {}", data.len(), dst.len()),
+            ));
         }
         let mut view = dst.slice.slice_mut(0..data.len());
-        self.stream.memcpy_htod(data, &mut view).map_err(drv("cuMemcpyHtoD"))
+        self.stream
+            .memcpy_htod(data, &mut view)
+            .map_err(drv("cuMemcpyHtoD"))
     }
 
     /// Copies the whole buffer back to the host (waits for queued work first).
     pub fn download<T: GpuElem>(&self, src: &GpuBuffer<T>) -> Result<Vec<T>, CudaError> {
-        let v = self.stream.clone_dtoh(&src.slice).map_err(drv("cuMemcpyDtoH"))?;
+        let v = self
+            .stream
+            .clone_dtoh(&src.slice)
+            .map_err(drv("cuMemcpyDtoH"))?;
         self.synchronize()?;
         Ok(v)
     }
 
     /// Device-to-device copy of all of `src` into the start of `dst`.
-    pub fn copy<T: GpuElem>(&self, src: &GpuBuffer<T>, dst: &mut GpuBuffer<T>) -> Result<(), CudaError> {
+    pub fn copy<T: GpuElem>(
+        &self,
+        src: &GpuBuffer<T>,
+        dst: &mut GpuBuffer<T>,
+    ) -> Result<(), CudaError> {
         if src.len() > dst.len() {
-            return Err(CudaError::bad("copy", format!("{} elements into a buffer of {}", src.len(), dst.len())));
+            return Err(CudaError::bad(
+                "copy",
+                format!("{} elements into a buffer of {}", src.len(), dst.len()),
+            ));
         }
         let mut view = dst.slice.slice_mut(0..src.len());
-        self.stream.memcpy_dtod(&src.slice, &mut view).map_err(drv("cuMemcpyDtoD"))
+        self.stream
+            .memcpy_dtod(&src.slice, &mut view)
+            .map_err(drv("cuMemcpyDtoD"))
     }
 
     /// Runs `f` `iters` times between two events and returns the mean milliseconds per call.
-    pub fn time_ms(&self, iters: usize, mut f: impl FnMut() -> Result<(), CudaError>) -> Result<f32, CudaError> {
+    pub fn time_ms(
+        &self,
+        iters: usize,
+        mut f: impl FnMut() -> Result<(), CudaError>,
+    ) -> Result<f32, CudaError> {
         use cudarc::driver::sys::CUevent_flags;
-        let start = self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("cuEventRecord"))?;
+        let start = self
+            .stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv("cuEventRecord"))?;
         for _ in 0..iters {
             f()?;
         }
-        let end = self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("cuEventRecord"))?;
+        let end = self
+            .stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv("cuEventRecord"))?;
         end.synchronize().map_err(drv("cuEventSynchronize"))?;
         let ms = start.elapsed_ms(&end).map_err(drv("cuEventElapsedTime"))?;
         Ok(ms / iters.max(1) as f32)
@@ -208,7 +277,10 @@ impl CudaContext {
         shared_mem_bytes: u32,
         args: &[KArg],
     ) -> Result<(), CudaError> {
-        let f = self.funcs.get(name).ok_or_else(|| CudaError::bad("launch", format!("unknown kernel {name}")))?;
+        let f = self
+            .funcs
+            .get(name)
+            .ok_or_else(|| CudaError::bad("launch", format!("unknown kernel {name}")))?;
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
@@ -220,8 +292,15 @@ impl CudaContext {
                 KArg::F(v) => b.arg(v),
             };
         }
-        let cfg = LaunchConfig { grid_dim: grid, block_dim: block, shared_mem_bytes };
-        unsafe { b.launch(cfg) }.map_err(|e| CudaError::Driver { op: name, reason: format!("launch failed: {e:?}") })?;
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: block,
+            shared_mem_bytes,
+        };
+        unsafe { b.launch(cfg) }.map_err(|e| CudaError::Driver {
+            op: name,
+            reason: format!("launch failed: {e:?}"),
+        })?;
         Ok(())
     }
 }

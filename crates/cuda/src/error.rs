@@ -10,18 +10,31 @@ pub enum CudaError {
     NotBuilt,
     /// A CUDA library (driver, NVRTC, cuBLAS) could not be found or loaded.
     #[error("{library} is not available: {reason}")]
-    LibraryMissing { library: &'static str, reason: String },
+    LibraryMissing {
+        library: &'static str,
+        reason: String,
+    },
     /// No CUDA device with the requested ordinal.
     #[error("no CUDA device {ordinal}: {reason}")]
     NoDevice { ordinal: usize, reason: String },
     /// The device is too old for these kernels.
     #[error("device {name} has compute capability {major}.{minor}; slowfast's kernels need 8.0 or newer")]
-    UnsupportedDevice { name: String, major: i32, minor: i32 },
+    UnsupportedDevice {
+        name: String,
+        major: i32,
+        minor: i32,
+    },
     /// NVRTC rejected the kernel sources.
     #[error("NVRTC failed to compile the kernels for {arch} (options {options:?}):\n{log}")]
-    Compile { arch: String, options: Vec<String>, log: String },
+    Compile {
+        arch: String,
+        options: Vec<String>,
+        log: String,
+    },
     /// The CUDA headers (cuda_bf16.h) were not found.
-    #[error("CUDA headers not found: {0} (set SLOWFAST_CUDA_INCLUDE to a folder holding cuda_bf16.h)")]
+    #[error(
+        "CUDA headers not found: {0} (set SLOWFAST_CUDA_INCLUDE to a folder holding cuda_bf16.h)"
+    )]
     MissingHeaders(String),
     /// A driver-API call failed.
     #[error("CUDA driver call failed during {op}: {reason}")]
@@ -40,6 +53,9 @@ pub enum CudaError {
 impl CudaError {
     /// Shorthand for [`CudaError::BadArgument`].
     pub fn bad(op: &'static str, what: impl Into<String>) -> Self {
-        CudaError::BadArgument { op, what: what.into() }
+        CudaError::BadArgument {
+            op,
+            what: what.into(),
+        }
     }
 }

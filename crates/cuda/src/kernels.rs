@@ -9,7 +9,10 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
     ("norm.cu", include_str!("../kernels/norm.cu")),
     ("sampling.cu", include_str!("../kernels/sampling.cu")),
-    ("attn_prefill.cu", include_str!("../kernels/attn_prefill.cu")),
+    (
+        "attn_prefill.cu",
+        include_str!("../kernels/attn_prefill.cu"),
+    ),
     ("attn_decode.cu", include_str!("../kernels/attn_decode.cu")),
 ];
 
@@ -27,6 +30,9 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attn_prefill_d64",
     "attn_prefill_d128",
     "attn_prefill_d256",
+    "attn_prefill_d64_m2",
+    "attn_prefill_d128_m2",
+    "attn_prefill_d128_k32",
     "attn_decode_d64",
     "attn_decode_d128",
     "attn_decode_d256",

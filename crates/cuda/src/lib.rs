@@ -30,11 +30,11 @@ pub use half::bf16;
 #[cfg(feature = "cuda")]
 pub use ops::attention::{AttnWorkspace, DecodeAttn, PrefillAttn};
 #[cfg(feature = "cuda")]
-pub use ops::KvLayout;
-#[cfg(feature = "cuda")]
 pub use ops::elementwise::Glu;
 #[cfg(feature = "cuda")]
 pub use ops::norm::{RmsNorm, Rope};
+#[cfg(feature = "cuda")]
+pub use ops::KvLayout;
 #[cfg(not(feature = "cuda"))]
 pub use stub::CudaContext;
 

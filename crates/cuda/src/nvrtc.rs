@@ -24,7 +24,10 @@ pub const ENV_NVRTC_LIB: &str = "SLOWFAST_NVRTC_LIB";
 /// Env var naming the folder with the CUDA headers.
 pub const ENV_CUDA_INCLUDE: &str = "SLOWFAST_CUDA_INCLUDE";
 
-const DEFAULT_NVRTC: &[&str] = &["/usr/local/cuda/lib64/libnvrtc.so.13", "/usr/local/cuda/lib64/libnvrtc.so"];
+const DEFAULT_NVRTC: &[&str] = &[
+    "/usr/local/cuda/lib64/libnvrtc.so.13",
+    "/usr/local/cuda/lib64/libnvrtc.so",
+];
 
 /// A compiled kernel image for one architecture.
 #[derive(Debug, Clone)]
@@ -44,7 +47,10 @@ static NVRTC: OnceLock<Result<Option<PathBuf>, String>> = OnceLock::new();
 fn preload(path: &Path) -> Result<(), String> {
     // RTLD_GLOBAL so cudarc's later dlopen("libnvrtc.so.13") finds this object by its soname.
     let lib = unsafe {
-        libloading::os::unix::Library::open(Some(path), libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL)
+        libloading::os::unix::Library::open(
+            Some(path),
+            libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+        )
     }
     .map_err(|e| format!("cannot load {}: {e}", path.display()))?;
     std::mem::forget(lib);
@@ -73,7 +79,10 @@ pub fn ensure_nvrtc() -> Result<Option<PathBuf>, CudaError> {
              (pip install nvidia-cuda-nvrtc==13.0.* puts it in site-packages/nvidia/cu13/lib)"
         ))
     });
-    r.clone().map_err(|reason| CudaError::LibraryMissing { library: "NVRTC", reason })
+    r.clone().map_err(|reason| CudaError::LibraryMissing {
+        library: "NVRTC",
+        reason,
+    })
 }
 
 /// The NVRTC version (major, minor).
@@ -82,7 +91,10 @@ pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
     let (mut major, mut minor) = (0, 0);
     let rc = unsafe { sys::nvrtcVersion(&mut major, &mut minor) };
     if rc != sys::nvrtcResult::NVRTC_SUCCESS {
-        return Err(CudaError::LibraryMissing { library: "NVRTC", reason: format!("nvrtcVersion returned {rc:?}") });
+        return Err(CudaError::LibraryMissing {
+            library: "NVRTC",
+            reason: format!("nvrtcVersion returned {rc:?}"),
+        });
     }
     Ok((major, minor))
 }
@@ -106,7 +118,10 @@ pub fn cuda_include_dir() -> Result<PathBuf, CudaError> {
         }
         tried.push(c.display().to_string());
     }
-    Err(CudaError::MissingHeaders(format!("no cuda_bf16.h in {}", tried.join(", "))))
+    Err(CudaError::MissingHeaders(format!(
+        "no cuda_bf16.h in {}",
+        tried.join(", ")
+    )))
 }
 
 fn compile_options(arch: &str, include: &Path) -> Vec<String> {
@@ -129,45 +144,75 @@ fn nvrtc_check(rc: sys::nvrtcResult, what: &str) -> Result<(), String> {
 /// Compiles every kernel for `arch` (e.g. `sm_90`) to a CUBIN. No GPU and no cache involved.
 pub fn compile_kernels(arch: &str) -> Result<KernelImage, CudaError> {
     if !arch.starts_with("sm_") || arch[3..].parse::<u32>().map(|v| v < 80).unwrap_or(true) {
-        return Err(CudaError::bad("compile_kernels", format!("arch {arch:?}: expected sm_XY with XY >= 80")));
+        return Err(CudaError::bad(
+            "compile_kernels",
+            format!("arch {arch:?}: expected sm_XY with XY >= 80"),
+        ));
     }
     ensure_nvrtc()?;
     let include = cuda_include_dir()?;
     let options = compile_options(arch, &include);
-    let cubin = compile_source(&kernel_source(), &options)
-        .map_err(|log| CudaError::Compile { arch: arch.to_string(), options: options.clone(), log })?;
-    Ok(KernelImage { arch: arch.to_string(), cubin, from_cache: false, cache_path: None })
+    let cubin = compile_source(&kernel_source(), &options).map_err(|log| CudaError::Compile {
+        arch: arch.to_string(),
+        options: options.clone(),
+        log,
+    })?;
+    Ok(KernelImage {
+        arch: arch.to_string(),
+        cubin,
+        from_cache: false,
+        cache_path: None,
+    })
 }
 
 fn compile_source(src: &str, options: &[String]) -> Result<Vec<u8>, String> {
     let c_src = CString::new(src).map_err(|e| format!("source holds a NUL byte: {e}"))?;
     let name = CString::new("slowfast_kernels.cu").expect("static name");
-    let c_opts: Vec<CString> = options.iter().map(|o| CString::new(o.as_str()).expect("option without NUL")).collect();
+    let c_opts: Vec<CString> = options
+        .iter()
+        .map(|o| CString::new(o.as_str()).expect("option without NUL"))
+        .collect();
     let opt_ptrs: Vec<*const std::ffi::c_char> = c_opts.iter().map(|o| o.as_ptr()).collect();
     unsafe {
         let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
         nvrtc_check(
-            sys::nvrtcCreateProgram(&mut prog, c_src.as_ptr(), name.as_ptr(), 0, std::ptr::null(), std::ptr::null()),
+            sys::nvrtcCreateProgram(
+                &mut prog,
+                c_src.as_ptr(),
+                name.as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+            ),
             "nvrtcCreateProgram",
         )?;
         let rc = sys::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr());
         let result = if rc != sys::nvrtcResult::NVRTC_SUCCESS {
             let mut size = 0usize;
             let mut log = String::from("(no log)");
-            if sys::nvrtcGetProgramLogSize(prog, &mut size) == sys::nvrtcResult::NVRTC_SUCCESS && size > 1 {
+            if sys::nvrtcGetProgramLogSize(prog, &mut size) == sys::nvrtcResult::NVRTC_SUCCESS
+                && size > 1
+            {
                 let mut buf = vec![0 as std::ffi::c_char; size];
-                if sys::nvrtcGetProgramLog(prog, buf.as_mut_ptr()) == sys::nvrtcResult::NVRTC_SUCCESS {
+                if sys::nvrtcGetProgramLog(prog, buf.as_mut_ptr())
+                    == sys::nvrtcResult::NVRTC_SUCCESS
+                {
                     log = CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned();
                 }
             }
             Err(format!("nvrtcCompileProgram returned {rc:?}\n{log}"))
         } else {
             let mut size = 0usize;
-            nvrtc_check(sys::nvrtcGetCUBINSize(prog, &mut size), "nvrtcGetCUBINSize").and_then(|_| {
-                let mut buf = vec![0u8; size];
-                nvrtc_check(sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char), "nvrtcGetCUBIN")
+            nvrtc_check(sys::nvrtcGetCUBINSize(prog, &mut size), "nvrtcGetCUBINSize").and_then(
+                |_| {
+                    let mut buf = vec![0u8; size];
+                    nvrtc_check(
+                        sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char),
+                        "nvrtcGetCUBIN",
+                    )
                     .map(|_| buf)
-            })
+                },
+            )
         };
         let _ = sys::nvrtcDestroyProgram(&mut prog);
         result
@@ -178,7 +223,9 @@ fn compile_source(src: &str, options: &[String]) -> Result<Vec<u8>, String> {
 pub fn cache_dir() -> Option<PathBuf> {
     let home = match std::env::var("SLOWFAST_HOME") {
         Ok(h) => PathBuf::from(h),
-        Err(_) => PathBuf::from(std::env::var("HOME").ok()?).join(".cache").join("slowfast"),
+        Err(_) => PathBuf::from(std::env::var("HOME").ok()?)
+            .join(".cache")
+            .join("slowfast"),
     };
     Some(home.join("cuda-cache"))
 }
@@ -193,8 +240,18 @@ pub fn cache_key(arch: &str) -> Result<String, CudaError> {
         h.update([0u8]);
         h.update(o.as_bytes());
     }
-    h.update(format!("\0{arch}\0nvrtc {major}.{minor}\0{}", env!("CARGO_PKG_VERSION")).as_bytes());
-    Ok(h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect())
+    h.update(
+        format!(
+            "\0{arch}\0nvrtc {major}.{minor}\0{}",
+            env!("CARGO_PKG_VERSION")
+        )
+        .as_bytes(),
+    );
+    Ok(h.finalize()
+        .iter()
+        .take(12)
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }
 
 /// Returns the cached CUBIN for `arch` when its key matches, else compiles and stores it.
@@ -205,7 +262,12 @@ pub fn load_or_compile_kernels(arch: &str) -> Result<KernelImage, CudaError> {
     if let Some(p) = &path {
         if let Ok(cubin) = std::fs::read(p) {
             if !cubin.is_empty() {
-                return Ok(KernelImage { arch: arch.to_string(), cubin, from_cache: true, cache_path: path.clone() });
+                return Ok(KernelImage {
+                    arch: arch.to_string(),
+                    cubin,
+                    from_cache: true,
+                    cache_path: path.clone(),
+                });
             }
         }
     }

@@ -1,20 +1,36 @@
 //! Flash-decoding and prefill flash attention against an f64 CPU reference on random inputs,
 //! with NaN poison in every cache row that must not be read.
 #![cfg(feature = "cuda")]
+#![allow(clippy::needless_range_loop)]
 
 mod common;
 
 use common::*;
+use slowfast_cuda::ops::attention::PREFILL_VARIANTS;
 use slowfast_cuda::{bf16, AttnWorkspace, DecodeAttn, KvLayout, PrefillAttn};
 
 /// Reference attention of one query row over keys [lo, hi) of one (slot, kv head).
 #[allow(clippy::too_many_arguments)]
-fn attend(q: &[bf16], kc: &[bf16], vc: &[bf16], base: usize, d: usize, lo: usize, hi: usize, scale: f64) -> (Vec<f64>, f64) {
+fn attend(
+    q: &[bf16],
+    kc: &[bf16],
+    vc: &[bf16],
+    base: usize,
+    d: usize,
+    lo: usize,
+    hi: usize,
+    scale: f64,
+) -> (Vec<f64>, f64) {
     if lo >= hi {
         return (vec![0.0; d], f64::NEG_INFINITY);
     }
     let s: Vec<f64> = (lo..hi)
-        .map(|j| (0..d).map(|c| q[c].to_f64() * kc[base + j * d + c].to_f64()).sum::<f64>() * scale)
+        .map(|j| {
+            (0..d)
+                .map(|c| q[c].to_f64() * kc[base + j * d + c].to_f64())
+                .sum::<f64>()
+                * scale
+        })
         .collect();
     let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let p: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
@@ -47,7 +63,10 @@ fn check_lse(what: &str, got: &[f32], want: &[f64]) {
         if w == f64::NEG_INFINITY {
             assert!(g == f32::NEG_INFINITY, "{what}: lse[{i}] = {g}, want -inf");
         } else {
-            assert!((g as f64 - w).abs() < 2e-2, "{what}: lse[{i}] = {g}, want {w}");
+            assert!(
+                (g as f64 - w).abs() < 2e-2,
+                "{what}: lse[{i}] = {g}, want {w}"
+            );
         }
     }
 }
@@ -65,22 +84,52 @@ fn run_decode(
 ) {
     let batch = lens.len();
     let cap = lens.iter().cloned().max().unwrap_or(1).max(1) + 5;
-    let kv = KvLayout { num_slots: batch + 1, kv_heads, capacity: cap, head_dim: d };
+    let kv = KvLayout {
+        num_slots: batch + 1,
+        kv_heads,
+        capacity: cap,
+        head_dim: d,
+    };
     // sequence b lives in slot (b + 1) % num_slots
-    let slots: Vec<u32> = (0..batch).map(|b| ((b + 1) % kv.num_slots) as u32).collect();
+    let slots: Vec<u32> = (0..batch)
+        .map(|b| ((b + 1) % kv.num_slots) as u32)
+        .collect();
     let sl: Vec<(usize, usize)> = (0..batch).map(|b| (slots[b] as usize, lens[b])).collect();
     let kc = fill_cache(rng, &kv, &sl);
     let vc = fill_cache(rng, &kv, &sl);
     let q = rng.vec_bf16(batch * n_heads * d, 1.0);
     let scale = 1.0 / (d as f64).sqrt() * 1.5;
     let lens32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
-    let (dq, dk, dv) = (ctx.upload(&q).unwrap(), ctx.upload(&kc).unwrap(), ctx.upload(&vc).unwrap());
+    let (dq, dk, dv) = (
+        ctx.upload(&q).unwrap(),
+        ctx.upload(&kc).unwrap(),
+        ctx.upload(&vc).unwrap(),
+    );
     let (dl, ds) = (ctx.upload(&lens32).unwrap(), ctx.upload(&slots).unwrap());
     let mut out = ctx.upload(&nan_bf16(batch * n_heads * d)).unwrap();
     let mut lse = ctx.upload(&vec![f32::NAN; batch * n_heads]).unwrap();
     let mut ws = AttnWorkspace::new();
-    let p = DecodeAttn { batch, n_heads, scale: scale as f32, window, max_seq_len: cap, splits };
-    ctx.attn_decode(&dq, &dk, &dv, kv, &dl, &ds, &mut out, Some(&mut lse), &mut ws, &p).unwrap();
+    let p = DecodeAttn {
+        batch,
+        n_heads,
+        scale: scale as f32,
+        window,
+        max_seq_len: cap,
+        splits,
+    };
+    ctx.attn_decode(
+        &dq,
+        &dk,
+        &dv,
+        kv,
+        &dl,
+        &ds,
+        &mut out,
+        Some(&mut lse),
+        &mut ws,
+        &p,
+    )
+    .unwrap();
     let got = to_f64(&ctx.download(&out).unwrap());
     let got_lse = ctx.download(&lse).unwrap();
     let g = n_heads / kv_heads;
@@ -97,14 +146,19 @@ fn run_decode(
             want_lse.push(l);
         }
     }
-    let what = format!("decode d{d} h{n_heads}/{kv_heads} lens {lens:?} window {window:?} splits {:?}", ctx.decode_split(&p, &kv));
+    let what = format!(
+        "decode d{d} h{n_heads}/{kv_heads} lens {lens:?} window {window:?} splits {:?}",
+        ctx.decode_split(&p, &kv)
+    );
     assert_close(&what, &got, &want, 2e-2);
     check_lse(&what, &got_lse, &want_lse);
 }
 
 #[test]
 fn decode_matches_reference() {
-    let Some(ctx) = gpu("decode_matches_reference") else { return };
+    let Some(ctx) = gpu("decode_matches_reference") else {
+        return;
+    };
     let mut rng = Rng::new(11);
     let lens: Vec<usize> = (0..5).map(|_| 1 + rng.below(3000)).collect();
     run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, None);
@@ -112,7 +166,16 @@ fn decode_matches_reference() {
     run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, Some(1));
     run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, Some(7));
     run_decode(&ctx, &mut rng, 256, 4, 1, &[2500, 1, 64, 65], None, None);
-    run_decode(&ctx, &mut rng, 256, 4, 1, &[2500, 1, 64, 65], Some(512), None);
+    run_decode(
+        &ctx,
+        &mut rng,
+        256,
+        4,
+        1,
+        &[2500, 1, 64, 65],
+        Some(512),
+        None,
+    );
     run_decode(&ctx, &mut rng, 64, 32, 1, &[777, 0, 1500], None, None);
     run_decode(&ctx, &mut rng, 128, 8, 8, &[4000], None, None);
     let big: Vec<usize> = (0..64).map(|_| 1 + rng.below(600)).collect();
@@ -120,21 +183,43 @@ fn decode_matches_reference() {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_prefill(ctx: &slowfast_cuda::CudaContext, rng: &mut Rng, d: usize, n_heads: usize, kv_heads: usize, pos0: usize, n: usize, window: Option<usize>) {
+fn run_prefill(
+    ctx: &slowfast_cuda::CudaContext,
+    rng: &mut Rng,
+    d: usize,
+    n_heads: usize,
+    kv_heads: usize,
+    pos0: usize,
+    n: usize,
+    window: Option<usize>,
+) {
     let kv_len = pos0 + n;
-    let kv = KvLayout { num_slots: 2, kv_heads, capacity: kv_len + 70, head_dim: d };
+    let kv = KvLayout {
+        num_slots: 2,
+        kv_heads,
+        capacity: kv_len + 70,
+        head_dim: d,
+    };
     let slot = 1;
     let kc = fill_cache(rng, &kv, &[(slot, kv_len)]);
     let vc = fill_cache(rng, &kv, &[(slot, kv_len)]);
     let q = rng.vec_bf16(n * n_heads * d, 1.0);
     let scale = 1.0 / (d as f64).sqrt() * 2.0;
-    let (dq, dk, dv) = (ctx.upload(&q).unwrap(), ctx.upload(&kc).unwrap(), ctx.upload(&vc).unwrap());
+    let (dq, dk, dv) = (
+        ctx.upload(&q).unwrap(),
+        ctx.upload(&kc).unwrap(),
+        ctx.upload(&vc).unwrap(),
+    );
     let mut out = ctx.upload(&nan_bf16(n * n_heads * d)).unwrap();
     let mut lse = ctx.upload(&vec![f32::NAN; n * n_heads]).unwrap();
-    let p = PrefillAttn { n_tokens: n, n_heads, slot, pos0, scale: scale as f32, window };
-    ctx.attn_prefill(&dq, &dk, &dv, kv, &mut out, Some(&mut lse), &p).unwrap();
-    let got = to_f64(&ctx.download(&out).unwrap());
-    let got_lse = ctx.download(&lse).unwrap();
+    let p = PrefillAttn {
+        n_tokens: n,
+        n_heads,
+        slot,
+        pos0,
+        scale: scale as f32,
+        window,
+    };
     let g = n_heads / kv_heads;
     let mut want = Vec::new();
     let mut want_lse = Vec::new();
@@ -149,14 +234,40 @@ fn run_prefill(ctx: &slowfast_cuda::CudaContext, rng: &mut Rng, d: usize, n_head
             want_lse.push(l);
         }
     }
-    let what = format!("prefill d{d} h{n_heads}/{kv_heads} pos0 {pos0} n {n} window {window:?}");
-    assert_close(&what, &got, &want, 2e-2);
-    check_lse(&what, &got_lse, &want_lse);
+    // the default kernel, then every variant for this head_dim
+    let variants = PREFILL_VARIANTS
+        .iter()
+        .filter(|v| v.1 == d)
+        .map(|v| Some(v.0));
+    for kernel in std::iter::once(None).chain(variants) {
+        ctx.upload_into(&nan_bf16(n * n_heads * d), &mut out)
+            .unwrap();
+        ctx.upload_into(&vec![f32::NAN; n * n_heads], &mut lse)
+            .unwrap();
+        match kernel {
+            None => ctx
+                .attn_prefill(&dq, &dk, &dv, kv, &mut out, Some(&mut lse), &p)
+                .unwrap(),
+            Some(k) => ctx
+                .attn_prefill_with_kernel(&dq, &dk, &dv, kv, &mut out, Some(&mut lse), &p, k)
+                .unwrap(),
+        }
+        let got = to_f64(&ctx.download(&out).unwrap());
+        let got_lse = ctx.download(&lse).unwrap();
+        let what = format!(
+            "prefill {} d{d} h{n_heads}/{kv_heads} pos0 {pos0} n {n} window {window:?}",
+            kernel.unwrap_or("default")
+        );
+        assert_close(&what, &got, &want, 2e-2);
+        check_lse(&what, &got_lse, &want_lse);
+    }
 }
 
 #[test]
 fn prefill_matches_reference() {
-    let Some(ctx) = gpu("prefill_matches_reference") else { return };
+    let Some(ctx) = gpu("prefill_matches_reference") else {
+        return;
+    };
     let mut rng = Rng::new(12);
     run_prefill(&ctx, &mut rng, 128, 8, 2, 0, 300, None);
     run_prefill(&ctx, &mut rng, 128, 8, 2, 200, 150, Some(100));
@@ -164,19 +275,41 @@ fn prefill_matches_reference() {
     run_prefill(&ctx, &mut rng, 256, 4, 1, 37, 200, None);
     run_prefill(&ctx, &mut rng, 256, 4, 1, 0, 333, Some(64));
     run_prefill(&ctx, &mut rng, 64, 4, 4, 5, 130, None);
+    run_prefill(&ctx, &mut rng, 64, 8, 2, 300, 257, Some(200));
+    run_prefill(&ctx, &mut rng, 128, 8, 1, 1000, 129, Some(333));
 }
 
 #[test]
 fn bad_shapes_are_refused() {
-    let Some(ctx) = gpu("bad_shapes_are_refused") else { return };
-    let kv = KvLayout { num_slots: 1, kv_heads: 2, capacity: 16, head_dim: 96 };
+    let Some(ctx) = gpu("bad_shapes_are_refused") else {
+        return;
+    };
+    let kv = KvLayout {
+        num_slots: 1,
+        kv_heads: 2,
+        capacity: 16,
+        head_dim: 96,
+    };
     let b = ctx.alloc::<bf16>(4096).unwrap();
     let mut o = ctx.alloc::<bf16>(4096).unwrap();
-    let p = PrefillAttn { n_tokens: 4, n_heads: 4, slot: 0, pos0: 0, scale: 0.1, window: None };
-    let e = ctx.attn_prefill(&b, &b, &b, kv, &mut o, None, &p).unwrap_err().to_string();
+    let p = PrefillAttn {
+        n_tokens: 4,
+        n_heads: 4,
+        slot: 0,
+        pos0: 0,
+        scale: 0.1,
+        window: None,
+    };
+    let e = ctx
+        .attn_prefill(&b, &b, &b, kv, &mut o, None, &p)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("head_dim 96"), "{e}");
     let kv = KvLayout { head_dim: 64, ..kv };
     let p = PrefillAttn { pos0: 14, ..p };
-    let e = ctx.attn_prefill(&b, &b, &b, kv, &mut o, None, &p).unwrap_err().to_string();
+    let e = ctx
+        .attn_prefill(&b, &b, &b, kv, &mut o, None, &p)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("capacity 16"), "{e}");
 }

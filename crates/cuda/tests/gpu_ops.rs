@@ -1,5 +1,6 @@
 //! Every non-attention kernel against a plain CPU reference on fresh random inputs.
 #![cfg(feature = "cuda")]
+#![allow(clippy::needless_range_loop)]
 
 mod common;
 
@@ -9,7 +10,9 @@ use slowfast_cuda::{bf16, Glu, KvLayout, RmsNorm, Rope};
 
 #[test]
 fn embed_add_glu() {
-    let Some(ctx) = gpu("embed_add_glu") else { return };
+    let Some(ctx) = gpu("embed_add_glu") else {
+        return;
+    };
     let mut rng = Rng::new(1);
     let (vocab, hidden, n) = (1000, 640, 37);
     let table = rng.vec_bf16(vocab * hidden, 1.0);
@@ -18,13 +21,18 @@ fn embed_add_glu() {
     let (dt, di) = (ctx.upload(&table).unwrap(), ctx.upload(&ids).unwrap());
     let mut out = ctx.upload(&nan_bf16(n * hidden)).unwrap();
     let scale = (hidden as f32).sqrt();
-    ctx.embed(&dt, &di, &mut out, n, hidden, vocab, scale).unwrap();
+    ctx.embed(&dt, &di, &mut out, n, hidden, vocab, scale)
+        .unwrap();
     let got = to_f64(&ctx.download(&out).unwrap());
     let want: Vec<f64> = (0..n * hidden)
         .map(|i| {
             let (r, c) = (i / hidden, i % hidden);
             let id = ids[r] as usize;
-            if id >= vocab { 0.0 } else { bf(table[id * hidden + c].to_f64() * scale as f64) }
+            if id >= vocab {
+                0.0
+            } else {
+                bf(table[id * hidden + c].to_f64() * scale as f64)
+            }
         })
         .collect();
     assert_close("embed", &got, &want, 1e-3);
@@ -35,9 +43,18 @@ fn embed_add_glu() {
     let mut dout = ctx.upload(&nan_bf16(m)).unwrap();
     ctx.add(&da, &db, &mut dout, m).unwrap();
     ctx.add_assign(&mut da, &db, m).unwrap();
-    let want: Vec<f64> = a.iter().zip(&b).map(|(x, y)| bf(x.to_f64() + y.to_f64())).collect();
+    let want: Vec<f64> = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| bf(x.to_f64() + y.to_f64()))
+        .collect();
     assert_close("add", &to_f64(&ctx.download(&dout).unwrap()), &want, 1e-3);
-    assert_close("add_assign", &to_f64(&ctx.download(&da).unwrap()), &want, 1e-3);
+    assert_close(
+        "add_assign",
+        &to_f64(&ctx.download(&da).unwrap()),
+        &want,
+        1e-3,
+    );
 
     let (rows, cols) = (13, 1000);
     let gu = rng.vec_bf16(rows * 2 * cols, 2.0);
@@ -52,47 +69,88 @@ fn embed_add_glu() {
                 let u = gu[r * 2 * cols + cols + c].to_f64();
                 let a = match act {
                     Glu::SwiGlu => g / (1.0 + (-g).exp()),
-                    Glu::GeGluTanh => 0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh()),
+                    Glu::GeGluTanh => {
+                        0.5 * g
+                            * (1.0
+                                + ((2.0 / std::f64::consts::PI).sqrt()
+                                    * (g + 0.044715 * g * g * g))
+                                    .tanh())
+                    }
                 };
                 a * u
             })
             .collect();
-        assert_close(&format!("glu {act:?}"), &to_f64(&ctx.download(&o).unwrap()), &want, 1e-2);
+        assert_close(
+            &format!("glu {act:?}"),
+            &to_f64(&ctx.download(&o).unwrap()),
+            &want,
+            1e-2,
+        );
     }
     // glu_split on separate buffers equals the fused layout
-    let gate: Vec<bf16> = (0..rows * cols).map(|i| gu[(i / cols) * 2 * cols + i % cols]).collect();
-    let up: Vec<bf16> = (0..rows * cols).map(|i| gu[(i / cols) * 2 * cols + cols + i % cols]).collect();
+    let gate: Vec<bf16> = (0..rows * cols)
+        .map(|i| gu[(i / cols) * 2 * cols + i % cols])
+        .collect();
+    let up: Vec<bf16> = (0..rows * cols)
+        .map(|i| gu[(i / cols) * 2 * cols + cols + i % cols])
+        .collect();
     let (dg, du) = (ctx.upload(&gate).unwrap(), ctx.upload(&up).unwrap());
     let mut o1 = ctx.upload(&nan_bf16(rows * cols)).unwrap();
     let mut o2 = ctx.upload(&nan_bf16(rows * cols)).unwrap();
-    ctx.glu_split(Glu::SwiGlu, &dg, &du, &mut o1, rows, cols).unwrap();
+    ctx.glu_split(Glu::SwiGlu, &dg, &du, &mut o1, rows, cols)
+        .unwrap();
     ctx.glu(Glu::SwiGlu, &dgu, &mut o2, rows, cols).unwrap();
-    assert_eq!(to_f64(&ctx.download(&o1).unwrap()), to_f64(&ctx.download(&o2).unwrap()));
+    assert_eq!(
+        to_f64(&ctx.download(&o1).unwrap()),
+        to_f64(&ctx.download(&o2).unwrap())
+    );
 }
 
 #[test]
 fn kv_append_writes_the_right_rows() {
     let Some(ctx) = gpu("kv_append") else { return };
     let mut rng = Rng::new(2);
-    let kv = KvLayout { num_slots: 3, kv_heads: 2, capacity: 50, head_dim: 128 };
+    let kv = KvLayout {
+        num_slots: 3,
+        kv_heads: 2,
+        capacity: 50,
+        head_dim: 128,
+    };
     let n = 9;
     let k = rng.vec_bf16(n * kv.kv_heads * kv.head_dim, 1.0);
     let v = rng.vec_bf16(n * kv.kv_heads * kv.head_dim, 1.0);
-    let pos: Vec<u32> = (0..n).map(|i| if i == 4 { 50 } else { (i * 5 + rng.below(5)) as u32 }).collect();
-    let slots: Vec<u32> = (0..n).map(|i| if i == 7 { 3 } else { rng.below(3) as u32 }).collect();
+    let pos: Vec<u32> = (0..n)
+        .map(|i| {
+            if i == 4 {
+                50
+            } else {
+                (i * 5 + rng.below(5)) as u32
+            }
+        })
+        .collect();
+    let slots: Vec<u32> = (0..n)
+        .map(|i| if i == 7 { 3 } else { rng.below(3) as u32 })
+        .collect();
     let init_k = rng.vec_bf16(kv.elems(), 1.0);
     let init_v = rng.vec_bf16(kv.elems(), 1.0);
     let mut dkc = ctx.upload(&init_k).unwrap();
     let mut dvc = ctx.upload(&init_v).unwrap();
-    let (dk, dv, dp, ds) = (ctx.upload(&k).unwrap(), ctx.upload(&v).unwrap(), ctx.upload(&pos).unwrap(), ctx.upload(&slots).unwrap());
-    ctx.kv_append(&dk, &dv, &mut dkc, &mut dvc, &dp, &ds, n, kv).unwrap();
+    let (dk, dv, dp, ds) = (
+        ctx.upload(&k).unwrap(),
+        ctx.upload(&v).unwrap(),
+        ctx.upload(&pos).unwrap(),
+        ctx.upload(&slots).unwrap(),
+    );
+    ctx.kv_append(&dk, &dv, &mut dkc, &mut dvc, &dp, &ds, n, kv)
+        .unwrap();
     let (mut wk, mut wv) = (init_k.clone(), init_v.clone());
     for t in 0..n {
         if pos[t] as usize >= kv.capacity || slots[t] as usize >= kv.num_slots {
             continue;
         }
         for h in 0..kv.kv_heads {
-            let dst = ((slots[t] as usize * kv.kv_heads + h) * kv.capacity + pos[t] as usize) * kv.head_dim;
+            let dst = ((slots[t] as usize * kv.kv_heads + h) * kv.capacity + pos[t] as usize)
+                * kv.head_dim;
             let src = (t * kv.kv_heads + h) * kv.head_dim;
             wk[dst..dst + kv.head_dim].copy_from_slice(&k[src..src + kv.head_dim]);
             wv[dst..dst + kv.head_dim].copy_from_slice(&v[src..src + kv.head_dim]);
@@ -105,12 +163,17 @@ fn kv_append_writes_the_right_rows() {
 fn rms_ref(x: &[f64], w: &[f32], eps: f64, gemma: bool) -> Vec<f64> {
     let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
     let s = 1.0 / (ms + eps).sqrt();
-    x.iter().zip(w).map(|(v, &w)| v * s * if gemma { 1.0 + w as f64 } else { w as f64 }).collect()
+    x.iter()
+        .zip(w)
+        .map(|(v, &w)| v * s * if gemma { 1.0 + w as f64 } else { w as f64 })
+        .collect()
 }
 
 #[test]
 fn rmsnorm_variants() {
-    let Some(ctx) = gpu("rmsnorm_variants") else { return };
+    let Some(ctx) = gpu("rmsnorm_variants") else {
+        return;
+    };
     let mut rng = Rng::new(3);
     for &(rows, dim, gemma) in &[(7usize, 640usize, true), (5, 2560, false), (3, 4096, false)] {
         let cfg = RmsNorm { eps: 1e-6, gemma };
@@ -118,28 +181,66 @@ fn rmsnorm_variants() {
         let res = rng.vec_bf16(rows * dim, 3.0);
         let w = rng.vec_f32(dim, 0.5);
         let pw = rng.vec_f32(dim, 0.5);
-        let (dx, dw, dpw) = (ctx.upload(&x).unwrap(), ctx.upload(&w).unwrap(), ctx.upload(&pw).unwrap());
+        let (dx, dw, dpw) = (
+            ctx.upload(&x).unwrap(),
+            ctx.upload(&w).unwrap(),
+            ctx.upload(&pw).unwrap(),
+        );
         let mut out = ctx.upload(&nan_bf16(rows * dim)).unwrap();
         ctx.rmsnorm(&dx, &dw, &mut out, rows, dim, cfg).unwrap();
         let xf = to_f64(&x);
-        let want: Vec<f64> = xf.chunks(dim).flat_map(|r| rms_ref(r, &w, 1e-6, gemma)).collect();
-        assert_close(&format!("rmsnorm {dim}"), &to_f64(&ctx.download(&out).unwrap()), &want, 1e-2);
+        let want: Vec<f64> = xf
+            .chunks(dim)
+            .flat_map(|r| rms_ref(r, &w, 1e-6, gemma))
+            .collect();
+        assert_close(
+            &format!("rmsnorm {dim}"),
+            &to_f64(&ctx.download(&out).unwrap()),
+            &want,
+            1e-2,
+        );
 
         for post in [false, true] {
             let mut dres = ctx.upload(&res).unwrap();
             let mut out = ctx.upload(&nan_bf16(rows * dim)).unwrap();
-            ctx.add_rmsnorm(&dx, &mut dres, post.then_some(&dpw), &dw, &mut out, rows, dim, cfg).unwrap();
+            ctx.add_rmsnorm(
+                &dx,
+                &mut dres,
+                post.then_some(&dpw),
+                &dw,
+                &mut out,
+                rows,
+                dim,
+                cfg,
+            )
+            .unwrap();
             let mut want_res = Vec::new();
             let mut want_out = Vec::new();
             for r in 0..rows {
                 let xr = &xf[r * dim..(r + 1) * dim];
-                let y = if post { rms_ref(xr, &pw, 1e-6, gemma) } else { xr.to_vec() };
-                let nr: Vec<f64> = (0..dim).map(|c| bf(res[r * dim + c].to_f64() + y[c])).collect();
+                let y = if post {
+                    rms_ref(xr, &pw, 1e-6, gemma)
+                } else {
+                    xr.to_vec()
+                };
+                let nr: Vec<f64> = (0..dim)
+                    .map(|c| bf(res[r * dim + c].to_f64() + y[c]))
+                    .collect();
                 want_out.extend(rms_ref(&nr, &w, 1e-6, gemma));
                 want_res.extend(nr);
             }
-            assert_close(&format!("add_rmsnorm residual post={post}"), &to_f64(&ctx.download(&dres).unwrap()), &want_res, 1e-2);
-            assert_close(&format!("add_rmsnorm out post={post}"), &to_f64(&ctx.download(&out).unwrap()), &want_out, 1e-2);
+            assert_close(
+                &format!("add_rmsnorm residual post={post}"),
+                &to_f64(&ctx.download(&dres).unwrap()),
+                &want_res,
+                1e-2,
+            );
+            assert_close(
+                &format!("add_rmsnorm out post={post}"),
+                &to_f64(&ctx.download(&out).unwrap()),
+                &want_out,
+                1e-2,
+            );
         }
     }
     // per-head norm
@@ -148,9 +249,27 @@ fn rmsnorm_variants() {
     let w = rng.vec_f32(hd, 0.3);
     let mut dx = ctx.upload(&x).unwrap();
     let dw = ctx.upload(&w).unwrap();
-    ctx.head_rmsnorm(&mut dx, &dw, rows, hd, RmsNorm { eps: 1e-6, gemma: true }).unwrap();
-    let want: Vec<f64> = to_f64(&x).chunks(hd).flat_map(|r| rms_ref(r, &w, 1e-6, true)).collect();
-    assert_close("head_rmsnorm", &to_f64(&ctx.download(&dx).unwrap()), &want, 1e-2);
+    ctx.head_rmsnorm(
+        &mut dx,
+        &dw,
+        rows,
+        hd,
+        RmsNorm {
+            eps: 1e-6,
+            gemma: true,
+        },
+    )
+    .unwrap();
+    let want: Vec<f64> = to_f64(&x)
+        .chunks(hd)
+        .flat_map(|r| rms_ref(r, &w, 1e-6, true))
+        .collect();
+    assert_close(
+        "head_rmsnorm",
+        &to_f64(&ctx.download(&dx).unwrap()),
+        &want,
+        1e-2,
+    );
 }
 
 #[test]
@@ -161,17 +280,35 @@ fn rope_neox_matches_reference() {
     for &(rot, theta, ps) in &[(128usize, 1.0e6f32, 1.0f32), (64, 10000.0, 8.0)] {
         let q = rng.vec_bf16(n * hq * hd, 1.0);
         let k = rng.vec_bf16(n * hk * hd, 1.0);
-        let pos: Vec<u32> = (0..n).map(|i| if i == 0 { 131_000 } else { rng.below(40_000) as u32 }).collect();
-        let (mut dq, mut dk, dp) = (ctx.upload(&q).unwrap(), ctx.upload(&k).unwrap(), ctx.upload(&pos).unwrap());
-        let rope = Rope { theta, rot_dim: rot, pos_scale: ps };
-        ctx.rope_neox(&mut dq, Some(&mut dk), &dp, n, hq, hk, hd, rope).unwrap();
+        let pos: Vec<u32> = (0..n)
+            .map(|i| {
+                if i == 0 {
+                    131_000
+                } else {
+                    rng.below(40_000) as u32
+                }
+            })
+            .collect();
+        let (mut dq, mut dk, dp) = (
+            ctx.upload(&q).unwrap(),
+            ctx.upload(&k).unwrap(),
+            ctx.upload(&pos).unwrap(),
+        );
+        let rope = Rope {
+            theta,
+            rot_dim: rot,
+            pos_scale: ps,
+        };
+        ctx.rope_neox(&mut dq, Some(&mut dk), &dp, n, hq, hk, hd, rope)
+            .unwrap();
         let apply = |x: &[bf16], heads: usize| -> Vec<f64> {
             let mut out = to_f64(x);
             for t in 0..n {
                 for h in 0..heads {
                     let b = (t * heads + h) * hd;
                     for i in 0..rot / 2 {
-                        let ang = pos[t] as f64 / ps as f64 * (theta as f64).powf(-2.0 * i as f64 / rot as f64);
+                        let ang = pos[t] as f64 / ps as f64
+                            * (theta as f64).powf(-2.0 * i as f64 / rot as f64);
                         let (s, c) = ang.sin_cos();
                         let (x1, x2) = (x[b + i].to_f64(), x[b + i + rot / 2].to_f64());
                         out[b + i] = x1 * c - x2 * s;
@@ -181,19 +318,34 @@ fn rope_neox_matches_reference() {
             }
             out
         };
-        assert_close(&format!("rope q rot {rot}"), &to_f64(&ctx.download(&dq).unwrap()), &apply(&q, hq), 1e-2);
-        assert_close(&format!("rope k rot {rot}"), &to_f64(&ctx.download(&dk).unwrap()), &apply(&k, hk), 1e-2);
+        assert_close(
+            &format!("rope q rot {rot}"),
+            &to_f64(&ctx.download(&dq).unwrap()),
+            &apply(&q, hq),
+            1e-2,
+        );
+        assert_close(
+            &format!("rope k rot {rot}"),
+            &to_f64(&ctx.download(&dk).unwrap()),
+            &apply(&k, hk),
+            1e-2,
+        );
     }
 }
 
 #[test]
 fn argmax_and_top_p() {
-    let Some(ctx) = gpu("argmax_and_top_p") else { return };
+    let Some(ctx) = gpu("argmax_and_top_p") else {
+        return;
+    };
     let mut rng = Rng::new(5);
     let (rows, vocab) = (16, 151_936);
     let mut logits = rng.vec_f32(rows * vocab, 3.0);
     // a tie in row 3: the lower index wins
-    let m = logits[3 * vocab..4 * vocab].iter().cloned().fold(f32::MIN, f32::max);
+    let m = logits[3 * vocab..4 * vocab]
+        .iter()
+        .cloned()
+        .fold(f32::MIN, f32::max);
     logits[3 * vocab + 777] = m + 1.0;
     logits[3 * vocab + 99_999] = m + 1.0;
     let dl = ctx.upload(&logits).unwrap();
@@ -215,12 +367,16 @@ fn argmax_and_top_p() {
         let seeds: Vec<u64> = (0..rows).map(|_| rng.next_u64()).collect();
         let ds = ctx.upload(&seeds).unwrap();
         let mut out = ctx.upload(&vec![u32::MAX; rows]).unwrap();
-        ctx.sample_top_p(&dl, &ds, &mut out, rows, vocab, temp, top_p).unwrap();
+        ctx.sample_top_p(&dl, &ds, &mut out, rows, vocab, temp, top_p)
+            .unwrap();
         let got = ctx.download(&out).unwrap();
         for r in 0..rows {
             let row = &logits[r * vocab..(r + 1) * vocab];
             let mx = row.iter().cloned().fold(f32::MIN, f32::max) as f64;
-            let e: Vec<f64> = row.iter().map(|&x| ((x as f64 - mx) / temp as f64).exp()).collect();
+            let e: Vec<f64> = row
+                .iter()
+                .map(|&x| ((x as f64 - mx) / temp as f64).exp())
+                .collect();
             let z: f64 = e.iter().sum();
             let mut sorted = e.clone();
             sorted.sort_by(|a, b| b.partial_cmp(a).unwrap());
@@ -235,7 +391,11 @@ fn argmax_and_top_p() {
             }
             let tok = got[r] as usize;
             assert!(tok < vocab, "row {r}: token {tok}");
-            assert!(e[tok] >= t * (1.0 - 1e-4), "row {r}: token {tok} (e {}) is outside the nucleus (threshold {t})", e[tok]);
+            assert!(
+                e[tok] >= t * (1.0 - 1e-4),
+                "row {r}: token {tok} (e {}) is outside the nucleus (threshold {t})",
+                e[tok]
+            );
             let mass: f64 = e.iter().filter(|&&v| v >= t).sum();
             let target = uniform_from_seed(seeds[r]) as f64 * mass;
             let before: f64 = e[..tok].iter().filter(|&&v| v >= t).sum();
@@ -257,17 +417,35 @@ fn linear_matches_reference() {
     let x = rng.vec_bf16(n * k, 1.0);
     let w = rng.vec_bf16(m * k, 0.05);
     let (dx, dw) = (ctx.upload(&x).unwrap(), ctx.upload(&w).unwrap());
-    let want: Vec<f64> =
-        (0..n * m).map(|i| (0..k).map(|j| x[(i / m) * k + j].to_f64() * w[(i % m) * k + j].to_f64()).sum()).collect();
+    let want: Vec<f64> = (0..n * m)
+        .map(|i| {
+            (0..k)
+                .map(|j| x[(i / m) * k + j].to_f64() * w[(i % m) * k + j].to_f64())
+                .sum()
+        })
+        .collect();
     let mut y16 = ctx.upload(&nan_bf16(n * m)).unwrap();
     ctx.linear(&dx, &dw, &mut y16, n, k, m).unwrap();
-    assert_close("linear bf16 out", &to_f64(&ctx.download(&y16).unwrap()), &want, 1e-2);
+    assert_close(
+        "linear bf16 out",
+        &to_f64(&ctx.download(&y16).unwrap()),
+        &want,
+        1e-2,
+    );
     let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
     ctx.linear(&dx, &dw, &mut y32, n, k, m).unwrap();
-    let got: Vec<f64> = ctx.download(&y32).unwrap().iter().map(|&v| v as f64).collect();
+    let got: Vec<f64> = ctx
+        .download(&y32)
+        .unwrap()
+        .iter()
+        .map(|&v| v as f64)
+        .collect();
     assert_close("linear f32 out", &got, &want, 1e-4);
     // a too-small output buffer is refused with a message naming it
     let mut small = ctx.alloc::<f32>(10).unwrap();
-    let err = ctx.linear(&dx, &dw, &mut small, n, k, m).unwrap_err().to_string();
+    let err = ctx
+        .linear(&dx, &dw, &mut small, n, k, m)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("y [n, out]"), "{err}");
 }

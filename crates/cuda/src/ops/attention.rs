@@ -11,6 +11,23 @@ use crate::error::CudaError;
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const DECODE_BK: usize = 64;
 
+/// Prefill kernels: (name, head_dim, query rows per block).
+pub const PREFILL_VARIANTS: &[(&str, usize, usize)] = &[
+    ("attn_prefill_d64", 64, 64),
+    ("attn_prefill_d128", 128, 64),
+    ("attn_prefill_d256", 256, 64),
+    ("attn_prefill_d64_m2", 64, 128),
+    ("attn_prefill_d128_m2", 128, 128),
+    ("attn_prefill_d128_k32", 128, 64),
+];
+/// The variant `attn_prefill` uses for head_dim 64, 128, 256 (the two-m-tile kernels were
+/// 5-8% faster at 32K on the H200, crates/cuda/gpu-runs/run2-bench.log).
+const PREFILL_DEFAULT: [&str; 3] = [
+    "attn_prefill_d64_m2",
+    "attn_prefill_d128_m2",
+    "attn_prefill_d256",
+];
+
 /// One decode step for a batch of sequences (one new query token each).
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeAttn {
@@ -52,13 +69,28 @@ impl AttnWorkspace {
     }
 }
 
-fn check_heads(op: &'static str, n_heads: usize, kv: &KvLayout, scale: f32, window: Option<usize>) -> Result<(), CudaError> {
+fn check_heads(
+    op: &'static str,
+    n_heads: usize,
+    kv: &KvLayout,
+    scale: f32,
+    window: Option<usize>,
+) -> Result<(), CudaError> {
     kv.check(op)?;
     if n_heads == 0 || n_heads % kv.kv_heads != 0 || n_heads > 65535 {
-        return Err(CudaError::bad(op, format!("n_heads {n_heads} must be a positive multiple of kv_heads {}", kv.kv_heads)));
+        return Err(CudaError::bad(
+            op,
+            format!(
+                "n_heads {n_heads} must be a positive multiple of kv_heads {}",
+                kv.kv_heads
+            ),
+        ));
     }
     if !scale.is_finite() || scale <= 0.0 {
-        return Err(CudaError::bad(op, format!("scale {scale} must be finite and positive")));
+        return Err(CudaError::bad(
+            op,
+            format!("scale {scale} must be finite and positive"),
+        ));
     }
     if window == Some(0) {
         return Err(CudaError::bad(op, "window 0 (use None for full attention)"));
@@ -69,12 +101,18 @@ fn check_heads(op: &'static str, n_heads: usize, kv: &KvLayout, scale: f32, wind
 impl CudaContext {
     /// (splits, chunk) that flash-decoding uses for `p` on layout `kv`.
     pub fn decode_split(&self, p: &DecodeAttn, kv: &KvLayout) -> (usize, usize) {
-        let visible = p.max_seq_len.min(kv.capacity).min(p.window.unwrap_or(usize::MAX)).max(1);
+        let visible = p
+            .max_seq_len
+            .min(kv.capacity)
+            .min(p.window.unwrap_or(usize::MAX))
+            .max(1);
         let tiles = visible.div_ceil(DECODE_BK);
         let row_groups = (p.n_heads / kv.kv_heads.max(1)).div_ceil(16);
         let groups = (p.batch * kv.kv_heads * row_groups).max(1);
+        // One wave: as many blocks as fit on the device at once (2 per SM below head_dim
+        // 256, shared memory allows 1 there); no second-wave tail.
         let resident = self.sm_count() as usize * if kv.head_dim == 256 { 1 } else { 2 };
-        let want = p.splits.unwrap_or_else(|| (2 * resident).div_ceil(groups));
+        let want = p.splits.unwrap_or_else(|| (resident / groups).max(1));
         let splits = want.clamp(1, tiles.min(1024));
         let chunk = visible.div_ceil(splits).div_ceil(DECODE_BK) * DECODE_BK;
         (visible.div_ceil(chunk), chunk)
@@ -149,7 +187,13 @@ impl CudaContext {
             KArg::F(p.scale * LOG2E),
         ];
         let grid_y = u32_of(OP, "kv_heads * row groups", kv.kv_heads * row_groups)?;
-        self.launch(kernel, (splits as u32, grid_y, p.batch as u32), (128, 1, 1), smem, &args)?;
+        self.launch(
+            kernel,
+            (splits as u32, grid_y, p.batch as u32),
+            (128, 1, 1),
+            smem,
+            &args,
+        )?;
         let rargs = [
             KArg::P(part_o),
             KArg::P(part_ml),
@@ -159,7 +203,13 @@ impl CudaContext {
             KArg::U(splits as u32),
             KArg::U(d as u32),
         ];
-        self.launch("attn_decode_reduce", (p.n_heads as u32, p.batch as u32, 1), (128, 1, 1), 0, &rargs)
+        self.launch(
+            "attn_decode_reduce",
+            (p.n_heads as u32, p.batch as u32, 1),
+            (256, 1, 1),
+            0,
+            &rargs,
+        )
     }
 
     /// Causal flash attention for a prefill chunk: out[i, h, :] attends to cached keys
@@ -176,16 +226,60 @@ impl CudaContext {
         lse: Option<&mut GpuBuffer<f32>>,
         p: &PrefillAttn,
     ) -> Result<(), CudaError> {
+        let d = kv.head_dim;
+        let kernel = match d {
+            64 => PREFILL_DEFAULT[0],
+            128 => PREFILL_DEFAULT[1],
+            _ => PREFILL_DEFAULT[2],
+        };
+        self.attn_prefill_with_kernel(q, k_cache, v_cache, kv, out, lse, p, kernel)
+    }
+
+    /// [`CudaContext::attn_prefill`] through a named kernel variant (see
+    /// [`PREFILL_VARIANTS`]); for benchmarks and tests of the variants.
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prefill_with_kernel(
+        &self,
+        q: &GpuBuffer<bf16>,
+        k_cache: &GpuBuffer<bf16>,
+        v_cache: &GpuBuffer<bf16>,
+        kv: KvLayout,
+        out: &mut GpuBuffer<bf16>,
+        lse: Option<&mut GpuBuffer<f32>>,
+        p: &PrefillAttn,
+        kernel: &'static str,
+    ) -> Result<(), CudaError> {
         const OP: &str = "attn_prefill";
+        let Some(&(_, kd, bq)) = PREFILL_VARIANTS.iter().find(|v| v.0 == kernel) else {
+            return Err(CudaError::bad(
+                OP,
+                format!("unknown prefill kernel {kernel}"),
+            ));
+        };
         check_heads(OP, p.n_heads, &kv, p.scale, p.window)?;
+        if kd != kv.head_dim {
+            return Err(CudaError::bad(
+                OP,
+                format!("kernel {kernel} is for head_dim {kd}, not {}", kv.head_dim),
+            ));
+        }
         if p.n_tokens == 0 || p.pos0 + p.n_tokens > kv.capacity {
             return Err(CudaError::bad(
                 OP,
-                format!("positions {}..{} do not fit the cache capacity {}", p.pos0, p.pos0 + p.n_tokens, kv.capacity),
+                format!(
+                    "positions {}..{} do not fit the cache capacity {}",
+                    p.pos0,
+                    p.pos0 + p.n_tokens,
+                    kv.capacity
+                ),
             ));
         }
         if p.slot >= kv.num_slots {
-            return Err(CudaError::bad(OP, format!("slot {} of {}", p.slot, kv.num_slots)));
+            return Err(CudaError::bad(
+                OP,
+                format!("slot {} of {}", p.slot, kv.num_slots),
+            ));
         }
         let d = kv.head_dim;
         let rows = p.n_tokens * p.n_heads;
@@ -197,11 +291,6 @@ impl CudaContext {
         let plse = match lse {
             Some(b) => b.ptr_min(OP, "lse [n_tokens, n_heads]", rows)?,
             None => 0,
-        };
-        let kernel = match d {
-            64 => "attn_prefill_d64",
-            128 => "attn_prefill_d128",
-            _ => "attn_prefill_d256",
         };
         let args = [
             KArg::P(pq),
@@ -217,7 +306,13 @@ impl CudaContext {
             KArg::U(p.window.map_or(Ok(0), |w| u32_of(OP, "window", w))?),
             KArg::F(p.scale * LOG2E),
         ];
-        let grid = (p.n_tokens.div_ceil(64) as u32, p.n_heads as u32, 1);
-        self.launch(kernel, grid, (128, 1, 1), attn_smem_bytes(kernel).unwrap_or(0), &args)
+        let grid = (p.n_tokens.div_ceil(bq) as u32, p.n_heads as u32, 1);
+        self.launch(
+            kernel,
+            grid,
+            (128, 1, 1),
+            attn_smem_bytes(kernel).unwrap_or(0),
+            &args,
+        )
     }
 }

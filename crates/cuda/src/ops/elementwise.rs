@@ -19,6 +19,7 @@ pub enum Glu {
 impl CudaContext {
     /// `out[i, :] = table[ids[i], :] * scale`; table [vocab, hidden], ids [n], out [n, hidden].
     /// Ids outside the table give zero rows (the device cannot report them).
+    #[allow(clippy::too_many_arguments)]
     pub fn embed(
         &self,
         table: &GpuBuffer<bf16>,
@@ -33,19 +34,50 @@ impl CudaContext {
         let t = table.ptr_min(OP, "table [vocab, hidden]", vocab * hidden)?;
         let i = ids.ptr_min(OP, "ids [n]", n)?;
         let o = out.ptr_min(OP, "out [n, hidden]", n * hidden)?;
-        let args = [KArg::P(t), KArg::P(i), KArg::P(o), KArg::U(u32_of(OP, "hidden", hidden)?), KArg::U(u32_of(OP, "vocab", vocab)?), KArg::F(scale)];
-        self.launch("embed_gather", (u32_of(OP, "n", n)?, 1, 1), (256, 1, 1), 0, &args)
+        let args = [
+            KArg::P(t),
+            KArg::P(i),
+            KArg::P(o),
+            KArg::U(u32_of(OP, "hidden", hidden)?),
+            KArg::U(u32_of(OP, "vocab", vocab)?),
+            KArg::F(scale),
+        ];
+        self.launch(
+            "embed_gather",
+            (u32_of(OP, "n", n)?, 1, 1),
+            (256, 1, 1),
+            0,
+            &args,
+        )
     }
 
     /// `out = a + b` over `n` elements.
-    pub fn add(&self, a: &GpuBuffer<bf16>, b: &GpuBuffer<bf16>, out: &mut GpuBuffer<bf16>, n: usize) -> Result<(), CudaError> {
-        let (pa, pb, po) = (a.ptr_min("add", "a", n)?, b.ptr_min("add", "b", n)?, out.ptr_min("add", "out", n)?);
+    pub fn add(
+        &self,
+        a: &GpuBuffer<bf16>,
+        b: &GpuBuffer<bf16>,
+        out: &mut GpuBuffer<bf16>,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let (pa, pb, po) = (
+            a.ptr_min("add", "a", n)?,
+            b.ptr_min("add", "b", n)?,
+            out.ptr_min("add", "out", n)?,
+        );
         self.launch_add(pa, pb, po, n)
     }
 
     /// `acc += x` over `n` elements (residual add in place).
-    pub fn add_assign(&self, acc: &mut GpuBuffer<bf16>, x: &GpuBuffer<bf16>, n: usize) -> Result<(), CudaError> {
-        let (pa, pb) = (acc.ptr_min("add_assign", "acc", n)?, x.ptr_min("add_assign", "x", n)?);
+    pub fn add_assign(
+        &self,
+        acc: &mut GpuBuffer<bf16>,
+        x: &GpuBuffer<bf16>,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let (pa, pb) = (
+            acc.ptr_min("add_assign", "acc", n)?,
+            x.ptr_min("add_assign", "x", n)?,
+        );
         self.launch_add(pa, pb, pa, n)
     }
 
@@ -57,11 +89,26 @@ impl CudaContext {
 
     /// `out[r, :] = act(gate_up[r, :cols]) * gate_up[r, cols..]`; gate_up [rows, 2 cols]
     /// (the output of one GEMM over concatenated gate and up weights), out [rows, cols].
-    pub fn glu(&self, act: Glu, gate_up: &GpuBuffer<bf16>, out: &mut GpuBuffer<bf16>, rows: usize, cols: usize) -> Result<(), CudaError> {
+    pub fn glu(
+        &self,
+        act: Glu,
+        gate_up: &GpuBuffer<bf16>,
+        out: &mut GpuBuffer<bf16>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(), CudaError> {
         const OP: &str = "glu";
         let g = gate_up.ptr_min(OP, "gate_up [rows, 2*cols]", rows * 2 * cols)?;
         let up = g + (cols * 2) as u64;
-        self.launch_glu(act, g, up, out.ptr_min(OP, "out [rows, cols]", rows * cols)?, rows, cols, 2 * cols)
+        self.launch_glu(
+            act,
+            g,
+            up,
+            out.ptr_min(OP, "out [rows, cols]", rows * cols)?,
+            rows,
+            cols,
+            2 * cols,
+        )
     }
 
     /// `out = act(gate) * up` with gate, up, out all [rows, cols].
@@ -76,12 +123,25 @@ impl CudaContext {
     ) -> Result<(), CudaError> {
         const OP: &str = "glu_split";
         let n = rows * cols;
-        let (g, u, o) = (gate.ptr_min(OP, "gate", n)?, up.ptr_min(OP, "up", n)?, out.ptr_min(OP, "out", n)?);
+        let (g, u, o) = (
+            gate.ptr_min(OP, "gate", n)?,
+            up.ptr_min(OP, "up", n)?,
+            out.ptr_min(OP, "out", n)?,
+        );
         self.launch_glu(act, g, u, o, rows, cols, cols)
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn launch_glu(&self, act: Glu, g: u64, u: u64, o: u64, rows: usize, cols: usize, stride: usize) -> Result<(), CudaError> {
+    fn launch_glu(
+        &self,
+        act: Glu,
+        g: u64,
+        u: u64,
+        o: u64,
+        rows: usize,
+        cols: usize,
+        stride: usize,
+    ) -> Result<(), CudaError> {
         const OP: &str = "glu";
         let args = [
             KArg::P(g),
@@ -95,7 +155,13 @@ impl CudaContext {
                 Glu::GeGluTanh => 1,
             }),
         ];
-        self.launch("glu_bf16", (grid_1d(rows * cols, 256), 1, 1), (256, 1, 1), 0, &args)
+        self.launch(
+            "glu_bf16",
+            (grid_1d(rows * cols, 256), 1, 1),
+            (256, 1, 1),
+            0,
+            &args,
+        )
     }
 
     /// Writes k, v [n_tokens, kv_heads, head_dim] into the caches at `positions[t]` of slot
@@ -128,6 +194,12 @@ impl CudaContext {
             KArg::U(kv.num_slots as u32),
         ];
         let grid = (u32_of(OP, "n_tokens", n_tokens)?, kv.kv_heads as u32, 1);
-        self.launch("kv_append", grid, ((kv.head_dim / 8) as u32, 1, 1), 0, &args)
+        self.launch(
+            "kv_append",
+            grid,
+            ((kv.head_dim / 8) as u32, 1, 1),
+            0,
+            &args,
+        )
     }
 }

@@ -35,8 +35,17 @@ impl CudaContext {
     ) -> Result<(), CudaError> {
         const OP: &str = "linear";
         let lim = i32::MAX as usize;
-        if n == 0 || in_features == 0 || out_features == 0 || n > lim || in_features > lim || out_features > lim {
-            return Err(CudaError::bad(OP, format!("shape n={n}, in={in_features}, out={out_features}")));
+        if n == 0
+            || in_features == 0
+            || out_features == 0
+            || n > lim
+            || in_features > lim
+            || out_features > lim
+        {
+            return Err(CudaError::bad(
+                OP,
+                format!("shape n={n}, in={in_features}, out={out_features}"),
+            ));
         }
         let px = x.ptr_min(OP, "x [n, in]", n * in_features)?;
         let pw = w.ptr_min(OP, "w [out, in]", out_features * in_features)?;
@@ -67,6 +76,9 @@ impl CudaContext {
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
             )
         }
-        .map_err(|e| CudaError::Blas { op: OP, reason: format!("cublasGemmEx: {e:?}") })
+        .map_err(|e| CudaError::Blas {
+            op: OP,
+            reason: format!("cublasGemmEx: {e:?}"),
+        })
     }
 }

@@ -29,7 +29,10 @@ impl KvLayout {
             return Err(CudaError::bad(op, format!("empty KV layout {self:?}")));
         }
         if !matches!(self.head_dim, 64 | 128 | 256) {
-            return Err(CudaError::bad(op, format!("head_dim {} (supported: 64, 128, 256)", self.head_dim)));
+            return Err(CudaError::bad(
+                op,
+                format!("head_dim {} (supported: 64, 128, 256)", self.head_dim),
+            ));
         }
         if self.capacity > u32::MAX as usize / 2 || self.elems() > (1usize << 40) {
             return Err(CudaError::bad(op, format!("KV layout too large: {self:?}")));
@@ -39,10 +42,10 @@ impl KvLayout {
 }
 
 pub(crate) fn u32_of(op: &'static str, what: &str, v: usize) -> Result<u32, CudaError> {
-    u32::try_from(v).map_err(|_| CudaError::bad(op, format!("{what} = {v} does not fit in 32 bits")))
+    u32::try_from(v)
+        .map_err(|_| CudaError::bad(op, format!("{what} = {v} does not fit in 32 bits")))
 }
 
 pub(crate) fn grid_1d(n: usize, block: usize) -> u32 {
     n.div_ceil(block).clamp(1, 65535 * 16) as u32
 }
-

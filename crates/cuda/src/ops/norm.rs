@@ -39,7 +39,11 @@ impl CudaContext {
         cfg: RmsNorm,
     ) -> Result<(), CudaError> {
         let n = rows * dim;
-        let (px, pw, po) = (x.ptr_min("rmsnorm", "x", n)?, w.ptr_min("rmsnorm", "w", dim)?, out.ptr_min("rmsnorm", "out", n)?);
+        let (px, pw, po) = (
+            x.ptr_min("rmsnorm", "x", n)?,
+            w.ptr_min("rmsnorm", "w", dim)?,
+            out.ptr_min("rmsnorm", "out", n)?,
+        );
         self.launch_rmsnorm(px, 0, 0, pw, po, rows, dim, cfg)
     }
 
@@ -71,9 +75,19 @@ impl CudaContext {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn launch_rmsnorm(&self, x: u64, res: u64, post_w: u64, w: u64, out: u64, rows: usize, dim: usize, cfg: RmsNorm) -> Result<(), CudaError> {
+    fn launch_rmsnorm(
+        &self,
+        x: u64,
+        res: u64,
+        post_w: u64,
+        w: u64,
+        out: u64,
+        rows: usize,
+        dim: usize,
+        cfg: RmsNorm,
+    ) -> Result<(), CudaError> {
         const OP: &str = "rmsnorm";
-        if dim == 0 || !(cfg.eps >= 0.0) {
+        if dim == 0 || cfg.eps.is_nan() || cfg.eps < 0.0 {
             return Err(CudaError::bad(OP, format!("dim {dim}, eps {}", cfg.eps)));
         }
         let args = [
@@ -87,11 +101,24 @@ impl CudaContext {
             KArg::U(cfg.gemma as u32),
         ];
         let threads = if dim >= 2048 { 512 } else { 256 };
-        self.launch("rmsnorm_bf16", (u32_of(OP, "rows", rows)?, 1, 1), (threads, 1, 1), 0, &args)
+        self.launch(
+            "rmsnorm_bf16",
+            (u32_of(OP, "rows", rows)?, 1, 1),
+            (threads, 1, 1),
+            0,
+            &args,
+        )
     }
 
     /// In-place RMSNorm of every head vector: x [rows, head_dim] (rows = tokens * heads), w [head_dim].
-    pub fn head_rmsnorm(&self, x: &mut GpuBuffer<bf16>, w: &GpuBuffer<f32>, rows: usize, head_dim: usize, cfg: RmsNorm) -> Result<(), CudaError> {
+    pub fn head_rmsnorm(
+        &self,
+        x: &mut GpuBuffer<bf16>,
+        w: &GpuBuffer<f32>,
+        rows: usize,
+        head_dim: usize,
+        cfg: RmsNorm,
+    ) -> Result<(), CudaError> {
         const OP: &str = "head_rmsnorm";
         let args = [
             KArg::P(x.ptr_min(OP, "x [rows, head_dim]", rows * head_dim)?),
@@ -101,7 +128,13 @@ impl CudaContext {
             KArg::F(cfg.eps),
             KArg::U(cfg.gemma as u32),
         ];
-        self.launch("head_rmsnorm_bf16", (rows.div_ceil(4) as u32, 1, 1), (128, 1, 1), 0, &args)
+        self.launch(
+            "head_rmsnorm_bf16",
+            (rows.div_ceil(4) as u32, 1, 1),
+            (128, 1, 1),
+            0,
+            &args,
+        )
     }
 
     /// NeoX RoPE in place on q [n, q_heads, head_dim] and (optionally) k [n, k_heads, head_dim]
@@ -119,11 +152,28 @@ impl CudaContext {
         rope: Rope,
     ) -> Result<(), CudaError> {
         const OP: &str = "rope_neox";
-        if rope.rot_dim == 0 || rope.rot_dim % 2 != 0 || rope.rot_dim > head_dim || rope.rot_dim > 2048 {
-            return Err(CudaError::bad(OP, format!("rot_dim {} with head_dim {head_dim}", rope.rot_dim)));
+        if rope.rot_dim == 0
+            || rope.rot_dim % 2 != 0
+            || rope.rot_dim > head_dim
+            || rope.rot_dim > 2048
+        {
+            return Err(CudaError::bad(
+                OP,
+                format!("rot_dim {} with head_dim {head_dim}", rope.rot_dim),
+            ));
         }
-        if !(rope.theta > 0.0) || !(rope.pos_scale > 0.0) {
-            return Err(CudaError::bad(OP, format!("theta {} / pos_scale {} must be positive", rope.theta, rope.pos_scale)));
+        if rope.theta.is_nan()
+            || rope.theta <= 0.0
+            || rope.pos_scale.is_nan()
+            || rope.pos_scale <= 0.0
+        {
+            return Err(CudaError::bad(
+                OP,
+                format!(
+                    "theta {} / pos_scale {} must be positive",
+                    rope.theta, rope.pos_scale
+                ),
+            ));
         }
         let pk = match k {
             Some(b) => b.ptr_min(OP, "k [n, k_heads, head_dim]", n * k_heads * head_dim)?,
@@ -142,6 +192,12 @@ impl CudaContext {
             KArg::F(rope.pos_scale),
         ];
         let block = (rope.rot_dim / 2).div_ceil(32) * 32;
-        self.launch("rope_neox_bf16", (u32_of(OP, "n", n)?, heads as u32, 1), (block as u32, 1, 1), 0, &args)
+        self.launch(
+            "rope_neox_bf16",
+            (u32_of(OP, "n", n)?, heads as u32, 1),
+            (block as u32, 1, 1),
+            0,
+            &args,
+        )
     }
 }

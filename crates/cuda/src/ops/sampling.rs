@@ -17,7 +17,13 @@ pub fn uniform_from_seed(seed: u64) -> f32 {
 
 impl CudaContext {
     /// out[r] = argmax of logits [rows, vocab] row r (lowest index on ties).
-    pub fn argmax(&self, logits: &GpuBuffer<f32>, out: &mut GpuBuffer<u32>, rows: usize, vocab: usize) -> Result<(), CudaError> {
+    pub fn argmax(
+        &self,
+        logits: &GpuBuffer<f32>,
+        out: &mut GpuBuffer<u32>,
+        rows: usize,
+        vocab: usize,
+    ) -> Result<(), CudaError> {
         const OP: &str = "argmax";
         if vocab == 0 {
             return Err(CudaError::bad(OP, "vocab is 0"));
@@ -27,7 +33,13 @@ impl CudaContext {
             KArg::P(out.ptr_min(OP, "out [rows]", rows)?),
             KArg::U(u32_of(OP, "vocab", vocab)?),
         ];
-        self.launch("argmax_f32", (u32_of(OP, "rows", rows)?, 1, 1), (1024, 1, 1), 0, &args)
+        self.launch(
+            "argmax_f32",
+            (u32_of(OP, "rows", rows)?, 1, 1),
+            (1024, 1, 1),
+            0,
+            &args,
+        )
     }
 
     /// Nucleus sampling of each row of logits [rows, vocab] at `temperature` (> 0) keeping the
@@ -45,8 +57,19 @@ impl CudaContext {
         top_p: f32,
     ) -> Result<(), CudaError> {
         const OP: &str = "sample_top_p";
-        if vocab == 0 || !(temperature > 0.0) || !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(CudaError::bad(OP, format!("vocab {vocab}, temperature {temperature} (> 0), top_p {top_p} (in (0, 1])")));
+        if vocab == 0
+            || temperature.is_nan()
+            || temperature <= 0.0
+            || top_p.is_nan()
+            || top_p <= 0.0
+            || top_p > 1.0
+        {
+            return Err(CudaError::bad(
+                OP,
+                format!(
+                    "vocab {vocab}, temperature {temperature} (> 0), top_p {top_p} (in (0, 1])"
+                ),
+            ));
         }
         let args = [
             KArg::P(logits.ptr_min(OP, "logits [rows, vocab]", rows * vocab)?),
@@ -56,6 +79,12 @@ impl CudaContext {
             KArg::F(temperature),
             KArg::F(top_p),
         ];
-        self.launch("sample_top_p_f32", (u32_of(OP, "rows", rows)?, 1, 1), (1024, 1, 1), 0, &args)
+        self.launch(
+            "sample_top_p_f32",
+            (u32_of(OP, "rows", rows)?, 1, 1),
+            (1024, 1, 1),
+            0,
+            &args,
+        )
     }
 }

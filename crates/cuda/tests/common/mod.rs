@@ -9,7 +9,10 @@ pub fn gpu(test: &str) -> Option<CudaContext> {
     match CudaContext::new(0) {
         Ok(c) => Some(c),
         Err(e) => {
-            if std::env::var("SLOWFAST_REQUIRE_GPU").map(|v| v == "1").unwrap_or(false) {
+            if std::env::var("SLOWFAST_REQUIRE_GPU")
+                .map(|v| v == "1")
+                .unwrap_or(false)
+            {
                 panic!("{test}: SLOWFAST_REQUIRE_GPU=1 but no usable GPU: {e}");
             }
             println!("{test}: skipped, no usable GPU ({e})");
@@ -22,7 +25,10 @@ pub fn gpu(test: &str) -> Option<CudaContext> {
 pub struct Rng(u64);
 impl Rng {
     pub fn new(tag: u64) -> Self {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
         let seed = (t ^ tag.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1;
         println!("rng seed {seed:#x}");
         Rng(seed)
@@ -64,7 +70,10 @@ pub fn nan_bf16(n: usize) -> Vec<bf16> {
 pub fn rel_err(what: &str, got: &[f64], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len(), "{what}: length");
     if let Some(i) = got.iter().position(|v| !v.is_finite()) {
-        panic!("{what}: element {i} is {} (unwritten or NaN); want {}", got[i], want[i]);
+        panic!(
+            "{what}: element {i} is {} (unwritten or NaN); want {}",
+            got[i], want[i]
+        );
     }
     let num: f64 = got.iter().zip(want).map(|(a, b)| (a - b) * (a - b)).sum();
     let den: f64 = want.iter().map(|b| b * b).sum();
