@@ -1,1 +1,648 @@
-//! Token sampling (skeleton).
+//! Token sampling: the sampler chain over one row of logits (repetition penalty, temperature,
+//! top-k, top-p, min-p, then a seeded draw; temperature 0 is greedy) and its validated config.
+//! All scratch space is allocated at construction, so sampling allocates nothing per call.
+use std::cmp::Ordering;
+
+/// Invalid sampler settings or logits; messages name the CLI flag at fault.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SamplerError {
+    #[error("--temperature must be a finite number >= 0, got {0}")]
+    Temperature(f32),
+    #[error("--top-p must be in (0, 1], got {0}")]
+    TopP(f32),
+    #[error("--min-p must be in [0, 1], got {0}")]
+    MinP(f32),
+    #[error("--repetition-penalty must be a finite number > 0, got {0}")]
+    RepetitionPenalty(f32),
+    #[error("the sampler needs a vocabulary of at least one token")]
+    EmptyVocab,
+    #[error("logits row has {got} entries but the vocabulary has {want}")]
+    LogitsLen { got: usize, want: usize },
+    #[error("every logit is NaN or -inf: nothing to sample")]
+    NoCandidates,
+}
+
+/// Sampler settings (llama.cpp-style names and defaults).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplerConfig {
+    /// 0 = greedy (argmax, lowest id on ties).
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0 = disabled.
+    pub top_k: usize,
+    /// Keep the smallest most-likely set whose probability reaches p; 1 = disabled.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one; 0 = disabled.
+    pub min_p: f32,
+    /// Penalise tokens seen in the last `repeat_last_n` tokens; 1 = disabled.
+    pub repetition_penalty: f32,
+    /// Window of the repetition penalty; 0 = disabled.
+    pub repeat_last_n: usize,
+    /// Seed of the draw; a seed gives the same tokens for the same logits.
+    pub seed: u64,
+}
+
+impl Default for SamplerConfig {
+    fn default() -> Self {
+        SamplerConfig {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repetition_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0x5EED,
+        }
+    }
+}
+
+impl SamplerConfig {
+    /// Plain argmax decoding.
+    pub fn greedy() -> Self {
+        SamplerConfig {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            repeat_last_n: 0,
+            seed: 0,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), SamplerError> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(SamplerError::Temperature(self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(SamplerError::TopP(self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(SamplerError::MinP(self.min_p));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(SamplerError::RepetitionPenalty(self.repetition_penalty));
+        }
+        Ok(())
+    }
+}
+
+/// xoshiro256** seeded through splitmix64: small, fast, deterministic for a seed.
+#[derive(Debug, Clone)]
+pub struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        let mut x = seed;
+        let mut next = || {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        Rng {
+            s: [next(), next(), next(), next()],
+        }
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let s = &mut self.s;
+        let out = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        out
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// Order candidates most likely first, lower id first on ties.
+fn by_logit_desc(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
+    b.0.partial_cmp(&a.0)
+        .unwrap_or(Ordering::Equal)
+        .then(a.1.cmp(&b.1))
+}
+
+/// The sampler chain with its scratch buffers and token history.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    cfg: SamplerConfig,
+    vocab_size: usize,
+    rng: Rng,
+    work: Vec<f32>,        // [vocab] logits after the penalty
+    cand: Vec<(f32, u32)>, // [<= vocab] (scaled logit, id) still in the running
+    history: Vec<u32>,     // [<= repeat_last_n] ring of recent tokens
+    history_next: usize,   // ring write position once full
+    seen: Vec<u32>,        // [<= repeat_last_n] scratch: distinct recent tokens
+}
+
+impl Sampler {
+    pub fn new(cfg: SamplerConfig, vocab_size: usize) -> Result<Self, SamplerError> {
+        cfg.validate()?;
+        if vocab_size == 0 {
+            return Err(SamplerError::EmptyVocab);
+        }
+        Ok(Sampler {
+            rng: Rng::new(cfg.seed),
+            vocab_size,
+            work: Vec::with_capacity(vocab_size),
+            cand: Vec::with_capacity(vocab_size),
+            history: Vec::with_capacity(cfg.repeat_last_n),
+            history_next: 0,
+            seen: Vec::with_capacity(cfg.repeat_last_n),
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &SamplerConfig {
+        &self.cfg
+    }
+
+    /// Forget the history and restart the random stream from the seed.
+    pub fn reset(&mut self) {
+        self.rng = Rng::new(self.cfg.seed);
+        self.history.clear();
+        self.history_next = 0;
+    }
+
+    /// Record a token (prompt or generated) for the repetition penalty.
+    pub fn accept(&mut self, token: u32) {
+        let n = self.cfg.repeat_last_n;
+        if n == 0 {
+            return;
+        }
+        if self.history.len() < n {
+            self.history.push(token);
+        } else {
+            self.history[self.history_next] = token;
+            self.history_next = (self.history_next + 1) % n;
+        }
+    }
+
+    /// Sample a token and record it in the history.
+    pub fn sample_and_accept(&mut self, logits: &[f32]) -> Result<u32, SamplerError> {
+        let t = self.sample(logits)?;
+        self.accept(t);
+        Ok(t)
+    }
+
+    /// Sample one token from `logits` (`[vocab]`). Does not record it; see `accept`.
+    pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplerError> {
+        if logits.len() != self.vocab_size {
+            return Err(SamplerError::LogitsLen {
+                got: logits.len(),
+                want: self.vocab_size,
+            });
+        }
+        self.work.clear();
+        self.work.extend(
+            logits
+                .iter()
+                .map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l }),
+        );
+        self.apply_repetition_penalty();
+        if self.cfg.temperature == 0.0 {
+            return argmax(&self.work).ok_or(SamplerError::NoCandidates);
+        }
+        let inv_t = 1.0 / self.cfg.temperature;
+        self.cand.clear();
+        for (i, &l) in self.work.iter().enumerate() {
+            if l > f32::NEG_INFINITY {
+                self.cand.push((l * inv_t, i as u32));
+            }
+        }
+        if self.cand.is_empty() {
+            return Err(SamplerError::NoCandidates);
+        }
+        let k = self.cfg.top_k;
+        if k > 0 && k < self.cand.len() {
+            self.cand.select_nth_unstable_by(k - 1, by_logit_desc);
+            self.cand.truncate(k);
+        }
+        if self.cfg.top_p < 1.0 {
+            keep_top_p(&mut self.cand, self.cfg.top_p);
+        }
+        if self.cfg.min_p > 0.0 {
+            let max = self
+                .cand
+                .iter()
+                .map(|c| c.0)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let threshold = max + self.cfg.min_p.ln();
+            self.cand.retain(|c| c.0 >= threshold);
+        }
+        Ok(draw(&self.cand, &mut self.rng))
+    }
+
+    /// llama.cpp semantics: each distinct token of the last `repeat_last_n` gets its logit
+    /// divided by the penalty when positive, multiplied when not.
+    fn apply_repetition_penalty(&mut self) {
+        let p = self.cfg.repetition_penalty;
+        if p == 1.0 || self.history.is_empty() {
+            return;
+        }
+        self.seen.clear();
+        self.seen.extend_from_slice(&self.history);
+        self.seen.sort_unstable();
+        self.seen.dedup();
+        for &t in &self.seen {
+            if let Some(l) = self.work.get_mut(t as usize) {
+                *l = if *l <= 0.0 { *l * p } else { *l / p };
+            }
+        }
+    }
+}
+
+/// Index of the largest value, lowest index on ties; `None` when all are -inf.
+pub fn argmax(xs: &[f32]) -> Option<u32> {
+    let mut best: Option<(u32, f32)> = None;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > f32::NEG_INFINITY && best.is_none_or(|(_, b)| x > b) {
+            best = Some((i as u32, x));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
+/// Keep the smallest most-likely prefix whose probability mass reaches `p`. Sorts only as
+/// much of `cand` as needed: growing chunks are selected and sorted until the mass is reached.
+fn keep_top_p(cand: &mut Vec<(f32, u32)>, p: f32) {
+    let max = cand.iter().map(|c| c.0).fold(f32::NEG_INFINITY, f32::max);
+    let total: f64 = cand.iter().map(|c| ((c.0 - max) as f64).exp()).sum();
+    let target = p as f64 * total;
+    let mut sorted = 0;
+    let mut step = 64;
+    let mut cum = 0.0f64;
+    while sorted < cand.len() {
+        let rest = &mut cand[sorted..];
+        let m = step.min(rest.len());
+        if m < rest.len() {
+            rest.select_nth_unstable_by(m - 1, by_logit_desc);
+        }
+        rest[..m].sort_unstable_by(by_logit_desc);
+        for i in sorted..sorted + m {
+            cum += ((cand[i].0 - max) as f64).exp();
+            if cum >= target {
+                cand.truncate(i + 1);
+                return;
+            }
+        }
+        sorted += m;
+        step *= 4;
+    }
+}
+
+/// Draw one id with probability proportional to exp(logit).
+fn draw(cand: &[(f32, u32)], rng: &mut Rng) -> u32 {
+    let max = cand.iter().map(|c| c.0).fold(f32::NEG_INFINITY, f32::max);
+    let total: f64 = cand.iter().map(|c| ((c.0 - max) as f64).exp()).sum();
+    let u = rng.next_f64() * total;
+    let mut cum = 0.0;
+    for c in cand {
+        cum += ((c.0 - max) as f64).exp();
+        if u < cum {
+            return c.1;
+        }
+    }
+    cand[cand.len() - 1].1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(temperature: f32) -> SamplerConfig {
+        SamplerConfig {
+            temperature,
+            ..SamplerConfig::greedy()
+        }
+    }
+
+    fn random_logits(rng: &mut Rng, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| (rng.next_f64() * 8.0 - 4.0) as f32)
+            .collect()
+    }
+
+    /// Reference: full sort, then each filter written out plainly.
+    fn reference_support(logits: &[f32], c: &SamplerConfig) -> Vec<u32> {
+        let mut v: Vec<(f32, u32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (l / c.temperature, i as u32))
+            .collect();
+        v.sort_by(by_logit_desc);
+        if c.top_k > 0 {
+            v.truncate(c.top_k);
+        }
+        let max = v[0].0 as f64;
+        let probs: Vec<f64> = v.iter().map(|x| (x.0 as f64 - max).exp()).collect();
+        let z: f64 = probs.iter().sum();
+        let mut keep = v.len();
+        let mut cum = 0.0;
+        for (i, p) in probs.iter().enumerate() {
+            cum += p / z;
+            if cum >= c.top_p as f64 {
+                keep = i + 1;
+                break;
+            }
+        }
+        v.truncate(keep);
+        let mut ids: Vec<u32> = v
+            .iter()
+            .filter(|x| (x.0 as f64 - max).exp() >= c.min_p as f64 * 1.0 - 1e-12)
+            .map(|x| x.1)
+            .collect();
+        ids.sort();
+        ids
+    }
+
+    #[test]
+    fn validate_names_the_flag() {
+        let bad = [
+            (
+                SamplerConfig {
+                    temperature: -0.1,
+                    ..cfg(1.0)
+                },
+                "--temperature",
+            ),
+            (
+                SamplerConfig {
+                    temperature: f32::NAN,
+                    ..cfg(1.0)
+                },
+                "--temperature",
+            ),
+            (
+                SamplerConfig {
+                    top_p: 0.0,
+                    ..cfg(1.0)
+                },
+                "--top-p",
+            ),
+            (
+                SamplerConfig {
+                    top_p: 1.5,
+                    ..cfg(1.0)
+                },
+                "--top-p",
+            ),
+            (
+                SamplerConfig {
+                    min_p: -0.1,
+                    ..cfg(1.0)
+                },
+                "--min-p",
+            ),
+            (
+                SamplerConfig {
+                    min_p: 1.1,
+                    ..cfg(1.0)
+                },
+                "--min-p",
+            ),
+            (
+                SamplerConfig {
+                    repetition_penalty: 0.0,
+                    ..cfg(1.0)
+                },
+                "--repetition-penalty",
+            ),
+        ];
+        for (c, flag) in bad {
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(flag), "{e}");
+            assert!(Sampler::new(c, 10).is_err());
+        }
+        assert!(SamplerConfig::default().validate().is_ok());
+        assert!(SamplerConfig::greedy().validate().is_ok());
+        assert_eq!(
+            Sampler::new(cfg(1.0), 0).unwrap_err(),
+            SamplerError::EmptyVocab
+        );
+    }
+
+    #[test]
+    fn greedy_takes_lowest_id_on_ties() {
+        let mut s = Sampler::new(SamplerConfig::greedy(), 5).unwrap();
+        assert_eq!(s.sample(&[1.0, 3.0, f32::NAN, 3.0, -2.0]).unwrap(), 1);
+        assert_eq!(
+            s.sample(&[f32::NEG_INFINITY, 0.0, 0.0, 0.0, 0.0]).unwrap(),
+            1
+        );
+        let e = s.sample(&[f32::NEG_INFINITY; 5]).unwrap_err();
+        assert_eq!(e, SamplerError::NoCandidates);
+        let e = s.sample(&[0.0; 4]).unwrap_err().to_string();
+        assert!(e.contains("4 entries") && e.contains("has 5"), "{e}");
+    }
+
+    #[test]
+    fn top_k_one_is_greedy() {
+        let mut rng = Rng::new(7);
+        for trial in 0..50 {
+            let mut logits = random_logits(&mut rng, 300);
+            if trial % 5 == 0 {
+                let m = logits.iter().cloned().fold(f32::MIN, f32::max);
+                logits[299] = m; // a tie: the lower id must win
+            }
+            let c = SamplerConfig {
+                top_k: 1,
+                seed: trial,
+                ..cfg(1.3)
+            };
+            let mut s = Sampler::new(c, 300).unwrap();
+            assert_eq!(s.sample(&logits).unwrap(), argmax(&logits).unwrap());
+        }
+    }
+
+    #[test]
+    fn filters_match_reference_on_random_logits() {
+        let mut rng = Rng::new(11);
+        for trial in 0..200u64 {
+            let n = 1 + (rng.next_u64() % 700) as usize;
+            let logits = random_logits(&mut rng, n);
+            let c = SamplerConfig {
+                temperature: 0.3 + rng.next_f64() as f32 * 1.5,
+                top_k: [0, 1, 5, 50, 1000][(trial % 5) as usize],
+                top_p: [1.0, 0.9, 0.5, 0.05][(trial % 4) as usize],
+                min_p: [0.0, 0.05, 0.3][(trial % 3) as usize],
+                ..SamplerConfig::greedy()
+            };
+            let mut s = Sampler::new(c.clone(), n).unwrap();
+            s.sample(&logits).unwrap();
+            let mut got: Vec<u32> = s.cand.iter().map(|x| x.1).collect();
+            got.sort();
+            assert_eq!(got, reference_support(&logits, &c), "trial {trial} {c:?}");
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_smallest_set_reaching_p() {
+        // probabilities 0.5, 0.25, 0.125, 0.125
+        let logits = [0.5f32.ln(), 0.25f32.ln(), 0.125f32.ln(), 0.125f32.ln()];
+        for (p, want) in [
+            (0.49, 1),
+            (0.51, 2),
+            (0.74, 2),
+            (0.76, 3),
+            (0.99, 4),
+            (1.0, 4),
+        ] {
+            let c = SamplerConfig {
+                top_p: p,
+                ..cfg(1.0)
+            };
+            let mut s = Sampler::new(c, 4).unwrap();
+            s.sample(&logits).unwrap();
+            assert_eq!(s.cand.len(), want, "top_p {p}");
+        }
+    }
+
+    #[test]
+    fn min_p_drops_unlikely_tokens() {
+        // probabilities proportional to 1, 0.5, 0.09, 0.2
+        let logits = [0.0, 0.5f32.ln(), 0.09f32.ln(), 0.2f32.ln()];
+        let c = SamplerConfig {
+            min_p: 0.1,
+            ..cfg(1.0)
+        };
+        let mut s = Sampler::new(c, 4).unwrap();
+        for _ in 0..500 {
+            assert_ne!(s.sample(&logits).unwrap(), 2);
+        }
+        let mut ids: Vec<u32> = s.cand.iter().map(|c| c.1).collect();
+        ids.sort();
+        assert_eq!(ids, vec![0, 1, 3]);
+    }
+
+    #[test]
+    fn repetition_penalty_follows_llama_cpp() {
+        let c = SamplerConfig {
+            repetition_penalty: 2.0,
+            repeat_last_n: 2,
+            ..SamplerConfig::greedy()
+        };
+        let mut s = Sampler::new(c, 4).unwrap();
+        // token 0 (logit 3) penalised to 1.5 < token 1 (2.0)
+        s.accept(0);
+        s.accept(0); // counted once
+        assert_eq!(s.sample(&[3.0, 2.0, -1.0, 1.0]).unwrap(), 1);
+        assert_eq!(s.work, vec![1.5, 2.0, -1.0, 1.0]);
+        // window of 2: after two more tokens 0 is forgotten; negative logits are multiplied
+        s.accept(2);
+        s.accept(1);
+        s.sample(&[3.0, 2.0, -1.0, 1.0]).unwrap();
+        assert_eq!(s.work, vec![3.0, 1.0, -2.0, 1.0]);
+        s.reset();
+        s.sample(&[3.0, 2.0, -1.0, 1.0]).unwrap();
+        assert_eq!(s.work, vec![3.0, 2.0, -1.0, 1.0]);
+    }
+
+    #[test]
+    fn seeded_draws_are_deterministic() {
+        let mut rng = Rng::new(3);
+        let logits = random_logits(&mut rng, 1000);
+        let run = |seed| {
+            let c = SamplerConfig {
+                seed,
+                ..SamplerConfig::default()
+            };
+            let mut s = Sampler::new(c, 1000).unwrap();
+            (0..64)
+                .map(|_| s.sample_and_accept(&logits).unwrap())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(42), run(42));
+        assert_ne!(run(42), run(43));
+    }
+
+    #[test]
+    fn draws_follow_the_distribution() {
+        // Chi-square test on a 6-token vocabulary with temperature 0.7.
+        let logits = [1.0f32, 0.5, 0.0, -0.5, 2.0, -3.0];
+        let t = 0.7f64;
+        let w: Vec<f64> = logits.iter().map(|&l| (l as f64 / t).exp()).collect();
+        let z: f64 = w.iter().sum();
+        let c = SamplerConfig {
+            seed: 99,
+            ..cfg(0.7)
+        };
+        let mut s = Sampler::new(c, 6).unwrap();
+        let n = 60_000;
+        let mut counts = [0usize; 6];
+        for _ in 0..n {
+            counts[s.sample(&logits).unwrap() as usize] += 1;
+        }
+        let chi2: f64 = counts
+            .iter()
+            .zip(&w)
+            .map(|(&o, &wi)| {
+                let e = n as f64 * wi / z;
+                (o as f64 - e).powi(2) / e
+            })
+            .sum();
+        // 5 degrees of freedom: P(chi2 > 20.5) ~ 0.001.
+        assert!(chi2 < 20.5, "chi2 {chi2}, counts {counts:?}");
+        // And a biased sampler fails the same check: drop token 4's extra mass.
+        let skewed = [1.0f32, 0.5, 0.0, -0.5, 1.0, -3.0];
+        let mut counts = [0usize; 6];
+        for _ in 0..n {
+            counts[s.sample(&skewed).unwrap() as usize] += 1;
+        }
+        let chi2: f64 = counts
+            .iter()
+            .zip(&w)
+            .map(|(&o, &wi)| {
+                let e = n as f64 * wi / z;
+                (o as f64 - e).powi(2) / e
+            })
+            .sum();
+        assert!(
+            chi2 > 20.5,
+            "the check cannot tell distributions apart: {chi2}"
+        );
+    }
+
+    #[test]
+    fn sampling_does_not_reallocate() {
+        let n = 5000;
+        let mut rng = Rng::new(5);
+        let c = SamplerConfig {
+            repetition_penalty: 1.3,
+            ..SamplerConfig::default()
+        };
+        let mut s = Sampler::new(c, n).unwrap();
+        let caps = (
+            s.work.capacity(),
+            s.cand.capacity(),
+            s.history.capacity(),
+            s.seen.capacity(),
+        );
+        let ptrs = (s.work.as_ptr(), s.cand.as_ptr());
+        for _ in 0..200 {
+            let logits = random_logits(&mut rng, n);
+            s.sample_and_accept(&logits).unwrap();
+        }
+        assert_eq!(
+            caps,
+            (
+                s.work.capacity(),
+                s.cand.capacity(),
+                s.history.capacity(),
+                s.seen.capacity()
+            )
+        );
+        assert_eq!(ptrs, (s.work.as_ptr(), s.cand.as_ptr()));
+    }
+}

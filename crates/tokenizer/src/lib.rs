@@ -23,8 +23,8 @@ pub use spm::{SpmConfig, SpmVocab, TokenKind};
 pub use stream::StreamDecoder;
 
 enum Inner {
-    Spm(SpmVocab),
-    Hf(HfTokenizer),
+    Spm(Box<SpmVocab>),
+    Hf(Box<HfTokenizer>),
     Bytes(ByteTokenizer),
 }
 
@@ -106,7 +106,7 @@ impl Tokenizer {
             }
         }
         Ok(Tokenizer {
-            inner: Inner::Spm(vocab),
+            inner: Inner::Spm(Box::new(vocab)),
             chat,
             chat_missing,
             eos_ids,
@@ -149,7 +149,7 @@ impl Tokenizer {
             }
         }
         Ok(Tokenizer {
-            inner: Inner::Hf(hf),
+            inner: Inner::Hf(Box::new(hf)),
             chat,
             chat_missing,
             eos_ids,
