@@ -26,10 +26,12 @@ import numpy as np
 import llama_cpp
 
 
-def load(model_path, n_ctx, threads=2, n_batch=512):
-    """Opens a GGUF with llama.cpp on the CPU; flash attention off, f16 KV cache (defaults)."""
+def load(model_path, n_ctx, threads=2, n_batch=512, kv_f32=False):
+    """Opens a GGUF with llama.cpp on the CPU; flash attention off, f16 KV cache (defaults),
+    or an f32 KV cache with kv_f32."""
     if not os.path.isfile(model_path):
         sys.exit(f"model file not found: {model_path}")
+    kv = {"type_k": 0, "type_v": 0} if kv_f32 else {}  # 0 = GGML_TYPE_F32
     return llama_cpp.Llama(
         model_path=model_path,
         n_ctx=n_ctx,
@@ -40,6 +42,7 @@ def load(model_path, n_ctx, threads=2, n_batch=512):
         n_gpu_layers=0,
         logits_all=False,
         verbose=False,
+        **kv,
     )
 
 
