@@ -1,0 +1,160 @@
+//! Scalar dequantization of one row, bit-exact with ggml's `dequantize_row_*` reference code.
+//!
+//! The arithmetic (order of the f32 products) follows ggml exactly, so results equal gguf-py's
+//! `gguf.quants.dequantize` bit for bit (checked by the fixture test).
+
+use crate::types::{GgmlType, QK, QK_K};
+use crate::QuantError;
+use half::{bf16, f16};
+
+#[inline(always)]
+pub(crate) fn f16_at(b: &[u8], off: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[off], b[off + 1]])).to_f32()
+}
+
+/// Dequantize one row of `ty` (`src` holds whole blocks) into `dst` (`dst.len()` values).
+///
+/// Errors when `dst.len()` is not a whole number of blocks, when `src.len()` does not match
+/// `ty.row_bytes(dst.len())`, or when `ty` is not supported.
+pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
+    if !ty.is_supported() {
+        return Err(ty.unsupported("dequantize_row"));
+    }
+    let expected = ty.row_bytes(dst.len())?;
+    QuantError::check_len("dequantize_row src", "bytes", expected, src.len())?;
+    dequantize_unchecked(ty, src, dst);
+    Ok(())
+}
+
+/// Dequantize with sizes already validated (`src.len() == ty.row_bytes(dst.len())`).
+pub(crate) fn dequantize_unchecked(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+    let ts = ty.type_size();
+    let bs = ty.block_size();
+    match ty {
+        GgmlType::F32 => {
+            for (y, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *y = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (y, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *y = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+        GgmlType::BF16 => {
+            for (y, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *y = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+        _ => {
+            let f = match ty {
+                GgmlType::Q4_0 => block_q4_0,
+                GgmlType::Q5_0 => block_q5_0,
+                GgmlType::Q8_0 => block_q8_0,
+                GgmlType::Q4_K => block_q4_k,
+                GgmlType::Q6_K => block_q6_k,
+                GgmlType::Q8_K => block_q8_k,
+                _ => unreachable!("is_supported checked by callers"),
+            };
+            for (y, b) in dst.chunks_exact_mut(bs).zip(src.chunks_exact(ts)) {
+                f(b, y);
+            }
+        }
+    }
+}
+
+/// Q4_0: f16 d, 16 bytes of nibbles; y = d * (q - 8), low nibbles first.
+fn block_q4_0(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let qs = &b[2..2 + QK / 2];
+    for j in 0..QK / 2 {
+        let x0 = (qs[j] & 0x0F) as i32 - 8;
+        let x1 = (qs[j] >> 4) as i32 - 8;
+        y[j] = x0 as f32 * d;
+        y[j + QK / 2] = x1 as f32 * d;
+    }
+}
+
+/// Q5_0: f16 d, u32 qh (5th bits), 16 bytes of nibbles; y = d * (q - 16).
+fn block_q5_0(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let qs = &b[6..6 + QK / 2];
+    for j in 0..QK / 2 {
+        let xh0 = (((qh >> j) << 4) & 0x10) as u8;
+        let xh1 = ((qh >> (j + 12)) & 0x10) as u8;
+        let x0 = ((qs[j] & 0x0F) | xh0) as i32 - 16;
+        let x1 = ((qs[j] >> 4) | xh1) as i32 - 16;
+        y[j] = x0 as f32 * d;
+        y[j + QK / 2] = x1 as f32 * d;
+    }
+}
+
+/// Q8_0: f16 d, 32 i8; y = q * d.
+fn block_q8_0(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (v, &q) in y.iter_mut().zip(&b[2..2 + QK]) {
+        *v = (q as i8) as f32 * d;
+    }
+}
+
+/// Q8_K: f32 d, 256 i8, 16 i16 block sums (ignored here); y = d * q.
+fn block_q8_k(b: &[u8], y: &mut [f32]) {
+    let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    for (v, &q) in y.iter_mut().zip(&b[4..4 + QK_K]) {
+        *v = d * (q as i8) as f32;
+    }
+}
+
+/// Unpack the 12-byte 6-bit scales/mins of Q4_K/Q5_K: returns (scale, min) of sub-block `j`.
+#[inline(always)]
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Q4_K: f16 d, f16 dmin, 12 bytes scales/mins, 128 bytes nibbles; 8 sub-blocks of 32.
+fn block_q4_k(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let min = f16_at(b, 2);
+    let scales = &b[4..16];
+    let qs = &b[16..16 + QK_K / 2];
+    for (c, (q, y)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
+        let (sc, m) = scale_min_k4(2 * c, scales);
+        let (d1, m1) = (d * sc as f32, min * m as f32);
+        let (sc, m) = scale_min_k4(2 * c + 1, scales);
+        let (d2, m2) = (d * sc as f32, min * m as f32);
+        for l in 0..32 {
+            y[l] = d1 * (q[l] & 0xF) as f32 - m1;
+            y[l + 32] = d2 * (q[l] >> 4) as f32 - m2;
+        }
+    }
+}
+
+/// Q6_K: 128 bytes low nibbles, 64 bytes high 2-bits, 16 i8 scales, f16 d; 16 sub-blocks of 16.
+fn block_q6_k(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, QK_K / 2 + QK_K / 4 + QK_K / 16);
+    for n in 0..2 {
+        let ql = &b[64 * n..64 * n + 64];
+        let qh = &b[128 + 32 * n..128 + 32 * n + 32];
+        let sc = &b[192 + 8 * n..192 + 8 * n + 8];
+        let y = &mut y[128 * n..128 * n + 128];
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+            let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+            y[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+            y[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+            y[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+            y[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! AVX-512 (F/BW/VL + VNNI) dot kernels: `vpdpbusd` / `vpdpwssd` integer sums, 512-bit f32 FMA.
+#![cfg(target_arch = "x86_64")]
+
+use super::avx2::{
+    f16_at, hsum, q4_k_min_sum, q6_k_bias, q6_k_unpack, scale_pair, unpack_k4_scales,
+};
+use crate::activation::ActRef;
+use crate::types::{GgmlType, QK, QK_K};
+use std::arch::x86_64::*;
+
+/// # Safety
+/// The CPU must support avx2, fma, f16c, avx512f/bw/vl/vnni; lengths as on `dot_row`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn dot(ty: GgmlType, row: &[u8], x: &[f32], a: ActRef<'_>) -> f32 {
+    match ty {
+        GgmlType::F32 => float_dot::<0>(row, x),
+        GgmlType::F16 => float_dot::<1>(row, x),
+        GgmlType::BF16 => float_dot::<2>(row, x),
+        GgmlType::Q8_0 => q8_0(row, a),
+        GgmlType::Q5_0 => legacy::<true>(row, a),
+        GgmlType::Q4_0 => legacy::<false>(row, a),
+        GgmlType::Q4_K => q4_k(row, a),
+        GgmlType::Q6_K => q6_k(row, a),
+        _ => unreachable!("has_dot checked by callers"),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn load(p: *const u8) -> __m256i {
+    _mm256_loadu_si256(p as *const __m256i)
+}
+
+/// 16 weights at element `i` as f32; `KIND`: 0 = f32, 1 = f16, 2 = bf16.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn load16<const KIND: u8>(w: *const u8, i: usize) -> __m512 {
+    match KIND {
+        0 => _mm512_loadu_ps((w as *const f32).add(i)),
+        1 => _mm512_cvtph_ps(load(w.add(2 * i))),
+        _ => _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(load(w.add(2 * i))),
+            16,
+        )),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn float_dot<const KIND: u8>(row: &[u8], x: &[f32]) -> f32 {
+    let (w, xp, n) = (row.as_ptr(), x.as_ptr(), x.len());
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 64 <= n {
+        for (k, a) in acc.iter_mut().enumerate() {
+            let o = i + 16 * k;
+            *a = _mm512_fmadd_ps(load16::<KIND>(w, o), _mm512_loadu_ps(xp.add(o)), *a);
+        }
+        i += 64;
+    }
+    while i + 16 <= n {
+        acc[0] = _mm512_fmadd_ps(load16::<KIND>(w, i), _mm512_loadu_ps(xp.add(i)), acc[0]);
+        i += 16;
+    }
+    let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    let mut s = _mm512_reduce_add_ps(sum);
+    while i < n {
+        let v = match KIND {
+            0 => (w as *const f32).add(i).read_unaligned(),
+            1 => half::f16::from_bits((w as *const u16).add(i).read_unaligned()).to_f32(),
+            _ => half::bf16::from_bits((w as *const u16).add(i).read_unaligned()).to_f32(),
+        };
+        s += v * *xp.add(i);
+        i += 1;
+    }
+    s
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q8_0(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let zero = _mm256_setzero_si256();
+    let mut acc = [_mm256_setzero_ps(); 2];
+    for b in 0..nb {
+        let bp = w.add(b * (2 + QK));
+        let wv = load(bp.add(2));
+        let xv = load(xq.add(b * QK));
+        let p = _mm256_dpbusd_epi32(zero, _mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+        let d = _mm256_set1_ps(f16_at(bp) * *a.d.get_unchecked(b));
+        acc[b & 1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[b & 1]);
+    }
+    hsum(_mm256_add_ps(acc[0], acc[1]))
+}
+
+/// 16 bytes of nibbles -> 32 bytes: low nibbles then high nibbles.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn nibbles_32(p: *const u8) -> __m256i {
+    let t = _mm_loadu_si128(p as *const __m128i);
+    let v = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+    _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn legacy<const FIVE: bool>(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let bsz = if FIVE { 6 + QK / 2 } else { 2 + QK / 2 };
+    let offset = if FIVE { 16.0 } else { 8.0 };
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let zero = _mm256_setzero_si256();
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut corr = 0.0f32;
+    for b in 0..nb {
+        let bp = w.add(b * bsz);
+        let q = if FIVE {
+            let qh = (bp.add(2) as *const u32).read_unaligned();
+            let hb = _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10));
+            _mm256_or_si256(nibbles_32(bp.add(6)), hb)
+        } else {
+            nibbles_32(bp.add(2))
+        };
+        let p = _mm256_dpbusd_epi32(zero, q, load(xq.add(b * QK)));
+        let d = f16_at(bp) * *a.d.get_unchecked(b);
+        corr += d * *a.sums.get_unchecked(b) as f32;
+        acc[b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc[b & 1]);
+    }
+    hsum(_mm256_add_ps(acc[0], acc[1])) - offset * corr
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4_k(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    let mut accm = 0.0f32;
+    for b in 0..nb {
+        let bp = w.add(b * 144);
+        let dx = *a.d.get_unchecked(b);
+        let sm = unpack_k4_scales(std::slice::from_raw_parts(bp.add(4), 12));
+        accm += f16_at(bp.add(2)) * dx * q4_k_min_sum(&sm[8..], a.sums.as_ptr().add(16 * b)) as f32;
+        let x = xq.add(b * QK_K);
+        let mut sumi = _mm256_setzero_si256();
+        for k in 0..4 {
+            let q4 = load(bp.add(16 + 32 * k));
+            let lo = _mm256_and_si256(q4, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            let p0 = _mm256_maddubs_epi16(lo, load(x.add(64 * k)));
+            let p1 = _mm256_maddubs_epi16(hi, load(x.add(64 * k + 32)));
+            sumi = _mm256_dpwssd_epi32(sumi, p0, _mm256_set1_epi16(sm[2 * k] as i16));
+            sumi = _mm256_dpwssd_epi32(sumi, p1, _mm256_set1_epi16(sm[2 * k + 1] as i16));
+        }
+        let d = _mm256_set1_ps(f16_at(bp) * dx);
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc) - accm
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q6_k(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..nb {
+        let bp = w.add(b * 210);
+        let x = xq.add(b * QK_K);
+        let scales = _mm_loadu_si128(bp.add(192) as *const __m128i);
+        let mut sumi = _mm256_sub_epi32(
+            _mm256_setzero_si256(),
+            q6_k_bias(scales, a.sums.as_ptr().add(16 * b)),
+        );
+        for n in 0..2 {
+            let q = q6_k_unpack(bp.add(64 * n), bp.add(128 + 32 * n));
+            for (k, qk) in q.iter().enumerate() {
+                let p = _mm256_maddubs_epi16(*qk, load(x.add(128 * n + 32 * k)));
+                sumi = _mm256_dpwssd_epi32(sumi, p, scale_pair(scales, 4 * n + k));
+            }
+        }
+        let d = _mm256_set1_ps(f16_at(bp.add(208)) * *a.d.get_unchecked(b));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc)
+}

@@ -1,0 +1,129 @@
+//! Portable dot kernels: the same integer block sums as the SIMD kernels, in plain Rust.
+
+use crate::activation::ActRef;
+use crate::dequant::f16_at;
+use crate::types::{GgmlType, QK, QK_K};
+use half::{bf16, f16};
+
+pub(super) fn dot(ty: GgmlType, row: &[u8], x: &[f32], a: ActRef<'_>) -> f32 {
+    match ty {
+        GgmlType::F32 => row
+            .chunks_exact(4)
+            .zip(x)
+            .map(|(b, &v)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * v)
+            .sum(),
+        GgmlType::F16 => row
+            .chunks_exact(2)
+            .zip(x)
+            .map(|(b, &v)| f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32() * v)
+            .sum(),
+        GgmlType::BF16 => row
+            .chunks_exact(2)
+            .zip(x)
+            .map(|(b, &v)| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32() * v)
+            .sum(),
+        GgmlType::Q8_0 => q8_0(row, a),
+        GgmlType::Q5_0 => q5_0(row, a),
+        GgmlType::Q4_0 => q4_0(row, a),
+        GgmlType::Q4_K => q4_k(row, a),
+        GgmlType::Q6_K => q6_k(row, a),
+        _ => unreachable!("has_dot checked by callers"),
+    }
+}
+
+fn q8_0(row: &[u8], a: ActRef<'_>) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, blk) in row.chunks_exact(2 + QK).enumerate() {
+        let xq = &a.qs[b * QK..b * QK + QK];
+        let s: i32 = blk[2..]
+            .iter()
+            .zip(xq)
+            .map(|(&w, &x)| (w as i8 as i32) * x as i32)
+            .sum();
+        acc += f16_at(blk, 0) * a.d[b] * s as f32;
+    }
+    acc
+}
+
+/// Q4_0 / Q5_0: sum of unsigned q * x, minus `offset` * sum(x).
+fn q4_0(row: &[u8], a: ActRef<'_>) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, blk) in row.chunks_exact(2 + QK / 2).enumerate() {
+        let xq = &a.qs[b * QK..b * QK + QK];
+        let mut s = 0i32;
+        for j in 0..QK / 2 {
+            s += (blk[2 + j] & 0xF) as i32 * xq[j] as i32;
+            s += (blk[2 + j] >> 4) as i32 * xq[j + QK / 2] as i32;
+        }
+        s -= 8 * a.sums[b] as i32;
+        acc += f16_at(blk, 0) * a.d[b] * s as f32;
+    }
+    acc
+}
+
+fn q5_0(row: &[u8], a: ActRef<'_>) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, blk) in row.chunks_exact(6 + QK / 2).enumerate() {
+        let xq = &a.qs[b * QK..b * QK + QK];
+        let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+        let mut s = 0i32;
+        for j in 0..QK / 2 {
+            let lo = (blk[6 + j] & 0xF) as u32 | (((qh >> j) & 1) << 4);
+            let hi = (blk[6 + j] >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4);
+            s += lo as i32 * xq[j] as i32 + hi as i32 * xq[j + QK / 2] as i32;
+        }
+        s -= 16 * a.sums[b] as i32;
+        acc += f16_at(blk, 0) * a.d[b] * s as f32;
+    }
+    acc
+}
+
+fn q4_k(row: &[u8], a: ActRef<'_>) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, blk) in row.chunks_exact(144).enumerate() {
+        let xq = &a.qs[b * QK_K..b * QK_K + QK_K];
+        let bs = &a.sums[b * 16..b * 16 + 16];
+        let (mut sumi, mut summ) = (0i32, 0i32);
+        for j in 0..8 {
+            let (sc, m) = crate::dequant::scale_min_k4(j, &blk[4..16]);
+            let q = &blk[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
+            let shift = 4 * (j % 2);
+            let s: i32 = (0..32)
+                .map(|l| ((q[l] >> shift) & 0xF) as i32 * xq[32 * j + l] as i32)
+                .sum();
+            sumi += sc as i32 * s;
+            summ += m as i32 * (bs[2 * j] as i32 + bs[2 * j + 1] as i32);
+        }
+        let d = a.d[b];
+        acc += f16_at(blk, 0) * d * sumi as f32 - f16_at(blk, 2) * d * summ as f32;
+    }
+    acc
+}
+
+fn q6_k(row: &[u8], a: ActRef<'_>) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, blk) in row.chunks_exact(210).enumerate() {
+        let xq = &a.qs[b * QK_K..b * QK_K + QK_K];
+        let bs = &a.sums[b * 16..b * 16 + 16];
+        let mut q = [0u8; QK_K];
+        for n in 0..2 {
+            let (ql, qh) = (&blk[64 * n..64 * n + 64], &blk[128 + 32 * n..160 + 32 * n]);
+            for l in 0..32 {
+                q[128 * n + l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+                q[128 * n + l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+                q[128 * n + l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                q[128 * n + l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+            }
+        }
+        let mut sumi = 0i32;
+        for j in 0..16 {
+            let sc = blk[192 + j] as i8 as i32;
+            let s: i32 = (16 * j..16 * j + 16)
+                .map(|i| q[i] as i32 * xq[i] as i32)
+                .sum();
+            sumi += sc * (s - 32 * bs[j] as i32);
+        }
+        acc += f16_at(blk, 208) * a.d[b] * sumi as f32;
+    }
+    acc
+}

@@ -1,0 +1,102 @@
+//! Bad input gives an error naming the problem, never a panic; type table sanity.
+
+use slowfast_quant::{
+    dequantize_row, matmul, matvec, matvec_rows, quantize_row, GgmlType, MatvecScratch, QMatrix,
+    QuantError,
+};
+
+#[test]
+fn type_ids_and_sizes() {
+    for &ty in GgmlType::ALL {
+        assert_eq!(GgmlType::from_id(ty.id()), Some(ty));
+    }
+    assert_eq!(GgmlType::from_id(4), None);
+    assert_eq!(GgmlType::from_id(1000), None);
+    let sizes = [
+        (GgmlType::F32, 1, 4),
+        (GgmlType::F16, 1, 2),
+        (GgmlType::BF16, 1, 2),
+        (GgmlType::Q4_0, 32, 18),
+        (GgmlType::Q5_0, 32, 22),
+        (GgmlType::Q8_0, 32, 34),
+        (GgmlType::Q4_K, 256, 144),
+        (GgmlType::Q5_K, 256, 176),
+        (GgmlType::Q6_K, 256, 210),
+        (GgmlType::Q8_K, 256, 292),
+        (GgmlType::Q2_K, 256, 84),
+        (GgmlType::Q3_K, 256, 110),
+    ];
+    for (ty, bs, ts) in sizes {
+        assert_eq!((ty.block_size(), ty.type_size()), (bs, ts), "{ty}");
+    }
+    assert_eq!(GgmlType::Q4_K.row_bytes(1024), Ok(576));
+    assert!(matches!(
+        GgmlType::Q4_K.row_bytes(640),
+        Err(QuantError::BadColumns {
+            ncols: 640,
+            block_size: 256,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn bad_sizes_are_errors() {
+    let mut y = vec![0.0f32; 32];
+    // src one byte short
+    let err = dequantize_row(GgmlType::Q8_0, &[0u8; 33], &mut y).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            QuantError::BadLength {
+                expected: 34,
+                got: 33,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // dst not a whole block
+    let err = dequantize_row(GgmlType::Q8_0, &[0u8; 34], &mut y[..31]).unwrap_err();
+    assert!(matches!(err, QuantError::BadColumns { .. }), "{err}");
+    let err = quantize_row(GgmlType::Q6_K, &[0.0; 256], &mut [0u8; 209]).unwrap_err();
+    assert!(err.to_string().contains("expected 210"), "{err}");
+
+    let data = vec![0u8; 3 * 34];
+    assert!(QMatrix::new(GgmlType::Q8_0, 4, 32, &data).is_err());
+    let w = QMatrix::new(GgmlType::Q8_0, 3, 32, &data).unwrap();
+    let mut y3 = vec![0.0f32; 3];
+    assert!(matvec(&w, &[0.0; 31], &mut y3).is_err());
+    assert!(matvec(&w, &[0.0; 32], &mut y3[..2]).is_err());
+    let mut s = MatvecScratch::new();
+    let err = matvec_rows(&w, &[0.0; 32], 2..4, &mut y3[..2], &mut s).unwrap_err();
+    assert!(
+        matches!(err, QuantError::BadRowRange { rows: 3, .. }),
+        "{err}"
+    );
+    assert!(matmul(&w, &[0.0; 64], 2, &mut y3).is_err());
+    // A QMatrix built by hand with inconsistent fields is still caught.
+    let bad = QMatrix {
+        ty: GgmlType::Q8_0,
+        rows: 5,
+        cols: 32,
+        data: &data,
+    };
+    assert!(matvec(&bad, &[0.0; 32], &mut [0.0; 5]).is_err());
+    assert!(matvec(&w, &[0.0; 32], &mut y3).is_ok());
+}
+
+#[test]
+fn unsupported_types_are_errors() {
+    let mut y = vec![0.0f32; 256];
+    let err = dequantize_row(GgmlType::Q3_K, &[0u8; 110], &mut y).unwrap_err();
+    assert!(
+        matches!(err, QuantError::Unsupported { ty: "Q3_K", .. }),
+        "{err}"
+    );
+    let err = quantize_row(GgmlType::IQ2_XXS, &[0.0; 256], &mut [0u8; 66]).unwrap_err();
+    assert!(err.to_string().contains("IQ2_XXS"), "{err}");
+    let data = vec![0u8; 176];
+    let w = QMatrix::new(GgmlType::Q5_K, 1, 256, &data).unwrap();
+    assert!(matvec(&w, &[0.0; 256], &mut [0.0; 1]).is_err());
+}
