@@ -1,1 +1,221 @@
-fn main() {} // placeholder so the workspace parses; replaced by the attention benchmark
+//! Attention kernel benchmark (Instant-based, median of runs): decode of one query row over a
+//! long KV cache (GB/s of KV read) and causal / sliding-window prefill (GFLOP/s), for Qwen3-0.6B
+//! and Gemma 3 270M head shapes, f32 and f16 KV. Run:
+//! `cargo bench -p slowfast-backend --bench attention [-- [decode] [prefill] [bw] [qwen|gemma]]`.
+
+use half::f16;
+use rayon::prelude::*;
+use slowfast_backend::cpu::attention::{
+    attention, AttnShape, KvElem, KvPositions, KvSegment, Mask, QueryPositions,
+};
+use std::time::Instant;
+
+struct Model {
+    name: &'static str,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+}
+
+const MODELS: [Model; 2] = [
+    Model {
+        name: "qwen3-0.6b",
+        n_heads: 16,
+        n_kv_heads: 8,
+        head_dim: 128,
+    },
+    Model {
+        name: "gemma3-270m",
+        n_heads: 4,
+        n_kv_heads: 1,
+        head_dim: 256,
+    },
+];
+
+fn shape(m: &Model) -> AttnShape {
+    AttnShape {
+        n_heads: m.n_heads,
+        n_kv_heads: m.n_kv_heads,
+        head_dim: m.head_dim,
+        scale: 1.0 / (m.head_dim as f32).sqrt(),
+    }
+}
+
+/// Deterministic pseudo-random values in [-1, 1).
+fn fill(n: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(2_654_435_761) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn median_secs(runs: usize, mut f: impl FnMut()) -> f64 {
+    f(); // warm-up
+    let mut t: Vec<f64> = (0..runs)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    t[runs / 2]
+}
+
+/// KV cache of one layer: `[kv_heads, ctx, head_dim]` keys and values.
+struct Cache<T> {
+    k: Vec<T>,
+    v: Vec<T>,
+}
+
+fn cache<T: KvElem>(m: &Model, ctx: usize, conv: fn(f32) -> T) -> Cache<T> {
+    let n = m.n_kv_heads * ctx * m.head_dim;
+    Cache {
+        k: fill(n, 1).into_iter().map(conv).collect(),
+        v: fill(n, 2).into_iter().map(conv).collect(),
+    }
+}
+
+fn segments<'a, T>(c: &'a Cache<T>, m: &Model, ctx: usize) -> Vec<Vec<KvSegment<'a, T>>> {
+    let per = ctx * m.head_dim;
+    (0..m.n_kv_heads)
+        .map(|h| {
+            vec![KvSegment {
+                k: &c.k[h * per..(h + 1) * per],
+                v: &c.v[h * per..(h + 1) * per],
+                pos: KvPositions::Range { start: 0 },
+            }]
+        })
+        .collect()
+}
+
+fn decode<T: KvElem>(m: &Model, ctx: usize, dtype: &str, conv: fn(f32) -> T) {
+    let c = cache(m, ctx, conv);
+    let segs = segments(&c, m, ctx);
+    let q = fill(m.n_heads * m.head_dim, 3);
+    let mut out = vec![0.0; q.len()];
+    let qp = QueryPositions::Start(ctx as u32 - 1);
+    let t = median_secs(21, || {
+        attention(&shape(m), &q, qp, &segs, Mask::CAUSAL, &mut out, None).unwrap();
+    });
+    let bytes = 2 * m.n_kv_heads * ctx * m.head_dim * std::mem::size_of::<T>();
+    println!(
+        "| decode | {} | {} | {}K | {:.1} us | {:.1} GB/s |",
+        m.name,
+        dtype,
+        ctx / 1024,
+        t * 1e6,
+        bytes as f64 / t / 1e9
+    );
+}
+
+fn prefill(m: &Model, n: usize, window: Option<u32>) {
+    let c = cache(m, n, |x| x);
+    let segs = segments(&c, m, n);
+    let q = fill(n * m.n_heads * m.head_dim, 4);
+    let mut out = vec![0.0; q.len()];
+    let mask = Mask {
+        causal: true,
+        window,
+    };
+    let runs = if n * m.n_heads * m.head_dim > 2048 * 2048 {
+        3
+    } else {
+        5
+    };
+    let t = median_secs(runs, || {
+        attention(
+            &shape(m),
+            &q,
+            QueryPositions::Start(0),
+            &segs,
+            mask,
+            &mut out,
+            None,
+        )
+        .unwrap();
+    });
+    // Useful work: visible (query, key) pairs x heads x (2d for q.k + 2d for p.v).
+    let pairs: usize = (0..n)
+        .map(|i| window.map_or(i + 1, |w| (i + 1).min(w as usize)))
+        .sum();
+    let flops = pairs as f64 * m.n_heads as f64 * 4.0 * m.head_dim as f64;
+    let wname = window.map_or("causal".to_string(), |w| format!("window {w}"));
+    println!(
+        "| prefill | {} | f32 | {}K {} | {:.1} ms | {:.1} GFLOP/s |",
+        m.name,
+        n / 1024,
+        wname,
+        t * 1e3,
+        flops / t / 1e9
+    );
+}
+
+/// Parallel read bandwidth of a plain sum over 512 MiB (the ceiling for decode).
+fn bandwidth() {
+    let a = fill(128 << 20, 5);
+    let t = median_secs(5, || {
+        let s: f32 = a
+            .par_chunks(1 << 16)
+            .map(|c| {
+                // 16 independent lanes so the sum vectorises and is not add-latency bound.
+                let mut acc = [0.0f32; 16];
+                for x in c.chunks_exact(16) {
+                    for (a, &b) in acc.iter_mut().zip(x) {
+                        *a += b;
+                    }
+                }
+                acc.iter().sum::<f32>()
+            })
+            .sum();
+        std::hint::black_box(s);
+    });
+    println!(
+        "| read bw | sum over 512 MiB | f32 | - | {:.1} ms | {:.1} GB/s |",
+        t * 1e3,
+        (a.len() * 4) as f64 / t / 1e9
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    // Positional filters: kinds (bw, decode, prefill) and model names; none given = all.
+    let kinds = ["bw", "decode", "prefill"];
+    let (kind_args, model_args): (Vec<&String>, Vec<&String>) =
+        args.iter().partition(|a| kinds.contains(&a.as_str()));
+    let want = |s: &str| kind_args.is_empty() || kind_args.iter().any(|a| *a == s);
+    let models: Vec<&Model> = MODELS
+        .iter()
+        .filter(|m| model_args.is_empty() || model_args.iter().any(|a| m.name.contains(a.as_str())))
+        .collect();
+    println!("threads: {}", rayon::current_num_threads());
+    println!("| kind | model | kv | size | median time | throughput |");
+    println!("|---|---|---|---|---|---|");
+    if want("bw") {
+        bandwidth();
+    }
+    if want("decode") {
+        for &m in &models {
+            for ctx in [8192, 32768] {
+                decode::<f32>(m, ctx, "f32", |x| x);
+                decode::<f16>(m, ctx, "f16", f16::from_f32);
+            }
+        }
+    }
+    if want("prefill") {
+        for &m in &models {
+            for n in [2048, 8192] {
+                prefill(m, n, None);
+                prefill(m, n, Some(512));
+            }
+        }
+    }
+}

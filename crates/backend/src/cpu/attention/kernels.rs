@@ -91,6 +91,8 @@ unsafe fn qk_cols_block<S: Simd, const MR: usize>(
 
 /// Scores in row layout: `s[r * ld + j] = Σ_c q[r * d + c] * k[j * d + c]` for `r < rows`,
 /// `j < nk`. `q`: [rows, d] pre-scaled; `k`: [nk, d]; `d` a multiple of `S::LANES`.
+/// Meanwhile prefetches the value rows `v` [nk, d] that P·V reads next (P·V walks them in
+/// column blocks, a pattern the hardware prefetcher does not follow from DRAM).
 #[inline(always)]
 pub(crate) unsafe fn qk_rows<T: KvElem, S: Simd>(
     q: *const f32,
@@ -100,17 +102,38 @@ pub(crate) unsafe fn qk_rows<T: KvElem, S: Simd>(
     nk: usize,
     s: *mut f32,
     ld: usize,
+    v: *const T,
 ) {
     let mut r = 0;
     while r < rows {
         let (q, s) = (q.add(r * d), s.add(r * ld));
+        let pf = if r == 0 { v } else { std::ptr::null() };
         match rows - r {
-            1 => qk_rows_block::<T, S, 1>(q, d, k, nk, s, ld),
-            2 => qk_rows_block::<T, S, 2>(q, d, k, nk, s, ld),
-            3 => qk_rows_block::<T, S, 3>(q, d, k, nk, s, ld),
-            _ => qk_rows_block::<T, S, 4>(q, d, k, nk, s, ld),
+            1 => qk_rows_block::<T, S, 1>(q, d, k, nk, s, ld, pf),
+            2 => qk_rows_block::<T, S, 2>(q, d, k, nk, s, ld, pf),
+            3 => qk_rows_block::<T, S, 3>(q, d, k, nk, s, ld, pf),
+            _ => qk_rows_block::<T, S, 4>(q, d, k, nk, s, ld, pf),
         }
         r += 4;
+    }
+}
+
+/// Keys ahead of the current one whose rows `qk_rows` prefetches.
+const K_PREFETCH: usize = 8;
+
+/// Prefetches row `j` of `v` [_, d] (no-op for a null `v`). The address may lie past the
+/// rows (prefetch never faults), hence the wrapping arithmetic.
+#[inline(always)]
+unsafe fn prefetch_row<T, S: Simd>(v: *const T, j: usize, d: usize) {
+    if v.is_null() {
+        return;
+    }
+    let bytes = d * std::mem::size_of::<T>();
+    let row = (v as *const u8).wrapping_add(j * bytes);
+    let mut b = 0;
+    while b < bytes {
+        S::prefetch(row.wrapping_add(b));
+        b += 64;
     }
 }
 
@@ -122,11 +145,18 @@ unsafe fn qk_rows_block<T: KvElem, S: Simd, const MR: usize>(
     nk: usize,
     s: *mut f32,
     ld: usize,
+    pf: *const T,
 ) {
     let z = S::splat(0.0);
     let mut j = 0;
     // Two keys at a time: 2*MR independent accumulator chains.
     while j + 2 <= nk {
+        prefetch_row::<T, S>(pf, j, d);
+        prefetch_row::<T, S>(pf, j + 1, d);
+        if !pf.is_null() {
+            prefetch_row::<T, S>(k, j + K_PREFETCH, d);
+            prefetch_row::<T, S>(k, j + 1 + K_PREFETCH, d);
+        }
         let (k0, k1) = (k.add(j * d), k.add((j + 1) * d));
         let mut a0 = [z; MR];
         let mut a1 = [z; MR];
@@ -148,6 +178,7 @@ unsafe fn qk_rows_block<T: KvElem, S: Simd, const MR: usize>(
         j += 2;
     }
     if j < nk {
+        prefetch_row::<T, S>(pf, j, d);
         let k0 = k.add(j * d);
         let mut a0 = [z; MR];
         let mut c = 0;

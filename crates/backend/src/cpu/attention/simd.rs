@@ -30,6 +30,14 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     unsafe fn ldexp(v: Self::V, n: Self::V) -> Self::V;
     /// Lanes where `x < t` become 0, others keep `v`.
     unsafe fn zero_below(x: Self::V, t: Self::V, v: Self::V) -> Self::V;
+    /// Hints that the cache line at `p` will be read soon.
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        #[cfg(target_arch = "x86_64")]
+        std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0);
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = p;
+    }
 }
 
 /// `exp(x)` per lane, relative error ~2 ulp on [-87, 88]; `x < -87.3` (including -inf) gives 0.

@@ -400,6 +400,7 @@ unsafe fn run_rows<T: KvElem, S: Simd>(t: &Task<'_, T>, out: &mut [f32], lse: &m
                 nk,
                 s.as_mut_ptr(),
                 BK_ROWS,
+                seg.v.as_ptr().add(a * d),
             );
             let nk_pad = nk.div_ceil(S::LANES) * S::LANES;
             for r in 0..rows {
