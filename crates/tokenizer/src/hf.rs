@@ -239,3 +239,54 @@ impl HfTokenizer {
         Ok(enc.get_ids().to_vec())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn piece_styles() {
+        let inv = byte_level_inverse();
+        assert_eq!(inv.len(), 256);
+        let sp = PieceStyle::Metaspace {
+            byte_fallback: true,
+        };
+        assert_eq!(decode_piece("▁the", sp, &inv), b" the");
+        assert_eq!(decode_piece("<0x0A>", sp, &inv), b"\n");
+        let no_fb = PieceStyle::Metaspace {
+            byte_fallback: false,
+        };
+        assert_eq!(decode_piece("<0x0A>", no_fb, &inv), b"<0x0A>");
+        assert_eq!(decode_piece("Ġthe", PieceStyle::ByteLevel, &inv), b" the");
+        assert_eq!(
+            decode_piece("ä¸", PieceStyle::ByteLevel, &inv),
+            &[0xE4, 0xB8]
+        );
+        assert_eq!(decode_piece("x▁", PieceStyle::Plain, &inv), "x▁".as_bytes());
+    }
+
+    #[test]
+    fn decoder_detection_and_config_values() {
+        let v: Value = serde_json::from_str(
+            r#"{"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            piece_style(Some(&v)),
+            PieceStyle::Metaspace {
+                byte_fallback: true
+            }
+        );
+        let v: Value = serde_json::from_str(r#"{"type": "ByteLevel"}"#).unwrap();
+        assert_eq!(piece_style(Some(&v)), PieceStyle::ByteLevel);
+        assert_eq!(piece_style(None), PieceStyle::Plain);
+        let cfg: Value = serde_json::from_str(
+            r#"{"bos_token": {"content": "<s>"}, "eos_token": "</s>", "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(token_string(cfg.get("bos_token")).as_deref(), Some("<s>"));
+        assert_eq!(token_string(cfg.get("eos_token")).as_deref(), Some("</s>"));
+        assert_eq!(template_of(cfg.get("chat_template")).as_deref(), Some("D"));
+        assert_eq!(token_string(cfg.get("pad_token")), None);
+    }
+}
