@@ -230,6 +230,7 @@ fn main() -> Result<(), CudaError> {
         None,
         Some("attn_prefill_d128"),
         Some("attn_prefill_d128_k32"),
+        Some("attn_prefill_d128_k48"),
     ] {
         best = best.max(prefill(&ctx, 32, 8, 128, 32768, 3, k)?);
     }

@@ -112,16 +112,14 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
+                if (need_mask) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float v = s[mt][nt][e] * scale_log2;
-                    if (need_mask) {
+                    for (int e = 0; e < 4; ++e) {
                         const int j = j0 + nt * 8 + 2 * tig + (e & 1);
                         const int p = e < 2 ? pa[mt] : pb[mt];
                         const bool ok = j <= p && j < kv_len && (window == 0 || j + (int)window > p);
-                        if (!ok) v = NEG_INF;
+                        if (!ok) s[mt][nt][e] = NEG_INF;
                     }
-                    s[mt][nt][e] = v;
                 }
             }
             float mx[2] = {m_r[mt][0], m_r[mt][1]};
@@ -130,32 +128,36 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
                 mx[0] = fmaxf(mx[0], fmaxf(s[mt][nt][0], s[mt][nt][1]));
                 mx[1] = fmaxf(mx[1], fmaxf(s[mt][nt][2], s[mt][nt][3]));
             }
-            float base[2], alpha[2], rs[2] = {0.0f, 0.0f};
+            // Scores stay unscaled; the scale folds into one FFMA before each exp2.
+            float nb[2], alpha[2], rs[2] = {0.0f, 0.0f};
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
                 mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-                base[i] = mx[i] == NEG_INF ? 0.0f : mx[i];
-                alpha[i] = exp2f(m_r[mt][i] - base[i]);
+                nb[i] = mx[i] == NEG_INF ? 0.0f : -mx[i] * scale_log2;
+                alpha[i] = exp2f(fmaf(m_r[mt][i], scale_log2, nb[i]));
                 m_r[mt][i] = mx[i];
             }
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                s[mt][nt][0] = exp2f(s[mt][nt][0] - base[0]);
-                s[mt][nt][1] = exp2f(s[mt][nt][1] - base[0]);
-                s[mt][nt][2] = exp2f(s[mt][nt][2] - base[1]);
-                s[mt][nt][3] = exp2f(s[mt][nt][3] - base[1]);
+                s[mt][nt][0] = exp2f(fmaf(s[mt][nt][0], scale_log2, nb[0]));
+                s[mt][nt][1] = exp2f(fmaf(s[mt][nt][1], scale_log2, nb[0]));
+                s[mt][nt][2] = exp2f(fmaf(s[mt][nt][2], scale_log2, nb[1]));
+                s[mt][nt][3] = exp2f(fmaf(s[mt][nt][3], scale_log2, nb[1]));
                 rs[0] += s[mt][nt][0] + s[mt][nt][1];
                 rs[1] += s[mt][nt][2] + s[mt][nt][3];
             }
             l_r[mt][0] = l_r[mt][0] * alpha[0] + rs[0];
             l_r[mt][1] = l_r[mt][1] * alpha[1] + rs[1];
+            // Once the running max settles (most tiles of a long row) alpha is exactly 1.
+            if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
 #pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                acc[mt][dt][0] *= alpha[0];
-                acc[mt][dt][1] *= alpha[0];
-                acc[mt][dt][2] *= alpha[1];
-                acc[mt][dt][3] *= alpha[1];
+                for (int dt = 0; dt < DT; ++dt) {
+                    acc[mt][dt][0] *= alpha[0];
+                    acc[mt][dt][1] *= alpha[0];
+                    acc[mt][dt][2] *= alpha[1];
+                    acc[mt][dt][3] *= alpha[1];
+                }
             }
         }
 #pragma unroll
@@ -201,7 +203,7 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
                 *reinterpret_cast<u32*>(orow + dt * 8 + 2 * tig) =
                     pack_bf16x2(acc[mt][dt][2 * half] * inv, acc[mt][dt][2 * half + 1] * inv);
             if (lse != nullptr && tig == 0)
-                lse[(u64)row * n_heads + h] = l > 0.0f ? (m_r[mt][half] + log2f(l)) * LN2_F : NEG_INF;
+                lse[(u64)row * n_heads + h] = l > 0.0f ? (m_r[mt][half] * scale_log2 + log2f(l)) * LN2_F : NEG_INF;
         }
     }
 }
@@ -221,3 +223,5 @@ PREFILL_ENTRY(attn_prefill_d64_m2, 64, 64, 2)
 PREFILL_ENTRY(attn_prefill_d128_m2, 128, 32, 2)
 // Narrow, smaller key tile: less shared memory and registers, more resident blocks.
 PREFILL_ENTRY(attn_prefill_d128_k32, 128, 32, 1)
+// Narrow with 48-key tiles: 68 KB of shared memory, so three blocks (12 warps) fit an SM.
+PREFILL_ENTRY(attn_prefill_d128_k48, 128, 48, 1)
