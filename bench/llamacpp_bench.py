@@ -10,6 +10,11 @@ batches of --batch tokens with logits for the last token only (tokens/s = C / se
 --new-tokens greedy decode steps, one token per llama_decode, each step returning the logits of
 its token and taking the argmax in numpy (tokens/s = new / seconds). The KV cache is cleared
 between contexts. With --repeats R the best (fastest) of R runs is reported.
+
+The 1-minute load average before and after is recorded: ggml's worker threads busy-wait at
+barriers, so with --threads equal to the core count on a machine that is busy with other work,
+decode can slow down by 10x or more (measured: 2 threads on 2 shared cores, load ~5: 1.5 tok/s
+decode at 2K context, against 34 tok/s with 1 thread at the same time).
 """
 
 import argparse
@@ -87,6 +92,7 @@ def main():
     # warm-up: small prefill + a few decode steps
     decode_steps(llm, prefill(llm, toks[:64]), 64, 8)
 
+    load_before = os.getloadavg()[0]
     rows = []
     for c in contexts:
         best = None
@@ -113,9 +119,12 @@ def main():
         "repeats": args.repeats,
         "text_file": os.path.basename(args.text),
         "cpu": platform.processor() or platform.machine(),
+        "loadavg_1m_before": round(load_before, 2),
+        "loadavg_1m_after": round(os.getloadavg()[0], 2),
         "results": rows,
     }
-    print(f"llama.cpp {llama_cpp.__version__}  {os.path.basename(args.model)}  threads={args.threads}")
+    print(f"llama.cpp {llama_cpp.__version__}  {os.path.basename(args.model)}  threads={args.threads}"
+          f"  loadavg {result['loadavg_1m_before']} -> {result['loadavg_1m_after']}")
     print(f"{'context':>8} {'prefill s':>10} {'prefill tok/s':>14} {'new':>5} {'decode s':>9} "
           f"{'decode tok/s':>13}")
     for r in rows:
