@@ -1,1 +1,65 @@
-fn main() {}
+//! The `slowfast` command line: generate, eval, bench, fetch, info.
+mod cmd_bench;
+mod cmd_eval;
+mod cmd_generate;
+mod cmd_info;
+mod common;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "slowfast",
+    version,
+    about = "Fast long-context LLM inference: Slow-Fast decoding on existing checkpoints",
+    long_about = "slowfast runs decoder-only LLMs (Gemma 3, Qwen3, Llama) from GGUF files, HF \
+safetensors directories or random-weight presets. MODEL is a .gguf path, an HF model directory, \
+random:<preset>[@dtype] (qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, llama3-8b), hf:<org>/<repo>, \
+or the alias gemma3-270m (the default, fetched on first use)."
+)]
+struct Cli {
+    /// Worker threads (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt, streaming it to stdout.
+    Generate(cmd_generate::Args),
+    /// Measure quality (next-token NLL on a text).
+    Eval(cmd_eval::Args),
+    /// Measure prefill and decode throughput at several context lengths.
+    Bench(cmd_bench::Args),
+    /// Download a known model into $SLOWFAST_HOME (default ~/.cache/slowfast).
+    Fetch(cmd_info::FetchArgs),
+    /// Print a model's architecture, size, weight types and KV bytes per token.
+    Info(cmd_info::InfoArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Some(t) = cli.threads {
+        if t == 0 {
+            eprintln!("error: --threads must be at least 1");
+            std::process::exit(2);
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+            .expect("the global thread pool is built once, before any work");
+    }
+    let r = match cli.cmd {
+        Cmd::Generate(a) => cmd_generate::run(a),
+        Cmd::Eval(a) => cmd_eval::run(a),
+        Cmd::Bench(a) => cmd_bench::run(a),
+        Cmd::Fetch(a) => cmd_info::fetch(a),
+        Cmd::Info(a) => cmd_info::info(a),
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,2 +1,14 @@
 //! slowfast-engine: sampling, the generate loop, evaluation and benchmarks.
+pub mod bench;
+pub mod error;
+pub mod eval;
+pub mod generate;
+pub mod hub;
+pub mod load;
 pub mod sampler;
+pub mod session;
+pub mod stop;
+
+pub use error::EngineError;
+pub use load::{load, Loaded, DEFAULT_MODEL};
+pub use session::{KvDtype, Session};

@@ -2,6 +2,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::Mmap;
 
@@ -96,7 +97,7 @@ pub struct GgufFile {
     keys: Vec<String>,
     tensors: Vec<GgufTensorInfo>,
     index: HashMap<String, usize>,
-    mmap: Mmap,
+    mmap: Arc<Mmap>,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -201,26 +202,26 @@ impl<'a> Cursor<'a> {
 /// (block size in elements, bytes per block) for the ggml types a GGUF may hold.
 fn ggml_layout(ty: u32) -> Option<(u64, u64)> {
     Some(match ty {
-        0 => (1, 4),          // F32
-        1 => (1, 2),          // F16
-        2 => (32, 18),        // Q4_0
-        3 => (32, 20),        // Q4_1
-        6 => (32, 22),        // Q5_0
-        7 => (32, 24),        // Q5_1
-        8 => (32, 34),        // Q8_0
-        9 => (32, 36),        // Q8_1
-        10 => (256, 84),      // Q2_K
-        11 => (256, 110),     // Q3_K
-        12 => (256, 144),     // Q4_K
-        13 => (256, 176),     // Q5_K
-        14 => (256, 210),     // Q6_K
-        15 => (256, 292),     // Q8_K
-        24 => (1, 1),         // I8
-        25 => (1, 2),         // I16
-        26 => (1, 4),         // I32
-        27 => (1, 8),         // I64
-        28 => (1, 8),         // F64
-        30 => (1, 2),         // BF16
+        0 => (1, 4),      // F32
+        1 => (1, 2),      // F16
+        2 => (32, 18),    // Q4_0
+        3 => (32, 20),    // Q4_1
+        6 => (32, 22),    // Q5_0
+        7 => (32, 24),    // Q5_1
+        8 => (32, 34),    // Q8_0
+        9 => (32, 36),    // Q8_1
+        10 => (256, 84),  // Q2_K
+        11 => (256, 110), // Q3_K
+        12 => (256, 144), // Q4_K
+        13 => (256, 176), // Q5_K
+        14 => (256, 210), // Q6_K
+        15 => (256, 292), // Q8_K
+        24 => (1, 1),     // I8
+        25 => (1, 2),     // I16
+        26 => (1, 4),     // I32
+        27 => (1, 8),     // I64
+        28 => (1, 8),     // F64
+        30 => (1, 2),     // BF16
         _ => return None,
     })
 }
@@ -241,22 +242,26 @@ impl GgufFile {
             msg,
         };
         let mut c = Cursor { buf: &mmap, pos: 0 };
-        let magic = c.take(4).map_err(|_| bad("file is shorter than the 4-byte magic".into()))?;
+        let magic = c
+            .take(4)
+            .map_err(|_| bad("file is shorter than the 4-byte magic".into()))?;
         if magic != GGUF_MAGIC {
-            return Err(bad(format!(
-                "bad magic {magic:02x?} (expected \"GGUF\")"
-            )));
+            return Err(bad(format!("bad magic {magic:02x?} (expected \"GGUF\")")));
         }
         let version = c.u32().map_err(&bad)?;
         if !(2..=3).contains(&version) {
-            return Err(bad(format!("unsupported GGUF version {version} (supported: 2, 3)")));
+            return Err(bad(format!(
+                "unsupported GGUF version {version} (supported: 2, 3)"
+            )));
         }
         let n_tensors = c.count("tensor").map_err(&bad)?;
         let n_kv = c.count("metadata").map_err(&bad)?;
         let mut metadata = HashMap::new();
         let mut keys = Vec::new();
         for i in 0..n_kv {
-            let key = c.string().map_err(|e| bad(format!("metadata entry {i}: {e}")))?;
+            let key = c
+                .string()
+                .map_err(|e| bad(format!("metadata entry {i}: {e}")))?;
             let ty = c.u32().map_err(|e| bad(format!("metadata `{key}`: {e}")))?;
             let v = c
                 .value(ty, 0)
@@ -266,7 +271,9 @@ impl GgufFile {
         }
         let mut tensors = Vec::with_capacity(n_tensors.min(1 << 20) as usize);
         for i in 0..n_tensors {
-            let name = c.string().map_err(|e| bad(format!("tensor entry {i}: {e}")))?;
+            let name = c
+                .string()
+                .map_err(|e| bad(format!("tensor entry {i}: {e}")))?;
             let ctx = |e: String| bad(format!("tensor `{name}`: {e}"));
             let n_dims = c.u32().map_err(ctx)?;
             if n_dims == 0 || n_dims > 4 {
@@ -336,12 +343,16 @@ impl GgufFile {
             keys,
             tensors,
             index,
-            mmap,
+            mmap: Arc::new(mmap),
         })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+    /// The whole mapped file, shared, so tensors can be referenced without copying.
+    pub fn shared_mmap(&self) -> Arc<Mmap> {
+        Arc::clone(&self.mmap)
     }
     /// Metadata keys in file order.
     pub fn keys(&self) -> &[String] {
@@ -366,7 +377,11 @@ impl GgufFile {
         }
     }
     pub fn get_str_array(&self, key: &str) -> Option<Vec<&str>> {
-        self.get(key)?.as_array()?.iter().map(|v| v.as_str()).collect()
+        self.get(key)?
+            .as_array()?
+            .iter()
+            .map(|v| v.as_str())
+            .collect()
     }
     pub fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
         self.get(key)?
@@ -415,10 +430,12 @@ impl GgufFile {
     }
     /// Like `tensor_data`, with an error naming the missing tensor.
     pub fn require_tensor(&self, name: &str) -> Result<(&GgufTensorInfo, &[u8]), LoadError> {
-        let info = self.tensor_info(name).ok_or_else(|| LoadError::MissingTensor {
-            path: self.path.clone(),
-            name: name.to_owned(),
-        })?;
+        let info = self
+            .tensor_info(name)
+            .ok_or_else(|| LoadError::MissingTensor {
+                path: self.path.clone(),
+                name: name.to_owned(),
+            })?;
         Ok((
             info,
             &self.mmap[info.offset as usize..(info.offset + info.size) as usize],
@@ -483,7 +500,10 @@ mod tests {
         let g = GgufFile::open(&p).unwrap();
         assert_eq!(g.architecture(), Some("llama"));
         assert_eq!(g.get_u32("llama.block_count"), Some(2));
-        assert_eq!(g.get_f32_array("tokenizer.ggml.scores"), Some(vec![0.5, -1.5]));
+        assert_eq!(
+            g.get_f32_array("tokenizer.ggml.scores"),
+            Some(vec![0.5, -1.5])
+        );
         let d = g.tensor_data("w").unwrap();
         let vals: Vec<f32> = d
             .chunks(4)

@@ -9,7 +9,9 @@ pub fn slowfast_home() -> PathBuf {
     if let Some(h) = std::env::var_os("SLOWFAST_HOME").filter(|h| !h.is_empty()) {
         return PathBuf::from(h);
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("slowfast")
 }
 
@@ -34,6 +36,9 @@ pub fn test_model_path() -> Option<PathBuf> {
             p.display()
         );
     }
-    eprintln!("skipped: default model not found at {} (run `slowfast fetch`)", p.display());
+    eprintln!(
+        "skipped: default model not found at {} (run `slowfast fetch`)",
+        p.display()
+    );
     None
 }

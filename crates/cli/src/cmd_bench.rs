@@ -1,0 +1,76 @@
+//! `slowfast bench`: prefill/decode throughput at several contexts, side by side.
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use slowfast_engine::bench::{run as run_bench, table, BenchOptions};
+
+use crate::common::ModelArgs;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Comma-separated context lengths; a `k` suffix means x1024 (e.g. 2k,8k).
+    #[arg(long, default_value = "2k,8k")]
+    pub contexts: String,
+    /// Decode steps timed per context.
+    #[arg(long, default_value_t = 64)]
+    pub new_tokens: usize,
+    /// Timed decode runs per context (the median is reported).
+    #[arg(long, default_value_t = 1)]
+    pub repeats: usize,
+    /// Write the records as a JSON array to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// Parse "2k,8k,32768" into token counts.
+pub fn parse_contexts(s: &str) -> Result<Vec<usize>> {
+    s.split(',')
+        .map(|t| {
+            let t = t.trim().to_ascii_lowercase();
+            let (num, mul) = match t.strip_suffix('k') {
+                Some(n) => (n.to_owned(), 1024),
+                None => (t.clone(), 1),
+            };
+            match num.parse::<usize>() {
+                Ok(v) if v > 0 => Ok(v * mul),
+                _ => bail!("--contexts: `{t}` is not a positive token count (e.g. 8k or 8192)"),
+            }
+        })
+        .collect()
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let contexts = parse_contexts(&a.contexts)?;
+    if a.new_tokens == 0 {
+        bail!("--new-tokens must be at least 1");
+    }
+    let m = a.model.load()?;
+    let o = BenchOptions {
+        contexts,
+        new_tokens: a.new_tokens,
+        kv_dtype: a.model.kv(),
+        chunk: a.model.chunk,
+        repeats: a.repeats,
+    };
+    let recs = run_bench(&m, &o, &mut |s| eprintln!("{s}"))?;
+    print!("{}", table(&recs));
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&recs)?)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", p.display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contexts_parse() {
+        assert_eq!(parse_contexts("2k,8K, 100").unwrap(), vec![2048, 8192, 100]);
+        assert!(parse_contexts("2k,x").is_err());
+        assert!(parse_contexts("0").is_err());
+    }
+}

@@ -1,0 +1,153 @@
+//! `slowfast generate`: stream a continuation (or a chat reply) of a prompt.
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use slowfast_engine::generate::{generate, GenerateOptions};
+use slowfast_engine::sampler::SamplerConfig;
+use slowfast_tokenizer::ChatMessage;
+
+use crate::common::{read_text, ModelArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt text.
+    #[arg(
+        long,
+        short = 'p',
+        conflicts_with = "prompt_file",
+        required_unless_present = "prompt_file"
+    )]
+    pub prompt: Option<String>,
+    /// Read the prompt from a UTF-8 file.
+    #[arg(long, short = 'f')]
+    pub prompt_file: Option<PathBuf>,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// System message (with --chat).
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    /// Maximum number of tokens to generate.
+    #[arg(long, short = 'n', default_value_t = 128)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches P (1 = off).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Drop tokens less likely than MIN_P times the most likely one (0 = off).
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Penalty for tokens seen in the last --repeat-last-n tokens (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Window of the repetition penalty.
+    #[arg(long, default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Random seed (default: from the clock).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop when this string appears (repeatable); it is not printed.
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Do not stop at end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Print one JSON object with the text and timings at the end instead of streaming.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let seed = a.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+    });
+    let sampler = SamplerConfig {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repetition_penalty: a.repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
+        seed,
+    };
+    // Validate everything the user typed before the (slow) model load.
+    sampler.validate()?;
+    let prompt = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => read_text(f)?,
+        (None, None) => bail!("give --prompt or --prompt-file"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let m = a.model.load()?;
+    let text = if a.chat {
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(ChatMessage::new("system", s.clone()));
+        }
+        msgs.push(ChatMessage::new("user", prompt));
+        m.tokenizer.apply_chat_template(&msgs, true)?
+    } else {
+        prompt
+    };
+    let ids = m.tokenizer.encode_with(&text, true, a.chat)?;
+    let opts = GenerateOptions {
+        max_new_tokens: a.max_new_tokens,
+        sampler,
+        stop: a.stop.clone(),
+        ignore_eos: a.ignore_eos,
+        kv_dtype: a.model.kv(),
+        chunk: a.model.chunk,
+    };
+    let stdout = std::io::stdout();
+    let json = a.json;
+    let out = generate(&m, &ids, &opts, &mut |piece| {
+        if !json {
+            let mut o = stdout.lock();
+            let _ = o.write_all(piece.as_bytes());
+            let _ = o.flush();
+        }
+    })?;
+    if json {
+        let v = serde_json::json!({
+            "text": out.text,
+            "model": m.name,
+            "policy": "full",
+            "device": a.model.device,
+            "prompt_tokens": out.prompt_tokens,
+            "generated_tokens": out.generated_tokens,
+            "prefill_tok_s": out.prefill_tok_s,
+            "decode_tok_s": out.decode_tok_s,
+            "prefill_seconds": out.prefill_seconds,
+            "decode_seconds": out.decode_seconds,
+            "stop_reason": out.stop_reason,
+            "kv_bytes": out.kv_bytes,
+            "seed": seed,
+            "tokens": out.tokens,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!();
+        eprintln!(
+            "[{} prompt tokens, {:.1} tok/s prefill; {} generated, {:.1} tok/s decode; stop: {:?}]",
+            out.prompt_tokens,
+            out.prefill_tok_s,
+            out.generated_tokens,
+            out.decode_tok_s,
+            out.stop_reason
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,155 @@
+//! `slowfast bench`: prefill and decode throughput at given context lengths, side by side in
+//! one run. Prompts are deterministic pseudo-random token ids (speed does not depend on them).
+use std::time::Instant;
+
+use crate::load::Loaded;
+use crate::sampler::argmax;
+use crate::session::{KvDtype, Session};
+use crate::EngineError;
+
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    pub contexts: Vec<usize>,
+    pub new_tokens: usize,
+    pub kv_dtype: KvDtype,
+    pub chunk: usize,
+    /// Timed repetitions of the decode phase (the median is reported).
+    pub repeats: usize,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchRecord {
+    pub model: String,
+    pub policy: String,
+    pub device: String,
+    pub threads: usize,
+    pub context: usize,
+    pub new_tokens: usize,
+    pub kv_dtype: String,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+    pub decode_ms_per_token: f64,
+    /// Weight + KV bytes read per decode step, over the step time.
+    pub decode_gb_s: f64,
+    pub kv_bytes: usize,
+}
+
+/// Pseudo-random token ids in `[0, vocab)`, reproducible.
+pub fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// Run the benchmark for every context; `progress` gets a line per phase.
+pub fn run(
+    m: &Loaded,
+    o: &BenchOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<BenchRecord>, EngineError> {
+    let cfg = &m.model.cfg;
+    let mut out = Vec::new();
+    let threads = rayon::current_num_threads();
+    for &ctx in &o.contexts {
+        if ctx + o.new_tokens > cfg.max_position_embeddings {
+            return Err(EngineError::BadInput(format!(
+                "context {ctx} + {} new tokens exceeds the model's context of {} tokens",
+                o.new_tokens, cfg.max_position_embeddings
+            )));
+        }
+        let prompt = random_tokens(ctx, cfg.vocab_size, 0x5107 + ctx as u64);
+        let mut sess = Session::new(
+            &m.model,
+            ctx + o.new_tokens * o.repeats.max(1) + 1,
+            o.kv_dtype,
+            o.chunk,
+        );
+        progress(&format!("context {ctx}: prefill"));
+        let t0 = Instant::now();
+        let mut last = Instant::now();
+        sess.prefill(&prompt, &mut |done, total| {
+            if last.elapsed().as_secs_f64() > 5.0 {
+                progress(&format!("  prefill {done}/{total}"));
+                last = Instant::now();
+            }
+        })?;
+        let prefill_s = t0.elapsed().as_secs_f64();
+        let mut times = Vec::new();
+        for r in 0..o.repeats.max(1) {
+            progress(&format!(
+                "context {ctx}: decode {} tokens (run {}/{})",
+                o.new_tokens,
+                r + 1,
+                o.repeats.max(1)
+            ));
+            let mut tok = argmax(sess.logits()).unwrap_or(0);
+            let t1 = Instant::now();
+            for _ in 0..o.new_tokens {
+                let l = sess.step(tok)?;
+                tok = argmax(l).unwrap_or(0);
+            }
+            times.push(t1.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        let decode_s = times[times.len() / 2];
+        let per_tok = decode_s / o.new_tokens as f64;
+        // Bytes read per step: all weights once plus the K/V of the (average) context.
+        let kv_elem = match o.kv_dtype {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        };
+        let avg_ctx = ctx + o.new_tokens / 2;
+        let kv_read: usize = (0..cfg.num_hidden_layers)
+            .map(|l| {
+                let span = match (cfg.is_sliding(l), cfg.sliding_window) {
+                    (true, Some(w)) => avg_ctx.min(w),
+                    _ => avg_ctx,
+                };
+                2 * span * cfg.num_key_value_heads * cfg.head_dim * kv_elem
+            })
+            .sum();
+        let bytes = m.model.weights.decode_bytes_per_step() + kv_read;
+        out.push(BenchRecord {
+            model: m.name.clone(),
+            policy: "full".into(),
+            device: "cpu".into(),
+            threads,
+            context: ctx,
+            new_tokens: o.new_tokens,
+            kv_dtype: format!("{:?}", o.kv_dtype).to_lowercase(),
+            prefill_tok_s: ctx as f64 / prefill_s,
+            decode_tok_s: 1.0 / per_tok,
+            decode_ms_per_token: per_tok * 1e3,
+            decode_gb_s: bytes as f64 / per_tok / 1e9,
+            kv_bytes: sess.kv_bytes(),
+        });
+    }
+    Ok(out)
+}
+
+/// A markdown table of bench records.
+pub fn table(rs: &[BenchRecord]) -> String {
+    let mut s = String::from(
+        "| model | policy | context | prefill tok/s | decode tok/s | ms/token | decode GB/s | KV MiB |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rs {
+        s.push_str(&format!(
+            "| {} | {} | {} | {:.1} | {:.2} | {:.2} | {:.1} | {:.1} |\n",
+            r.model,
+            r.policy,
+            r.context,
+            r.prefill_tok_s,
+            r.decode_tok_s,
+            r.decode_ms_per_token,
+            r.decode_gb_s,
+            r.kv_bytes as f64 / (1 << 20) as f64
+        ));
+    }
+    s
+}

@@ -1,0 +1,148 @@
+//! The generate loop: prefill the prompt, then sample token by token, streaming decoded text
+//! (with stop strings held back) until EOS, a stop string, or the token limit.
+use std::time::Instant;
+
+use slowfast_tokenizer::StreamDecoder;
+
+use crate::load::Loaded;
+use crate::sampler::{Sampler, SamplerConfig};
+use crate::session::{KvDtype, Session, DEFAULT_CHUNK};
+use crate::stop::StopMatcher;
+use crate::EngineError;
+
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+    /// Keep going past EOS tokens.
+    pub ignore_eos: bool,
+    pub kv_dtype: KvDtype,
+    pub chunk: usize,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_new_tokens: 128,
+            sampler: SamplerConfig::default(),
+            stop: Vec::new(),
+            ignore_eos: false,
+            kv_dtype: KvDtype::F16,
+            chunk: DEFAULT_CHUNK,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    Eos,
+    StopString,
+    MaxTokens,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GenerateOutput {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+    pub stop_reason: StopReason,
+    pub kv_bytes: usize,
+}
+
+/// Generate from `prompt_ids`, calling `on_text` with each piece of text that is safe to print.
+pub fn generate(
+    m: &Loaded,
+    prompt_ids: &[u32],
+    opts: &GenerateOptions,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<GenerateOutput, EngineError> {
+    opts.sampler.validate()?;
+    let ctx = m.model.cfg.max_position_embeddings;
+    let needed = prompt_ids.len() + opts.max_new_tokens;
+    if prompt_ids.is_empty() {
+        return Err(EngineError::BadInput(
+            "the prompt is empty after tokenization".into(),
+        ));
+    }
+    if prompt_ids.len() >= ctx {
+        return Err(EngineError::BadInput(format!(
+            "the prompt has {} tokens but the model's context is {ctx} tokens",
+            prompt_ids.len()
+        )));
+    }
+    let max_new = opts.max_new_tokens.min(ctx - prompt_ids.len());
+    let mut sess = Session::new(&m.model, needed.min(ctx), opts.kv_dtype, opts.chunk);
+    let mut sampler = Sampler::new(opts.sampler.clone(), m.model.cfg.vocab_size)?;
+    for &t in prompt_ids {
+        sampler.accept(t);
+    }
+    let t0 = Instant::now();
+    sess.prefill(prompt_ids, &mut |_, _| {})?;
+    let prefill_seconds = t0.elapsed().as_secs_f64();
+
+    let eos = m.tokenizer.eos_ids().to_vec();
+    let mut stream = StreamDecoder::new();
+    let mut stops = StopMatcher::new(opts.stop.iter().cloned());
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    let mut reason = StopReason::MaxTokens;
+    let t1 = Instant::now();
+    let mut decode_steps = 0usize;
+    for i in 0..max_new {
+        let tok = sampler.sample_and_accept(sess.logits())?;
+        if !opts.ignore_eos && eos.contains(&tok) {
+            reason = StopReason::Eos;
+            break;
+        }
+        tokens.push(tok);
+        let piece = stream.push(&m.tokenizer, tok);
+        let step = stops.push(&piece);
+        if !step.emit.is_empty() {
+            on_text(&step.emit);
+            text.push_str(&step.emit);
+        }
+        if step.stopped.is_some() {
+            reason = StopReason::StopString;
+            break;
+        }
+        if i + 1 < max_new {
+            sess.step(tok)?;
+            decode_steps += 1;
+        }
+    }
+    if reason != StopReason::StopString {
+        let rest = stream.flush();
+        let step = stops.push(&rest);
+        let mut tail = step.emit;
+        if step.stopped.is_some() {
+            reason = StopReason::StopString;
+        } else {
+            tail.push_str(&stops.flush());
+        }
+        if !tail.is_empty() {
+            on_text(&tail);
+            text.push_str(&tail);
+        }
+    }
+    let decode_seconds = t1.elapsed().as_secs_f64();
+    Ok(GenerateOutput {
+        text,
+        generated_tokens: tokens.len(),
+        tokens,
+        prompt_tokens: prompt_ids.len(),
+        prefill_seconds,
+        decode_seconds,
+        prefill_tok_s: prompt_ids.len() as f64 / prefill_seconds.max(1e-9),
+        decode_tok_s: decode_steps as f64 / decode_seconds.max(1e-9),
+        stop_reason: reason,
+        kv_bytes: sess.kv_bytes(),
+    })
+}

@@ -1,0 +1,111 @@
+//! Resolving a `--model` argument (a .gguf path, an HF directory, `random:<preset>`, the alias
+//! `gemma3-270m`, or `hf:<org>/<repo>`) into a loaded model and its tokenizer.
+use std::path::{Path, PathBuf};
+
+use slowfast_loader::fetch::{ensure_default_model, GEMMA3_270M};
+use slowfast_model::load::{load_model, ModelSource};
+use slowfast_model::Model;
+use slowfast_quant::GgmlType;
+use slowfast_tokenizer::Tokenizer;
+
+use crate::EngineError;
+
+/// The alias of the default model.
+pub const DEFAULT_MODEL: &str = "gemma3-270m";
+
+/// A model with its tokenizer, ready to run.
+pub struct Loaded {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    /// How the user named it (for reports).
+    pub name: String,
+}
+
+/// Parse `random:<preset>[@<dtype>]` (dtype: bf16 (default), f16, f32, q8_0, q4_k, ...).
+fn parse_random(spec: &str) -> Result<ModelSource, EngineError> {
+    let (preset, ty) = match spec.split_once('@') {
+        Some((p, t)) => (p, t),
+        None => (spec, "bf16"),
+    };
+    let ty = GgmlType::ALL
+        .iter()
+        .copied()
+        .find(|g| g.name().eq_ignore_ascii_case(ty) && g.is_supported())
+        .ok_or_else(|| {
+            EngineError::BadInput(format!(
+                "random:{spec}: unknown weight type `{ty}` (use bf16, f16, f32, q8_0, q5_0, q4_k or q6_k)"
+            ))
+        })?;
+    Ok(ModelSource::Random {
+        preset: preset.to_owned(),
+        ty,
+    })
+}
+
+/// Turn a model argument into a source, fetching the default model if needed.
+pub fn resolve(spec: &str, progress: &mut dyn FnMut(&str)) -> Result<ModelSource, EngineError> {
+    if spec == DEFAULT_MODEL || spec == GEMMA3_270M.name {
+        return Ok(ModelSource::Gguf(ensure_default_model(progress)?));
+    }
+    if let Some(p) = spec.strip_prefix("random:") {
+        return parse_random(p);
+    }
+    if let Some(repo) = spec.strip_prefix("hf:") {
+        return Ok(ModelSource::HfDir(crate::hub::download(repo, progress)?));
+    }
+    let path = PathBuf::from(spec);
+    if path.is_dir() {
+        return Ok(ModelSource::HfDir(path));
+    }
+    if path.is_file() {
+        return Ok(ModelSource::Gguf(path));
+    }
+    Err(EngineError::BadInput(format!(
+        "model `{spec}` not found: expected a .gguf file, an HF model directory, random:<preset> or `{DEFAULT_MODEL}`"
+    )))
+}
+
+fn tokenizer_for(src: &ModelSource, model: &Model) -> Result<Tokenizer, EngineError> {
+    Ok(match src {
+        ModelSource::Gguf(p) => Tokenizer::from_gguf_path(p)?,
+        ModelSource::HfDir(d) => {
+            if !d.join("tokenizer.json").is_file() {
+                return Err(EngineError::BadInput(format!(
+                    "{}: missing tokenizer.json (the HF directory needs its tokenizer)",
+                    d.display()
+                )));
+            }
+            Tokenizer::from_hf_dir(d)?
+        }
+        ModelSource::Random { .. } => Tokenizer::byte_level(model.cfg.vocab_size)?,
+    })
+}
+
+/// Load the model and tokenizer named by `spec`.
+pub fn load(spec: &str, progress: &mut dyn FnMut(&str)) -> Result<Loaded, EngineError> {
+    let src = resolve(spec, progress)?;
+    if let ModelSource::Gguf(p) = &src {
+        check_gguf_path(p)?;
+    }
+    let model = load_model(&src)?;
+    let tokenizer = tokenizer_for(&src, &model)?;
+    Ok(Loaded {
+        model,
+        tokenizer,
+        name: spec.to_owned(),
+    })
+}
+
+fn check_gguf_path(p: &Path) -> Result<(), EngineError> {
+    let mut magic = [0u8; 4];
+    use std::io::Read;
+    let mut f = std::fs::File::open(p)
+        .map_err(|e| EngineError::BadInput(format!("{}: {e}", p.display())))?;
+    if f.read_exact(&mut magic).is_err() || &magic != b"GGUF" {
+        return Err(EngineError::BadInput(format!(
+            "{}: not a GGUF file (no GGUF magic); pass a .gguf file, an HF directory or random:<preset>",
+            p.display()
+        )));
+    }
+    Ok(())
+}
