@@ -3,7 +3,7 @@
 
 use crate::activation::{ActKind, QuantAct};
 use crate::dequant::dequantize_unchecked;
-use crate::dot::{dot_row, has_dot, Isa};
+use crate::dot::{dot_row, dot_rows, has_dot, Isa};
 use crate::types::GgmlType;
 use crate::QuantError;
 use rayon::prelude::*;
@@ -235,29 +235,41 @@ struct Job<'a, 'w> {
 impl Job<'_, '_> {
     /// Rows `local` (relative to `row0`); `buf` is a per-thread f32 row for the dequant path.
     fn run(&self, local: Range<usize>, buf: &mut Vec<f32>) {
-        let cols = self.w.cols;
-        let n = self.acts.len();
-        for lr in local {
-            let r = self.row0 + lr;
-            let row = &self.w.data[r * self.rb..(r + 1) * self.rb];
+        let (cols, rb, n) = (self.w.cols, self.rb, self.acts.len());
+        // With several activations, walk the rows in small groups so each group's weights are
+        // still in L1 when the next activation reads them.
+        let group = if n == 1 { local.len() } else { 16 };
+        let mut start = local.start;
+        while start < local.end {
+            let end = (start + group).min(local.end);
+            let (r0, r1) = (self.row0 + start, self.row0 + end);
+            let rows = &self.w.data[r0 * rb..r1 * rb];
             for i in 0..n {
                 let xi = &self.x[i * cols..(i + 1) * cols];
-                let v = if self.quantized {
-                    dot_row(self.isa, self.w.ty, row, xi, self.acts[i].view())
-                } else {
-                    if i == 0 {
-                        buf.resize(cols, 0.0);
-                        dequantize_unchecked(self.w.ty, row, buf);
-                    }
-                    // SAFETY: an f32 slice viewed as its bytes.
-                    let bytes =
-                        unsafe { std::slice::from_raw_parts(buf.as_ptr() as *const u8, cols * 4) };
-                    dot_row(self.isa, GgmlType::F32, bytes, xi, self.acts[i].view())
+                // SAFETY: y is [n, nr]; this is y[i, start..end], inside y, and row chunks of
+                // different tasks are disjoint, so no two tasks alias.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(self.y.0.add(i * self.nr + start), end - start)
                 };
-                // SAFETY: i < n and lr < nr, so the index is inside y ([n, nr]); chunks are
-                // disjoint in lr, so no two tasks write the same element.
-                unsafe { *self.y.0.add(i * self.nr + lr) = v };
+                if self.quantized {
+                    dot_rows(self.isa, self.w.ty, rows, rb, xi, self.acts[i].view(), out);
+                } else {
+                    self.dequantized(rows, xi, i, out, buf);
+                }
             }
+            start = end;
+        }
+    }
+
+    /// Dequantize each row to f32 and run the f32 dot kernel on it.
+    fn dequantized(&self, rows: &[u8], xi: &[f32], i: usize, out: &mut [f32], buf: &mut Vec<f32>) {
+        let cols = self.w.cols;
+        buf.resize(cols, 0.0);
+        for (o, row) in out.iter_mut().zip(rows.chunks_exact(self.rb)) {
+            dequantize_unchecked(self.w.ty, row, buf);
+            // SAFETY: an f32 slice viewed as its bytes.
+            let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr() as *const u8, cols * 4) };
+            *o = dot_row(self.isa, GgmlType::F32, bytes, xi, self.acts[i].view());
         }
     }
 }

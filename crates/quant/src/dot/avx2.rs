@@ -22,6 +22,37 @@ pub(super) unsafe fn dot(ty: GgmlType, row: &[u8], x: &[f32], a: ActRef<'_>) -> 
     }
 }
 
+/// # Safety
+/// As for `dot`; `rows` holds `out.len()` rows of `rb` bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot_rows(
+    ty: GgmlType,
+    rows: &[u8],
+    rb: usize,
+    x: &[f32],
+    a: ActRef<'_>,
+    out: &mut [f32],
+) {
+    macro_rules! each {
+        ($row:ident => $e:expr) => {
+            for (o, $row) in out.iter_mut().zip(rows.chunks_exact(rb)) {
+                *o = $e;
+            }
+        };
+    }
+    match ty {
+        GgmlType::F32 => each!(row => f32_dot(row, x)),
+        GgmlType::F16 => each!(row => f16_dot(row, x)),
+        GgmlType::BF16 => each!(row => bf16_dot(row, x)),
+        GgmlType::Q8_0 => each!(row => q8_0(row, a)),
+        GgmlType::Q5_0 => each!(row => q5_0(row, a)),
+        GgmlType::Q4_0 => each!(row => q4_0(row, a)),
+        GgmlType::Q4_K => each!(row => q4_k(row, a)),
+        GgmlType::Q6_K => each!(row => q6_k(row, a)),
+        _ => unreachable!("has_dot checked by callers"),
+    }
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn hsum(v: __m256) -> f32 {
@@ -128,21 +159,36 @@ macro_rules! half_dot {
 half_dot!(f16_dot, f16x8, |h| half::f16::from_bits(h).to_f32());
 half_dot!(bf16_dot, bf16x8, |h| half::bf16::from_bits(h).to_f32());
 
+/// Scaled integer sum of one Q8_0 block as 8 f32 lanes (to be summed).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_block(bp: *const u8, x: *const u8, dx: f32) -> (__m256, __m256) {
+    let wv = load(bp.add(2));
+    let xv = load(x);
+    // |w| * sign(x, w) keeps maddubs' first operand unsigned.
+    let p = mul_sum_us8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+    (_mm256_set1_ps(f16_at(bp) * dx), _mm256_cvtepi32_ps(p))
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_0(row: &[u8], a: ActRef<'_>) -> f32 {
     let nb = a.d.len();
-    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
-    let mut acc = [_mm256_setzero_ps(); 2];
-    for b in 0..nb {
-        let bp = w.add(b * (2 + QK));
-        let wv = load(bp.add(2));
-        let xv = load(xq.add(b * QK));
-        // |w| * sign(x, w) keeps maddubs' first operand unsigned.
-        let p = mul_sum_us8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-        let d = _mm256_set1_ps(f16_at(bp) * *a.d.get_unchecked(b));
-        acc[b & 1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[b & 1]);
+    let (w, xq, xd) = (row.as_ptr(), a.qs.as_ptr() as *const u8, a.d.as_ptr());
+    let bsz = 2 + QK;
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut b = 0;
+    while b + 2 <= nb {
+        let (d0, p0) = q8_0_block(w.add(b * bsz), xq.add(b * QK), *xd.add(b));
+        let (d1, p1) = q8_0_block(w.add((b + 1) * bsz), xq.add((b + 1) * QK), *xd.add(b + 1));
+        acc0 = _mm256_fmadd_ps(d0, p0, acc0);
+        acc1 = _mm256_fmadd_ps(d1, p1, acc1);
+        b += 2;
     }
-    hsum(_mm256_add_ps(acc[0], acc[1]))
+    if b < nb {
+        let (d0, p0) = q8_0_block(w.add(b * bsz), xq.add(b * QK), *xd.add(b));
+        acc0 = _mm256_fmadd_ps(d0, p0, acc0);
+    }
+    hsum(_mm256_add_ps(acc0, acc1))
 }
 
 /// 32 bytes, 0xFF where the matching bit of `x` is set.
@@ -169,31 +215,59 @@ unsafe fn nibbles_32(p: *const u8) -> __m256i {
     _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
 }
 
-/// Q4_0 / Q5_0 share the loop: unsigned q (optionally with a 5th bit), minus offset * sum(x).
+/// One Q4_0/Q5_0 block: (scale, sum(q * x) - offset * sum(x) as 8 f32 lanes to be summed).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_block<const FIVE: bool>(
+    bp: *const u8,
+    x: *const u8,
+    dx: f32,
+    sx: i16,
+) -> (__m256, __m256) {
+    let q = if FIVE {
+        let qh = (bp.add(2) as *const u32).read_unaligned();
+        let hb = _mm256_and_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0x10));
+        _mm256_or_si256(nibbles_32(bp.add(6)), hb)
+    } else {
+        nibbles_32(bp.add(2))
+    };
+    let offset = if FIVE { 16 } else { 8 };
+    let corr = _mm256_zextsi128_si256(_mm_cvtsi32_si128(-offset * sx as i32));
+    let p = _mm256_add_epi32(mul_sum_us8(q, load(x)), corr);
+    (_mm256_set1_ps(f16_at(bp) * dx), _mm256_cvtepi32_ps(p))
+}
+
+/// Q4_0 / Q5_0: unsigned q (optionally with a 5th bit), minus offset * sum(x).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn legacy<const FIVE: bool>(row: &[u8], a: ActRef<'_>) -> f32 {
     let nb = a.d.len();
     let bsz = if FIVE { 6 + QK / 2 } else { 2 + QK / 2 };
-    let offset = if FIVE { 16.0 } else { 8.0 };
-    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
-    let mut acc = [_mm256_setzero_ps(); 2];
-    let mut corr = 0.0f32;
-    for b in 0..nb {
-        let bp = w.add(b * bsz);
-        let q = if FIVE {
-            let qh = (bp.add(2) as *const u32).read_unaligned();
-            let hb = _mm256_and_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0x10));
-            _mm256_or_si256(nibbles_32(bp.add(6)), hb)
-        } else {
-            nibbles_32(bp.add(2))
-        };
-        let p = mul_sum_us8(q, load(xq.add(b * QK)));
-        let d = f16_at(bp) * *a.d.get_unchecked(b);
-        corr += d * *a.sums.get_unchecked(b) as f32;
-        acc[b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc[b & 1]);
+    let (w, xq, xd, xs) = (
+        row.as_ptr(),
+        a.qs.as_ptr() as *const u8,
+        a.d.as_ptr(),
+        a.sums.as_ptr(),
+    );
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut b = 0;
+    while b + 2 <= nb {
+        let (d0, p0) = legacy_block::<FIVE>(w.add(b * bsz), xq.add(b * QK), *xd.add(b), *xs.add(b));
+        let (d1, p1) = legacy_block::<FIVE>(
+            w.add((b + 1) * bsz),
+            xq.add((b + 1) * QK),
+            *xd.add(b + 1),
+            *xs.add(b + 1),
+        );
+        acc0 = _mm256_fmadd_ps(d0, p0, acc0);
+        acc1 = _mm256_fmadd_ps(d1, p1, acc1);
+        b += 2;
     }
-    hsum(_mm256_add_ps(acc[0], acc[1])) - offset * corr
+    if b < nb {
+        let (d0, p0) = legacy_block::<FIVE>(w.add(b * bsz), xq.add(b * QK), *xd.add(b), *xs.add(b));
+        acc0 = _mm256_fmadd_ps(d0, p0, acc0);
+    }
+    hsum(_mm256_add_ps(acc0, acc1))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -113,3 +113,30 @@ pub(crate) fn dot_row(isa: Isa, ty: GgmlType, row: &[u8], x: &[f32], a: ActRef<'
         _ => scalar::dot(ty, row, x, a),
     }
 }
+
+/// `out[r] = dot_row(W[r], x)` for consecutive rows `rows` (`out.len()` rows of `rb` bytes): one
+/// dispatch per call instead of per row. Same contract as `dot_row`.
+#[inline]
+pub(crate) fn dot_rows(
+    isa: Isa,
+    ty: GgmlType,
+    rows: &[u8],
+    rb: usize,
+    x: &[f32],
+    a: ActRef<'_>,
+    out: &mut [f32],
+) {
+    debug_assert!(isa.is_available());
+    debug_assert_eq!(Ok(rb), ty.row_bytes(x.len()));
+    assert_eq!(rows.len(), rb * out.len(), "dot_rows: rows/out mismatch");
+    match isa {
+        Isa::Scalar => scalar::dot_rows(ty, rows, rb, x, a, out),
+        // SAFETY: the caller checked the CPU features (`isa.is_available()`) and the lengths.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::dot_rows(ty, rows, rb, x, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::dot_rows(ty, rows, rb, x, a, out) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => scalar::dot_rows(ty, rows, rb, x, a, out),
+    }
+}

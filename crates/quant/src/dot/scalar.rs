@@ -31,6 +31,20 @@ pub(super) fn dot(ty: GgmlType, row: &[u8], x: &[f32], a: ActRef<'_>) -> f32 {
     }
 }
 
+/// Dot products of consecutive rows (`rb` bytes each) with one activation.
+pub(super) fn dot_rows(
+    ty: GgmlType,
+    rows: &[u8],
+    rb: usize,
+    x: &[f32],
+    a: ActRef<'_>,
+    out: &mut [f32],
+) {
+    for (o, row) in out.iter_mut().zip(rows.chunks_exact(rb)) {
+        *o = dot(ty, row, x, a);
+    }
+}
+
 fn q8_0(row: &[u8], a: ActRef<'_>) -> f32 {
     let mut acc = 0.0f32;
     for (b, blk) in row.chunks_exact(2 + QK).enumerate() {
