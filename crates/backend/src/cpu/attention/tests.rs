@@ -194,7 +194,7 @@ pub(super) fn range(a: u32, b: u32) -> (Vec<u32>, bool) {
 const TOL: f32 = 2e-5;
 
 fn all_isas(f: impl Fn(Isa)) {
-    for isa in Isa::available() {
+    for &isa in Isa::available() {
         f(isa);
     }
 }

@@ -70,7 +70,7 @@ fn logits_capture_matches_reference() {
                 causal: true,
                 window: Some(200),
             };
-            for isa in Isa::available() {
+            for &isa in Isa::available() {
                 for chunks in [None, Some(2)] {
                     let (mut out, mut lse, mut lg) =
                         (vec![0.0; n], vec![0.0; nl], vec![f32::NAN; len]);
@@ -160,7 +160,7 @@ fn rows_without_visible_keys_are_zero() {
             window: Some(0),
         },
     ] {
-        for isa in Isa::available() {
+        for &isa in Isa::available() {
             for chunks in [None, Some(2)] {
                 let views = c.views();
                 let (mut out, mut lse) = (vec![f32::NAN; c.q.len()], vec![0.0; 16]);
@@ -200,7 +200,7 @@ fn rows_without_visible_keys_are_zero() {
     assert!(out.iter().all(|&x| x == 0.0));
     // Partly visible: some rows see keys, earlier rows none (mixed within one tile).
     let c = Case::<f32>::new(2, (4, 2, 64), 30, 0, &[range(20, 40)], 3.0);
-    for isa in Isa::available() {
+    for &isa in Isa::available() {
         c.check(Mask::CAUSAL, isa, None, TOL);
     }
 }
@@ -210,7 +210,7 @@ fn large_logits_do_not_overflow() {
     for seed in 0..3 {
         // Scores of several hundred: naive exp would overflow f32.
         let c = Case::<f32>::new(seed, (4, 1, 128), 20, 500, &[range(0, 520)], 300.0);
-        for isa in Isa::available() {
+        for &isa in Isa::available() {
             c.check(Mask::CAUSAL, isa, None, 1e-4);
             c.check(Mask::CAUSAL, isa, Some(3), 1e-4);
         }
@@ -302,6 +302,18 @@ fn closure_source_and_mask_rule() {
     attention(&c.shape, &c.q, qp, &src, Mask::CAUSAL, &mut a, None).unwrap();
     attention(&c.shape, &c.q, qp, &views, Mask::CAUSAL, &mut b, None).unwrap();
     assert_eq!(a, b);
+    let arrays: Vec<[KvSegment<f32>; 1]> = views.iter().map(|h| [h[0]]).collect();
+    attention(
+        &c.shape,
+        &c.q,
+        qp,
+        arrays.as_slice(),
+        Mask::CAUSAL,
+        &mut a,
+        None,
+    )
+    .unwrap();
+    assert_eq!(a, b);
     let m = Mask {
         causal: true,
         window: Some(3),
@@ -349,4 +361,26 @@ fn vector_exp_accuracy() {
             check::<super::simd::Avx512>();
         }
     }
+}
+
+#[test]
+fn plan_splits_long_decode_and_tiles_prefill() {
+    use super::driver::Plan;
+    use super::types::Geometry;
+    let geo = |n_q, n_heads, n_kv| Geometry {
+        n_q,
+        n_heads,
+        n_kv,
+        group: n_heads / n_kv,
+        d: 256,
+        scale: 1.0,
+    };
+    // One row, one kv head, 32K keys: split across threads (flash-decoding).
+    let p = Plan::new(&geo(1, 4, 1), 32768, 2, None);
+    assert!(p.chunks >= 2 && p.n_qt == 1, "{p:?}");
+    // Short context: not worth splitting.
+    assert_eq!(Plan::new(&geo(1, 4, 1), 300, 2, None).chunks, 1);
+    // 32K-token prefill: bounded query tiles (work space independent of the key count).
+    let p = Plan::new(&geo(32768, 4, 1), 32768, 2, None);
+    assert!(p.bq * 4 <= 128 && p.chunks == 1, "{p:?}");
 }

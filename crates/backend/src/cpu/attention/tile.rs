@@ -7,6 +7,7 @@ use super::kernels::{pv, qk_cols, qk_rows, scale, softmax_cols, softmax_row, wid
 use super::simd::{Scalar, Simd};
 use super::types::{Geometry, KvSegment, Mask, QueryPositions};
 use std::cell::Cell;
+use std::sync::OnceLock;
 
 /// Keys per tile in the column (prefill) layout.
 pub(crate) const BK_COLS: usize = 64;
@@ -26,32 +27,44 @@ pub(crate) enum Isa {
 }
 
 impl Isa {
-    /// Best ISA of this CPU whose vector width divides `head_dim`.
+    /// Best ISA of this CPU whose vector width divides `head_dim`, capped by the env var
+    /// `SLOWFAST_ATTN_ISA` (`scalar`, `avx2`, `avx512`; read once) for benchmarks and checks.
     pub(crate) fn best(head_dim: usize) -> Isa {
+        static CAP: OnceLock<usize> = OnceLock::new();
+        let cap = *CAP.get_or_init(|| match std::env::var("SLOWFAST_ATTN_ISA").as_deref() {
+            Ok("scalar") => 1,
+            Ok("avx2") => 8,
+            _ => usize::MAX,
+        });
         Self::available()
-            .into_iter()
+            .iter()
+            .filter(|i| i.lanes() <= cap)
             .rev()
+            .copied()
             .find(|i| head_dim.is_multiple_of(i.lanes()))
             .unwrap_or(Isa::Scalar)
     }
 
-    /// Every ISA this CPU can run, narrowest first.
-    pub(crate) fn available() -> Vec<Isa> {
-        #[allow(unused_mut)]
-        let mut v = vec![Isa::Scalar];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
+    /// Every ISA this CPU can run, narrowest first (detected once).
+    pub(crate) fn available() -> &'static [Isa] {
+        static AVAILABLE: OnceLock<Vec<Isa>> = OnceLock::new();
+        AVAILABLE.get_or_init(|| {
+            #[allow(unused_mut)]
+            let mut v = vec![Isa::Scalar];
+            #[cfg(target_arch = "x86_64")]
             {
-                v.push(Isa::Avx2);
+                if is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+                {
+                    v.push(Isa::Avx2);
+                }
+                if is_x86_feature_detected!("avx512f") {
+                    v.push(Isa::Avx512);
+                }
             }
-            if is_x86_feature_detected!("avx512f") {
-                v.push(Isa::Avx512);
-            }
-        }
-        v
+            v
+        })
     }
 
     pub(crate) fn lanes(self) -> usize {
@@ -335,9 +348,10 @@ unsafe fn run_cols<T: KvElem, S: Simd>(t: &Task<'_, T>, out: &mut [f32], lse: &m
             if !t.mask.all_visible(q_range, k_range) {
                 for j in 0..nk {
                     let kpos = seg.pos.at(a + j);
-                    for r in 0..rows {
-                        if !t.mask.visible(t.q_pos.at(t.i0 + r / g), kpos) {
-                            st[j * rows_pad + r] = f32::NEG_INFINITY;
+                    let srow = &mut st[j * rows_pad..][..rows]; // [nq, G] of key j
+                    for (i, heads) in srow.chunks_exact_mut(g).enumerate() {
+                        if !t.mask.visible(t.q_pos.at(t.i0 + i), kpos) {
+                            heads.fill(f32::NEG_INFINITY);
                         }
                     }
                 }

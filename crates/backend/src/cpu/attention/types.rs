@@ -149,6 +149,19 @@ impl<'s, T: Sync> KvSource<'s, T> for Vec<Vec<KvSegment<'s, T>>> {
     }
 }
 
+/// A fixed number `N` of segments per kv head (e.g. `N = 2` for a ring buffer).
+impl<'s, T: Sync, const N: usize> KvSource<'s, T> for [[KvSegment<'s, T>; N]] {
+    fn segments(&self, kv_head: usize) -> &[KvSegment<'s, T>] {
+        &self[kv_head]
+    }
+}
+
+impl<'s, T: Sync, const N: usize> KvSource<'s, T> for Vec<[KvSegment<'s, T>; N]> {
+    fn segments(&self, kv_head: usize) -> &[KvSegment<'s, T>] {
+        &self[kv_head]
+    }
+}
+
 /// Adapter for a closure `kv_head -> segments`.
 pub struct KvFn<F>(pub F);
 
