@@ -231,6 +231,7 @@ fn main() -> Result<(), CudaError> {
         Some("attn_prefill_d128"),
         Some("attn_prefill_d128_k32"),
         Some("attn_prefill_d128_k48"),
+        Some("attn_prefill_d128_m2s3"),
     ] {
         best = best.max(prefill(&ctx, 32, 8, 128, 32768, 3, k)?);
     }
@@ -241,6 +242,7 @@ fn main() -> Result<(), CudaError> {
     prefill(&ctx, 8, 1, 256, 32768, 3, None)?;
     prefill(&ctx, 32, 8, 64, 32768, 3, None)?;
     prefill(&ctx, 32, 8, 64, 32768, 3, Some("attn_prefill_d64"))?;
+    prefill(&ctx, 32, 8, 64, 32768, 3, Some("attn_prefill_d64_m2s3"))?;
     if !quick {
         prefill(&ctx, 32, 8, 128, 131072, 1, None)?;
     }

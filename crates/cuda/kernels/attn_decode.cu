@@ -9,7 +9,8 @@
 // q [batch, n_heads, D]; caches [num_slots, kv_heads, capacity, D]; seq_lens, slots [batch];
 // part_o [batch, n_heads, splits, D] f32; part_ml [batch, n_heads, splits, 2] f32 (max in
 // log2 units of the scaled score, sum). Sequence b sees keys [lo, len) with
-// lo = window ? max(0, len - window) : 0; split s covers [lo + s*chunk, lo + (s+1)*chunk).
+// lo = window ? max(0, len - window) : 0; split s covers [lo + s*chunk, lo + (s+1)*chunk),
+// the last split up to len.
 // grid (splits, kv_heads * ceil(G / 16), batch), block 128,
 // dynamic smem (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes.
 template <int D, int STAGES>
@@ -36,7 +37,8 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     int len = slot < num_slots ? (int)min(seq_lens[b], capacity) : 0;
     const int lo_seq = window ? max(0, len - (int)window) : 0;
     const int s_lo = lo_seq + split * (int)chunk;
-    const int s_hi = min(len, s_lo + (int)chunk);
+    // The last split runs to the end, so a max_seq_len below a real length costs balance, not keys.
+    const int s_hi = split == splits - 1 ? len : min(len, s_lo + (int)chunk);
 
     if (s_lo >= s_hi) {
         for (int r = threadIdx.x; r < 16; r += DEC_THREADS) {

@@ -23,8 +23,9 @@ __device__ __forceinline__ void pf_load_kv(bf16* ks, bf16* vs, const bf16* kc, c
 // Query row i sits at position pos0 + i and sees keys j <= pos0 + i (and j > pos0 + i - window
 // when window > 0). Each of the 4 warps owns MT 16-row m-tiles (BQ = 64 MT rows a block), so
 // every K/V fragment read from shared memory feeds MT mma instructions.
-// grid (ceil(n_q / BQ), n_heads), block 128, dynamic smem (BQ + 4 BK)(D + 8) * 2 bytes.
-template <int D, int BK, int MT>
+// K/V tiles stream through an ST-stage cp.async ring (ST - 1 tiles in flight during compute).
+// grid (ceil(n_q / BQ), n_heads), block 128, dynamic smem (BQ + 2 ST BK)(D + 8) * 2 bytes.
+template <int D, int BK, int MT, int ST>
 __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                   const bf16* __restrict__ v_cache, bf16* __restrict__ o,
                                                   float* __restrict__ lse, u32 n_q, u32 n_heads, u32 kv_heads,
@@ -32,8 +33,8 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr int CH = D / 8, STR = D + 8, NT = BK / 8, DT = D / 8, BQ = 64 * MT;
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [BQ][STR]
-    bf16* ks = qs + BQ * STR;                       // [2][BK][STR]
-    bf16* vs = ks + 2 * BK * STR;                   // [2][BK][STR]
+    bf16* ks = qs + BQ * STR;                       // [ST][BK][STR]
+    bf16* vs = ks + ST * BK * STR;                  // [ST][BK][STR]
 
     const int tile = gridDim.x - 1 - blockIdx.x;  // heaviest (last) query tiles first
     const int h = blockIdx.y;
@@ -59,6 +60,12 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
     }
     pf_load_kv<D, BK>(ks, vs, kc, vc, t_begin * BK, kv_len);
     cp_async_commit();
+#pragma unroll
+    for (int st = 1; st < ST - 1; ++st) {
+        if (t_begin + st < t_end)
+            pf_load_kv<D, BK>(ks + st * BK * STR, vs + st * BK * STR, kc, vc, (t_begin + st) * BK, kv_len);
+        cp_async_commit();
+    }
 
     float m_r[MT][2], l_r[MT][2];
     float acc[MT][DT][4];
@@ -74,11 +81,13 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
     }
 
     for (int t = t_begin; t < t_end; ++t) {
-        cp_async_wait<0>();
+        cp_async_wait<ST - 2>();
         __syncthreads();
-        const int stage = (t - t_begin) & 1;
-        if (t + 1 < t_end)
-            pf_load_kv<D, BK>(ks + (stage ^ 1) * BK * STR, vs + (stage ^ 1) * BK * STR, kc, vc, (t + 1) * BK, kv_len);
+        const int stage = (t - t_begin) % ST;
+        if (t + ST - 1 < t_end) {
+            const int ahead = (t - t_begin + ST - 1) % ST;
+            pf_load_kv<D, BK>(ks + ahead * BK * STR, vs + ahead * BK * STR, kc, vc, (t + ST - 1) * BK, kv_len);
+        }
         cp_async_commit();
         const bf16* kst = ks + stage * BK * STR;
         const bf16* vst = vs + stage * BK * STR;
@@ -208,20 +217,23 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
     }
 }
 
-#define PREFILL_ENTRY(NAME, D, BK, MT)                                                                  \
+#define PREFILL_ENTRY(NAME, D, BK, MT, ST)                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                           \
         NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* o, float* lse, u32 n_q,       \
              u32 n_heads, u32 kv_heads, u32 capacity, u32 pos0, u32 window, float scale_log2) {           \
-        attn_prefill_impl<D, BK, MT>(q, k_cache, v_cache, o, lse, n_q, n_heads, kv_heads, capacity,      \
-                                     pos0, window, scale_log2);                                          \
+        attn_prefill_impl<D, BK, MT, ST>(q, k_cache, v_cache, o, lse, n_q, n_heads, kv_heads, capacity,  \
+                                         pos0, window, scale_log2);                                      \
     }
-PREFILL_ENTRY(attn_prefill_d64, 64, 64, 1)
-PREFILL_ENTRY(attn_prefill_d128, 128, 64, 1)
-PREFILL_ENTRY(attn_prefill_d256, 256, 32, 1)
+PREFILL_ENTRY(attn_prefill_d64, 64, 64, 1, 2)
+PREFILL_ENTRY(attn_prefill_d128, 128, 64, 1, 2)
+PREFILL_ENTRY(attn_prefill_d256, 256, 32, 1, 2)
 // Two m-tiles a warp (128 query rows a block): half the shared-memory reads per mma.
-PREFILL_ENTRY(attn_prefill_d64_m2, 64, 64, 2)
-PREFILL_ENTRY(attn_prefill_d128_m2, 128, 32, 2)
+PREFILL_ENTRY(attn_prefill_d64_m2, 64, 64, 2, 2)
+PREFILL_ENTRY(attn_prefill_d128_m2, 128, 32, 2, 2)
 // Narrow, smaller key tile: less shared memory and registers, more resident blocks.
-PREFILL_ENTRY(attn_prefill_d128_k32, 128, 32, 1)
+PREFILL_ENTRY(attn_prefill_d128_k32, 128, 32, 1, 2)
 // Narrow with 48-key tiles: 68 KB of shared memory, so three blocks (12 warps) fit an SM.
-PREFILL_ENTRY(attn_prefill_d128_k48, 128, 48, 1)
+PREFILL_ENTRY(attn_prefill_d128_k48, 128, 48, 1, 2)
+// Two m-tiles with a 3-deep K/V ring: loads run two tiles ahead of the mma.
+PREFILL_ENTRY(attn_prefill_d64_m2s3, 64, 64, 2, 3)
+PREFILL_ENTRY(attn_prefill_d128_m2s3, 128, 32, 2, 3)

@@ -63,6 +63,8 @@ pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
         "attn_prefill_d128_m2" => s(128 + 4 * 32, 128),
         "attn_prefill_d128_k32" => s(64 + 4 * 32, 128),
         "attn_prefill_d128_k48" => s(64 + 4 * 48, 128),
+        "attn_prefill_d64_m2s3" => s(128 + 6 * 64, 64),
+        "attn_prefill_d128_m2s3" => s(128 + 6 * 32, 128),
         "attn_decode_d64" => s(16 + 2 * 4 * 64, 64),
         "attn_decode_d128" => s(16 + 2 * 3 * 64, 128),
         "attn_decode_d256" => s(16 + 2 * 2 * 64, 256),

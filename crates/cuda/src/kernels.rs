@@ -34,6 +34,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attn_prefill_d128_m2",
     "attn_prefill_d128_k32",
     "attn_prefill_d128_k48",
+    "attn_prefill_d64_m2s3",
+    "attn_prefill_d128_m2s3",
     "attn_decode_d64",
     "attn_decode_d128",
     "attn_decode_d256",

@@ -81,6 +81,7 @@ fn run_decode(
     lens: &[usize],
     window: Option<usize>,
     splits: Option<usize>,
+    max_seq_len: Option<usize>,
 ) {
     let batch = lens.len();
     let cap = lens.iter().cloned().max().unwrap_or(1).max(1) + 5;
@@ -114,7 +115,7 @@ fn run_decode(
         n_heads,
         scale: scale as f32,
         window,
-        max_seq_len: cap,
+        max_seq_len: max_seq_len.unwrap_or(cap),
         splits,
     };
     ctx.attn_decode(
@@ -161,11 +162,21 @@ fn decode_matches_reference() {
     };
     let mut rng = Rng::new(11);
     let lens: Vec<usize> = (0..5).map(|_| 1 + rng.below(3000)).collect();
-    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, None);
-    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, Some(700), None);
-    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, Some(1));
-    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, Some(7));
-    run_decode(&ctx, &mut rng, 256, 4, 1, &[2500, 1, 64, 65], None, None);
+    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, None, None);
+    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, Some(700), None, None);
+    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, Some(1), None);
+    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, Some(7), None);
+    run_decode(
+        &ctx,
+        &mut rng,
+        256,
+        4,
+        1,
+        &[2500, 1, 64, 65],
+        None,
+        None,
+        None,
+    );
     run_decode(
         &ctx,
         &mut rng,
@@ -175,11 +186,14 @@ fn decode_matches_reference() {
         &[2500, 1, 64, 65],
         Some(512),
         None,
+        None,
     );
-    run_decode(&ctx, &mut rng, 64, 32, 1, &[777, 0, 1500], None, None);
-    run_decode(&ctx, &mut rng, 128, 8, 8, &[4000], None, None);
+    run_decode(&ctx, &mut rng, 64, 32, 1, &[777, 0, 1500], None, None, None);
+    run_decode(&ctx, &mut rng, 128, 8, 8, &[4000], None, None, None);
+    // a max_seq_len below the real lengths only unbalances the splits
+    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, Some(4), Some(100));
     let big: Vec<usize> = (0..64).map(|_| 1 + rng.below(600)).collect();
-    run_decode(&ctx, &mut rng, 128, 16, 2, &big, None, None);
+    run_decode(&ctx, &mut rng, 128, 16, 2, &big, None, None, None);
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -20,6 +20,8 @@ pub const PREFILL_VARIANTS: &[(&str, usize, usize)] = &[
     ("attn_prefill_d128_m2", 128, 128),
     ("attn_prefill_d128_k32", 128, 64),
     ("attn_prefill_d128_k48", 128, 64),
+    ("attn_prefill_d64_m2s3", 64, 128),
+    ("attn_prefill_d128_m2s3", 128, 128),
 ];
 /// The variant `attn_prefill` uses for head_dim 64, 128, 256 (the two-m-tile kernels were
 /// 5-8% faster at 32K on the H200, crates/cuda/gpu-runs/run2-bench.log).
@@ -38,7 +40,8 @@ pub struct DecodeAttn {
     pub scale: f32,
     /// Sliding window: a query at position p sees keys (p - window, p].
     pub window: Option<usize>,
-    /// Upper bound of the sequence lengths in this batch (sizes the split).
+    /// Upper bound of the sequence lengths in this batch: sizes the split. A smaller value is
+    /// still correct (the last split takes the rest) but balances the work worse.
     pub max_seq_len: usize,
     /// Force a number of KV splits (None: chosen from the SM count).
     pub splits: Option<usize>,
