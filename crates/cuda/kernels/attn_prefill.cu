@@ -230,10 +230,5 @@ PREFILL_ENTRY(attn_prefill_d256, 256, 32, 1, 2)
 // Two m-tiles a warp (128 query rows a block): half the shared-memory reads per mma.
 PREFILL_ENTRY(attn_prefill_d64_m2, 64, 64, 2, 2)
 PREFILL_ENTRY(attn_prefill_d128_m2, 128, 32, 2, 2)
-// Narrow, smaller key tile: less shared memory and registers, more resident blocks.
-PREFILL_ENTRY(attn_prefill_d128_k32, 128, 32, 1, 2)
-// Narrow with 48-key tiles: 68 KB of shared memory, so three blocks (12 warps) fit an SM.
-PREFILL_ENTRY(attn_prefill_d128_k48, 128, 48, 1, 2)
-// Two m-tiles with a 3-deep K/V ring: loads run two tiles ahead of the mma.
-PREFILL_ENTRY(attn_prefill_d64_m2s3, 64, 64, 2, 3)
-PREFILL_ENTRY(attn_prefill_d128_m2s3, 128, 32, 2, 3)
+// Tried and dropped (docs/gpu-notes.md, runs 2-4): 32- and 48-key narrow d128 tiles (3-4
+// blocks/SM), and 3-stage rings for the m2 kernels: none beat attn_prefill_d128_m2.

@@ -18,10 +18,6 @@ pub const PREFILL_VARIANTS: &[(&str, usize, usize)] = &[
     ("attn_prefill_d256", 256, 64),
     ("attn_prefill_d64_m2", 64, 128),
     ("attn_prefill_d128_m2", 128, 128),
-    ("attn_prefill_d128_k32", 128, 64),
-    ("attn_prefill_d128_k48", 128, 64),
-    ("attn_prefill_d64_m2s3", 64, 128),
-    ("attn_prefill_d128_m2s3", 128, 128),
 ];
 /// The variant `attn_prefill` uses for head_dim 64, 128, 256 (the two-m-tile kernels were
 /// 5-8% faster at 32K on the H200, crates/cuda/gpu-runs/run2-bench.log).
