@@ -139,11 +139,12 @@ pub struct Sampler {
     cfg: SamplerConfig,
     vocab_size: usize,
     rng: Rng,
-    work: Vec<f32>,        // [vocab] logits after the penalty
+    work: Vec<f32>, // [vocab] logits after the penalty (only used with a penalty)
     cand: Vec<(f32, u32)>, // [<= vocab] (scaled logit, id) still in the running
-    history: Vec<u32>,     // [<= repeat_last_n] ring of recent tokens
-    history_next: usize,   // ring write position once full
-    seen: Vec<u32>,        // [<= repeat_last_n] scratch: distinct recent tokens
+    history: Vec<u32>, // [<= repeat_last_n] ring of recent tokens
+    history_next: usize, // ring write position once full
+    seen: Vec<u32>, // [<= repeat_last_n] scratch: distinct recent tokens
+    weights: Vec<f32>, // [<= vocab] scratch: exp(logit - max) per candidate
 }
 
 impl Sampler {
@@ -160,6 +161,7 @@ impl Sampler {
             history: Vec::with_capacity(cfg.repeat_last_n),
             history_next: 0,
             seen: Vec::with_capacity(cfg.repeat_last_n),
+            weights: Vec::with_capacity(vocab_size),
             cfg,
         })
     }
@@ -197,6 +199,7 @@ impl Sampler {
     }
 
     /// Sample one token from `logits` (`[vocab]`). Does not record it; see `accept`.
+    /// NaN logits count as -inf.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplerError> {
         if logits.len() != self.vocab_size {
             return Err(SamplerError::LogitsLen {
@@ -204,30 +207,24 @@ impl Sampler {
                 want: self.vocab_size,
             });
         }
-        self.work.clear();
-        self.work.extend(
-            logits
-                .iter()
-                .map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l }),
-        );
-        self.apply_repetition_penalty();
+        // Only a penalty needs a modified copy of the row.
+        let penalize = self.cfg.repetition_penalty != 1.0 && !self.history.is_empty();
+        if penalize {
+            self.work.clear();
+            self.work.extend_from_slice(logits);
+            self.apply_repetition_penalty();
+        }
+        let src: &[f32] = if penalize { &self.work } else { logits };
         if self.cfg.temperature == 0.0 {
-            return argmax(&self.work).ok_or(SamplerError::NoCandidates);
+            return argmax(src).ok_or(SamplerError::NoCandidates);
         }
-        let inv_t = 1.0 / self.cfg.temperature;
-        self.cand.clear();
-        for (i, &l) in self.work.iter().enumerate() {
-            if l > f32::NEG_INFINITY {
-                self.cand.push((l * inv_t, i as u32));
-            }
-        }
+        collect_top_k(src, self.cfg.top_k, &mut self.cand);
         if self.cand.is_empty() {
             return Err(SamplerError::NoCandidates);
         }
-        let k = self.cfg.top_k;
-        if k > 0 && k < self.cand.len() {
-            self.cand.select_nth_unstable_by(k - 1, by_logit_desc);
-            self.cand.truncate(k);
+        let inv_t = 1.0 / self.cfg.temperature;
+        for c in self.cand.iter_mut() {
+            c.0 *= inv_t;
         }
         if self.cfg.top_p < 1.0 {
             keep_top_p(&mut self.cand, self.cfg.top_p);
@@ -241,7 +238,7 @@ impl Sampler {
             let threshold = max + self.cfg.min_p.ln();
             self.cand.retain(|c| c.0 >= threshold);
         }
-        Ok(draw(&self.cand, &mut self.rng))
+        Ok(draw(&self.cand, &mut self.weights, &mut self.rng))
     }
 
     /// llama.cpp semantics: each distinct token of the last `repeat_last_n` gets its logit
@@ -265,51 +262,130 @@ impl Sampler {
 
 /// Index of the largest value, lowest index on ties; `None` when all are -inf.
 pub fn argmax(xs: &[f32]) -> Option<u32> {
-    let mut best: Option<(u32, f32)> = None;
-    for (i, &x) in xs.iter().enumerate() {
-        if x > f32::NEG_INFINITY && best.is_none_or(|(_, b)| x > b) {
-            best = Some((i as u32, x));
+    // Pass 1: the maximum, in 8 independent lanes so the compiler can vectorise it.
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut chunks = xs.chunks_exact(8);
+    for c in &mut chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            // NaN compares false, so it is never picked.
+            *m = if x > *m { x } else { *m };
         }
     }
-    best.map(|(i, _)| i)
+    let mut best = f32::NEG_INFINITY;
+    for &x in lanes.iter().chain(chunks.remainder()) {
+        best = if x > best { x } else { best };
+    }
+    if best == f32::NEG_INFINITY {
+        return None;
+    }
+    // Pass 2: its first (lowest) index.
+    xs.iter().position(|&x| x == best).map(|i| i as u32)
 }
 
-/// Keep the smallest most-likely prefix whose probability mass reaches `p`. Sorts only as
-/// much of `cand` as needed: growing chunks are selected and sorted until the mass is reached.
-fn keep_top_p(cand: &mut Vec<(f32, u32)>, p: f32) {
-    let max = cand.iter().map(|c| c.0).fold(f32::NEG_INFINITY, f32::max);
-    let total: f64 = cand.iter().map(|c| ((c.0 - max) as f64).exp()).sum();
-    let target = p as f64 * total;
-    let mut sorted = 0;
-    let mut step = 64;
-    let mut cum = 0.0f64;
-    while sorted < cand.len() {
-        let rest = &mut cand[sorted..];
-        let m = step.min(rest.len());
-        if m < rest.len() {
-            rest.select_nth_unstable_by(m - 1, by_logit_desc);
-        }
-        rest[..m].sort_unstable_by(by_logit_desc);
-        for i in sorted..sorted + m {
-            cum += ((cand[i].0 - max) as f64).exp();
-            if cum >= target {
-                cand.truncate(i + 1);
-                return;
+/// The candidates of `src` (ids with a logit above -inf), or only the `k` best when
+/// `0 < k < len`. One pass: candidates above the running k-th best are pushed, and the list
+/// is cut back to k whenever it reaches 2k, so the cost stays O(n) with little sorting.
+fn collect_top_k(src: &[f32], k: usize, cand: &mut Vec<(f32, u32)>) {
+    cand.clear();
+    if k == 0 || k >= src.len() {
+        cand.extend(
+            src.iter()
+                .enumerate()
+                .filter(|(_, &l)| l > f32::NEG_INFINITY)
+                .map(|(i, &l)| (l, i as u32)),
+        );
+        return;
+    }
+    // Ids arrive in increasing order, so a later logit equal to the k-th best loses the tie.
+    let mut threshold = f32::NEG_INFINITY;
+    for (i, &l) in src.iter().enumerate() {
+        if l > threshold {
+            cand.push((l, i as u32));
+            if cand.len() == 2 * k {
+                cand.select_nth_unstable_by(k - 1, by_logit_desc);
+                cand.truncate(k);
+                threshold = cand.iter().map(|c| c.0).fold(f32::INFINITY, f32::min);
             }
         }
-        sorted += m;
-        step *= 4;
     }
+    if cand.len() > k {
+        cand.select_nth_unstable_by(k - 1, by_logit_desc);
+        cand.truncate(k);
+    }
+}
+
+/// Keep the smallest most-likely set (in `by_logit_desc` order) whose probability mass
+/// reaches `p`. Bucket select, no full sort: candidates are bucketed by logit (buckets are
+/// ordered like the logits), whole buckets are kept until the mass is nearly reached, and only
+/// the boundary bucket is sorted.
+fn keep_top_p(cand: &mut Vec<(f32, u32)>, p: f32) {
+    const NB: usize = 1024;
+    let (mut max, mut min) = (f32::NEG_INFINITY, f32::INFINITY);
+    for c in cand.iter() {
+        max = max.max(c.0);
+        min = min.min(c.0);
+    }
+    let range = max - min;
+    let scale = if range > 0.0 {
+        (NB as f32 - 1.0) / range
+    } else {
+        0.0
+    };
+    // Bucket 0 holds the largest logits; the index never decreases as the logit falls.
+    let bucket = |l: f32| (((max - l) * scale) as usize).min(NB - 1);
+    let mut mass = [0.0f64; NB];
+    let mut total = 0.0f64;
+    for c in cand.iter() {
+        let w = ((c.0 - max).exp()) as f64;
+        mass[bucket(c.0)] += w;
+        total += w;
+    }
+    let target = p as f64 * total;
+    let mut cum = 0.0f64;
+    let mut boundary = NB - 1;
+    for (b, &m) in mass.iter().enumerate() {
+        if cum + m >= target {
+            boundary = b;
+            break;
+        }
+        cum += m;
+    }
+    // Move whole buckets before the boundary to the front, then the boundary bucket.
+    let mut front = 0;
+    for j in 0..cand.len() {
+        if bucket(cand[j].0) < boundary {
+            cand.swap(front, j);
+            front += 1;
+        }
+    }
+    let mut end = front;
+    for j in front..cand.len() {
+        if bucket(cand[j].0) == boundary {
+            cand.swap(end, j);
+            end += 1;
+        }
+    }
+    cand[front..end].sort_unstable_by(by_logit_desc);
+    for i in front..end {
+        cum += ((cand[i].0 - max).exp()) as f64;
+        if cum >= target {
+            cand.truncate(i + 1);
+            return;
+        }
+    }
+    cand.truncate(end);
 }
 
 /// Draw one id with probability proportional to exp(logit).
-fn draw(cand: &[(f32, u32)], rng: &mut Rng) -> u32 {
+fn draw(cand: &[(f32, u32)], weights: &mut Vec<f32>, rng: &mut Rng) -> u32 {
     let max = cand.iter().map(|c| c.0).fold(f32::NEG_INFINITY, f32::max);
-    let total: f64 = cand.iter().map(|c| ((c.0 - max) as f64).exp()).sum();
+    weights.clear();
+    weights.extend(cand.iter().map(|c| (c.0 - max).exp()));
+    let total: f64 = weights.iter().map(|&w| w as f64).sum();
     let u = rng.next_f64() * total;
     let mut cum = 0.0;
-    for c in cand {
-        cum += ((c.0 - max) as f64).exp();
+    for (c, &w) in cand.iter().zip(weights.iter()) {
+        cum += w as f64;
         if u < cum {
             return c.1;
         }
@@ -448,6 +524,30 @@ mod tests {
     }
 
     #[test]
+    fn argmax_matches_plain_loop() {
+        let mut rng = Rng::new(17);
+        for trial in 0..300 {
+            let n = 1 + (rng.next_u64() % 100) as usize;
+            let xs: Vec<f32> = (0..n)
+                .map(|_| match rng.next_u64() % 10 {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    _ => (rng.next_u64() % 5) as f32, // many ties
+                })
+                .collect();
+            let mut want = None;
+            let mut best = f32::NEG_INFINITY;
+            for (i, &x) in xs.iter().enumerate() {
+                if !x.is_nan() && x > best {
+                    best = x;
+                    want = Some(i as u32);
+                }
+            }
+            assert_eq!(argmax(&xs), want, "trial {trial}: {xs:?}");
+        }
+    }
+
+    #[test]
     fn top_k_one_is_greedy() {
         let mut rng = Rng::new(7);
         for trial in 0..50 {
@@ -470,8 +570,18 @@ mod tests {
     fn filters_match_reference_on_random_logits() {
         let mut rng = Rng::new(11);
         for trial in 0..200u64 {
-            let n = 1 + (rng.next_u64() % 700) as usize;
-            let logits = random_logits(&mut rng, n);
+            let n = if trial % 10 == 0 {
+                20_000
+            } else {
+                1 + (rng.next_u64() % 700) as usize
+            };
+            let mut logits = random_logits(&mut rng, n);
+            if trial % 7 < 3 {
+                // Coarse logits: many exact ties, which must break towards lower ids.
+                for l in logits.iter_mut() {
+                    *l = (*l * 2.0).round() / 2.0;
+                }
+            }
             let c = SamplerConfig {
                 temperature: 0.3 + rng.next_f64() as f32 * 1.5,
                 top_k: [0, 1, 5, 50, 1000][(trial % 5) as usize],
@@ -544,9 +654,12 @@ mod tests {
         s.accept(1);
         s.sample(&[3.0, 2.0, -1.0, 1.0]).unwrap();
         assert_eq!(s.work, vec![3.0, 1.0, -2.0, 1.0]);
+        assert_eq!(s.sample(&[3.0, 2.0, -1.0, 1.0]).unwrap(), 0);
+        // After a reset nothing is penalised.
         s.reset();
-        s.sample(&[3.0, 2.0, -1.0, 1.0]).unwrap();
-        assert_eq!(s.work, vec![3.0, 2.0, -1.0, 1.0]);
+        assert_eq!(s.sample(&[2.0, 2.5, -1.0, 1.0]).unwrap(), 1);
+        s.accept(1);
+        assert_eq!(s.sample(&[2.0, 2.5, -1.0, 1.0]).unwrap(), 0);
     }
 
     #[test]
@@ -618,31 +731,33 @@ mod tests {
     fn sampling_does_not_reallocate() {
         let n = 5000;
         let mut rng = Rng::new(5);
-        let c = SamplerConfig {
-            repetition_penalty: 1.3,
-            ..SamplerConfig::default()
-        };
-        let mut s = Sampler::new(c, n).unwrap();
-        let caps = (
-            s.work.capacity(),
-            s.cand.capacity(),
-            s.history.capacity(),
-            s.seen.capacity(),
-        );
-        let ptrs = (s.work.as_ptr(), s.cand.as_ptr());
-        for _ in 0..200 {
-            let logits = random_logits(&mut rng, n);
-            s.sample_and_accept(&logits).unwrap();
+        let configs = [
+            SamplerConfig {
+                repetition_penalty: 1.3,
+                ..SamplerConfig::default()
+            },
+            SamplerConfig {
+                top_k: 0,
+                top_p: 0.9,
+                ..SamplerConfig::default()
+            },
+        ];
+        for c in configs {
+            let mut s = Sampler::new(c, n).unwrap();
+            let buffers = |s: &Sampler| {
+                (
+                    (s.work.capacity(), s.work.as_ptr()),
+                    (s.cand.capacity(), s.cand.as_ptr()),
+                    (s.weights.capacity(), s.weights.as_ptr()),
+                    (s.history.capacity(), s.seen.capacity()),
+                )
+            };
+            let before = buffers(&s);
+            for _ in 0..200 {
+                let logits = random_logits(&mut rng, n);
+                s.sample_and_accept(&logits).unwrap();
+            }
+            assert_eq!(before, buffers(&s));
         }
-        assert_eq!(
-            caps,
-            (
-                s.work.capacity(),
-                s.cand.capacity(),
-                s.history.capacity(),
-                s.seen.capacity()
-            )
-        );
-        assert_eq!(ptrs, (s.work.as_ptr(), s.cand.as_ptr()));
     }
 }
