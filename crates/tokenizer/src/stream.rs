@@ -45,7 +45,7 @@ impl StreamDecoder {
                 }
                 Err(e) => {
                     let good = e.valid_up_to();
-                    // SAFETY-free: the prefix is valid UTF-8 per `valid_up_to`.
+                    // The prefix up to `valid_up_to` is valid UTF-8.
                     out.push_str(std::str::from_utf8(&rest[..good]).unwrap_or_default());
                     match e.error_len() {
                         // An incomplete sequence at the end: wait for more bytes.
@@ -117,5 +117,39 @@ mod tests {
         assert_eq!(d.push_bytes(&[0xE4]), "");
         assert_eq!(d.flush(), "\u{FFFD}");
         assert!(d.pending().is_empty());
+    }
+
+    #[test]
+    fn random_bytes_match_lossy_decode() {
+        // splitmix64, enough for test data
+        let mut x = 0x1234_5678_u64;
+        let mut next = move || {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        let pool: Vec<u8> = "aé中😀"
+            .bytes()
+            .chain([0xFF, 0xC3, 0xE4, 0xF0, 0x80])
+            .collect();
+        for _ in 0..2000 {
+            let len = (next() % 24) as usize;
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| pool[(next() % pool.len() as u64) as usize])
+                .collect();
+            let mut d = StreamDecoder::new();
+            let mut out = String::new();
+            let mut i = 0;
+            while i < bytes.len() {
+                let n = 1 + (next() % 4) as usize;
+                let end = (i + n).min(bytes.len());
+                out.push_str(&d.push_bytes(&bytes[i..end]));
+                i = end;
+            }
+            out.push_str(&d.flush());
+            assert_eq!(out, String::from_utf8_lossy(&bytes), "{bytes:x?}");
+        }
     }
 }
