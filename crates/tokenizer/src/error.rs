@@ -13,7 +13,7 @@ pub enum TokenizerError {
     MissingKey(String),
     #[error("GGUF tokenizer metadata: key `{key}` {msg}")]
     BadKey { key: String, msg: String },
-    #[error("unsupported tokenizer model `{0}` (supported: `llama` SentencePiece vocabularies)")]
+    #[error("unsupported tokenizer model `{0}` (supported: `llama` SentencePiece and `gpt2` byte-level BPE)")]
     UnsupportedModel(String),
     #[error("invalid vocabulary: {0}")]
     BadVocab(String),

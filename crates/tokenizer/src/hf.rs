@@ -160,12 +160,20 @@ impl HfTokenizer {
     /// Load a `tokenizer.json` and an optional `tokenizer_config.json`.
     pub fn from_files(tokenizer_json: &Path, config: Option<&Path>) -> Result<Self> {
         let raw = read_json(tokenizer_json)?;
-        let tok = tokenizers::Tokenizer::from_file(tokenizer_json).map_err(|e| {
-            TokenizerError::BadFile {
-                path: tokenizer_json.to_owned(),
-                msg: e.to_string(),
-            }
-        })?;
+        let cfg = match config {
+            Some(p) => read_json(p)?,
+            None => Value::Null,
+        };
+        Self::from_values(&raw, &cfg).map_err(|msg| TokenizerError::BadFile {
+            path: tokenizer_json.to_owned(),
+            msg,
+        })
+    }
+
+    /// Build from an in-memory `tokenizer.json` value and `tokenizer_config.json` value
+    /// (`Value::Null` when there is none). Errors are the `tokenizers` crate's message.
+    pub fn from_values(raw: &Value, cfg: &Value) -> std::result::Result<Self, String> {
+        let tok: tokenizers::Tokenizer = raw.to_string().parse().map_err(|e| format!("{e}"))?;
         let style = piece_style(raw.get("decoder"));
         let inv = byte_level_inverse();
         let n = tok.get_vocab_size(true);
@@ -182,10 +190,6 @@ impl HfTokenizer {
                 pieces.push(Vec::new());
             }
         }
-        let cfg = match config {
-            Some(p) => read_json(p)?,
-            None => Value::Null,
-        };
         Ok(HfTokenizer {
             tok,
             literal: OnceLock::new(),

@@ -5,6 +5,7 @@ pub mod byte_level;
 pub mod chat;
 pub mod error;
 pub mod gguf;
+pub mod gguf_bpe;
 pub mod hf;
 pub mod partition;
 pub mod spm;
@@ -81,8 +82,18 @@ fn push_unique(v: &mut Vec<u32>, id: u32) {
 }
 
 impl Tokenizer {
-    /// The SentencePiece vocabulary and chat template of a GGUF file.
+    /// The vocabulary and chat template of a GGUF file: SentencePiece (`llama`) or byte-level
+    /// BPE (`gpt2`).
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        if file.get_str("tokenizer.ggml.model") == Some("gpt2") {
+            let mut hf = gguf_bpe::bpe_from_gguf(file)?;
+            hf.chat_template = gguf::chat_template(file);
+            hf.model_type = file.get_str("general.architecture").map(str::to_owned);
+            if let Some(eot) = file.get_u32("tokenizer.ggml.eot_token_id") {
+                hf.extra_eos.push(eot);
+            }
+            return Self::from_hf(hf);
+        }
         let vocab = gguf::spm_from_gguf(file)?;
         let text = |id: Option<u32>| {
             id.and_then(|i| vocab.text(i))

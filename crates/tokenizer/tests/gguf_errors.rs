@@ -4,74 +4,8 @@ use std::path::PathBuf;
 
 use slowfast_tokenizer::{Tokenizer, TokenizerError};
 
-enum V {
-    Str(&'static str),
-    Bool(bool),
-    U32(u32),
-    I32(i32),
-    Strs(Vec<String>),
-    F32s(Vec<f32>),
-    I32s(Vec<i32>),
-}
-
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    out.extend((s.len() as u64).to_le_bytes());
-    out.extend(s.as_bytes());
-}
-
-/// A GGUF v3 file with metadata only.
-fn gguf(kvs: &[(&str, V)]) -> Vec<u8> {
-    let mut out = b"GGUF".to_vec();
-    out.extend(3u32.to_le_bytes());
-    out.extend(0u64.to_le_bytes());
-    out.extend((kvs.len() as u64).to_le_bytes());
-    for (k, v) in kvs {
-        put_str(&mut out, k);
-        match v {
-            V::Str(s) => {
-                out.extend(8u32.to_le_bytes());
-                put_str(&mut out, s);
-            }
-            V::Bool(b) => {
-                out.extend(7u32.to_le_bytes());
-                out.push(*b as u8);
-            }
-            V::U32(x) => {
-                out.extend(4u32.to_le_bytes());
-                out.extend(x.to_le_bytes());
-            }
-            V::I32(x) => {
-                out.extend(5u32.to_le_bytes());
-                out.extend(x.to_le_bytes());
-            }
-            V::Strs(a) => {
-                out.extend(9u32.to_le_bytes());
-                out.extend(8u32.to_le_bytes());
-                out.extend((a.len() as u64).to_le_bytes());
-                for s in a {
-                    put_str(&mut out, s);
-                }
-            }
-            V::F32s(a) => {
-                out.extend(9u32.to_le_bytes());
-                out.extend(6u32.to_le_bytes());
-                out.extend((a.len() as u64).to_le_bytes());
-                for x in a {
-                    out.extend(x.to_le_bytes());
-                }
-            }
-            V::I32s(a) => {
-                out.extend(9u32.to_le_bytes());
-                out.extend(5u32.to_le_bytes());
-                out.extend((a.len() as u64).to_le_bytes());
-                for x in a {
-                    out.extend(x.to_le_bytes());
-                }
-            }
-        }
-    }
-    out
-}
+mod common;
+use common::{gguf, V};
 
 fn write(name: &str, bytes: &[u8]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("slowfast-tok-test-{}", std::process::id()));
@@ -169,9 +103,15 @@ fn missing_or_bad_metadata() {
     assert!(e.contains("tokenizer.ggml.model"), "{e}");
 
     let mut kvs = base_kvs();
+    kvs[1] = ("tokenizer.ggml.model", V::Str("bert"));
+    let e = Tokenizer::from_gguf_path(&write("bert.gguf", &gguf(&kvs))).unwrap_err();
+    assert!(e.to_string().contains("`bert`"), "{e}");
+
+    // A BPE vocabulary needs its merges.
+    let mut kvs = base_kvs();
     kvs[1] = ("tokenizer.ggml.model", V::Str("gpt2"));
     let e = Tokenizer::from_gguf_path(&write("gpt2.gguf", &gguf(&kvs))).unwrap_err();
-    assert!(e.to_string().contains("gpt2"), "{e}");
+    assert!(e.to_string().contains("tokenizer.ggml.merges"), "{e}");
 
     let mut kvs = base_kvs();
     kvs[3] = ("tokenizer.ggml.scores", V::F32s(vec![0.0; 3]));
