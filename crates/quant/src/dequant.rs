@@ -22,7 +22,7 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Q
     }
     let expected = ty.row_bytes(dst.len())?;
     QuantError::check_len("dequantize_row src", "bytes", expected, src.len())?;
-    dequantize_unchecked(ty, src, dst);
+    crate::dequant_simd::dequantize_fast(crate::Isa::best(), ty, src, dst);
     Ok(())
 }
 

@@ -13,6 +13,7 @@
 
 mod activation;
 mod dequant;
+mod dequant_simd;
 mod dot;
 mod error;
 mod matmul;
@@ -22,6 +23,7 @@ mod reference;
 mod types;
 
 pub use dequant::dequantize_row;
+pub use dequant_simd::dequantize_row_with;
 pub use dot::Isa;
 pub use error::QuantError;
 pub use matmul::{gemm_crossover, matmul, matmul_gemm};

@@ -1,7 +1,7 @@
 //! Prefill path: `Y = X Wᵀ` for many activation rows, by dequantizing tiles of weight rows to f32
 //! and running an f32 GEMM (`gemm` crate); small batches go to the quantized-dot matvec instead.
 
-use crate::dequant::dequantize_unchecked;
+use crate::dequant_simd::dequantize_fast;
 use crate::dot::Isa;
 use crate::matvec::{matvec_with, DotPath, MatvecScratch, QMatrix};
 use crate::types::GgmlType;
@@ -56,8 +56,13 @@ pub fn matmul_gemm(w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) -> Result<()
     if n == 0 || w.rows == 0 {
         return Ok(());
     }
+    if w.cols == 0 {
+        y.fill(0.0);
+        return Ok(());
+    }
     let (rows, cols) = (w.rows, w.cols);
     let tr = tile_rows(w, rayon::current_num_threads());
+    let isa = Isa::best();
     let ntiles = rows.div_ceil(tr);
     let yp = SyncPtr(y.as_mut_ptr());
     (0..ntiles)
@@ -68,7 +73,7 @@ pub fn matmul_gemm(w: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) -> Result<()
             let m = r1 - r0;
             tile.resize(m * cols, 0.0); // [m, cols]
             for (r, dst) in (r0..r1).zip(tile.chunks_exact_mut(cols)) {
-                dequantize_unchecked(w.ty, &w.data[r * rb..(r + 1) * rb], dst);
+                dequantize_fast(isa, w.ty, &w.data[r * rb..(r + 1) * rb], dst);
             }
             // SAFETY: dst is y[:, r0..r1] ([n, rows] row-major, row stride `rows`), disjoint per tile;
             // lhs is x [n, cols]; rhs[k, j] = tile[j, k] ([cols, m] with column stride `cols`).

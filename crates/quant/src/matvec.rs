@@ -2,7 +2,7 @@
 //! by integer dot products against a quantized activation, parallel over row chunks.
 
 use crate::activation::{ActKind, QuantAct};
-use crate::dequant::dequantize_unchecked;
+use crate::dequant_simd::dequantize_fast;
 use crate::dot::{dot_row, dot_rows, has_dot, Isa};
 use crate::types::GgmlType;
 use crate::QuantError;
@@ -172,6 +172,10 @@ pub fn matvec_with(
     if n == 0 || nr == 0 {
         return Ok(());
     }
+    if w.cols == 0 {
+        y.fill(0.0);
+        return Ok(());
+    }
 
     let quantized = path == DotPath::Quantized && has_dot(w.ty);
     let kind = if quantized {
@@ -266,7 +270,7 @@ impl Job<'_, '_> {
         let cols = self.w.cols;
         buf.resize(cols, 0.0);
         for (o, row) in out.iter_mut().zip(rows.chunks_exact(self.rb)) {
-            dequantize_unchecked(self.w.ty, row, buf);
+            dequantize_fast(self.isa, self.w.ty, row, buf);
             // SAFETY: an f32 slice viewed as its bytes.
             let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr() as *const u8, cols * 4) };
             *o = dot_row(self.isa, GgmlType::F32, bytes, xi, self.acts[i].view());

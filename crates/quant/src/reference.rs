@@ -8,6 +8,10 @@ pub fn matvec_reference(w: &QMatrix, x: &[f32], y: &mut [f32]) -> Result<(), Qua
     w.validate()?;
     QuantError::check_len("matvec_reference x", "values", w.cols, x.len())?;
     QuantError::check_len("matvec_reference y", "values", w.rows, y.len())?;
+    if w.cols == 0 {
+        y.fill(0.0);
+        return Ok(());
+    }
     let mut row = vec![0.0f32; w.cols]; // [cols]
     for (r, out) in y.iter_mut().enumerate() {
         w.dequantize_row(r, &mut row)?;

@@ -87,6 +87,19 @@ fn bad_sizes_are_errors() {
 }
 
 #[test]
+fn empty_shapes_are_fine() {
+    let w = QMatrix::new(GgmlType::Q8_0, 3, 0, &[]).unwrap();
+    let mut y = vec![f32::NAN; 3];
+    matvec(&w, &[], &mut y).unwrap();
+    assert_eq!(y, [0.0; 3]);
+    let mut y2 = vec![f32::NAN; 6];
+    matmul(&w, &[], 2, &mut y2).unwrap();
+    assert_eq!(y2, [0.0; 6]);
+    let w = QMatrix::new(GgmlType::Q4_K, 0, 256, &[]).unwrap();
+    matvec(&w, &[0.0; 256], &mut []).unwrap();
+}
+
+#[test]
 fn unsupported_types_are_errors() {
     let mut y = vec![0.0f32; 256];
     let err = dequantize_row(GgmlType::Q3_K, &[0u8; 110], &mut y).unwrap_err();

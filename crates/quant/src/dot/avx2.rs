@@ -359,7 +359,7 @@ pub(super) unsafe fn scale_pair(scales: __m128i, k: usize) -> __m256i {
 /// Four 32-byte chunks of 6-bit Q6_K values (0..=63) from one 128-value half.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q6_k_unpack(ql: *const u8, qh: *const u8) -> [__m256i; 4] {
+pub(crate) unsafe fn q6_k_unpack(ql: *const u8, qh: *const u8) -> [__m256i; 4] {
     let m4 = _mm256_set1_epi8(0x0F);
     let m2 = _mm256_set1_epi8(0x03);
     let (l0, l1, h) = (load(ql), load(ql.add(32)), load(qh));

@@ -9,6 +9,8 @@ mod scalar;
 
 use crate::activation::ActRef;
 use crate::types::GgmlType;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::q6_k_unpack as q6_k_unpack_avx2;
 use std::sync::OnceLock;
 
 /// Kernel family for the dot products. `Isa::best()` is what `matvec` uses; tests force each.
