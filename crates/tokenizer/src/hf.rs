@@ -19,6 +19,8 @@ pub struct HfTokenizer {
     pub(crate) chat_template: Option<String>,
     pub(crate) extra_eos: Vec<u32>,
     pub(crate) model_type: Option<String>,
+    /// The decoder strips one leading space (`Strip` decoder, SentencePiece-style prefix).
+    pub(crate) strip_leading_space: bool,
 }
 
 /// How the tokenizer's decoder turns vocabulary strings into bytes.
@@ -78,6 +80,23 @@ fn piece_style(decoder: Option<&Value>) -> PieceStyle {
     } else {
         PieceStyle::Plain
     }
+}
+
+/// A `Strip` decoder that removes one leading space (Llama 2 / Mistral tokenizers).
+fn strips_leading_space(decoder: Option<&Value>) -> bool {
+    fn walk(v: &Value) -> bool {
+        match v {
+            Value::Object(o) => {
+                let is_strip = o.get("type").and_then(Value::as_str) == Some("Strip")
+                    && o.get("content").and_then(Value::as_str) == Some(" ")
+                    && o.get("start").and_then(Value::as_u64).unwrap_or(0) > 0;
+                is_strip || o.values().any(walk)
+            }
+            Value::Array(a) => a.iter().any(walk),
+            _ => false,
+        }
+    }
+    decoder.is_some_and(walk)
 }
 
 /// GPT-2's byte -> printable char table, inverted.
@@ -200,11 +219,20 @@ impl HfTokenizer {
             chat_template: template_of(cfg.get("chat_template")),
             extra_eos: Vec::new(),
             model_type: None,
+            strip_leading_space: strips_leading_space(raw.get("decoder")),
         })
     }
 
     pub fn vocab_size(&self) -> usize {
         self.pieces.len()
+    }
+
+    /// The `tokenizers` crate's own decode (its full decoder pipeline), as a reference for
+    /// the per-token byte table.
+    pub fn library_decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.tok
+            .decode(ids, skip_special)
+            .map_err(|e| TokenizerError::Other(format!("decode failed: {e}")))
     }
 
     pub fn id_of(&self, text: &str) -> Option<u32> {
@@ -284,6 +312,12 @@ mod tests {
         let v: Value = serde_json::from_str(r#"{"type": "ByteLevel"}"#).unwrap();
         assert_eq!(piece_style(Some(&v)), PieceStyle::ByteLevel);
         assert_eq!(piece_style(None), PieceStyle::Plain);
+        assert!(!strips_leading_space(Some(&v)));
+        let v: Value = serde_json::from_str(
+            r#"{"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}"#,
+        )
+        .unwrap();
+        assert!(strips_leading_space(Some(&v)));
         let cfg: Value = serde_json::from_str(
             r#"{"bos_token": {"content": "<s>"}, "eos_token": "</s>", "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}"#,
         )

@@ -225,7 +225,11 @@ impl Tokenizer {
     }
 
     fn strips_leading_space(&self) -> bool {
-        matches!(&self.inner, Inner::Spm(v) if v.config().add_space_prefix)
+        match &self.inner {
+            Inner::Spm(v) => v.config().add_space_prefix,
+            Inner::Hf(h) => h.strip_leading_space,
+            Inner::Bytes(_) => false,
+        }
     }
 
     /// Decoded bytes of one token (may be part of a UTF-8 character); control tokens give

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use serde_json::json;
-use slowfast_tokenizer::{ChatMessage, StreamDecoder, Tokenizer, TokenizerError};
+use slowfast_tokenizer::{ChatMessage, HfTokenizer, StreamDecoder, Tokenizer, TokenizerError};
 
 /// GPT-2's byte -> printable char table.
 fn byte_chars() -> Vec<char> {
@@ -230,4 +230,78 @@ fn byte_level_stand_in() {
         .unwrap();
     assert_eq!(s, "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n");
     assert!(Tokenizer::byte_level(100).is_err());
+}
+
+/// A SentencePiece-style BPE (Llama 2 layout): `▁` for spaces, a prepended `▁`, byte fallback,
+/// and a decoder that strips the leading space again.
+fn metaspace_json() -> serde_json::Value {
+    let mut vocab = BTreeMap::new();
+    for t in ["<unk>", "<s>", "</s>"] {
+        let n = vocab.len() as u32;
+        vocab.insert(t.to_string(), n);
+    }
+    for b in 0..=255u32 {
+        let n = vocab.len() as u32;
+        vocab.insert(format!("<0x{b:02X}>"), n);
+    }
+    let merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "a")];
+    for p in ["▁", "t", "h", "e", "a", "c"] {
+        let n = vocab.len() as u32;
+        vocab.insert(p.to_string(), n);
+    }
+    for (a, b) in merges {
+        let n = vocab.len() as u32;
+        vocab.insert(format!("{a}{b}"), n);
+    }
+    json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [
+            {"id": 0, "content": "<unk>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+            {"id": 1, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+            {"id": 2, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+        ],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+        ]},
+        "pre_tokenizer": null,
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}
+        ]},
+        "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>",
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                  "vocab": vocab,
+                  "merges": merges.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>()}
+    })
+}
+
+#[test]
+fn metaspace_byte_fallback_matches_library_decode() {
+    let cfg = json!({"bos_token": "<s>", "eos_token": "</s>"});
+    let hf = HfTokenizer::from_values(&metaspace_json(), &cfg).unwrap();
+    let reference = HfTokenizer::from_values(&metaspace_json(), &cfg).unwrap();
+    let tok = Tokenizer::from_hf(hf).unwrap();
+    assert_eq!(tok.bos_id(), Some(1));
+    assert!(tok.adds_bos());
+    for text in ["the cat", "a  théâtre 中 😀", " the", "the\nend"] {
+        let ids = tok.encode(text, true).unwrap();
+        assert_eq!(ids[0], 1);
+        let want = reference.library_decode(&ids, true).unwrap();
+        assert_eq!(tok.decode(&ids), want, "{text:?} {ids:?}");
+        assert_eq!(want, *text);
+        // Streaming prints the prefix space the normalizer added; decode strips it.
+        let mut d = StreamDecoder::new();
+        let streamed: String =
+            ids.iter().map(|&i| d.push(&tok, i)).collect::<String>() + &d.flush();
+        assert_eq!(streamed, format!(" {text}"));
+    }
+    let ids = tok.encode("the", false).unwrap();
+    assert_eq!(ids, vec![tok.token_id("▁the").unwrap()]);
 }
