@@ -340,6 +340,16 @@ impl Tokenizer {
         )
     }
 
+    /// The SFI reference's narrower class: tokens that are exactly one ender character,
+    /// optionally followed by newlines (no word glued in front, unlike `sentence_ender_ids`).
+    pub fn punctuation_ender_ids(&self) -> Vec<u32> {
+        vocab_scan::scan(
+            self.vocab_size(),
+            |id| self.token_bytes(id, false),
+            vocab_scan::is_punctuation_ender,
+        )
+    }
+
     /// Tokens whose text is only newlines.
     pub fn newline_ids(&self) -> Vec<u32> {
         vocab_scan::scan(

@@ -15,6 +15,14 @@ pub fn is_sentence_ender(text: &str) -> bool {
     core.ends_with(ENDERS)
 }
 
+/// The SFI reference's stricter class: the text is exactly one ender character, optionally
+/// followed by newlines (`.`, `.\n`, `?\n\n`, ...), with no word or space before it.
+pub fn is_punctuation_ender(text: &str) -> bool {
+    let core = text.trim_end_matches(is_newline);
+    let mut chars = core.chars();
+    matches!((chars.next(), chars.next()), (Some(c), None) if ENDERS.contains(&c))
+}
+
 /// Decoded text is one or more newlines and nothing else.
 pub fn is_newline_only(text: &str) -> bool {
     !text.is_empty() && text.chars().all(is_newline)
@@ -45,6 +53,12 @@ mod tests {
         }
         for t in ["Mr", "\n", "", ". ", "a", ".a", "\n\n"] {
             assert!(!is_sentence_ender(t), "{t:?}");
+        }
+        for t in [".", "?\n", "!\n\n", "。"] {
+            assert!(is_punctuation_ender(t), "{t:?}");
+        }
+        for t in ["Mr.", " .", "..", "\n", "", "a"] {
+            assert!(!is_punctuation_ender(t), "{t:?}");
         }
         assert!(is_newline_only("\n"));
         assert!(is_newline_only("\r\n\n"));

@@ -140,6 +140,15 @@ fn special_ids_and_token_classes() {
         assert!(tok.decode(&[i]).chars().all(|c| c == '\n' || c == '\r'));
     }
     assert!(enders.len() > 100, "{} enders", enders.len());
+    let strict = tok.punctuation_ender_ids();
+    assert!(strict.contains(&id(".")) && strict.contains(&id("。")));
+    assert!(!strict.contains(&id("▁.")));
+    // . ? ! 。 ？ ！ and the byte tokens <0x2E> <0x3F> <0x21> (newlines never merge in Gemma).
+    assert_eq!(strict.len(), 9, "{strict:?}");
+    for &i in &strict {
+        assert!([".", "?", "!", "。", "？", "！"].contains(&tok.decode(&[i]).as_str()));
+    }
+    assert!(strict.iter().all(|i| enders.contains(i)));
 }
 
 #[test]
