@@ -9,9 +9,11 @@
 
 mod driver;
 mod elem;
+mod isa;
 mod kernels;
 mod merge;
 mod reference;
+mod scratch;
 mod simd;
 mod tile;
 mod types;

@@ -3,11 +3,12 @@
 //! scores for many rows (prefill), row-major for a few rows (decode). Also ISA dispatch.
 
 use super::elem::KvElem;
+pub(crate) use super::isa::Isa;
 use super::kernels::{pv, qk_cols, qk_rows, scale, softmax_cols, softmax_row, widen};
+use super::scratch::POOL_TILE;
+pub(crate) use super::scratch::{Scratch, SyncPtr, POOL_PARTIALS, POOL_TASK_OUT};
 use super::simd::{Scalar, Simd};
 use super::types::{Geometry, KvSegment, Mask, QueryPositions};
-use std::cell::Cell;
-use std::sync::OnceLock;
 
 /// Keys per tile in the column (prefill) layout.
 pub(crate) const BK_COLS: usize = 64;
@@ -15,75 +16,6 @@ pub(crate) const BK_COLS: usize = 64;
 pub(crate) const BK_ROWS: usize = 128;
 /// At most this many rows (query rows x group heads) take the row layout.
 pub(crate) const ROW_PATH_MAX: usize = 8;
-
-/// Instruction set chosen at runtime.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Isa {
-    Scalar,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
-impl Isa {
-    /// Best ISA of this CPU whose vector width divides `head_dim`, capped by the env var
-    /// `SLOWFAST_ATTN_ISA` (`scalar`, `avx2`, `avx512`; read once) for benchmarks and checks.
-    pub(crate) fn best(head_dim: usize) -> Isa {
-        static CAP: OnceLock<usize> = OnceLock::new();
-        let cap = *CAP.get_or_init(|| match std::env::var("SLOWFAST_ATTN_ISA").as_deref() {
-            Ok("scalar") => 1,
-            Ok("avx2") => 8,
-            _ => usize::MAX,
-        });
-        Self::available()
-            .iter()
-            .filter(|i| i.lanes() <= cap)
-            .rev()
-            .copied()
-            .find(|i| head_dim.is_multiple_of(i.lanes()))
-            .unwrap_or(Isa::Scalar)
-    }
-
-    /// Every ISA this CPU can run, narrowest first (detected once).
-    pub(crate) fn available() -> &'static [Isa] {
-        static AVAILABLE: OnceLock<Vec<Isa>> = OnceLock::new();
-        AVAILABLE.get_or_init(|| {
-            #[allow(unused_mut)]
-            let mut v = vec![Isa::Scalar];
-            #[cfg(target_arch = "x86_64")]
-            {
-                if is_x86_feature_detected!("avx2")
-                    && is_x86_feature_detected!("fma")
-                    && is_x86_feature_detected!("f16c")
-                {
-                    v.push(Isa::Avx2);
-                }
-                if is_x86_feature_detected!("avx512f") {
-                    v.push(Isa::Avx512);
-                }
-            }
-            v
-        })
-    }
-
-    pub(crate) fn lanes(self) -> usize {
-        match self {
-            Isa::Scalar => 1,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => 8,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => 16,
-        }
-    }
-}
-
-/// Raw pointer shared by tasks that write disjoint elements.
-#[derive(Clone, Copy)]
-pub(crate) struct SyncPtr(pub *mut f32);
-// SAFETY: used only for writes to element sets that the work split makes disjoint.
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
 
 /// Where a task stores its raw scaled logits: head `kv_head*G + g`, query `i`, key `j` lands at
 /// `base + (g * n_q + i) * total + j`.
@@ -194,55 +126,6 @@ impl<'a, T> Iterator for Tiles<'a, T> {
             self.base += n;
         }
         None
-    }
-}
-
-/// Thread-local buffer pools: tile work space, task output, split-KV partials.
-pub(crate) const POOL_TILE: usize = 0;
-pub(crate) const POOL_TASK_OUT: usize = 1;
-pub(crate) const POOL_PARTIALS: usize = 2;
-
-thread_local! {
-    static SCRATCH: [Cell<Vec<f32>>; 3] = const { [Cell::new(Vec::new()), Cell::new(Vec::new()), Cell::new(Vec::new())] };
-}
-
-/// A zeroed f32 buffer borrowed from a thread-local pool (no allocation in steady state);
-/// returned to the pool on drop. Nested use of one pool on one thread gets a fresh buffer.
-pub(crate) struct Scratch(Vec<f32>, usize);
-
-impl Scratch {
-    pub(crate) fn take(pool: usize, n: usize) -> Scratch {
-        let mut v = SCRATCH.with(|c| c[pool].take());
-        v.clear();
-        v.resize(n, 0.0);
-        Scratch(v, pool)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let v = std::mem::take(&mut self.0);
-        SCRATCH.with(|c| {
-            let cur = c[self.1].take();
-            c[self.1].set(if cur.capacity() >= v.capacity() {
-                cur
-            } else {
-                v
-            });
-        });
-    }
-}
-
-impl std::ops::Deref for Scratch {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for Scratch {
-    fn deref_mut(&mut self) -> &mut [f32] {
-        &mut self.0
     }
 }
 

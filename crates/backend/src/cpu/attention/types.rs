@@ -240,7 +240,12 @@ pub(crate) fn validate<'s, T: KvElem, S: KvSource<'s, T> + ?Sized>(
     let n_q = match q_pos {
         QueryPositions::Start(start) => {
             let n_q = q.len() / (h * d);
-            if n_q > 0 && start.checked_add((n_q - 1) as u32).is_none() {
+            if n_q > 0
+                && u32::try_from(n_q - 1)
+                    .ok()
+                    .and_then(|x| start.checked_add(x))
+                    .is_none()
+            {
                 return Err(AttnError::QueryOverflow { start, n_q });
             }
             n_q
@@ -293,7 +298,11 @@ pub(crate) fn validate<'s, T: KvElem, S: KvSource<'s, T> + ?Sized>(
                     });
                 }
                 KvPositions::Range { start }
-                    if len > 0 && start.checked_add((len - 1) as u32).is_none() =>
+                    if len > 0
+                        && u32::try_from(len - 1)
+                            .ok()
+                            .and_then(|x| start.checked_add(x))
+                            .is_none() =>
                 {
                     return Err(AttnError::PositionOverflow {
                         kv_head,
