@@ -54,7 +54,8 @@ fn fill(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
-fn median_secs(runs: usize, mut f: impl FnMut()) -> f64 {
+/// (median, fastest) wall time of `runs` runs after one warm-up.
+fn median_secs(runs: usize, mut f: impl FnMut()) -> (f64, f64) {
     f(); // warm-up
     let mut t: Vec<f64> = (0..runs)
         .map(|_| {
@@ -64,7 +65,7 @@ fn median_secs(runs: usize, mut f: impl FnMut()) -> f64 {
         })
         .collect();
     t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    t[runs / 2]
+    (t[runs / 2], t[0])
 }
 
 /// KV cache of one layer: `[kv_heads, ctx, head_dim]` keys and values.
@@ -105,12 +106,13 @@ fn decode<T: KvElem>(m: &Model, ctx: usize, dtype: &str, conv: fn(f32) -> T) {
     });
     let bytes = 2 * m.n_kv_heads * ctx * m.head_dim * std::mem::size_of::<T>();
     println!(
-        "| decode | {} | {} | {}K | {:.1} us | {:.1} GB/s |",
+        "| decode | {} | {} | {}K | {:.1} us | {:.1} GB/s | {:.1} GB/s |",
         m.name,
         dtype,
         ctx / 1024,
-        t * 1e6,
-        bytes as f64 / t / 1e9
+        t.0 * 1e6,
+        bytes as f64 / t.0 / 1e9,
+        bytes as f64 / t.1 / 1e9
     );
 }
 
@@ -147,12 +149,13 @@ fn prefill(m: &Model, n: usize, window: Option<u32>) {
     let flops = pairs as f64 * m.n_heads as f64 * 4.0 * m.head_dim as f64;
     let wname = window.map_or("causal".to_string(), |w| format!("window {w}"));
     println!(
-        "| prefill | {} | f32 | {}K {} | {:.1} ms | {:.1} GFLOP/s |",
+        "| prefill | {} | f32 | {}K {} | {:.1} ms | {:.1} GFLOP/s | {:.1} GFLOP/s |",
         m.name,
         n / 1024,
         wname,
-        t * 1e3,
-        flops / t / 1e9
+        t.0 * 1e3,
+        flops / t.0 / 1e9,
+        flops / t.1 / 1e9
     );
 }
 
@@ -176,9 +179,10 @@ fn bandwidth() {
         std::hint::black_box(s);
     });
     println!(
-        "| read bw | sum over 512 MiB | f32 | - | {:.1} ms | {:.1} GB/s |",
-        t * 1e3,
-        (a.len() * 4) as f64 / t / 1e9
+        "| read bw | sum over 512 MiB | f32 | - | {:.1} ms | {:.1} GB/s | {:.1} GB/s |",
+        t.0 * 1e3,
+        (a.len() * 4) as f64 / t.0 / 1e9,
+        (a.len() * 4) as f64 / t.1 / 1e9
     );
 }
 
@@ -197,8 +201,10 @@ fn main() {
         .filter(|m| model_args.is_empty() || model_args.iter().any(|a| m.name.contains(a.as_str())))
         .collect();
     println!("threads: {}", rayon::current_num_threads());
-    println!("| kind | model | kv | size | median time | throughput |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "| kind | model | kv | size | median time | median throughput | best-run throughput |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     if want("bw") {
         bandwidth();
     }
