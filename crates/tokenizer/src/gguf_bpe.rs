@@ -7,6 +7,7 @@ use slowfast_loader::gguf::GgufFile;
 
 use crate::error::{Result, TokenizerError};
 use crate::hf::HfTokenizer;
+use crate::llama_names::{self, SpecialIds};
 
 /// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_LLAMA3` split (from Llama 3's tokenizer.json).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -52,7 +53,7 @@ pub fn bpe_from_gguf(file: &GgufFile) -> Result<HfTokenizer> {
         .get_str_array("tokenizer.ggml.merges")
         .ok_or_else(|| TokenizerError::MissingKey("tokenizer.ggml.merges".into()))?;
     let n = tokens.len();
-    let types = match file.get("tokenizer.ggml.token_type") {
+    let mut types = match file.get("tokenizer.ggml.token_type") {
         None => vec![1; n],
         Some(_) => file
             .get_i32_array("tokenizer.ggml.token_type")
@@ -64,6 +65,19 @@ pub fn bpe_from_gguf(file: &GgufFile) -> Result<HfTokenizer> {
             types.len()
         )));
     }
+    let id_opt = |key: &str| -> Option<u32> { file.get_u32(key).filter(|&i| (i as usize) < n) };
+    let bos = id_opt("tokenizer.ggml.bos_token_id");
+    let eos = id_opt("tokenizer.ggml.eos_token_id");
+    // llama.cpp's name-based fix-ups (end-of-turn / FIM names become control tokens).
+    let (eog, _) = llama_names::apply(
+        &tokens,
+        &mut types,
+        SpecialIds {
+            eos,
+            eot: id_opt("tokenizer.ggml.eot_token_id"),
+            eom: id_opt("tokenizer.ggml.eom_token_id"),
+        },
+    );
     let pre = file.get_str("tokenizer.ggml.pre").unwrap_or("default");
     let (pre_tok, ignore_merges) = pre_tokenizer(pre)?;
     let mut vocab = serde_json::Map::with_capacity(n);
@@ -78,9 +92,6 @@ pub fn bpe_from_gguf(file: &GgufFile) -> Result<HfTokenizer> {
             );
         }
     }
-    let id_opt = |key: &str| -> Option<u32> { file.get_u32(key) };
-    let bos = id_opt("tokenizer.ggml.bos_token_id").filter(|&i| (i as usize) < n);
-    let eos = id_opt("tokenizer.ggml.eos_token_id").filter(|&i| (i as usize) < n);
     // llama.cpp adds no BOS to BPE vocabularies unless the file asks.
     let add_bos = file
         .get_bool("tokenizer.ggml.add_bos_token")
@@ -116,9 +127,11 @@ pub fn bpe_from_gguf(file: &GgufFile) -> Result<HfTokenizer> {
     });
     let text = |id: Option<u32>| id.map(|i| tokens[i as usize].to_owned());
     let cfg = json!({"bos_token": text(bos), "eos_token": text(eos)});
-    HfTokenizer::from_values(&raw, &cfg).map_err(|msg| {
+    let mut hf = HfTokenizer::from_values(&raw, &cfg).map_err(|msg| {
         TokenizerError::BadVocab(format!(
             "cannot build the BPE tokenizer from GGUF metadata: {msg}"
         ))
-    })
+    })?;
+    hf.extra_eos = eog;
+    Ok(hf)
 }

@@ -7,6 +7,7 @@ pub mod error;
 pub mod gguf;
 pub mod gguf_bpe;
 pub mod hf;
+pub mod llama_names;
 pub mod partition;
 pub mod spm;
 pub mod stream;
@@ -107,15 +108,7 @@ impl Tokenizer {
             &text(cfg.bos_id),
             &text(cfg.eos_id),
         )?;
-        let mut eos_ids = Vec::new();
-        for id in [cfg.eos_id, cfg.eot_id].into_iter().flatten() {
-            push_unique(&mut eos_ids, id);
-        }
-        for name in spm::EOT_NAMES {
-            if let Some(id) = vocab.id_of(name) {
-                push_unique(&mut eos_ids, id);
-            }
-        }
+        let eos_ids = vocab.eog_ids().to_vec();
         Ok(Tokenizer {
             inner: Inner::Spm(Box::new(vocab)),
             chat,
@@ -154,7 +147,7 @@ impl Tokenizer {
         for &id in &hf.extra_eos {
             push_unique(&mut eos_ids, id);
         }
-        for name in spm::EOT_NAMES {
+        for name in llama_names::EOG_NAMES {
             if let Some(id) = hf.id_of(name).filter(|&id| hf.is_special(id)) {
                 push_unique(&mut eos_ids, id);
             }
@@ -288,7 +281,8 @@ impl Tokenizer {
     }
 
     /// Ids that end generation: EOS plus end-of-turn tokens found by name
-    /// (`<end_of_turn>`, `<|im_end|>`, `<|eot_id|>`, ...).
+    /// (`<end_of_turn>`, `<|im_end|>`, `<|eot_id|>`, ...). For GGUF files this is llama.cpp's
+    /// EOG set (for Gemma 3: `<eos>`, `<end_of_turn>` and `</s>`).
     pub fn eos_ids(&self) -> &[u32] {
         &self.eos_ids
     }

@@ -5,6 +5,7 @@ use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 
 use crate::error::{Result, TokenizerError};
+use crate::llama_names::{self, SpecialIds};
 use crate::partition::{partition, Fragment, SpecialText};
 
 /// U+2581 LOWER ONE EIGHTH BLOCK, SentencePiece's visible space.
@@ -41,19 +42,6 @@ impl TokenKind {
         matches!(self, TokenKind::Control | TokenKind::Unknown)
     }
 }
-
-/// Token names llama.cpp treats as end-of-turn (forced to control, and generation stops there).
-pub const EOT_NAMES: &[&str] = &[
-    "<|eot_id|>",
-    "<|im_end|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<EOT>",
-    "_<EOT>",
-    "<｜end▁of▁sentence｜>",
-    "<end_of_utterance>",
-];
 
 /// Special ids and flags of an SPM vocabulary (GGUF `tokenizer.ggml.*` scalars).
 #[derive(Debug, Clone)]
@@ -92,6 +80,7 @@ pub struct SpmVocab {
     pieces: Vec<Vec<u8>>,  // [n_vocab] decoded bytes (control/unknown: their raw text)
     text_to_id: HashMap<Vec<u8>, u32>,
     specials: Vec<SpecialText>, // control / user-defined / unknown, longest text first
+    eog: Vec<u32>,              // end-of-generation ids, as llama.cpp collects them
     byte_ids: [Option<u32>; 256],
     cfg: SpmConfig,
 }
@@ -178,20 +167,23 @@ impl SpmVocab {
                 }
             }
         }
-        let mut kinds: Vec<TokenKind> = types.iter().map(|&t| TokenKind::from_gguf(t)).collect();
+        // llama.cpp's name-based fix-ups (end-of-turn / FIM names become control tokens).
+        let mut types = types.to_vec();
+        let (eog, eot) = llama_names::apply(
+            &tokens,
+            &mut types,
+            SpecialIds {
+                eos: cfg.eos_id,
+                eot: cfg.eot_id,
+                eom: None,
+            },
+        );
+        cfg.eot_id = eot;
+        let kinds: Vec<TokenKind> = types.iter().map(|&t| TokenKind::from_gguf(t)).collect();
         let mut text_to_id = HashMap::with_capacity(n);
         for (i, t) in tokens.iter().enumerate() {
             // Later ids win on duplicate texts, as in llama.cpp.
             text_to_id.insert(t.clone(), i as u32);
-        }
-        // End-of-turn tokens found by name become control tokens (llama.cpp does the same).
-        for name in EOT_NAMES {
-            if let Some(&id) = text_to_id.get(name.as_bytes()) {
-                if cfg.eot_id.is_none() {
-                    cfg.eot_id = Some(id);
-                }
-                kinds[id as usize] = TokenKind::Control;
-            }
         }
         if cfg.add_bos && cfg.bos_id.is_none() {
             return Err(TokenizerError::BadVocab(
@@ -239,6 +231,7 @@ impl SpmVocab {
             pieces,
             text_to_id,
             specials,
+            eog,
             byte_ids,
             cfg,
         })
@@ -408,6 +401,11 @@ impl SpmVocab {
             score: self.scores[id as usize],
             size,
         });
+    }
+
+    /// End-of-generation ids: EOS, end-of-turn and the other names llama.cpp stops on.
+    pub fn eog_ids(&self) -> &[u32] {
+        &self.eog
     }
 
     /// Token ids of the special (control / user-defined / unknown) texts, longest first.

@@ -109,7 +109,12 @@ fn special_ids_and_token_classes() {
     assert_eq!(tok.bos_id(), Some(2));
     let eot = tok.token_id("<end_of_turn>").unwrap();
     let eos = tok.token_id("<eos>").unwrap();
-    assert!(tok.eos_ids().contains(&eos) && tok.eos_ids().contains(&eot));
+    // llama.cpp's end-of-generation set: <eos>, <end_of_turn>, and `</s>` (a user-defined
+    // token that llama.cpp's name list turns into a control token).
+    let close_s = tok.token_id("</s>").unwrap();
+    assert_eq!(tok.eos_ids(), &[eos, eot, close_s]);
+    assert!(tok.is_special(close_s));
+    assert_eq!(tok.decode(&[close_s]), "");
     assert!(tok.is_special(eot));
     let enders = tok.sentence_ender_ids();
     let newlines = tok.newline_ids();
