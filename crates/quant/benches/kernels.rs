@@ -199,8 +199,8 @@ fn decode_and_prefill(rng: &mut Rng, prefill: bool, pattern: &str) {
 
 fn crossover(rng: &mut Rng) {
     println!("\nCrossover: batched quantized-dot matvec vs dequant+GEMM, time per call in us");
-    println!("| matrix | type | n=1 qdot/gemm | 2 | 4 | 8 | 16 | 32 |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| matrix | type | n=1 qdot/gemm | 4 | 8 | 16 | 32 | 64 | 128 |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let cases = [
         (640, 2048, GgmlType::Q5_0),
         (640, 2048, GgmlType::Q8_0),
@@ -214,7 +214,7 @@ fn crossover(rng: &mut Rng) {
         let data = make(rng, ty, rows, cols);
         let w = QMatrix::new(ty, rows, cols, &data).unwrap();
         let mut line = format!("| {cols}->{rows} | {ty} |");
-        for n in [1usize, 2, 4, 8, 16, 32] {
+        for n in [1usize, 4, 8, 16, 32, 64, 128] {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.f32()).collect();
             let tq = matvec_time(&w, &x, n, DotPath::Quantized);
             let tg = gemm_time(&w, &x, n);

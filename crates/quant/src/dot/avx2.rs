@@ -62,12 +62,22 @@ pub(super) unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// Read an f16 at `p` (unaligned) as f32.
+/// Read an f16 at `p` (unaligned) as f32. Only for an f16 that ends a buffer (Q6_K's `d`);
+/// elsewhere use `f16_head`, which has no false register dependency.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
     let h = (p as *const u16).read_unaligned();
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+/// The f16 at `p` as f32, read as an 8-byte load straight into `vcvtph2ps`: `p..p + 8` must be
+/// readable (true for a scale at the start of a block of >= 8 bytes). A 16-bit insert would
+/// merge into whatever register LLVM picks (often an accumulator) and serialize the loop.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn f16_head(p: *const u8) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_loadl_epi64(p as *const __m128i)))
 }
 
 #[inline]
@@ -167,7 +177,7 @@ unsafe fn q8_0_block(bp: *const u8, x: *const u8, dx: f32) -> (__m256, __m256) {
     let xv = load(x);
     // |w| * sign(x, w) keeps maddubs' first operand unsigned.
     let p = mul_sum_us8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-    (_mm256_set1_ps(f16_at(bp) * dx), _mm256_cvtepi32_ps(p))
+    (_mm256_set1_ps(f16_head(bp) * dx), _mm256_cvtepi32_ps(p))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -234,7 +244,7 @@ unsafe fn legacy_block<const FIVE: bool>(
     let offset = if FIVE { 16 } else { 8 };
     let corr = _mm256_zextsi128_si256(_mm_cvtsi32_si128(-offset * sx as i32));
     let p = _mm256_add_epi32(mul_sum_us8(q, load(x)), corr);
-    (_mm256_set1_ps(f16_at(bp) * dx), _mm256_cvtepi32_ps(p))
+    (_mm256_set1_ps(f16_head(bp) * dx), _mm256_cvtepi32_ps(p))
 }
 
 /// Q4_0 / Q5_0: unsigned q (optionally with a 5th bit), minus offset * sum(x).
@@ -325,7 +335,8 @@ unsafe fn q4_k(row: &[u8], a: ActRef<'_>) -> f32 {
         let bp = w.add(b * 144);
         let dx = *a.d.get_unchecked(b);
         let sm = unpack_k4_scales(std::slice::from_raw_parts(bp.add(4), 12));
-        accm += f16_at(bp.add(2)) * dx * q4_k_min_sum(&sm[8..], a.sums.as_ptr().add(16 * b)) as f32;
+        accm +=
+            f16_head(bp.add(2)) * dx * q4_k_min_sum(&sm[8..], a.sums.as_ptr().add(16 * b)) as f32;
         let x = xq.add(b * QK_K);
         let mut sumi = _mm256_setzero_si256();
         for k in 0..4 {
@@ -338,7 +349,7 @@ unsafe fn q4_k(row: &[u8], a: ActRef<'_>) -> f32 {
             let p1 = _mm256_madd_epi16(p1, _mm256_set1_epi16(sm[2 * k + 1] as i16));
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
         }
-        let d = _mm256_set1_ps(f16_at(bp) * dx);
+        let d = _mm256_set1_ps(f16_head(bp) * dx);
         acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
     }
     hsum(acc) - accm

@@ -2,7 +2,7 @@
 #![cfg(target_arch = "x86_64")]
 
 use super::avx2::{
-    f16_at, hsum, q4_k_min_sum, q6_k_bias, q6_k_unpack, scale_pair, unpack_k4_scales,
+    f16_at, f16_head, hsum, q4_k_min_sum, q6_k_bias, q6_k_unpack, scale_pair, unpack_k4_scales,
 };
 use crate::activation::ActRef;
 use crate::types::{GgmlType, QK, QK_K};
@@ -118,7 +118,7 @@ unsafe fn q8_0_block(bp: *const u8, x: *const u8, dx: f32) -> (__m256, __m256) {
         _mm256_abs_epi8(wv),
         _mm256_sign_epi8(xv, wv),
     );
-    (_mm256_set1_ps(f16_at(bp) * dx), _mm256_cvtepi32_ps(p))
+    (_mm256_set1_ps(f16_head(bp) * dx), _mm256_cvtepi32_ps(p))
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -171,7 +171,7 @@ unsafe fn legacy_block<const FIVE: bool>(
     let offset = if FIVE { 16 } else { 8 };
     let init = _mm256_zextsi128_si256(_mm_cvtsi32_si128(-offset * sx as i32));
     let p = _mm256_dpbusd_epi32(init, q, load(x));
-    (_mm256_set1_ps(f16_at(bp) * dx), _mm256_cvtepi32_ps(p))
+    (_mm256_set1_ps(f16_head(bp) * dx), _mm256_cvtepi32_ps(p))
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -216,7 +216,8 @@ unsafe fn q4_k(row: &[u8], a: ActRef<'_>) -> f32 {
         let bp = w.add(b * 144);
         let dx = *a.d.get_unchecked(b);
         let sm = unpack_k4_scales(std::slice::from_raw_parts(bp.add(4), 12));
-        accm += f16_at(bp.add(2)) * dx * q4_k_min_sum(&sm[8..], a.sums.as_ptr().add(16 * b)) as f32;
+        accm +=
+            f16_head(bp.add(2)) * dx * q4_k_min_sum(&sm[8..], a.sums.as_ptr().add(16 * b)) as f32;
         let x = xq.add(b * QK_K);
         let mut sumi = _mm256_setzero_si256();
         for k in 0..4 {
@@ -228,7 +229,7 @@ unsafe fn q4_k(row: &[u8], a: ActRef<'_>) -> f32 {
             sumi = _mm256_dpwssd_epi32(sumi, p0, _mm256_set1_epi16(sm[2 * k] as i16));
             sumi = _mm256_dpwssd_epi32(sumi, p1, _mm256_set1_epi16(sm[2 * k + 1] as i16));
         }
-        let d = _mm256_set1_ps(f16_at(bp) * dx);
+        let d = _mm256_set1_ps(f16_head(bp) * dx);
         acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
     }
     hsum(acc) - accm
