@@ -23,9 +23,15 @@ fn load() -> Option<Tokenizer> {
     Some(Tokenizer::from_gguf_path(&path).expect("the default model's tokenizer loads"))
 }
 
-fn fixture() -> Fixture {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma3_llamacpp_ids.json");
+fn read_fixture(name: &str) -> Fixture {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn fixture() -> Fixture {
+    read_fixture("gemma3_llamacpp_ids.json")
 }
 
 #[test]
@@ -33,8 +39,10 @@ fn ids_match_llama_cpp() {
     let Some(tok) = load() else { return };
     let fx = fixture();
     assert!(fx.cases.len() > 40);
+    let random = read_fixture("gemma3_llamacpp_random.json");
+    assert_eq!(random.cases.len(), 300);
     let mut bad = Vec::new();
-    for c in &fx.cases {
+    for c in fx.cases.iter().chain(&random.cases) {
         let got = tok
             .encode_with(&c.text, c.add_special, c.parse_special)
             .unwrap();
