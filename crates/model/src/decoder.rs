@@ -3,7 +3,7 @@
 //! against a preallocated KV store; attention goes through `crate::attention`.
 use slowfast_backend::cpu::ops;
 use slowfast_kv::{CacheElem, KvStore, LayerSpec};
-use slowfast_quant::matmul;
+use slowfast_quant::{gemm_crossover, matmul, matmul_gemm, matvec_with, DotPath, Isa, MatvecScratch};
 
 use crate::attention::{attend_layer, AttnScratch};
 use crate::config::{Activation, ModelConfig, RopeScaling};
@@ -21,10 +21,22 @@ pub enum LogitsRows {
     All,
 }
 
+/// How activations meet quantized weights in the matrix products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulPrecision {
+    /// Few rows (decode): activations quantized to 8 bits and integer dot products, as
+    /// llama.cpp does; many rows (prefill): dequantized weight tiles and an f32 GEMM.
+    Fast,
+    /// Always f32 activations against dequantized weights (the exact product of the stored
+    /// weights; slower for decode).
+    Exact,
+}
+
 /// A loaded model: config, weights and RoPE frequencies.
 pub struct Model {
     pub cfg: ModelConfig,
     pub weights: ModelWeights,
+    pub precision: MatmulPrecision,
     /// RoPE inverse frequencies of global and sliding layers (`[head_dim/2]`).
     inv_freq_global: Vec<f64>,
     inv_freq_local: Vec<f64>,
@@ -113,6 +125,7 @@ impl Model {
         Ok(Model {
             cfg,
             weights,
+            precision: MatmulPrecision::Fast,
             inv_freq_global,
             inv_freq_local,
         })
@@ -147,8 +160,23 @@ impl Model {
         )
     }
 
-    fn linear(w: &Weight, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), ModelError> {
-        matmul(&w.view(), x, n, y).map_err(|e| ModelError::Compute(format!("{w:?}: {e}")))
+    fn linear(&self, w: &Weight, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), ModelError> {
+        let v = w.view();
+        let r = match self.precision {
+            MatmulPrecision::Fast => matmul(&v, x, n, y),
+            MatmulPrecision::Exact if n >= gemm_crossover(w.ty) => matmul_gemm(&v, x, n, y),
+            MatmulPrecision::Exact => matvec_with(
+                &v,
+                x,
+                n,
+                0..w.rows,
+                y,
+                &mut MatvecScratch::new(),
+                DotPath::Dequantized,
+                Isa::best(),
+            ),
+        };
+        r.map_err(|e| ModelError::Compute(format!("{w:?}: {e}")))
     }
 
     /// Run `tokens` (at positions `pos0..pos0 + n`) through the model, writing their K/V into
@@ -221,11 +249,11 @@ impl Model {
             let xb = resize(&mut s.xb, n * h);
             ops::rmsnorm(&s.x, &w.attn_norm, c.rms_norm_eps, xb);
             let q = resize(&mut s.q, n * nh * hd);
-            Self::linear(&w.wq, xb, n, q)?;
+            self.linear(&w.wq, xb, n, q)?;
             let k = resize(&mut s.k, n * nkv * hd);
-            Self::linear(&w.wk, xb, n, k)?;
+            self.linear(&w.wk, xb, n, k)?;
             let v = resize(&mut s.v, n * nkv * hd);
-            Self::linear(&w.wv, xb, n, v)?;
+            self.linear(&w.wv, xb, n, v)?;
             if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
                 ops::rmsnorm_inplace(q, qn, c.rms_norm_eps);
                 ops::rmsnorm_inplace(k, kn, c.rms_norm_eps);
@@ -244,7 +272,7 @@ impl Model {
             let window = if sliding { c.sliding_window } else { None };
             attend_layer(c, l, q, pos0, n, window, cache, att, &mut s.attn)?;
             let o = resize(&mut s.o, n * h);
-            Self::linear(&w.wo, att, n, o)?;
+            self.linear(&w.wo, att, n, o)?;
             if let Some(pn) = &w.post_attn_norm {
                 ops::rmsnorm_inplace(o, pn, c.rms_norm_eps);
             }
@@ -253,15 +281,15 @@ impl Model {
             let xb = resize(&mut s.xb, n * h);
             ops::rmsnorm(&s.x, &w.ffn_norm, c.rms_norm_eps, xb);
             let gate = resize(&mut s.gate, n * c.intermediate_size);
-            Self::linear(&w.w_gate, xb, n, gate)?;
+            self.linear(&w.w_gate, xb, n, gate)?;
             let up = resize(&mut s.up, n * c.intermediate_size);
-            Self::linear(&w.w_up, xb, n, up)?;
+            self.linear(&w.w_up, xb, n, up)?;
             match c.activation {
                 Activation::Silu => ops::silu_mul(gate, up),
                 Activation::GeluTanh => ops::gelu_tanh_mul(gate, up),
             }
             let o = resize(&mut s.o, n * h);
-            Self::linear(&w.w_down, gate, n, o)?;
+            self.linear(&w.w_down, gate, n, o)?;
             if let Some(pn) = &w.post_ffw_norm {
                 ops::rmsnorm_inplace(o, pn, c.rms_norm_eps);
             }
@@ -283,6 +311,6 @@ impl Model {
             xb,
         );
         logits.resize(m * c.vocab_size, 0.0);
-        Self::linear(self.weights.lm_head(), xb, m, logits)
+        self.linear(self.weights.lm_head(), xb, m, logits)
     }
 }
