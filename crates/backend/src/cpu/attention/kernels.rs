@@ -233,16 +233,18 @@ unsafe fn pv_rows<T: KvElem, S: Simd, const MR: usize>(
     nvec: usize,
     o: *mut f32,
 ) {
+    // 4 x 4 accumulators fit AVX-512's 32 registers; narrower ISAs (16 registers) use 4 x 2.
+    let nv_max = if S::LANES >= 16 { 4 } else { 2 };
     let mut n = 0;
     while n < nvec {
         let c = n * S::LANES;
-        match nvec - n {
+        match (nvec - n).min(nv_max) {
             1 => pv_block::<T, S, MR, 1>(p, p_rs, p_ks, nk, v.add(c), d, o.add(c)),
             2 => pv_block::<T, S, MR, 2>(p, p_rs, p_ks, nk, v.add(c), d, o.add(c)),
             3 => pv_block::<T, S, MR, 3>(p, p_rs, p_ks, nk, v.add(c), d, o.add(c)),
             _ => pv_block::<T, S, MR, 4>(p, p_rs, p_ks, nk, v.add(c), d, o.add(c)),
         }
-        n += 4;
+        n += nv_max.min(nvec - n);
     }
 }
 
