@@ -353,3 +353,22 @@ impl Tokenizer {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokenizer_is_shareable_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<Tokenizer>();
+        assert_send_sync::<StreamDecoder>();
+        let t = Tokenizer::byte_level(300).unwrap();
+        let ids = std::thread::scope(|s| {
+            s.spawn(|| t.encode("shared", false).unwrap())
+                .join()
+                .unwrap()
+        });
+        assert_eq!(t.decode(&ids), "shared");
+    }
+}
