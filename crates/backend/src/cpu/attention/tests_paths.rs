@@ -384,3 +384,39 @@ fn plan_splits_long_decode_and_tiles_prefill() {
     let p = Plan::new(&geo(32768, 4, 1), 32768, 2, None);
     assert!(p.bq * 4 <= 128 && p.chunks == 1, "{p:?}");
 }
+
+#[test]
+fn nested_calls_from_rayon_workers_agree() {
+    use half::f16;
+    use rayon::prelude::*;
+    // Several sequences attended concurrently from inside rayon tasks (scratch pools nest).
+    let cases: Vec<Case<f16>> = (0..6)
+        .map(|s| {
+            Case::<f16>::new(
+                40 + s,
+                (8, 2, 128),
+                1 + 20 * (s as usize % 2),
+                2000,
+                &[range(0, 2021)],
+                3.0,
+            )
+        })
+        .collect();
+    let outs: Vec<Vec<f32>> = cases
+        .par_iter()
+        .map(|c| {
+            let views = c.views();
+            let mut out = vec![0.0; c.q.len()];
+            let qp = QueryPositions::List(&c.q_pos);
+            attention(&c.shape, &c.q, qp, &views, Mask::CAUSAL, &mut out, None).unwrap();
+            out
+        })
+        .collect();
+    for (c, out) in cases.iter().zip(&outs) {
+        let views = c.views();
+        let mut r = vec![0.0; c.q.len()];
+        let qp = QueryPositions::List(&c.q_pos);
+        attention_reference(&c.shape, &c.q, qp, &views, Mask::CAUSAL, &mut r, None, None).unwrap();
+        assert_close("nested out", out, &r, TOL);
+    }
+}
