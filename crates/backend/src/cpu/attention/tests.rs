@@ -191,7 +191,7 @@ pub(super) fn range(a: u32, b: u32) -> (Vec<u32>, bool) {
     ((a..b).collect(), true)
 }
 
-const TOL: f32 = 2e-5;
+const TOL: f32 = 1e-5;
 
 fn all_isas(f: impl Fn(Isa)) {
     for &isa in Isa::available() {

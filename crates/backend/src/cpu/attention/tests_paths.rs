@@ -5,7 +5,7 @@ use super::tests::{assert_close, range, Case, Rng};
 use super::tile::Isa;
 use super::*;
 
-const TOL: f32 = 2e-5;
+const TOL: f32 = 1e-5;
 
 #[test]
 fn partial_plus_merge_equals_whole() {
@@ -210,6 +210,8 @@ fn large_logits_do_not_overflow() {
     for seed in 0..3 {
         // Scores of several hundred: naive exp would overflow f32.
         let c = Case::<f32>::new(seed, (4, 1, 128), 20, 500, &[range(0, 520)], 300.0);
+        // f32 rounding of logits ~300 is ~3e-5 absolute, which moves the softmax weights by
+        // as much relative to the f64 reference: a looser tolerance here is the arithmetic.
         for &isa in Isa::available() {
             c.check(Mask::CAUSAL, isa, None, 1e-4);
             c.check(Mask::CAUSAL, isa, Some(3), 1e-4);
