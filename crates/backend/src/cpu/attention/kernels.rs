@@ -24,39 +24,25 @@ pub(crate) unsafe fn qk_cols<S: Simd>(
 ) {
     let mut r = 0;
     while r < rows_pad {
+        let (qt, st) = (qt.add(r), st.add(r));
         let mut j = 0;
+        // 8 keys x 2 vectors = 16 accumulators fit AVX-512's 32 registers; 16-register ISAs
+        // take 4 keys at a time.
+        if S::LANES >= 16 {
+            while j + 8 <= nk {
+                qk_cols_block::<S, 8>(qt, rows_pad, d, k.add(j * d), st.add(j * rows_pad));
+                j += 8;
+            }
+        }
         while j + 4 <= nk {
-            qk_cols_block::<S, 4>(
-                qt.add(r),
-                rows_pad,
-                d,
-                k.add(j * d),
-                st.add(j * rows_pad + r),
-            );
+            qk_cols_block::<S, 4>(qt, rows_pad, d, k.add(j * d), st.add(j * rows_pad));
             j += 4;
         }
+        let (kj, sj) = (k.add(j * d), st.add(j * rows_pad));
         match nk - j {
-            3 => qk_cols_block::<S, 3>(
-                qt.add(r),
-                rows_pad,
-                d,
-                k.add(j * d),
-                st.add(j * rows_pad + r),
-            ),
-            2 => qk_cols_block::<S, 2>(
-                qt.add(r),
-                rows_pad,
-                d,
-                k.add(j * d),
-                st.add(j * rows_pad + r),
-            ),
-            1 => qk_cols_block::<S, 1>(
-                qt.add(r),
-                rows_pad,
-                d,
-                k.add(j * d),
-                st.add(j * rows_pad + r),
-            ),
+            3 => qk_cols_block::<S, 3>(qt, rows_pad, d, kj, sj),
+            2 => qk_cols_block::<S, 2>(qt, rows_pad, d, kj, sj),
+            1 => qk_cols_block::<S, 1>(qt, rows_pad, d, kj, sj),
             _ => {}
         }
         r += 2 * S::LANES;
