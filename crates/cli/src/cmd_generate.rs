@@ -34,20 +34,25 @@ pub struct Args {
     #[arg(long, short = 'n', default_value_t = 128)]
     pub max_new_tokens: usize,
     /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Nucleus sampling: keep the smallest set of tokens whose probability reaches P (1 = off).
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Keep only the K most likely tokens (0 = off).
     #[arg(long, default_value_t = 40)]
     pub top_k: usize,
     /// Drop tokens less likely than MIN_P times the most likely one (0 = off).
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.05, allow_negative_numbers = true)]
     pub min_p: f32,
-    /// Penalty for tokens seen in the last --repeat-last-n tokens (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    pub repeat_penalty: f32,
+    /// Penalty for tokens seen in the last --repeat-last-n tokens (1 = off; alias --repeat-penalty).
+    #[arg(
+        long,
+        alias = "repeat-penalty",
+        default_value_t = 1.0,
+        allow_negative_numbers = true
+    )]
+    pub repetition_penalty: f32,
     /// Window of the repetition penalty.
     #[arg(long, default_value_t = 64)]
     pub repeat_last_n: usize,
@@ -77,7 +82,7 @@ pub fn run(a: Args) -> Result<()> {
         top_k: a.top_k,
         top_p: a.top_p,
         min_p: a.min_p,
-        repetition_penalty: a.repeat_penalty,
+        repetition_penalty: a.repetition_penalty,
         repeat_last_n: a.repeat_last_n,
         seed,
     };

@@ -345,9 +345,11 @@ fn parse_hf_rope_scaling(s: Option<&Value>) -> Result<RopeScaling, ModelError> {
             high_freq_factor: f("high_freq_factor", 4.0),
             original_max_position_embeddings: f("original_max_position_embeddings", 8192.0),
         },
-        other => return Err(ModelError::Config(format!(
+        other => {
+            return Err(ModelError::Config(format!(
             "config.json: rope scaling type {other:?} is not supported (default, linear, llama3)"
-        ))),
+        )))
+        }
     })
 }
 

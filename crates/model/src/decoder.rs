@@ -3,7 +3,9 @@
 //! against a preallocated KV store; attention goes through `crate::attention`.
 use slowfast_backend::cpu::ops;
 use slowfast_kv::{CacheElem, KvStore, LayerSpec};
-use slowfast_quant::{gemm_crossover, matmul, matmul_gemm, matvec_with, DotPath, Isa, MatvecScratch};
+use slowfast_quant::{
+    gemm_crossover, matmul, matmul_gemm, matvec_with, DotPath, Isa, MatvecScratch,
+};
 
 use crate::attention::{attend_layer, AttnScratch};
 use crate::config::{Activation, ModelConfig, RopeScaling};

@@ -89,7 +89,13 @@ impl QuantAct {
         {
             let amax = absmax(xb);
             let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-            self.d[b] = amax / 127.0;
+            // ggml stores a Q8_0 block's scale as f16 (Q8_K keeps f32); rounding it the same
+            // way keeps our integer dot products equal to llama.cpp's.
+            self.d[b] = if kind == ActKind::Q8_0 {
+                half::f16::from_f32(amax / 127.0).to_f32()
+            } else {
+                amax / 127.0
+            };
             for (q, &v) in qb.iter_mut().zip(xb) {
                 *q = nearest_int(v * id) as i8;
             }

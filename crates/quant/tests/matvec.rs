@@ -46,10 +46,13 @@ fn quantized_activation(ty: GgmlType, x: &[f32]) -> Vec<f32> {
     for xb in x.chunks(bs) {
         let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-        out.extend(
-            xb.iter()
-                .map(|v| (v * id).round_ties_even() * (amax / 127.0)),
-        );
+        // Q8_0 activation scales are stored as f16, as ggml does; Q8_K keeps f32.
+        let d = if bs == 32 {
+            half::f16::from_f32(amax / 127.0).to_f32()
+        } else {
+            amax / 127.0
+        };
+        out.extend(xb.iter().map(|v| (v * id).round_ties_even() * d));
     }
     out
 }

@@ -1,0 +1,365 @@
+//! The `slowfast` binary as a user runs it: bad input gives a clear error naming the problem
+//! and a non-zero exit, never a panic; good input on the tiny fixtures works end to end.
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_slowfast"));
+    // Never fetch into the user's cache from a test.
+    c.env("SLOWFAST_HOME", tmp("home"));
+    c
+}
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("slowfast-cli-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/hf")
+        .join(name)
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// Run and expect failure; returns stderr, checked for a message and for no panic.
+fn fails(args: &[&str], expect: &str) -> String {
+    let out: Output = bin().args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "expected failure for {args:?}; stderr: {err}"
+    );
+    assert!(!err.contains("panicked"), "panic for {args:?}: {err}");
+    assert!(
+        err.contains(expect),
+        "for {args:?} expected `{expect}` in stderr: {err}"
+    );
+    err
+}
+
+#[test]
+fn generates_on_a_tiny_hf_model_with_json_output() {
+    let dir = fixture("qwen3");
+    let out = bin()
+        .args([
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "Hello world",
+            "-n",
+            "8",
+        ])
+        .args([
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+            "--kv-dtype",
+            "f32",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for k in [
+        "text",
+        "prompt_tokens",
+        "generated_tokens",
+        "prefill_tok_s",
+        "decode_tok_s",
+        "policy",
+        "model",
+    ] {
+        assert!(v.get(k).is_some(), "missing key {k} in {v}");
+    }
+    assert_eq!(v["generated_tokens"], 8);
+    assert_eq!(v["policy"], "full");
+}
+
+#[test]
+fn truncated_gguf_is_a_clear_error() {
+    // A GGUF header that promises one tensor whose data is not in the file.
+    let mut b = Vec::new();
+    b.extend(b"GGUF");
+    b.extend(3u32.to_le_bytes());
+    b.extend(1u64.to_le_bytes());
+    b.extend(1u64.to_le_bytes());
+    let s = |b: &mut Vec<u8>, x: &str| {
+        b.extend((x.len() as u64).to_le_bytes());
+        b.extend(x.as_bytes());
+    };
+    s(&mut b, "general.architecture");
+    b.extend(8u32.to_le_bytes());
+    s(&mut b, "llama");
+    s(&mut b, "token_embd.weight");
+    b.extend(2u32.to_le_bytes());
+    b.extend(64u64.to_le_bytes());
+    b.extend(1000u64.to_le_bytes());
+    b.extend(0u32.to_le_bytes());
+    b.extend(0u64.to_le_bytes());
+    let p = tmp("gguf").join("trunc.gguf");
+    std::fs::write(&p, &b).unwrap();
+    fails(
+        &["generate", "--model", p.to_str().unwrap(), "--prompt", "hi"],
+        "truncated",
+    );
+    // Not a GGUF at all.
+    let p2 = tmp("gguf").join("junk.gguf");
+    std::fs::write(&p2, b"this is not a model").unwrap();
+    fails(
+        &[
+            "generate",
+            "--model",
+            p2.to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ],
+        "junk.gguf",
+    );
+}
+
+#[test]
+fn truncated_real_gguf_is_a_clear_error() {
+    let Some(model) = slowfast_loader_path() else {
+        return;
+    };
+    let data = std::fs::read(&model).unwrap();
+    let p = tmp("gguf-real").join("cut.gguf");
+    std::fs::write(&p, &data[..data.len() / 3]).unwrap();
+    fails(
+        &["generate", "--model", p.to_str().unwrap(), "--prompt", "hi"],
+        "truncated",
+    );
+}
+
+fn slowfast_loader_path() -> Option<PathBuf> {
+    let p = std::env::var_os("SLOWFAST_TEST_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("SLOWFAST_HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/slowfast")
+                });
+            home.join("models/gemma-3-270m-q4_k_m.gguf")
+        });
+    if p.is_file() {
+        return Some(p);
+    }
+    assert!(
+        std::env::var("SLOWFAST_REQUIRE_MODEL").as_deref() != Ok("1"),
+        "default model missing"
+    );
+    eprintln!("skipped: default model not found");
+    None
+}
+
+#[test]
+fn corrupt_safetensors_is_a_clear_error() {
+    let d = tmp("st");
+    copy_dir(&fixture("qwen3"), &d);
+    let f = d.join("model.safetensors");
+    let bytes = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
+    fails(
+        &["generate", "--model", d.to_str().unwrap(), "--prompt", "hi"],
+        "model.safetensors",
+    );
+}
+
+#[test]
+fn unknown_architecture_is_a_clear_error() {
+    let d = tmp("arch");
+    copy_dir(&fixture("qwen3"), &d);
+    let cfg = d.join("config.json");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let text = text
+        .replace("Qwen3ForCausalLM", "MambaForCausalLM")
+        .replace("\"qwen3\"", "\"mamba\"");
+    std::fs::write(&cfg, text).unwrap();
+    fails(
+        &["generate", "--model", d.to_str().unwrap(), "--prompt", "hi"],
+        "MambaForCausalLM",
+    );
+}
+
+#[test]
+fn missing_tokenizer_is_a_clear_error() {
+    let d = tmp("tok");
+    copy_dir(&fixture("qwen3"), &d);
+    std::fs::remove_file(d.join("tokenizer.json")).unwrap();
+    fails(
+        &["generate", "--model", d.to_str().unwrap(), "--prompt", "hi"],
+        "tokenizer.json",
+    );
+}
+
+#[test]
+fn prompt_longer_than_the_context_is_a_clear_error() {
+    // The tiny qwen3 has a 256-token context.
+    let long = "lorem ipsum dolor sit amet ".repeat(200);
+    let dir = fixture("qwen3");
+    fails(
+        &[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            &long,
+        ],
+        "context",
+    );
+}
+
+#[test]
+fn invalid_sampling_values_are_clear_errors() {
+    let dir = fixture("qwen3");
+    let m = dir.to_str().unwrap();
+    fails(
+        &[
+            "generate",
+            "--model",
+            m,
+            "--prompt",
+            "hi",
+            "--temperature",
+            "-1",
+        ],
+        "temperature",
+    );
+    fails(
+        &["generate", "--model", m, "--prompt", "hi", "--top-p", "1.5"],
+        "top-p",
+    );
+    fails(
+        &["generate", "--model", m, "--prompt", "hi", "--top-p", "0"],
+        "top-p",
+    );
+    fails(
+        &["generate", "--model", m, "--prompt", "hi", "--min-p", "2"],
+        "min-p",
+    );
+    fails(
+        &[
+            "generate",
+            "--model",
+            m,
+            "--prompt",
+            "hi",
+            "--repeat-penalty",
+            "0",
+        ],
+        "repetition-penalty",
+    );
+    fails(
+        &["generate", "--model", m, "--prompt", "hi", "--top-k", "x"],
+        "top-k",
+    );
+}
+
+#[test]
+fn non_utf8_prompt_file_is_a_clear_error() {
+    let p = tmp("utf8").join("bad.txt");
+    std::fs::write(&p, [b'h', b'i', 0xff, 0xfe, b'!']).unwrap();
+    let dir = fixture("qwen3");
+    let err = fails(
+        &[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-file",
+            p.to_str().unwrap(),
+        ],
+        "not valid UTF-8",
+    );
+    assert!(err.contains("bad.txt"), "{err}");
+}
+
+#[test]
+fn missing_model_and_unknown_preset_are_clear_errors() {
+    fails(
+        &[
+            "generate",
+            "--model",
+            "/nonexistent/model.gguf",
+            "--prompt",
+            "hi",
+        ],
+        "not found",
+    );
+    fails(
+        &["generate", "--model", "random:gpt5", "--prompt", "hi"],
+        "unknown preset",
+    );
+    fails(
+        &["info", "--model", "random:qwen3-0.6b@q3_k"],
+        "unknown weight type",
+    );
+}
+
+#[test]
+fn eval_nll_on_a_tiny_model_writes_json_records() {
+    let text = tmp("eval").join("text.txt");
+    std::fs::write(
+        &text,
+        "The quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
+    let json = tmp("eval").join("out.json");
+    let dir = fixture("llama");
+    let out = bin()
+        .args(["eval", "--task", "nll", "--model", dir.to_str().unwrap()])
+        .args([
+            "--input",
+            text.to_str().unwrap(),
+            "--context",
+            "128",
+            "--eval-tokens",
+            "32",
+        ])
+        .args(["--json", json.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let r = &v[0];
+    for k in ["task", "policy", "context", "eval_tokens", "nll"] {
+        assert!(r.get(k).is_some(), "missing {k}");
+    }
+    let nll = r["nll"].as_f64().unwrap();
+    assert!(nll.is_finite() && nll > 0.0, "{nll}");
+    // Asking for more context than the text has is an error naming the numbers.
+    fails(
+        &[
+            "eval",
+            "--model",
+            dir.to_str().unwrap(),
+            "--input",
+            text.to_str().unwrap(),
+            "--context",
+            "4000",
+            "--eval-tokens",
+            "32",
+        ],
+        "needs at least",
+    );
+}

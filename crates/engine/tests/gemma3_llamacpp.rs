@@ -1,0 +1,203 @@
+//! The default model against llama.cpp (fixtures in tests/fixtures/gemma3, made with
+//! llama-cpp-python). Two references: llama.cpp on the Q4_K_M file itself (its matmuls round
+//! activations to 8 bits), and llama.cpp on the same weights dequantized to F32 with an f32 KV
+//! cache (exact arithmetic on the same weights).
+use std::path::PathBuf;
+
+use slowfast_engine::eval::nll_of;
+use slowfast_engine::{KvDtype, Loaded, Session};
+use slowfast_model::{LogitsRows, MatmulPrecision};
+
+fn fixture(name: &str) -> serde_json::Value {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/gemma3")
+        .join(name);
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn floats(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+fn load(precision: MatmulPrecision) -> Option<Loaded> {
+    let p = slowfast_loader::test_model_path()?;
+    let mut m = slowfast_engine::load(p.to_str().unwrap(), &mut |_| {}).unwrap();
+    m.model.precision = precision;
+    Some(m)
+}
+
+/// Log-probs of every next token, prefilled in chunks of 512 with all-row logits.
+fn logprobs(m: &Loaded, toks: &[u32], kv: KvDtype) -> Vec<f64> {
+    let chunk = 512;
+    let mut s = Session::new(&m.model, toks.len(), kv, chunk);
+    let vocab = m.model.cfg.vocab_size;
+    let mut out = Vec::new();
+    for (ci, c) in toks.chunks(chunk).enumerate() {
+        let logits = s.forward(c, LogitsRows::All).unwrap().to_vec();
+        for (r, row) in logits.chunks(vocab).enumerate() {
+            let i = ci * chunk + r;
+            if i + 1 < toks.len() {
+                out.push(-nll_of(row, toks[i + 1]));
+            }
+        }
+    }
+    out
+}
+
+struct Diff {
+    mean: f64,
+    max: f64,
+    nll_ours: f64,
+    nll_ref: f64,
+}
+
+fn compare(got: &[f64], want: &[f64]) -> Diff {
+    assert_eq!(got.len(), want.len());
+    let d: Vec<f64> = got.iter().zip(want).map(|(a, b)| (a - b).abs()).collect();
+    Diff {
+        mean: d.iter().sum::<f64>() / d.len() as f64,
+        max: d.iter().fold(0.0, |m: f64, &x| m.max(x)),
+        nll_ours: -got.iter().sum::<f64>() / got.len() as f64,
+        nll_ref: -want.iter().sum::<f64>() / want.len() as f64,
+    }
+}
+
+#[test]
+fn logprobs_on_2k_tokens_match_llama_cpp() {
+    let Some(m) = load(MatmulPrecision::Fast) else {
+        return;
+    };
+    // Same weights in exact arithmetic: every position within 0.02 nats.
+    let f = fixture("logprobs_2k_dequant_f32.json");
+    let toks = ids(&f["token_ids"]);
+    let ours = m
+        .tokenizer
+        .encode(f["text"].as_str().unwrap(), true)
+        .unwrap();
+    assert_eq!(
+        ours, toks,
+        "tokenization of the passage differs from llama.cpp"
+    );
+    let got = logprobs(&m, &toks, KvDtype::F32);
+    let d = compare(&got, &floats(&f["logprobs"]));
+    eprintln!(
+        "vs llama.cpp (F32 weights, f32 KV): mean |d| {:.5}, max {:.4}",
+        d.mean, d.max
+    );
+    assert!(d.max <= 0.02, "max |d logprob| {} > 0.02", d.max);
+    assert!(d.mean <= 0.002, "mean |d logprob| {}", d.mean);
+
+    // llama.cpp on the Q4_K_M file with an f16 KV cache: its 8-bit activation rounding moves
+    // each log-prob by 0.068 nats on average (llama.cpp Q4 vs llama.cpp F32 on this passage),
+    // so per position we can only be as close as that noise; the mean NLL must agree.
+    let f = fixture("logprobs_2k.json");
+    assert_eq!(ids(&f["token_ids"]), toks);
+    let got = logprobs(&m, &toks, KvDtype::F16);
+    let d = compare(&got, &floats(&f["logprobs"]));
+    eprintln!(
+        "vs llama.cpp (Q4_K_M, f16 KV): mean |d| {:.4}, max {:.4}; mean nll {:.4} vs {:.4}",
+        d.mean, d.max, d.nll_ours, d.nll_ref
+    );
+    assert!(
+        (d.nll_ours - d.nll_ref).abs() <= 0.02,
+        "mean nll differs by more than 0.02"
+    );
+    assert!(
+        d.mean <= 0.08,
+        "mean |d logprob| {} exceeds llama.cpp's own rounding noise",
+        d.mean
+    );
+}
+
+fn greedy_case(
+    m: &Loaded,
+    case: &serde_json::Value,
+    kv: KvDtype,
+) -> (Vec<u32>, Vec<u32>, Vec<f64>) {
+    let prompt = ids(&case["prompt_ids"]);
+    let want = ids(&case["greedy_ids"]);
+    let ours = m
+        .tokenizer
+        .encode(case["prompt"].as_str().unwrap(), true)
+        .unwrap();
+    assert_eq!(ours, prompt, "prompt tokenization differs");
+    let mut s = Session::new(&m.model, prompt.len() + want.len() + 1, kv, 512);
+    let mut logits = s.prefill(&prompt, &mut |_, _| {}).unwrap().to_vec();
+    let mut got = Vec::new();
+    for _ in 0..want.len() {
+        let t = slowfast_engine::sampler::argmax(&logits).unwrap();
+        got.push(t);
+        logits = s.step(t).unwrap().to_vec();
+    }
+    (got, want, floats(&case["top2_gap"]))
+}
+
+#[test]
+fn greedy_32_tokens_equal_llama_cpp_q4() {
+    // The fast path (8-bit activations in decode, f16 KV) against llama.cpp on the same file.
+    let Some(m) = load(MatmulPrecision::Fast) else {
+        return;
+    };
+    // llama.cpp's matmuls round activations to 8 bits (and ours in decode too, but not
+    // bit-identically), so 32-token runs on this reference part after a step whose top-2 gap
+    // is within that rounding noise (llama.cpp Q4 vs llama.cpp F32: 0.068 nats per log-prob on
+    // average, up to 0.7). Every prompt must agree on its first 8 tokens and over 75% of all
+    // tokens; exact agreement over all 32 tokens is checked against the F32 reference below.
+    let (mut agree, mut total) = (0, 0);
+    for case in fixture("greedy.json")["cases"].as_array().unwrap() {
+        let (got, want, gaps) = greedy_case(&m, case, KvDtype::F16);
+        let first = got
+            .iter()
+            .zip(&want)
+            .position(|(a, b)| a != b)
+            .unwrap_or(got.len());
+        eprintln!(
+            "{:?}: equal for {first} of {} tokens",
+            case["prompt"],
+            got.len()
+        );
+        assert!(
+            first >= 8,
+            "prompt {:?} parted at step {first} (gap {:?})",
+            case["prompt"],
+            gaps.get(first)
+        );
+        agree += first;
+        total += got.len();
+    }
+    assert!(
+        agree * 4 > total * 3,
+        "only {agree} of {total} tokens agree"
+    );
+    let capital = &fixture("greedy.json")["cases"][0];
+    let text = m
+        .tokenizer
+        .decode(&greedy_case(&m, capital, KvDtype::F16).0);
+    assert!(text.starts_with(" Berlin."), "{text:?}");
+}
+
+#[test]
+fn greedy_32_tokens_equal_llama_cpp_f32_in_exact_mode() {
+    let Some(m) = load(MatmulPrecision::Exact) else {
+        return;
+    };
+    for case in fixture("greedy_dequant_f32.json")["cases"]
+        .as_array()
+        .unwrap()
+    {
+        let (got, want, _) = greedy_case(&m, case, KvDtype::F32);
+        assert_eq!(got, want, "prompt {:?}", case["prompt"]);
+    }
+}
