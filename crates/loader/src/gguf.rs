@@ -324,7 +324,7 @@ impl GgufFile {
                 )));
             }
             let start = data_start + t.offset;
-            let end = start.checked_add(t.size).unwrap_or(u64::MAX);
+            let end = start.saturating_add(t.size);
             if end > file_len {
                 return Err(bad(format!(
                     "tensor `{}` data [{start}, {end}) lies past the end of the file ({file_len} bytes): the file is truncated",

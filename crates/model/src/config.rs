@@ -125,14 +125,16 @@ impl ModelConfig {
         }
         if self.num_attention_heads == 0
             || self.num_key_value_heads == 0
-            || self.num_attention_heads % self.num_key_value_heads != 0
+            || !self
+                .num_attention_heads
+                .is_multiple_of(self.num_key_value_heads)
         {
             return bad(format!(
                 "num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({})",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!(
                 "head_dim ({}) must be positive and even",
                 self.head_dim
@@ -148,7 +150,11 @@ impl ModelConfig {
         if self.layer_sliding.iter().any(|&s| s) && self.sliding_window.unwrap_or(0) == 0 {
             return bad("sliding layers need a positive sliding_window".into());
         }
-        if !(self.rms_norm_eps > 0.0) || !(self.rope_theta > 0.0) {
+        if self.rms_norm_eps.is_nan()
+            || self.rms_norm_eps <= 0.0
+            || self.rope_theta.is_nan()
+            || self.rope_theta <= 0.0
+        {
             return bad(format!(
                 "rms_norm_eps ({}) and rope_theta ({}) must be positive",
                 self.rms_norm_eps, self.rope_theta
@@ -173,9 +179,9 @@ pub fn from_hf_json(v: &Value) -> Result<ModelConfig, ModelError> {
         .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
         .unwrap_or_default();
     let model_type = v.get("model_type").and_then(|m| m.as_str()).unwrap_or("");
-    let arch = if archs.iter().any(|a| *a == "Qwen3ForCausalLM") || model_type == "qwen3" {
+    let arch = if archs.contains(&"Qwen3ForCausalLM") || model_type == "qwen3" {
         Arch::Qwen3
-    } else if archs.iter().any(|a| *a == "LlamaForCausalLM") || model_type == "llama" {
+    } else if archs.contains(&"LlamaForCausalLM") || model_type == "llama" {
         Arch::Llama
     } else if archs
         .iter()
