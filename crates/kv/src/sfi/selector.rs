@@ -1,0 +1,591 @@
+//! SFI Selector (methods.md §1.4), fast path: turns the attention logits captured at a slow step
+//! plus the cached key norms into the per-kv-head token sets of the sparse memory. Rows are
+//! reduced in f32 with SIMD kernels (`selector_math`), the per-token scoring runs in f64, and
+//! every buffer lives in a reusable [`SelectorScratch`] (no allocation after warm-up).
+use super::selector_math::{self as math, PowMode};
+use thiserror::Error;
+
+/// Selector knobs; `Default` gives the authors' defaults (AlphaFairSelectorConfig).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SelectorConfig {
+    /// Power-mean exponent over rows (|alpha| < 1e-6: geometric mean). Must not be negative.
+    pub alpha: f64,
+    /// Key-norm prior exponent: log pi = -gamma * log max(|k|, eps).
+    pub gamma: f64,
+    pub prior_weight_l2: f64,
+    pub prior_weight_pos: f64,
+    /// Position prior power p (used as max(p, 1)).
+    pub prior_pos_power: f64,
+    pub prior_pos_eta: f64,
+    pub prior_beta: f64,
+    /// Soft-NMS window: the pooled max covers [j - w/2, j + w/2].
+    pub nms_window: usize,
+    pub soft_alpha: f64,
+    pub cross_head_alpha: f64,
+    pub cross_head_temperature: f64,
+    pub lambda_clip_single: f64,
+    pub lambda_clip_multi: f64,
+    /// Use lambda_max * tanh(lambda / lambda_max) instead of the hard clip (default off).
+    pub lambda_soft: bool,
+    pub eps: f64,
+}
+
+impl Default for SelectorConfig {
+    fn default() -> Self {
+        Self {
+            alpha: 0.5,
+            gamma: 0.5,
+            prior_weight_l2: 1.0,
+            prior_weight_pos: 0.7,
+            prior_pos_power: 1.8,
+            prior_pos_eta: 0.4,
+            prior_beta: -(0.6f64.ln()) / 0.9,
+            nms_window: 32,
+            soft_alpha: 1.0,
+            cross_head_alpha: 0.85,
+            cross_head_temperature: 2.0,
+            lambda_clip_single: 0.35,
+            lambda_clip_multi: 0.25,
+            lambda_soft: false,
+            eps: 1e-12,
+        }
+    }
+}
+
+/// Inputs for one (layer, sequence).
+#[derive(Debug, Clone, Copy)]
+pub struct SelectorInput<'a> {
+    pub n_kv_heads: usize,
+    /// Rows per kv head: G query heads x W captured query positions.
+    pub rows: usize,
+    /// L: keys [0, L).
+    pub seq_len: usize,
+    /// Raw scaled logits z_r(j); -inf marks a key the row cannot see.
+    pub logits: &'a [f32], // [n_kv_heads, rows, seq_len]
+    /// L2 norm of each cached (post-RoPE) key.
+    pub key_norms: &'a [f32], // [n_kv_heads, seq_len]
+    /// S: the sinks [0, S) are always kept and never selected.
+    pub sinks: usize,
+    /// Page-aligned start of the recent window; the candidate domain is D = [sinks, recent_start).
+    pub recent_start: usize,
+    /// Budget of selected tokens per kv head.
+    pub k: usize,
+}
+
+/// Selected positions per kv head, each sorted ascending; all heads have the same length.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Selection {
+    pub per_head: Vec<Vec<u32>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum SelectorError {
+    #[error("selector config: {field} = {value} is invalid (expected {expected})")]
+    Config {
+        field: &'static str,
+        value: f64,
+        expected: &'static str,
+    },
+    #[error("selector input: n_kv_heads = {n_kv_heads} and rows = {rows} must both be >= 1")]
+    EmptyShape { n_kv_heads: usize, rows: usize },
+    #[error("selector input: need sinks <= recent_start <= seq_len <= u32::MAX, got sinks = {sinks}, recent_start = {recent_start}, seq_len = {seq_len}")]
+    Domain {
+        sinks: usize,
+        recent_start: usize,
+        seq_len: usize,
+    },
+    #[error("selector input: {name} has {got} values, expected {expected} ({shape})")]
+    Len {
+        name: &'static str,
+        got: usize,
+        expected: usize,
+        shape: &'static str,
+    },
+    #[error("selector input: logit at kv head {head}, row {row}, position {pos} is {value} (NaN and +inf are not allowed; use -inf for masked keys)")]
+    BadLogit {
+        head: usize,
+        row: usize,
+        pos: usize,
+        value: f32,
+    },
+    #[error("selector input: key norm at kv head {head}, position {pos} is {value} (expected finite and >= 0)")]
+    BadKeyNorm { head: usize, pos: usize, value: f32 },
+}
+
+fn check(
+    ok: bool,
+    field: &'static str,
+    value: f64,
+    expected: &'static str,
+) -> Result<(), SelectorError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(SelectorError::Config {
+            field,
+            value,
+            expected,
+        })
+    }
+}
+
+/// Checks the config and the input shapes and key norms (logits are checked where they are read).
+pub(crate) fn validate(cfg: &SelectorConfig, inp: &SelectorInput) -> Result<(), SelectorError> {
+    let fin = |x: f64| x.is_finite();
+    check(
+        fin(cfg.alpha) && cfg.alpha > -1e-6,
+        "alpha",
+        cfg.alpha,
+        "finite, >= 0",
+    )?;
+    check(fin(cfg.gamma), "gamma", cfg.gamma, "finite")?;
+    check(
+        fin(cfg.prior_weight_l2),
+        "prior_weight_l2",
+        cfg.prior_weight_l2,
+        "finite",
+    )?;
+    check(
+        fin(cfg.prior_weight_pos),
+        "prior_weight_pos",
+        cfg.prior_weight_pos,
+        "finite",
+    )?;
+    check(
+        fin(cfg.prior_pos_power),
+        "prior_pos_power",
+        cfg.prior_pos_power,
+        "finite",
+    )?;
+    check(
+        fin(cfg.prior_pos_eta),
+        "prior_pos_eta",
+        cfg.prior_pos_eta,
+        "finite",
+    )?;
+    check(fin(cfg.prior_beta), "prior_beta", cfg.prior_beta, "finite")?;
+    check(
+        fin(cfg.soft_alpha) && cfg.soft_alpha >= 0.0,
+        "soft_alpha",
+        cfg.soft_alpha,
+        "finite, >= 0",
+    )?;
+    check(
+        fin(cfg.cross_head_alpha),
+        "cross_head_alpha",
+        cfg.cross_head_alpha,
+        "finite",
+    )?;
+    let t = cfg.cross_head_temperature;
+    check(
+        fin(t) && t > 0.0,
+        "cross_head_temperature",
+        t,
+        "finite, > 0",
+    )?;
+    let (a, b) = (cfg.lambda_clip_single, cfg.lambda_clip_multi);
+    check(
+        (0.0..=1.0).contains(&a),
+        "lambda_clip_single",
+        a,
+        "in [0, 1]",
+    )?;
+    check(
+        (0.0..=1.0).contains(&b),
+        "lambda_clip_multi",
+        b,
+        "in [0, 1]",
+    )?;
+    check(
+        cfg.eps > 0.0 && cfg.eps < 1e-3,
+        "eps",
+        cfg.eps,
+        "in (0, 1e-3)",
+    )?;
+    if inp.n_kv_heads == 0 || inp.rows == 0 {
+        return Err(SelectorError::EmptyShape {
+            n_kv_heads: inp.n_kv_heads,
+            rows: inp.rows,
+        });
+    }
+    if inp.sinks > inp.recent_start
+        || inp.recent_start > inp.seq_len
+        || inp.seq_len > u32::MAX as usize
+    {
+        return Err(SelectorError::Domain {
+            sinks: inp.sinks,
+            recent_start: inp.recent_start,
+            seq_len: inp.seq_len,
+        });
+    }
+    let want = inp
+        .n_kv_heads
+        .checked_mul(inp.rows)
+        .and_then(|x| x.checked_mul(inp.seq_len));
+    if want != Some(inp.logits.len()) {
+        return Err(SelectorError::Len {
+            name: "logits",
+            got: inp.logits.len(),
+            expected: want.unwrap_or(usize::MAX),
+            shape: "[n_kv_heads, rows, seq_len]",
+        });
+    }
+    if inp.key_norms.len() != inp.n_kv_heads * inp.seq_len {
+        return Err(SelectorError::Len {
+            name: "key_norms",
+            got: inp.key_norms.len(),
+            expected: inp.n_kv_heads * inp.seq_len,
+            shape: "[n_kv_heads, seq_len]",
+        });
+    }
+    for h in 0..inp.n_kv_heads {
+        let norms = &inp.key_norms[h * inp.seq_len..(h + 1) * inp.seq_len];
+        for (pos, &v) in norms
+            .iter()
+            .enumerate()
+            .take(inp.recent_start)
+            .skip(inp.sinks)
+        {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(SelectorError::BadKeyNorm {
+                    head: h,
+                    pos,
+                    value: v,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Position part of the prior, shared by all heads: log delta(j) for j in [lo, hi).
+pub(crate) fn log_pos_prior(cfg: &SelectorConfig, lo: usize, hi: usize, j: usize) -> f64 {
+    let span = (hi - lo).saturating_sub(1).max(1) as f64;
+    let u = ((j - lo) as f64 / span).clamp(0.0, 1.0);
+    let p = cfg.prior_pos_power.max(1.0);
+    let tail = ((hi - 1 - j) as f64 / span).max(cfg.eps);
+    -cfg.prior_beta * u.powf(p) + cfg.prior_pos_eta * tail.ln()
+}
+
+/// Closed-form mixing weight from ff = sum f^2, rr = sum r^2, fr = sum f r and the valid row count.
+pub(crate) fn mixing_lambda(
+    cfg: &SelectorConfig,
+    ff: f64,
+    rr: f64,
+    fr: f64,
+    row_count: usize,
+) -> f64 {
+    let star = (ff - fr) / (ff - 2.0 * fr + rr).max(cfg.eps);
+    let lmax = if row_count <= 1 {
+        cfg.lambda_clip_single
+    } else {
+        cfg.lambda_clip_multi
+    };
+    let mut lam = star.clamp(0.0, lmax);
+    if cfg.lambda_soft && lmax > 0.0 {
+        lam = lmax * (lam / lmax).tanh();
+    }
+    lam.min(1.0 - cfg.eps)
+}
+
+/// Ordering used by top-k: higher score first, then lower position.
+pub(crate) fn rank(scores: &[f64], a: u32, b: u32) -> std::cmp::Ordering {
+    scores[b as usize]
+        .total_cmp(&scores[a as usize])
+        .then(a.cmp(&b))
+}
+
+/// Reusable buffers of the fast path; grows to the largest call and is then reused.
+#[derive(Debug, Default)]
+pub struct SelectorScratch {
+    colmax: Vec<f32>, // [n_kv_heads, n] max logit over rows (-inf: token invisible to the head)
+    acc: Vec<f32>,    // [n_kv_heads, n] sum_r p_r(j)^alpha
+    acc64: Vec<f64>,  // [n] geometric-mean path: sum_r log p_r(j)
+    rowbuf: Vec<f32>, // [n] exp(alpha (z - m)) of one row
+    rowmax: Vec<f32>, // [n_kv_heads, rows]
+    pos_prior: Vec<f64>, // [n] log delta(j)
+    lin_f: Vec<f64>,  // [n]
+    lin_r: Vec<f64>,  // [n]
+    scores: Vec<f64>, // [n_kv_heads, n] log s, then log s', then log s''
+    nms: [Vec<f64>; 3], // [n] each: block prefix max, block suffix max, pooled
+    idx: Vec<u32>,    // [n] candidate offsets
+    valid_rows: Vec<usize>, // [n_kv_heads]
+}
+
+fn fit<T: Clone>(v: &mut Vec<T>, len: usize, fill: T) {
+    v.clear();
+    v.resize(len, fill);
+}
+
+/// Runs the Selector; convenience wrapper of [`select_into`] that allocates the result.
+pub fn select(
+    cfg: &SelectorConfig,
+    inp: &SelectorInput,
+    scratch: &mut SelectorScratch,
+) -> Result<Selection, SelectorError> {
+    let mut out = Selection::default();
+    select_into(cfg, inp, scratch, &mut out)?;
+    Ok(out)
+}
+
+/// Runs the Selector, writing into `out` (its vectors are reused: no allocation after warm-up).
+pub fn select_into(
+    cfg: &SelectorConfig,
+    inp: &SelectorInput,
+    sc: &mut SelectorScratch,
+    out: &mut Selection,
+) -> Result<(), SelectorError> {
+    validate(cfg, inp)?;
+    let (nh, rows, len) = (inp.n_kv_heads, inp.rows, inp.seq_len);
+    let (lo, hi) = (inp.sinks, inp.recent_start);
+    let n = hi - lo;
+    out.per_head.resize_with(nh, Vec::new);
+    out.per_head.iter_mut().for_each(|v| v.clear());
+    let k = inp.k.min(n);
+    if k == 0 {
+        return Ok(());
+    }
+    let row =
+        |h: usize, r: usize| &inp.logits[(h * rows + r) * len + lo..(h * rows + r) * len + hi];
+
+    // Pass 1: row maxima, per-token visibility, bad-value check.
+    fit(&mut sc.colmax, nh * n, f32::NEG_INFINITY);
+    fit(&mut sc.rowmax, nh * rows, f32::NEG_INFINITY);
+    for h in 0..nh {
+        for r in 0..rows {
+            let z = row(h, r);
+            let (m, bad) = math::row_max_colmax(z, &mut sc.colmax[h * n..(h + 1) * n]);
+            if bad {
+                let j = z
+                    .iter()
+                    .position(|v| v.is_nan() || *v == f32::INFINITY)
+                    .unwrap_or(0);
+                return Err(SelectorError::BadLogit {
+                    head: h,
+                    row: r,
+                    pos: lo + j,
+                    value: z[j],
+                });
+            }
+            sc.rowmax[h * rows + r] = m;
+        }
+    }
+    let all_visible = sc.colmax.iter().all(|&c| c > f32::NEG_INFINITY);
+    if k == n && all_visible {
+        for v in out.per_head.iter_mut() {
+            v.extend(lo as u32..hi as u32);
+        }
+        return Ok(());
+    }
+
+    // Pass 2: evidence accumulators (power mean over rows, before the 1/alpha power).
+    let geometric = cfg.alpha.abs() < 1e-6;
+    let (a32, mode) = if geometric {
+        (1.0f32, PowMode::Identity)
+    } else if cfg.alpha == 0.5 {
+        (0.5, PowMode::Square)
+    } else if cfg.alpha == 1.0 {
+        (1.0, PowMode::Identity)
+    } else {
+        (cfg.alpha as f32, PowMode::Separate)
+    };
+    fit(&mut sc.acc, nh * n, 0.0);
+    fit(&mut sc.rowbuf, n, 0.0);
+    fit(&mut sc.valid_rows, nh, 0);
+    fit(&mut sc.scores, nh * n, f64::NEG_INFINITY);
+    fit(&mut sc.pos_prior, n, 0.0);
+    for (i, p) in sc.pos_prior.iter_mut().enumerate() {
+        *p = log_pos_prior(cfg, lo, hi, lo + i);
+    }
+    for h in 0..nh {
+        if geometric {
+            fit(&mut sc.acc64, n, 0.0);
+        }
+        for r in 0..rows {
+            let m = sc.rowmax[h * rows + r];
+            if m == f32::NEG_INFINITY {
+                continue;
+            }
+            sc.valid_rows[h] += 1;
+            let z = row(h, r);
+            let sum = math::row_exp(z, m, a32, mode, &mut sc.rowbuf);
+            if geometric {
+                let lse = m as f64 + sum.ln();
+                for (a, &zj) in sc.acc64.iter_mut().zip(z) {
+                    *a += zj as f64 - lse;
+                }
+            } else {
+                let c = sum.powf(-cfg.alpha) as f32;
+                math::axpy(&mut sc.acc[h * n..(h + 1) * n], &sc.rowbuf, c);
+            }
+        }
+        score_head(cfg, inp, sc, h, geometric);
+    }
+
+    if nh > 2 {
+        cross_head(cfg, &mut sc.scores, nh, n);
+    }
+    let m = equal_count(&sc.scores, nh, n, k);
+    for (h, v) in out.per_head.iter_mut().enumerate() {
+        let idx = &mut sc.idx;
+        idx.clear();
+        idx.extend((0..n as u32).filter(|&j| sc.scores[h * n + j as usize] > f64::NEG_INFINITY));
+        let scores = &sc.scores[h * n..(h + 1) * n];
+        if idx.len() > m && m > 0 {
+            idx.select_nth_unstable_by(m - 1, |&a, &b| rank(scores, a, b));
+        }
+        idx.truncate(m);
+        idx.sort_unstable();
+        v.extend(idx.iter().map(|&j| j + lo as u32));
+    }
+    Ok(())
+}
+
+/// Per-token scoring of head `h`: evidence f, prior r, lambda, fused log s, soft-NMS.
+fn score_head(
+    cfg: &SelectorConfig,
+    inp: &SelectorInput,
+    sc: &mut SelectorScratch,
+    h: usize,
+    geometric: bool,
+) {
+    let (lo, hi) = (inp.sinks, inp.recent_start);
+    let n = hi - lo;
+    let vis = &sc.colmax[h * n..(h + 1) * n];
+    let acc = &sc.acc[h * n..(h + 1) * n];
+    let norms = &inp.key_norms[h * inp.seq_len + lo..h * inp.seq_len + hi];
+    fit(&mut sc.lin_f, n, 0.0);
+    fit(&mut sc.lin_r, n, 0.0);
+    if sc.valid_rows[h] == 0 {
+        return; // no row sees the domain: every score stays -inf
+    }
+    // Evidence f (linear, unnormalised first).
+    if geometric || cfg.alpha != 0.5 {
+        let f = &mut sc.lin_f;
+        let inv_rows = 1.0 / sc.valid_rows[h] as f64;
+        let mut mx = f64::NEG_INFINITY;
+        for j in 0..n {
+            let lf = if vis[j] == f32::NEG_INFINITY {
+                f64::NEG_INFINITY
+            } else if geometric {
+                sc.acc64[j] * inv_rows
+            } else {
+                (acc[j] as f64).ln() / cfg.alpha
+            };
+            f[j] = lf;
+            mx = mx.max(lf);
+        }
+        for v in f.iter_mut() {
+            *v = if mx > f64::NEG_INFINITY {
+                (*v - mx).exp()
+            } else {
+                0.0
+            };
+        }
+    } else {
+        for j in 0..n {
+            let a = acc[j] as f64;
+            sc.lin_f[j] = a * a;
+        }
+    }
+    // Prior r (log first, then linear relative to its max).
+    let mut mx = f64::NEG_INFINITY;
+    let wl = -cfg.gamma * cfg.prior_weight_l2;
+    for j in 0..n {
+        let lr = if vis[j] == f32::NEG_INFINITY {
+            f64::NEG_INFINITY
+        } else {
+            wl * (norms[j] as f64).max(cfg.eps).ln() + cfg.prior_weight_pos * sc.pos_prior[j]
+        };
+        sc.lin_r[j] = lr;
+        mx = mx.max(lr);
+    }
+    let (mut zf, mut zr) = (0.0, 0.0);
+    for j in 0..n {
+        sc.lin_r[j] = (sc.lin_r[j] - mx).exp();
+        zf += sc.lin_f[j];
+        zr += sc.lin_r[j];
+    }
+    let (inv_f, inv_r) = (if zf > 0.0 { 1.0 / zf } else { 0.0 }, 1.0 / zr);
+    let (mut ff, mut rr, mut fr) = (0.0, 0.0, 0.0);
+    for j in 0..n {
+        let (f, r) = (sc.lin_f[j] * inv_f, sc.lin_r[j] * inv_r);
+        sc.lin_f[j] = f;
+        sc.lin_r[j] = r;
+        ff += f * f;
+        rr += r * r;
+        fr += f * r;
+    }
+    let lam = mixing_lambda(cfg, ff, rr, fr, sc.valid_rows[h]);
+    let (wf, wr) = (1.0 - lam, lam + cfg.eps);
+    let mut zs = 0.0;
+    for j in 0..n {
+        let s = wf * sc.lin_f[j] + wr * sc.lin_r[j];
+        sc.lin_f[j] = s;
+        zs += s;
+    }
+    let lzs = zs.ln();
+    let scores = &mut sc.scores[h * n..(h + 1) * n];
+    for j in 0..n {
+        scores[j] = if vis[j] == f32::NEG_INFINITY {
+            f64::NEG_INFINITY
+        } else {
+            sc.lin_f[j].ln() - lzs
+        };
+    }
+    // Soft-NMS.
+    let half = cfg.nms_window / 2;
+    if half > 0 && cfg.soft_alpha > 0.0 {
+        let [g, hb, pooled] = &mut sc.nms;
+        math::sliding_max(scores, half, g, hb, pooled);
+        for j in 0..n {
+            let s = scores[j];
+            if s > f64::NEG_INFINITY {
+                scores[j] = s - cfg.soft_alpha * (pooled[j] - s).max(0.0);
+            }
+        }
+    }
+}
+
+/// Cross-head exclusivity, in place on log s' of every head.
+fn cross_head(cfg: &SelectorConfig, scores: &mut [f64], nh: usize, n: usize) {
+    let inv_t = 1.0 / cfg.cross_head_temperature;
+    let leps = cfg.eps.ln();
+    for j in 0..n {
+        let mut mx = f64::NEG_INFINITY;
+        for h in 0..nh {
+            mx = mx.max(scores[h * n + j] * inv_t);
+        }
+        if mx == f64::NEG_INFINITY {
+            continue;
+        }
+        let mut sum = 0.0;
+        for h in 0..nh {
+            let s = scores[h * n + j];
+            if s > f64::NEG_INFINITY {
+                sum += (s * inv_t - mx).exp();
+            }
+        }
+        let lse = mx + sum.ln();
+        for h in 0..nh {
+            let s = &mut scores[h * n + j];
+            if *s > f64::NEG_INFINITY {
+                *s += cfg.cross_head_alpha * (*s * inv_t - lse).max(leps);
+            }
+        }
+    }
+}
+
+/// The equalised count: min over heads of min(k, number of finite final scores).
+fn equal_count(scores: &[f64], nh: usize, n: usize, k: usize) -> usize {
+    (0..nh)
+        .map(|h| {
+            scores[h * n..(h + 1) * n]
+                .iter()
+                .filter(|s| **s > f64::NEG_INFINITY)
+                .count()
+                .min(k)
+        })
+        .min()
+        .unwrap_or(0)
+}

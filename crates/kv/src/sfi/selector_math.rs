@@ -1,0 +1,186 @@
+//! SIMD-friendly kernels of the fast Selector: the f32 row passes over captured logits (max,
+//! exp-and-sum, accumulate) with runtime dispatch to AVX-512 / AVX2 builds of the same portable
+//! code, a vectorisable f32 exp, and the O(n) sliding-window max used by soft-NMS.
+
+const LANES: usize = 16;
+
+/// How `row_exp` turns buf = exp(a (z - m)) into the row's softmax denominator sum exp(z - m).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PowMode {
+    /// a = 1/2: exp(z - m) = buf^2.
+    Square,
+    /// a = 1: exp(z - m) = buf.
+    Identity,
+    /// Any other a: a second exp.
+    Separate,
+}
+
+/// exp(x) in f32 for x <= 0 (larger x is clamped to 88): Cody-Waite reduction and a degree-7
+/// polynomial, relative error ~1e-7; returns 0 below -87 (so exp(-inf) = 0).
+#[inline(always)]
+pub(crate) fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let xc = x.clamp(-87.0, 88.0);
+    let t = xc * LOG2E + MAGIC;
+    let nf = t - MAGIC;
+    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
+    let r = xc - nf * LN2_HI - nf * LN2_LO;
+    let mut p = 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    let scale = f32::from_bits(((ni + 127) << 23) as u32);
+    if x < -87.0 {
+        0.0
+    } else {
+        p * scale
+    }
+}
+
+#[inline(always)]
+pub(crate) fn row_max_colmax_body(z: &[f32], colmax: &mut [f32]) -> (f32, bool) {
+    let mut mx = [f32::NEG_INFINITY; LANES];
+    let mut bad = [0u32; LANES];
+    let mut zc = z.chunks_exact(LANES);
+    let mut cc = colmax.chunks_exact_mut(LANES);
+    for (zs, cs) in (&mut zc).zip(&mut cc) {
+        for i in 0..LANES {
+            let v = zs[i];
+            mx[i] = if v > mx[i] { v } else { mx[i] };
+            cs[i] = if v > cs[i] { v } else { cs[i] };
+            bad[i] += (!(v < f32::INFINITY) & (v != f32::NEG_INFINITY)) as u32;
+        }
+    }
+    let mut m = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let mut nbad: u32 = bad.iter().sum();
+    for (&v, c) in zc.remainder().iter().zip(cc.into_remainder()) {
+        m = if v > m { v } else { m };
+        *c = if v > *c { v } else { *c };
+        nbad += (!(v < f32::INFINITY) & (v != f32::NEG_INFINITY)) as u32;
+    }
+    (m, nbad > 0)
+}
+
+#[inline(always)]
+pub(crate) fn row_exp_body(z: &[f32], m: f32, a: f32, mode: PowMode, buf: &mut [f32]) -> f64 {
+    let mut sum = [0.0f64; LANES];
+    let mut zc = z.chunks_exact(LANES);
+    let mut bc = buf.chunks_exact_mut(LANES);
+    let term = |v: f32, e: f32| -> f32 {
+        match mode {
+            PowMode::Square => e * e,
+            PowMode::Identity => e,
+            PowMode::Separate => exp_f32(v - m),
+        }
+    };
+    for (zs, bs) in (&mut zc).zip(&mut bc) {
+        for i in 0..LANES {
+            let e = exp_f32(a * (zs[i] - m));
+            bs[i] = e;
+            sum[i] += term(zs[i], e) as f64;
+        }
+    }
+    let mut total: f64 = sum.iter().sum();
+    for (&v, b) in zc.remainder().iter().zip(bc.into_remainder()) {
+        let e = exp_f32(a * (v - m));
+        *b = e;
+        total += term(v, e) as f64;
+    }
+    total
+}
+
+#[inline(always)]
+pub(crate) fn axpy_body(acc: &mut [f32], x: &[f32], c: f32) {
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a += c * v;
+    }
+}
+
+macro_rules! dispatch {
+    ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        pub(crate) fn $name($($arg: $ty),*) -> $ret {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+                unsafe fn avx512($($arg: $ty),*) -> $ret {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) -> $ret {
+                    $body($($arg),*)
+                }
+                if is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512dq")
+                {
+                    // SAFETY: the required CPU features were detected at runtime.
+                    return unsafe { avx512($($arg),*) };
+                }
+                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                    // SAFETY: the required CPU features were detected at runtime.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            $body($($arg),*)
+        }
+    };
+}
+
+dispatch!(row_max_colmax, row_max_colmax_body, (z: &[f32], colmax: &mut [f32]) -> (f32, bool));
+dispatch!(row_exp, row_exp_body, (z: &[f32], m: f32, a: f32, mode: PowMode, buf: &mut [f32]) -> f64);
+dispatch!(axpy, axpy_body, (acc: &mut [f32], x: &[f32], c: f32) -> ());
+
+/// Portable builds of the row kernels, for tests comparing them with the dispatched ones.
+#[cfg(test)]
+pub(crate) mod portable {
+    pub(crate) use super::{
+        axpy_body as axpy, row_exp_body as row_exp, row_max_colmax_body as row_max_colmax,
+    };
+}
+
+/// out[j] = max of x over [j - half, j + half] clipped to the slice (van Herk / Gil-Werman:
+/// block prefix and suffix maxima, O(n)). `g` and `h` are scratch.
+pub(crate) fn sliding_max(
+    x: &[f64],
+    half: usize,
+    g: &mut Vec<f64>,
+    h: &mut Vec<f64>,
+    out: &mut Vec<f64>,
+) {
+    let n = x.len();
+    let w = 2 * half + 1;
+    g.clear();
+    g.extend_from_slice(x);
+    h.clear();
+    h.extend_from_slice(x);
+    out.clear();
+    out.resize(n, f64::NEG_INFINITY);
+    for start in (0..n).step_by(w) {
+        let end = (start + w).min(n);
+        for j in start + 1..end {
+            g[j] = g[j].max(g[j - 1]);
+        }
+        for j in (start..end - 1).rev() {
+            h[j] = h[j].max(h[j + 1]);
+        }
+    }
+    for j in 0..n {
+        let a = j.saturating_sub(half);
+        let b = (j + half).min(n - 1);
+        out[j] = if a / w != b / w {
+            h[a].max(g[b])
+        } else if a % w == 0 {
+            g[b]
+        } else {
+            h[a]
+        };
+    }
+}
