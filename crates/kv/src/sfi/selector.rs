@@ -394,9 +394,8 @@ pub fn select_into(
     fit(&mut sc.valid_rows, nh, 0);
     fit(&mut sc.scores, nh * n, f64::NEG_INFINITY);
     fit(&mut sc.pos_prior, n, 0.0);
-    for (i, p) in sc.pos_prior.iter_mut().enumerate() {
-        *p = log_pos_prior(cfg, lo, hi, lo + i);
-    }
+    fit(&mut sc.lin_r, n, 0.0);
+    pos_prior(cfg, lo, hi, &mut sc.pos_prior, &mut sc.lin_r);
     for h in 0..nh {
         if geometric {
             fit(&mut sc.acc64, n, 0.0);
@@ -423,7 +422,7 @@ pub fn select_into(
     }
 
     if nh > 2 {
-        cross_head(cfg, &mut sc.scores, nh, n);
+        cross_head(cfg, sc, nh, n);
     }
     let m = equal_count(&sc.scores, nh, n, k);
     for (h, v) in out.per_head.iter_mut().enumerate() {
@@ -441,14 +440,36 @@ pub fn select_into(
     Ok(())
 }
 
+/// Position part of the prior for the whole domain (vectorised `log_pos_prior`); `tmp` is scratch.
+fn pos_prior(cfg: &SelectorConfig, lo: usize, hi: usize, out: &mut [f64], tmp: &mut [f64]) {
+    let span = (hi - lo).saturating_sub(1).max(1) as f64;
+    let p = cfg.prior_pos_power.max(1.0);
+    for (i, (u, t)) in out.iter_mut().zip(tmp.iter_mut()).enumerate() {
+        *u = (i as f64 / span).clamp(0.0, 1.0);
+        *t = ((hi - 1 - lo - i) as f64 / span).max(cfg.eps);
+    }
+    math::ln_slice(out);
+    out.iter_mut().for_each(|v| *v *= p);
+    math::exp_slice(out); // u^p
+    math::ln_slice(tmp);
+    for (v, &t) in out.iter_mut().zip(tmp.iter()) {
+        *v = -cfg.prior_beta * *v + cfg.prior_pos_eta * t;
+    }
+}
+
+/// Subtracts the max of the finite entries and exponentiates (all -inf: all 0).
+fn exp_rel_max(x: &mut [f64]) {
+    let mx = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if mx == f64::NEG_INFINITY {
+        x.fill(0.0);
+        return;
+    }
+    x.iter_mut().for_each(|v| *v -= mx);
+    math::exp_slice(x);
+}
+
 /// Per-token scoring of head `h`: evidence f, prior r, lambda, fused log s, soft-NMS.
-fn score_head(
-    cfg: &SelectorConfig,
-    inp: &SelectorInput,
-    sc: &mut SelectorScratch,
-    h: usize,
-    geometric: bool,
-) {
+fn score_head(cfg: &SelectorConfig, inp: &SelectorInput, sc: &mut SelectorScratch, h: usize, geometric: bool) {
     let (lo, hi) = (inp.sinks, inp.recent_start);
     let n = hi - lo;
     let vis = &sc.colmax[h * n..(h + 1) * n];
@@ -459,53 +480,43 @@ fn score_head(
     if sc.valid_rows[h] == 0 {
         return; // no row sees the domain: every score stays -inf
     }
-    // Evidence f (linear, unnormalised first).
-    if geometric || cfg.alpha != 0.5 {
-        let f = &mut sc.lin_f;
+    let hidden = |j: usize| vis[j] == f32::NEG_INFINITY;
+    // Evidence f (linear, relative to its max; normalised below).
+    if geometric {
         let inv_rows = 1.0 / sc.valid_rows[h] as f64;
-        let mut mx = f64::NEG_INFINITY;
         for j in 0..n {
-            let lf = if vis[j] == f32::NEG_INFINITY {
-                f64::NEG_INFINITY
-            } else if geometric {
-                sc.acc64[j] * inv_rows
-            } else {
-                (acc[j] as f64).ln() / cfg.alpha
-            };
-            f[j] = lf;
-            mx = mx.max(lf);
+            sc.lin_f[j] = if hidden(j) { f64::NEG_INFINITY } else { sc.acc64[j] * inv_rows };
         }
-        for v in f.iter_mut() {
-            *v = if mx > f64::NEG_INFINITY {
-                (*v - mx).exp()
-            } else {
-                0.0
-            };
+        exp_rel_max(&mut sc.lin_f);
+    } else if cfg.alpha != 0.5 {
+        for j in 0..n {
+            sc.lin_f[j] = acc[j] as f64;
         }
+        math::ln_slice(&mut sc.lin_f);
+        let inv_a = 1.0 / cfg.alpha;
+        for j in 0..n {
+            sc.lin_f[j] = if hidden(j) { f64::NEG_INFINITY } else { sc.lin_f[j] * inv_a };
+        }
+        exp_rel_max(&mut sc.lin_f);
     } else {
         for j in 0..n {
             let a = acc[j] as f64;
             sc.lin_f[j] = a * a;
         }
     }
-    // Prior r (log first, then linear relative to its max).
-    let mut mx = f64::NEG_INFINITY;
+    // Prior r.
+    for j in 0..n {
+        sc.lin_r[j] = (norms[j] as f64).max(cfg.eps);
+    }
+    math::ln_slice(&mut sc.lin_r);
     let wl = -cfg.gamma * cfg.prior_weight_l2;
     for j in 0..n {
-        let lr = if vis[j] == f32::NEG_INFINITY {
-            f64::NEG_INFINITY
-        } else {
-            wl * (norms[j] as f64).max(cfg.eps).ln() + cfg.prior_weight_pos * sc.pos_prior[j]
-        };
-        sc.lin_r[j] = lr;
-        mx = mx.max(lr);
+        let lr = wl * sc.lin_r[j] + cfg.prior_weight_pos * sc.pos_prior[j];
+        sc.lin_r[j] = if hidden(j) { f64::NEG_INFINITY } else { lr };
     }
-    let (mut zf, mut zr) = (0.0, 0.0);
-    for j in 0..n {
-        sc.lin_r[j] = (sc.lin_r[j] - mx).exp();
-        zf += sc.lin_f[j];
-        zr += sc.lin_r[j];
-    }
+    exp_rel_max(&mut sc.lin_r);
+    let zf: f64 = sc.lin_f.iter().sum();
+    let zr: f64 = sc.lin_r.iter().sum();
     let (inv_f, inv_r) = (if zf > 0.0 { 1.0 / zf } else { 0.0 }, 1.0 / zr);
     let (mut ff, mut rr, mut fr) = (0.0, 0.0, 0.0);
     for j in 0..n {
@@ -517,21 +528,17 @@ fn score_head(
         fr += f * r;
     }
     let lam = mixing_lambda(cfg, ff, rr, fr, sc.valid_rows[h]);
+    // Fused score s = (1 - lam) f + (lam + eps) r, normalised, in log space.
     let (wf, wr) = (1.0 - lam, lam + cfg.eps);
-    let mut zs = 0.0;
     for j in 0..n {
-        let s = wf * sc.lin_f[j] + wr * sc.lin_r[j];
-        sc.lin_f[j] = s;
-        zs += s;
+        sc.lin_f[j] = wf * sc.lin_f[j] + wr * sc.lin_r[j];
     }
-    let lzs = zs.ln();
+    let inv_s = 1.0 / sc.lin_f.iter().sum::<f64>();
+    sc.lin_f.iter_mut().for_each(|v| *v *= inv_s);
+    math::ln_slice(&mut sc.lin_f);
     let scores = &mut sc.scores[h * n..(h + 1) * n];
     for j in 0..n {
-        scores[j] = if vis[j] == f32::NEG_INFINITY {
-            f64::NEG_INFINITY
-        } else {
-            sc.lin_f[j].ln() - lzs
-        };
+        scores[j] = if hidden(j) { f64::NEG_INFINITY } else { sc.lin_f[j] };
     }
     // Soft-NMS.
     let half = cfg.nms_window / 2;
@@ -547,31 +554,33 @@ fn score_head(
     }
 }
 
-/// Cross-head exclusivity, in place on log s' of every head.
-fn cross_head(cfg: &SelectorConfig, scores: &mut [f64], nh: usize, n: usize) {
+/// Cross-head exclusivity, in place on log s' of every head (head-major passes that vectorise).
+fn cross_head(cfg: &SelectorConfig, sc: &mut SelectorScratch, nh: usize, n: usize) {
     let inv_t = 1.0 / cfg.cross_head_temperature;
     let leps = cfg.eps.ln();
-    for j in 0..n {
-        let mut mx = f64::NEG_INFINITY;
-        for h in 0..nh {
-            mx = mx.max(scores[h * n + j] * inv_t);
+    let [mx, sum, tmp] = &mut sc.nms;
+    fit(mx, n, f64::NEG_INFINITY);
+    fit(sum, n, 0.0);
+    fit(tmp, n, 0.0);
+    for h in 0..nh {
+        for (m, &s) in mx.iter_mut().zip(&sc.scores[h * n..(h + 1) * n]) {
+            *m = m.max(s * inv_t);
         }
-        if mx == f64::NEG_INFINITY {
-            continue;
+    }
+    mx.iter_mut().for_each(|m| *m = if *m == f64::NEG_INFINITY { 0.0 } else { *m });
+    for h in 0..nh {
+        for ((t, &s), &m) in tmp.iter_mut().zip(&sc.scores[h * n..(h + 1) * n]).zip(mx.iter()) {
+            *t = s * inv_t - m; // -inf for tokens head h does not see: exp gives 0
         }
-        let mut sum = 0.0;
-        for h in 0..nh {
-            let s = scores[h * n + j];
-            if s > f64::NEG_INFINITY {
-                sum += (s * inv_t - mx).exp();
-            }
-        }
-        let lse = mx + sum.ln();
-        for h in 0..nh {
-            let s = &mut scores[h * n + j];
-            if *s > f64::NEG_INFINITY {
-                *s += cfg.cross_head_alpha * (*s * inv_t - lse).max(leps);
-            }
+        math::exp_slice(tmp);
+        sum.iter_mut().zip(tmp.iter()).for_each(|(a, &t)| *a += t);
+    }
+    math::ln_slice(sum);
+    sum.iter_mut().zip(mx.iter()).for_each(|(a, &m)| *a += m); // LSE_h(log s' / T)
+    for h in 0..nh {
+        for (s, &lse) in sc.scores[h * n..(h + 1) * n].iter_mut().zip(sum.iter()) {
+            // -inf stays -inf (f64::max ignores the NaN of -inf - -inf).
+            *s += cfg.cross_head_alpha * (*s * inv_t - lse).max(leps);
         }
     }
 }

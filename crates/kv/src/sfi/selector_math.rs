@@ -73,25 +73,31 @@ pub(crate) fn row_exp_body(z: &[f32], m: f32, a: f32, mode: PowMode, buf: &mut [
     let mut sum = [0.0f64; LANES];
     let mut zc = z.chunks_exact(LANES);
     let mut bc = buf.chunks_exact_mut(LANES);
-    let term = |v: f32, e: f32| -> f32 {
-        match mode {
-            PowMode::Square => e * e,
-            PowMode::Identity => e,
-            PowMode::Separate => exp_f32(v - m),
-        }
-    };
     for (zs, bs) in (&mut zc).zip(&mut bc) {
+        let mut e = [0f32; LANES];
+        let mut t = [0f32; LANES];
         for i in 0..LANES {
-            let e = exp_f32(a * (zs[i] - m));
-            bs[i] = e;
-            sum[i] += term(zs[i], e) as f64;
+            e[i] = exp_f32(a * (zs[i] - m));
+        }
+        match mode {
+            PowMode::Square => (0..LANES).for_each(|i| t[i] = e[i] * e[i]),
+            PowMode::Identity => t = e,
+            PowMode::Separate => (0..LANES).for_each(|i| t[i] = exp_f32(zs[i] - m)),
+        }
+        bs.copy_from_slice(&e);
+        for i in 0..LANES {
+            sum[i] += t[i] as f64;
         }
     }
     let mut total: f64 = sum.iter().sum();
     for (&v, b) in zc.remainder().iter().zip(bc.into_remainder()) {
         let e = exp_f32(a * (v - m));
         *b = e;
-        total += term(v, e) as f64;
+        total += match mode {
+            PowMode::Square => e * e,
+            PowMode::Identity => e,
+            PowMode::Separate => exp_f32(v - m),
+        } as f64;
     }
     total
 }
@@ -101,6 +107,83 @@ pub(crate) fn axpy_body(acc: &mut [f32], x: &[f32], c: f32) {
     for (a, &v) in acc.iter_mut().zip(x) {
         *a += c * v;
     }
+}
+
+/// exp(x) in f64: Cody-Waite reduction and a degree-12 Taylor polynomial (error ~2 ulp);
+/// x < -708 (and -inf) gives 0, x > 709 is clamped. Branch-free so that loops vectorise.
+#[inline(always)]
+pub(crate) fn exp_f64(x: f64) -> f64 {
+    const LN2_HI: f64 = 6.931_471_803_691_238_2e-1;
+    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
+    const MAGIC: f64 = 6_755_399_441_055_744.0; // 1.5 * 2^52
+    let xc = x.clamp(-708.0, 709.0);
+    let t = xc * std::f64::consts::LOG2_E + MAGIC;
+    let nf = t - MAGIC;
+    let ni = (t.to_bits() as i64).wrapping_sub(MAGIC.to_bits() as i64);
+    let r = (xc - nf * LN2_HI) - nf * LN2_LO;
+    let mut p = 1.0 / 479_001_600.0;
+    for c in [
+        1.0 / 39_916_800.0,
+        1.0 / 3_628_800.0,
+        1.0 / 362_880.0,
+        1.0 / 40_320.0,
+        1.0 / 5_040.0,
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
+        p = p * r + c;
+    }
+    let scale = f64::from_bits(((ni + 1023) as u64) << 52);
+    if x < -708.0 {
+        0.0
+    } else {
+        p * scale
+    }
+}
+
+/// ln(x) in f64 for x >= 0 (0 gives -inf; subnormals are rescaled): mantissa in [sqrt(1/2),
+/// sqrt(2)), then 2 atanh(s) as a series in s^2 (error ~2 ulp). Branch-free.
+#[inline(always)]
+pub(crate) fn ln_f64(x: f64) -> f64 {
+    const LN2_HI: f64 = 6.931_471_803_691_238_2e-1;
+    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
+    let sub = x < f64::MIN_POSITIVE;
+    let xs = if sub { x * 18_014_398_509_481_984.0 } else { x }; // 2^54
+    let bits = xs.to_bits();
+    let mut m = f64::from_bits((bits & 0x000F_FFFF_FFFF_FFFF) | 0x3FF0_0000_0000_0000);
+    // Exponent as f64 without an int->float conversion: 2^52 + e_biased, minus the bias.
+    let mut e = f64::from_bits(0x4330_0000_0000_0000 | (bits >> 52)) - (4_503_599_627_370_496.0 + 1023.0);
+    e -= if sub { 54.0 } else { 0.0 };
+    let big = m > std::f64::consts::SQRT_2;
+    m = if big { m * 0.5 } else { m };
+    e += if big { 1.0 } else { 0.0 };
+    let s = (m - 1.0) / (m + 1.0);
+    let w = s * s;
+    let mut p = 1.0 / 23.0;
+    for c in [1.0 / 21.0, 1.0 / 19.0, 1.0 / 17.0, 1.0 / 15.0, 1.0 / 13.0, 1.0 / 11.0, 1.0 / 9.0, 1.0 / 7.0, 1.0 / 5.0, 1.0 / 3.0, 1.0] {
+        p = p * w + c;
+    }
+    let r = e * LN2_HI + (2.0 * s * p + e * LN2_LO);
+    if x > 0.0 {
+        r
+    } else {
+        f64::NEG_INFINITY
+    }
+}
+
+#[inline(always)]
+pub(crate) fn exp_slice_body(x: &mut [f64]) {
+    x.iter_mut().for_each(|v| *v = exp_f64(*v));
+}
+
+#[inline(always)]
+pub(crate) fn ln_slice_body(x: &mut [f64]) {
+    x.iter_mut().for_each(|v| *v = ln_f64(*v));
 }
 
 macro_rules! dispatch {
@@ -137,12 +220,15 @@ macro_rules! dispatch {
 dispatch!(row_max_colmax, row_max_colmax_body, (z: &[f32], colmax: &mut [f32]) -> (f32, bool));
 dispatch!(row_exp, row_exp_body, (z: &[f32], m: f32, a: f32, mode: PowMode, buf: &mut [f32]) -> f64);
 dispatch!(axpy, axpy_body, (acc: &mut [f32], x: &[f32], c: f32) -> ());
+dispatch!(exp_slice, exp_slice_body, (x: &mut [f64]) -> ());
+dispatch!(ln_slice, ln_slice_body, (x: &mut [f64]) -> ());
 
 /// Portable builds of the row kernels, for tests comparing them with the dispatched ones.
 #[cfg(test)]
 pub(crate) mod portable {
     pub(crate) use super::{
-        axpy_body as axpy, row_exp_body as row_exp, row_max_colmax_body as row_max_colmax,
+        axpy_body as axpy, exp_slice_body as exp_slice, ln_slice_body as ln_slice, row_exp_body as row_exp,
+        row_max_colmax_body as row_max_colmax,
     };
 }
 
