@@ -468,8 +468,20 @@ fn exp_rel_max(x: &mut [f64]) {
     math::exp_slice(x);
 }
 
+dispatch!(score_head, score_head_body, (cfg: &SelectorConfig, inp: &SelectorInput, sc: &mut SelectorScratch, h: usize, geometric: bool) -> ());
+dispatch!(cross_head, cross_head_body, (cfg: &SelectorConfig, sc: &mut SelectorScratch, nh: usize, n: usize) -> ());
+
 /// Per-token scoring of head `h`: evidence f, prior r, lambda, fused log s, soft-NMS.
-fn score_head(cfg: &SelectorConfig, inp: &SelectorInput, sc: &mut SelectorScratch, h: usize, geometric: bool) {
+/// (Index loops: each walks several [n] buffers in step, and vectorise as written.)
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+fn score_head_body(
+    cfg: &SelectorConfig,
+    inp: &SelectorInput,
+    sc: &mut SelectorScratch,
+    h: usize,
+    geometric: bool,
+) {
     let (lo, hi) = (inp.sinks, inp.recent_start);
     let n = hi - lo;
     let vis = &sc.colmax[h * n..(h + 1) * n];
@@ -485,7 +497,11 @@ fn score_head(cfg: &SelectorConfig, inp: &SelectorInput, sc: &mut SelectorScratc
     if geometric {
         let inv_rows = 1.0 / sc.valid_rows[h] as f64;
         for j in 0..n {
-            sc.lin_f[j] = if hidden(j) { f64::NEG_INFINITY } else { sc.acc64[j] * inv_rows };
+            sc.lin_f[j] = if hidden(j) {
+                f64::NEG_INFINITY
+            } else {
+                sc.acc64[j] * inv_rows
+            };
         }
         exp_rel_max(&mut sc.lin_f);
     } else if cfg.alpha != 0.5 {
@@ -495,7 +511,11 @@ fn score_head(cfg: &SelectorConfig, inp: &SelectorInput, sc: &mut SelectorScratc
         math::ln_slice(&mut sc.lin_f);
         let inv_a = 1.0 / cfg.alpha;
         for j in 0..n {
-            sc.lin_f[j] = if hidden(j) { f64::NEG_INFINITY } else { sc.lin_f[j] * inv_a };
+            sc.lin_f[j] = if hidden(j) {
+                f64::NEG_INFINITY
+            } else {
+                sc.lin_f[j] * inv_a
+            };
         }
         exp_rel_max(&mut sc.lin_f);
     } else {
@@ -538,7 +558,11 @@ fn score_head(cfg: &SelectorConfig, inp: &SelectorInput, sc: &mut SelectorScratc
     math::ln_slice(&mut sc.lin_f);
     let scores = &mut sc.scores[h * n..(h + 1) * n];
     for j in 0..n {
-        scores[j] = if hidden(j) { f64::NEG_INFINITY } else { sc.lin_f[j] };
+        scores[j] = if hidden(j) {
+            f64::NEG_INFINITY
+        } else {
+            sc.lin_f[j]
+        };
     }
     // Soft-NMS.
     let half = cfg.nms_window / 2;
@@ -555,7 +579,8 @@ fn score_head(cfg: &SelectorConfig, inp: &SelectorInput, sc: &mut SelectorScratc
 }
 
 /// Cross-head exclusivity, in place on log s' of every head (head-major passes that vectorise).
-fn cross_head(cfg: &SelectorConfig, sc: &mut SelectorScratch, nh: usize, n: usize) {
+#[inline(always)]
+fn cross_head_body(cfg: &SelectorConfig, sc: &mut SelectorScratch, nh: usize, n: usize) {
     let inv_t = 1.0 / cfg.cross_head_temperature;
     let leps = cfg.eps.ln();
     let [mx, sum, tmp] = &mut sc.nms;
@@ -567,9 +592,14 @@ fn cross_head(cfg: &SelectorConfig, sc: &mut SelectorScratch, nh: usize, n: usiz
             *m = m.max(s * inv_t);
         }
     }
-    mx.iter_mut().for_each(|m| *m = if *m == f64::NEG_INFINITY { 0.0 } else { *m });
+    mx.iter_mut()
+        .for_each(|m| *m = if *m == f64::NEG_INFINITY { 0.0 } else { *m });
     for h in 0..nh {
-        for ((t, &s), &m) in tmp.iter_mut().zip(&sc.scores[h * n..(h + 1) * n]).zip(mx.iter()) {
+        for ((t, &s), &m) in tmp
+            .iter_mut()
+            .zip(&sc.scores[h * n..(h + 1) * n])
+            .zip(mx.iter())
+        {
             *t = s * inv_t - m; // -inf for tokens head h does not see: exp gives 0
         }
         math::exp_slice(tmp);

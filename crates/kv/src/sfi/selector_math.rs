@@ -55,7 +55,7 @@ pub(crate) fn row_max_colmax_body(z: &[f32], colmax: &mut [f32]) -> (f32, bool) 
             let v = zs[i];
             mx[i] = if v > mx[i] { v } else { mx[i] };
             cs[i] = if v > cs[i] { v } else { cs[i] };
-            bad[i] += (!(v < f32::INFINITY) & (v != f32::NEG_INFINITY)) as u32;
+            bad[i] += (v.is_nan() | (v == f32::INFINITY)) as u32;
         }
     }
     let mut m = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
@@ -63,7 +63,7 @@ pub(crate) fn row_max_colmax_body(z: &[f32], colmax: &mut [f32]) -> (f32, bool) 
     for (&v, c) in zc.remainder().iter().zip(cc.into_remainder()) {
         m = if v > m { v } else { m };
         *c = if v > *c { v } else { *c };
-        nbad += (!(v < f32::INFINITY) & (v != f32::NEG_INFINITY)) as u32;
+        nbad += (v.is_nan() | (v == f32::INFINITY)) as u32;
     }
     (m, nbad > 0)
 }
@@ -109,12 +109,15 @@ pub(crate) fn axpy_body(acc: &mut [f32], x: &[f32], c: f32) {
     }
 }
 
+/// ln 2 split into a high part with trailing zero bits (exact products with small integers) and
+/// the rest (fdlibm's constants).
+const LN2_HI: f64 = f64::from_bits(0x3fe6_2e42_fee0_0000);
+const LN2_LO: f64 = f64::from_bits(0x3dea_39ef_3579_3c76);
+
 /// exp(x) in f64: Cody-Waite reduction and a degree-12 Taylor polynomial (error ~2 ulp);
 /// x < -708 (and -inf) gives 0, x > 709 is clamped. Branch-free so that loops vectorise.
 #[inline(always)]
 pub(crate) fn exp_f64(x: f64) -> f64 {
-    const LN2_HI: f64 = 6.931_471_803_691_238_2e-1;
-    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
     const MAGIC: f64 = 6_755_399_441_055_744.0; // 1.5 * 2^52
     let xc = x.clamp(-708.0, 709.0);
     let t = xc * std::f64::consts::LOG2_E + MAGIC;
@@ -150,14 +153,13 @@ pub(crate) fn exp_f64(x: f64) -> f64 {
 /// sqrt(2)), then 2 atanh(s) as a series in s^2 (error ~2 ulp). Branch-free.
 #[inline(always)]
 pub(crate) fn ln_f64(x: f64) -> f64 {
-    const LN2_HI: f64 = 6.931_471_803_691_238_2e-1;
-    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
     let sub = x < f64::MIN_POSITIVE;
     let xs = if sub { x * 18_014_398_509_481_984.0 } else { x }; // 2^54
     let bits = xs.to_bits();
     let mut m = f64::from_bits((bits & 0x000F_FFFF_FFFF_FFFF) | 0x3FF0_0000_0000_0000);
     // Exponent as f64 without an int->float conversion: 2^52 + e_biased, minus the bias.
-    let mut e = f64::from_bits(0x4330_0000_0000_0000 | (bits >> 52)) - (4_503_599_627_370_496.0 + 1023.0);
+    let mut e =
+        f64::from_bits(0x4330_0000_0000_0000 | (bits >> 52)) - (4_503_599_627_370_496.0 + 1023.0);
     e -= if sub { 54.0 } else { 0.0 };
     let big = m > std::f64::consts::SQRT_2;
     m = if big { m * 0.5 } else { m };
@@ -165,7 +167,19 @@ pub(crate) fn ln_f64(x: f64) -> f64 {
     let s = (m - 1.0) / (m + 1.0);
     let w = s * s;
     let mut p = 1.0 / 23.0;
-    for c in [1.0 / 21.0, 1.0 / 19.0, 1.0 / 17.0, 1.0 / 15.0, 1.0 / 13.0, 1.0 / 11.0, 1.0 / 9.0, 1.0 / 7.0, 1.0 / 5.0, 1.0 / 3.0, 1.0] {
+    for c in [
+        1.0 / 21.0,
+        1.0 / 19.0,
+        1.0 / 17.0,
+        1.0 / 15.0,
+        1.0 / 13.0,
+        1.0 / 11.0,
+        1.0 / 9.0,
+        1.0 / 7.0,
+        1.0 / 5.0,
+        1.0 / 3.0,
+        1.0,
+    ] {
         p = p * w + c;
     }
     let r = e * LN2_HI + (2.0 * s * p + e * LN2_LO);
@@ -186,51 +200,11 @@ pub(crate) fn ln_slice_body(x: &mut [f64]) {
     x.iter_mut().for_each(|v| *v = ln_f64(*v));
 }
 
-macro_rules! dispatch {
-    ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
-        pub(crate) fn $name($($arg: $ty),*) -> $ret {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
-                unsafe fn avx512($($arg: $ty),*) -> $ret {
-                    $body($($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2($($arg: $ty),*) -> $ret {
-                    $body($($arg),*)
-                }
-                if is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx512bw")
-                    && is_x86_feature_detected!("avx512vl")
-                    && is_x86_feature_detected!("avx512dq")
-                {
-                    // SAFETY: the required CPU features were detected at runtime.
-                    return unsafe { avx512($($arg),*) };
-                }
-                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                    // SAFETY: the required CPU features were detected at runtime.
-                    return unsafe { avx2($($arg),*) };
-                }
-            }
-            $body($($arg),*)
-        }
-    };
-}
-
 dispatch!(row_max_colmax, row_max_colmax_body, (z: &[f32], colmax: &mut [f32]) -> (f32, bool));
 dispatch!(row_exp, row_exp_body, (z: &[f32], m: f32, a: f32, mode: PowMode, buf: &mut [f32]) -> f64);
 dispatch!(axpy, axpy_body, (acc: &mut [f32], x: &[f32], c: f32) -> ());
 dispatch!(exp_slice, exp_slice_body, (x: &mut [f64]) -> ());
 dispatch!(ln_slice, ln_slice_body, (x: &mut [f64]) -> ());
-
-/// Portable builds of the row kernels, for tests comparing them with the dispatched ones.
-#[cfg(test)]
-pub(crate) mod portable {
-    pub(crate) use super::{
-        axpy_body as axpy, exp_slice_body as exp_slice, ln_slice_body as ln_slice, row_exp_body as row_exp,
-        row_max_colmax_body as row_max_colmax,
-    };
-}
 
 /// out[j] = max of x over [j - half, j + half] clipped to the slice (van Herk / Gil-Werman:
 /// block prefix and suffix maxima, O(n)). `g` and `h` are scratch.
@@ -258,15 +232,32 @@ pub(crate) fn sliding_max(
             h[j] = h[j].max(h[j + 1]);
         }
     }
-    for j in 0..n {
+    let clipped = |j: usize| {
         let a = j.saturating_sub(half);
         let b = (j + half).min(n - 1);
-        out[j] = if a / w != b / w {
+        if a / w != b / w {
             h[a].max(g[b])
-        } else if a % w == 0 {
+        } else if a.is_multiple_of(w) {
             g[b]
         } else {
             h[a]
-        };
+        }
+    };
+    let (left, right) = (half.min(n), n.saturating_sub(half).max(half.min(n)));
+    for j in (0..left).chain(right..n) {
+        out[j] = clipped(j);
     }
+    // Full-width windows [j - half, j + half] span one whole block or two blocks.
+    for j in left..right {
+        out[j] = h[j - half].max(g[j + half]);
+    }
+}
+
+/// Portable builds of the row kernels, for tests comparing them with the dispatched ones.
+#[cfg(test)]
+pub(crate) mod portable {
+    pub(crate) use super::{
+        axpy_body as axpy, exp_slice_body as exp_slice, ln_slice_body as ln_slice,
+        row_exp_body as row_exp, row_max_colmax_body as row_max_colmax,
+    };
 }

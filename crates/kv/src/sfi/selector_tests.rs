@@ -117,8 +117,7 @@ fn assert_same_up_to_ties(
 ) -> usize {
     assert_eq!(fast.per_head.len(), c.nh, "{ctx}");
     let mut ties = 0;
-    for h in 0..c.nh {
-        let (f, r) = (&fast.per_head[h], &reference.per_head[h]);
+    for (h, (f, r)) in fast.per_head.iter().zip(&reference.per_head).enumerate() {
         assert_eq!(f.len(), r.len(), "{ctx} head {h}: lengths");
         assert_eq!(
             f.len(),
@@ -706,24 +705,35 @@ fn scratch_is_reused_without_growth() {
 #[test]
 fn f64_exp_and_ln_are_accurate_and_dispatch_matches_portable() {
     let mut rng = Rng(41);
-    let xs: Vec<f64> = (0..5000).map(|_| -700.0 * rng.unit().powi(3) + 5.0 * rng.normal()).collect();
+    let xs: Vec<f64> = (0..5000)
+        .map(|_| -700.0 * rng.unit().powi(3) + 5.0 * rng.normal())
+        .collect();
     let mut e1 = xs.clone();
     let mut e2 = xs.clone();
     math::exp_slice(&mut e1);
     portable::exp_slice(&mut e2);
     for ((&x, &a), &b) in xs.iter().zip(&e1).zip(&e2) {
         let want = x.exp();
-        assert!((a - want).abs() <= 4e-16 * want, "exp({x}) = {a}, want {want}");
+        assert!(
+            (a - want).abs() <= 4e-16 * want,
+            "exp({x}) = {a}, want {want}"
+        );
         assert!((a - b).abs() <= 4e-16 * want);
     }
-    let ys: Vec<f64> = (0..5000).map(|_| (200.0 * rng.normal()).exp()).chain([1e-310, 5e-324, 1.0, 2.0]).collect();
+    let ys: Vec<f64> = (0..5000)
+        .map(|_| (200.0 * rng.normal()).exp())
+        .chain([1e-310, 5e-324, 1.0, 2.0])
+        .collect();
     let mut l1 = ys.clone();
     let mut l2 = ys.clone();
     math::ln_slice(&mut l1);
     portable::ln_slice(&mut l2);
     for ((&y, &a), &b) in ys.iter().zip(&l1).zip(&l2) {
         let want = y.ln();
-        assert!((a - want).abs() <= 4e-16 * want.abs().max(1.0), "ln({y}) = {a}, want {want}");
+        assert!(
+            (a - want).abs() <= 4e-16 * want.abs().max(1.0),
+            "ln({y}) = {a}, want {want}"
+        );
         assert!((a - b).abs() <= 4e-16 * want.abs().max(1.0));
     }
     let mut special = [0.0, f64::NEG_INFINITY, -800.0];
