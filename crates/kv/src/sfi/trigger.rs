@@ -299,7 +299,7 @@ impl Trigger {
         let fire = match self.cfg.kind {
             TriggerKind::Punct => self.punct_step(token),
             TriggerKind::Periodic => {
-                let f = self.step % self.cfg.period == 0;
+                let f = self.step.is_multiple_of(self.cfg.period);
                 self.stats.periodic += f as usize;
                 f
             }
@@ -721,7 +721,7 @@ mod tests {
             // Draw mostly from the special ids so that sentences are short and frequent.
             let tokens: Vec<u32> = (0..2000)
                 .map(|_| {
-                    if rng.next_u64() % 3 == 0 {
+                    if rng.next_u64().is_multiple_of(3) {
                         ids[(rng.next_u64() % ids.len() as u64) as usize]
                     } else {
                         (rng.next_u64() % vocab as u64) as u32
@@ -820,9 +820,15 @@ Then the rain finally stopped.";
         let ids = tok.encode(TEXT, false).unwrap();
         assert_eq!(tok.decode(&ids), TEXT);
         let starts = sentence_start_steps(&tok, &ids);
-        assert_eq!(starts.len(), 9, "{starts:?}");
-        let (enders, newlines) = (tok.sentence_ender_ids(), tok.newline_ids());
-        for refresh_interval in [1000, 24] {
+        assert_eq!(starts.len(), 8, "{starts:?}");
+        let newlines = tok.newline_ids();
+        // The broad ender class and the reference's narrower one agree on this text.
+        let cases = [
+            (tok.sentence_ender_ids(), 1000),
+            (tok.sentence_ender_ids(), 24),
+            (tok.punctuation_ender_ids(), 1000),
+        ];
+        for (enders, refresh_interval) in cases {
             let c = TriggerConfig {
                 refresh_interval,
                 ..TriggerConfig::default()
