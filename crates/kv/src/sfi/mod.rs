@@ -36,6 +36,9 @@ macro_rules! dispatch {
 pub mod selector;
 mod selector_math;
 pub mod selector_ref;
+mod selector_score;
 #[cfg(test)]
 mod selector_tests;
+#[cfg(test)]
+mod selector_cases;
 pub mod trigger;
