@@ -34,11 +34,11 @@ macro_rules! dispatch {
 }
 
 pub mod selector;
+#[cfg(test)]
+mod selector_cases;
 mod selector_math;
 pub mod selector_ref;
 mod selector_score;
 #[cfg(test)]
 mod selector_tests;
-#[cfg(test)]
-mod selector_cases;
 pub mod trigger;
