@@ -184,6 +184,25 @@ fn fast_matches_reference_on_random_inputs() {
     println!("{runs} random cases, {ties} tokens differed within the tie tolerance");
 }
 
+/// The AVX2 and portable builds give the same answers (other tests run the best build).
+#[test]
+fn fast_matches_reference_at_every_simd_level() {
+    use std::sync::atomic::Ordering;
+    let cfg = SelectorConfig::default();
+    let mut scratch = SelectorScratch::default();
+    for cap in [1u8, 2] {
+        crate::sfi::SIMD_CAP.store(cap, Ordering::Relaxed);
+        let mut rng = Rng(1000 + cap as u64);
+        for &(nh, rows, len) in &[(3usize, 4usize, 2000usize), (8, 1, 1000), (2, 16, 517)] {
+            let c = random_case(&mut rng, nh, rows, len);
+            let fast = select(&cfg, &c.input(), &mut scratch).unwrap();
+            let (reference, scores) = select_reference(&cfg, &c.input()).unwrap();
+            assert_same_up_to_ties(&fast, &reference, &scores, &c, &format!("simd cap {cap} nh {nh}"));
+        }
+    }
+    crate::sfi::SIMD_CAP.store(0, Ordering::Relaxed);
+}
+
 #[test]
 fn fast_matches_reference_with_other_alphas_and_k_sweep() {
     let mut scratch = SelectorScratch::default();
