@@ -197,7 +197,13 @@ fn fast_matches_reference_at_every_simd_level() {
             let c = random_case(&mut rng, nh, rows, len);
             let fast = select(&cfg, &c.input(), &mut scratch).unwrap();
             let (reference, scores) = select_reference(&cfg, &c.input()).unwrap();
-            assert_same_up_to_ties(&fast, &reference, &scores, &c, &format!("simd cap {cap} nh {nh}"));
+            assert_same_up_to_ties(
+                &fast,
+                &reference,
+                &scores,
+                &c,
+                &format!("simd cap {cap} nh {nh}"),
+            );
         }
     }
     crate::sfi::SIMD_CAP.store(0, Ordering::Relaxed);
