@@ -369,6 +369,56 @@ fn dispatched_row_kernels_match_portable_ones() {
     }
 }
 
+/// Counts the allocations made by the current thread (delegates to the system allocator).
+struct CountingAlloc;
+
+thread_local! {
+    static ALLOCS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+// SAFETY: forwards every call unchanged to `System`; only bumps a thread-local counter.
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new: usize) -> *mut u8 {
+        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        unsafe { std::alloc::System.realloc(ptr, layout, new) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: CountingAlloc = CountingAlloc;
+
+#[test]
+fn warmed_up_select_into_allocates_nothing() {
+    let mut rng = Rng(77);
+    let big = random_case(&mut rng, 8, 16, 3000);
+    let small = random_case(&mut rng, 8, 2, 1200);
+    for alpha in [0.5, 0.0, 0.7] {
+        let cfg = SelectorConfig {
+            alpha,
+            ..Default::default()
+        };
+        let mut scratch = SelectorScratch::default();
+        let mut out = Selection::default();
+        select_into(&cfg, &big.input(), &mut scratch, &mut out).unwrap(); // warm-up
+        let before = ALLOCS.with(|c| c.get());
+        for c in [&small, &big, &small] {
+            select_into(&cfg, &c.input(), &mut scratch, &mut out).unwrap();
+        }
+        assert_eq!(
+            ALLOCS.with(|c| c.get()),
+            before,
+            "alpha {alpha}: allocations after warm-up"
+        );
+    }
+}
+
 #[test]
 fn scratch_is_reused_without_growth() {
     let cfg = SelectorConfig::default();
