@@ -2,7 +2,8 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use slowfast_engine::eval::{eval_nll, EvalRecord};
+use slowfast_engine::eval::{eval_nll, EvalRecord, NllOptions};
+use slowfast_engine::policy_spec;
 
 use crate::common::{read_text, ModelArgs};
 
@@ -22,6 +23,15 @@ pub struct Args {
     /// E: scored decode steps after a prefill of N-E tokens.
     #[arg(long, default_value_t = 512)]
     pub eval_tokens: usize,
+    /// Comma-separated KV policies to compare in one run: full, streaming.
+    #[arg(long, default_value = "full")]
+    pub policies: String,
+    /// KV budget of the sparse policies: tokens, or a fraction of --context when below 1.
+    #[arg(long)]
+    pub kv_budget: Option<f64>,
+    /// Attention-sink tokens kept by the streaming policy.
+    #[arg(long, default_value_t = 4)]
+    pub sinks: usize,
     /// Write the records as a JSON array to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -29,12 +39,20 @@ pub struct Args {
 
 fn table(rs: &[EvalRecord]) -> String {
     let mut s = String::from(
-        "| task | policy | context | eval tokens | nll | ppl |\n|---|---|---|---|---|---|\n",
+        "| task | policy | kv budget | context | eval tokens | nll | Δnll vs full | ppl | retained |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rs {
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {:.4} | {:.3} |\n",
-            r.task, r.policy, r.context, r.eval_tokens, r.nll, r.ppl
+            "| {} | {} | {} | {} | {} | {:.4} | {} | {:.3} | {:.3} |\n",
+            r.task,
+            r.policy,
+            r.kv_budget.map_or("-".into(), |b| b.to_string()),
+            r.context,
+            r.eval_tokens,
+            r.nll,
+            r.delta_nll.map_or("-".into(), |d| format!("{d:+.4}")),
+            r.ppl,
+            r.retained_fraction
         ));
     }
     s
@@ -48,20 +66,32 @@ pub fn run(a: Args) -> Result<()> {
             a.context
         );
     }
+    let specs = a
+        .policies
+        .split(',')
+        .map(|p| policy_spec(p.trim(), a.kv_budget, a.sinks, a.context))
+        .collect::<Result<Vec<_>, _>>()?;
     let text = read_text(&a.input)?;
     let m = a.model.load()?;
     let ids = m.tokenizer.encode(&text, true)?;
     eprintln!("{}: {} tokens", a.input.display(), ids.len());
-    let rec = eval_nll(
-        &m,
-        &ids,
-        a.context,
-        a.eval_tokens,
-        a.model.kv(),
-        a.model.chunk,
-        &mut |s| eprintln!("{s}"),
-    )?;
-    let recs = vec![rec];
+    let mut recs = Vec::new();
+    for spec in &specs {
+        eprintln!("== policy {}", spec.name());
+        let o = NllOptions {
+            context: a.context,
+            eval_tokens: a.eval_tokens,
+            kv: a.model.kv(),
+            chunk: a.model.chunk,
+        };
+        let rec = eval_nll(&m, &ids, &o, spec, &mut |s| eprintln!("{s}"))?;
+        recs.push(rec);
+    }
+    if let Some(full) = recs.iter().find(|r| r.policy == "full").map(|r| r.nll) {
+        for r in &mut recs {
+            r.delta_nll = Some(r.nll - full);
+        }
+    }
     print!("{}", table(&recs));
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&recs)?)

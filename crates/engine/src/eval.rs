@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use crate::load::Loaded;
-use crate::session::{KvDtype, Session};
+use crate::session::{KvDtype, PolicySpec, Session};
 use crate::EngineError;
 
 /// One row of `eval` output (one task under one policy).
@@ -15,8 +15,16 @@ pub struct EvalRecord {
     pub model: String,
     pub context: usize,
     pub eval_tokens: usize,
+    /// KV budget in tokens (None for full KV).
+    pub kv_budget: Option<usize>,
     pub nll: f64,
     pub ppl: f64,
+    /// NLL minus the full-KV NLL of the same run (filled in when full KV ran too).
+    pub delta_nll: Option<f64>,
+    /// Keys attended over keys a dense step would attend, over the decode steps.
+    pub retained_fraction: f64,
+    pub slow_steps: usize,
+    pub fast_steps: usize,
     pub prefill_seconds: f64,
     pub decode_seconds: f64,
     pub kv_bytes: usize,
@@ -29,17 +37,30 @@ pub fn nll_of(logits: &[f32], target: u32) -> f64 {
     (sum.ln() + max) - logits[target as usize] as f64
 }
 
-/// Mean NLL of E teacher-forced decode steps after a prefill of N−E tokens. `tokens` must hold
-/// at least N+1 tokens (t_0 .. t_N).
+/// The shape of an `nll` run: context N, scored decode steps E, KV dtype and prefill chunk.
+#[derive(Debug, Clone, Copy)]
+pub struct NllOptions {
+    pub context: usize,
+    pub eval_tokens: usize,
+    pub kv: KvDtype,
+    pub chunk: usize,
+}
+
+/// Mean NLL of E teacher-forced decode steps after a prefill of N−E tokens, under `policy`.
+/// `tokens` must hold at least N+1 tokens (t_0 .. t_N).
 pub fn eval_nll(
     m: &Loaded,
     tokens: &[u32],
-    context: usize,
-    eval_tokens: usize,
-    kv: KvDtype,
-    chunk: usize,
+    o: &NllOptions,
+    policy: &PolicySpec,
     progress: &mut dyn FnMut(&str),
 ) -> Result<EvalRecord, EngineError> {
+    let NllOptions {
+        context,
+        eval_tokens,
+        kv,
+        chunk,
+    } = *o;
     if eval_tokens == 0 || eval_tokens >= context {
         return Err(EngineError::BadInput(format!(
             "--eval-tokens ({eval_tokens}) must be at least 1 and less than --context ({context})"
@@ -59,7 +80,7 @@ pub fn eval_nll(
         )));
     }
     let n_prefill = context - eval_tokens;
-    let mut sess = Session::new(&m.model, context, kv, chunk);
+    let mut sess = Session::with_policy(&m.model, context, kv, chunk, policy);
     let t0 = Instant::now();
     let mut last_report = Instant::now();
     sess.prefill(&tokens[..n_prefill], &mut |done, total| {
@@ -84,9 +105,18 @@ pub fn eval_nll(
         }
     }
     let nll = total / eval_tokens as f64;
+    let stats = sess.policy_stats();
     Ok(EvalRecord {
         task: "nll".into(),
-        policy: "full".into(),
+        policy: policy.name().into(),
+        kv_budget: match policy {
+            PolicySpec::Full => None,
+            PolicySpec::Streaming { sinks, recent } => Some(sinks + recent),
+        },
+        delta_nll: None,
+        retained_fraction: stats.retained_fraction(),
+        slow_steps: stats.slow_steps,
+        fast_steps: stats.fast_steps,
         model: m.name.clone(),
         context,
         eval_tokens,

@@ -11,4 +11,4 @@ pub mod stop;
 
 pub use error::EngineError;
 pub use load::{load, Loaded, DEFAULT_MODEL};
-pub use session::{KvDtype, Session};
+pub use session::{budget_tokens, policy_spec, KvDtype, PolicySpec, Session};

@@ -1,7 +1,7 @@
 //! `Session`: one sequence being decoded — the model, its preallocated KV store (f32 or f16),
 //! scratch buffers and the logits of the last step. Prefill runs in chunks; decode one token.
 use half::f16;
-use slowfast_kv::KvStore;
+use slowfast_kv::{CacheElem, FullPolicy, KvPolicy, KvStore, PolicyStats, StreamingPolicy};
 use slowfast_model::{LogitsRows, Model, Scratch};
 
 use crate::EngineError;
@@ -24,9 +24,36 @@ impl std::str::FromStr for KvDtype {
     }
 }
 
+/// Which KV policy a session runs, with its parameters resolved to token counts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PolicySpec {
+    /// Dense attention (the default).
+    Full,
+    /// StreamingLLM: `sinks` first tokens + `recent` last tokens.
+    Streaming { sinks: usize, recent: usize },
+}
+
+impl PolicySpec {
+    pub fn name(&self) -> &'static str {
+        match self {
+            PolicySpec::Full => "full",
+            PolicySpec::Streaming { .. } => "streaming",
+        }
+    }
+
+    fn build<T: CacheElem>(&self) -> Box<dyn KvPolicy<T>> {
+        match *self {
+            PolicySpec::Full => Box::new(FullPolicy::new()),
+            PolicySpec::Streaming { sinks, recent } => {
+                Box::new(StreamingPolicy::new(sinks, recent))
+            }
+        }
+    }
+}
+
 enum Cache {
-    F32(KvStore<f32>),
-    F16(KvStore<f16>),
+    F32(KvStore<f32>, Box<dyn KvPolicy<f32>>),
+    F16(KvStore<f16>, Box<dyn KvPolicy<f16>>),
 }
 
 /// Default prefill chunk (tokens per forward call).
@@ -41,12 +68,24 @@ pub struct Session<'m> {
 }
 
 impl<'m> Session<'m> {
-    /// A session able to hold `max_tokens` tokens, prefilling `chunk` tokens at a time.
+    /// A session able to hold `max_tokens` tokens, prefilling `chunk` tokens at a time, with
+    /// dense attention.
     pub fn new(model: &'m Model, max_tokens: usize, kv: KvDtype, chunk: usize) -> Self {
+        Self::with_policy(model, max_tokens, kv, chunk, &PolicySpec::Full)
+    }
+
+    /// A session whose attention goes through the KV policy `policy`.
+    pub fn with_policy(
+        model: &'m Model,
+        max_tokens: usize,
+        kv: KvDtype,
+        chunk: usize,
+        policy: &PolicySpec,
+    ) -> Self {
         let chunk = chunk.clamp(1, max_tokens.max(1));
         let cache = match kv {
-            KvDtype::F32 => Cache::F32(model.new_cache(max_tokens, chunk)),
-            KvDtype::F16 => Cache::F16(model.new_cache(max_tokens, chunk)),
+            KvDtype::F32 => Cache::F32(model.new_cache(max_tokens, chunk), policy.build()),
+            KvDtype::F16 => Cache::F16(model.new_cache(max_tokens, chunk), policy.build()),
         };
         Session {
             model,
@@ -60,23 +99,38 @@ impl<'m> Session<'m> {
     /// Tokens in the cache.
     pub fn pos(&self) -> usize {
         match &self.cache {
-            Cache::F32(c) => c.len(),
-            Cache::F16(c) => c.len(),
+            Cache::F32(c, _) => c.len(),
+            Cache::F16(c, _) => c.len(),
         }
     }
 
     pub fn capacity(&self) -> usize {
         match &self.cache {
-            Cache::F32(c) => c.capacity(),
-            Cache::F16(c) => c.capacity(),
+            Cache::F32(c, _) => c.capacity(),
+            Cache::F16(c, _) => c.capacity(),
         }
     }
 
     /// Bytes of KV cache allocated.
     pub fn kv_bytes(&self) -> usize {
         match &self.cache {
-            Cache::F32(c) => c.nbytes(),
-            Cache::F16(c) => c.nbytes(),
+            Cache::F32(c, _) => c.nbytes(),
+            Cache::F16(c, _) => c.nbytes(),
+        }
+    }
+
+    /// The KV policy's counters (slow/fast steps, attended tokens).
+    pub fn policy_stats(&self) -> PolicyStats {
+        match &self.cache {
+            Cache::F32(_, p) => p.stats(),
+            Cache::F16(_, p) => p.stats(),
+        }
+    }
+
+    pub fn policy_name(&self) -> &'static str {
+        match &self.cache {
+            Cache::F32(_, p) => p.name(),
+            Cache::F16(_, p) => p.name(),
         }
     }
 
@@ -85,8 +139,8 @@ impl<'m> Session<'m> {
         let pos = self.pos();
         let (m, s, l) = (self.model, &mut self.scratch, &mut self.logits);
         match &mut self.cache {
-            Cache::F32(c) => m.forward(tokens, pos, c, s, rows, l)?,
-            Cache::F16(c) => m.forward(tokens, pos, c, s, rows, l)?,
+            Cache::F32(c, p) => m.forward_with(tokens, pos, c, p.as_mut(), s, rows, l)?,
+            Cache::F16(c, p) => m.forward_with(tokens, pos, c, p.as_mut(), s, rows, l)?,
         }
         Ok(&self.logits)
     }
@@ -118,11 +172,87 @@ impl<'m> Session<'m> {
 
     /// Decode one token; returns its next-token logits.
     pub fn step(&mut self, token: u32) -> Result<&[f32], EngineError> {
+        match &mut self.cache {
+            Cache::F32(_, p) => p.on_token(token),
+            Cache::F16(_, p) => p.on_token(token),
+        }
         self.forward(&[token], LogitsRows::Last)
     }
 
     /// Logits of the last forward call.
     pub fn logits(&self) -> &[f32] {
         &self.logits
+    }
+}
+
+/// Resolve `--kv-budget`: a value below 1 is a fraction of `context`, otherwise a token count.
+pub fn budget_tokens(budget: f64, context: usize) -> Result<usize, EngineError> {
+    if !budget.is_finite() || budget <= 0.0 {
+        return Err(EngineError::BadInput(format!(
+            "--kv-budget must be a positive token count or a fraction below 1, got {budget}"
+        )));
+    }
+    Ok(if budget < 1.0 {
+        ((budget * context as f64).round() as usize).max(1)
+    } else {
+        budget as usize
+    })
+}
+
+/// Build the policy named `name` for a sequence of `context` tokens.
+pub fn policy_spec(
+    name: &str,
+    budget: Option<f64>,
+    sinks: usize,
+    context: usize,
+) -> Result<PolicySpec, EngineError> {
+    match name {
+        "full" => Ok(PolicySpec::Full),
+        "streaming" => {
+            let b = budget_tokens(
+                budget.ok_or_else(|| {
+                    EngineError::BadInput("--policy streaming needs --kv-budget".into())
+                })?,
+                context,
+            )?;
+            if b <= sinks {
+                return Err(EngineError::BadInput(format!(
+                    "--kv-budget ({b} tokens) must exceed the {sinks} sink tokens"
+                )));
+            }
+            Ok(PolicySpec::Streaming {
+                sinks,
+                recent: b - sinks,
+            })
+        }
+        other => Err(EngineError::BadInput(format!(
+            "unknown policy `{other}` (available: full, streaming)"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_and_policy_names() {
+        assert_eq!(budget_tokens(0.2, 8192).unwrap(), 1638);
+        assert_eq!(budget_tokens(2048.0, 8192).unwrap(), 2048);
+        assert!(budget_tokens(0.0, 10).is_err());
+        assert!(budget_tokens(f64::NAN, 10).is_err());
+        assert_eq!(
+            policy_spec("streaming", Some(0.25), 4, 1024).unwrap(),
+            PolicySpec::Streaming {
+                sinks: 4,
+                recent: 252
+            }
+        );
+        assert!(policy_spec("streaming", None, 4, 1024).is_err());
+        assert!(policy_spec("streaming", Some(3.0), 4, 1024).is_err());
+        assert!(policy_spec("h3o", None, 4, 1024)
+            .unwrap_err()
+            .to_string()
+            .contains("h3o"));
     }
 }

@@ -1,7 +1,7 @@
 //! The attention step of a layer: the one place where the decoder meets the KV store. It
 //! gathers the segments a query chunk may see and runs the exact tiled-softmax kernel.
 use slowfast_backend::cpu::attention::{attention, AttnShape, KvSegment, Mask, QueryPositions};
-use slowfast_kv::{CacheElem, KvStore};
+use slowfast_kv::{AttnCall, CacheElem, KvPolicy, KvStore};
 
 use crate::config::ModelConfig;
 use crate::ModelError;
@@ -11,7 +11,8 @@ use crate::ModelError;
 pub struct AttnScratch {}
 
 /// Attention of `n` query rows (`q`: `[n, heads, head_dim]`, positions `pos0..pos0 + n`) of
-/// `layer` over the cached keys they may see; writes `out` `[n, heads, head_dim]`.
+/// `layer` over the cached keys the KV policy selects (within what the mask allows); writes
+/// `out` `[n, heads, head_dim]`.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_layer<T: CacheElem>(
     cfg: &ModelConfig,
@@ -21,6 +22,7 @@ pub fn attend_layer<T: CacheElem>(
     n: usize,
     window: Option<usize>,
     cache: &KvStore<T>,
+    policy: &mut dyn KvPolicy<T>,
     out: &mut [f32],
     _scratch: &mut AttnScratch,
 ) -> Result<(), ModelError> {
@@ -36,15 +38,16 @@ pub fn attend_layer<T: CacheElem>(
         Some(w) => (pos0 + 1).saturating_sub(w),
         None => 0,
     };
-    let segs: Vec<Vec<KvSegment<'_, T>>> = (0..cfg.num_key_value_heads)
-        .map(|h| {
-            cache
-                .segments(layer, h, lo, hi)
-                .into_iter()
-                .flatten()
-                .collect()
-        })
-        .collect();
+    let call = AttnCall {
+        layer,
+        pos0,
+        n,
+        lo,
+        sliding: window.is_some(),
+    };
+    debug_assert_eq!(hi, call.hi());
+    let mut segs: Vec<Vec<KvSegment<'_, T>>> = Vec::with_capacity(cfg.num_key_value_heads);
+    policy.segments(&call, cache, &mut segs);
     let mask = Mask {
         causal: true,
         window: window.map(|w| w as u32),

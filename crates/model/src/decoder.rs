@@ -2,7 +2,7 @@
 //! `forward` runs a chunk of tokens (a prefill chunk, or one decode token) through every layer
 //! against a preallocated KV store; attention goes through `crate::attention`.
 use slowfast_backend::cpu::ops;
-use slowfast_kv::{CacheElem, KvStore, LayerSpec};
+use slowfast_kv::{CacheElem, FullPolicy, KvPolicy, KvStore, LayerSpec};
 use slowfast_quant::{
     gemm_crossover, matmul, matmul_gemm, matvec_with, DotPath, Isa, MatvecScratch,
 };
@@ -181,13 +181,28 @@ impl Model {
         r.map_err(|e| ModelError::Compute(format!("{w:?}: {e}")))
     }
 
-    /// Run `tokens` (at positions `pos0..pos0 + n`) through the model, writing their K/V into
-    /// `cache`. `logits` receives `[vocab]` (Last) or `[n, vocab]` (All) values.
+    /// Run `tokens` (at positions `pos0..pos0 + n`) through the model with dense attention,
+    /// writing their K/V into `cache`. `logits` receives `[vocab]` (Last) or `[n, vocab]` (All).
     pub fn forward<T: CacheElem>(
         &self,
         tokens: &[u32],
         pos0: usize,
         cache: &mut KvStore<T>,
+        s: &mut Scratch,
+        rows: LogitsRows,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        self.forward_with(tokens, pos0, cache, &mut FullPolicy::new(), s, rows, logits)
+    }
+
+    /// `forward` with a KV policy deciding what each layer's attention reads.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_with<T: CacheElem>(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        cache: &mut KvStore<T>,
+        policy: &mut dyn KvPolicy<T>,
         s: &mut Scratch,
         rows: LogitsRows,
         logits: &mut Vec<f32>,
@@ -272,7 +287,7 @@ impl Model {
                 .map_err(|e| ModelError::Compute(format!("layer {l}: {e}")))?;
             let att = resize(&mut s.att, n * nh * hd);
             let window = if sliding { c.sliding_window } else { None };
-            attend_layer(c, l, q, pos0, n, window, cache, att, &mut s.attn)?;
+            attend_layer(c, l, q, pos0, n, window, cache, policy, att, &mut s.attn)?;
             let o = resize(&mut s.o, n * h);
             self.linear(&w.wo, att, n, o)?;
             if let Some(pn) = &w.post_attn_norm {
@@ -298,6 +313,7 @@ impl Model {
             ops::add_inplace(&mut s.x, o);
         }
         cache.set_len(pos0 + n);
+        policy.end_forward(pos0, n);
         // Final norm + LM head on the rows that need logits.
         let first = match rows {
             LogitsRows::None => return Ok(()),

@@ -1,0 +1,187 @@
+//! The KV-policy seam: a policy decides which cached positions each layer's attention reads
+//! at each step, and hears about steps and tokens. Models never name a policy; the attention
+//! step of `slowfast-model` asks the policy for each kv head's segments.
+use std::ops::Range;
+
+use slowfast_backend::cpu::attention::KvSegment;
+
+use crate::store::{CacheElem, KvStore};
+
+/// Counters every policy reports (for `generate --json`, eval and bench).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct PolicyStats {
+    /// Decode steps that attended to everything (dense).
+    pub slow_steps: usize,
+    /// Decode steps that attended to a subset.
+    pub fast_steps: usize,
+    /// Sum over decode steps of the keys attended, averaged over global layers and kv heads.
+    pub attended_tokens: f64,
+    /// Sum over decode steps of the keys a dense step would have attended (same averaging).
+    pub dense_tokens: f64,
+}
+
+impl PolicyStats {
+    /// Mean keys attended per decode step.
+    pub fn mean_attended(&self) -> f64 {
+        let steps = self.slow_steps + self.fast_steps;
+        if steps == 0 {
+            0.0
+        } else {
+            self.attended_tokens / steps as f64
+        }
+    }
+    /// Attended over dense keys, over all decode steps (1 for full KV).
+    pub fn retained_fraction(&self) -> f64 {
+        if self.dense_tokens == 0.0 {
+            1.0
+        } else {
+            self.attended_tokens / self.dense_tokens
+        }
+    }
+}
+
+/// Accumulates one decode step's attended/dense key counts over the global layers, then adds
+/// the per-layer means to `PolicyStats` when the step ends.
+#[derive(Debug, Default, Clone)]
+pub struct StepCounter {
+    attended: f64,
+    dense: f64,
+    layers: usize,
+}
+
+impl StepCounter {
+    /// One global layer of a decode step: mean keys attended per kv head, and what dense
+    /// attention would read.
+    pub fn record(&mut self, attended: f64, dense: usize) {
+        self.attended += attended;
+        self.dense += dense as f64;
+        self.layers += 1;
+    }
+    /// Close the step (if any layer was recorded) as slow or fast.
+    pub fn finish(&mut self, stats: &mut PolicyStats, slow: bool) {
+        if self.layers > 0 {
+            let l = self.layers as f64;
+            stats.attended_tokens += self.attended / l;
+            stats.dense_tokens += self.dense / l;
+            if slow {
+                stats.slow_steps += 1;
+            } else {
+                stats.fast_steps += 1;
+            }
+        }
+        *self = StepCounter::default();
+    }
+}
+
+/// What one layer's attention call covers.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnCall {
+    pub layer: usize,
+    /// Query rows are at positions `pos0 .. pos0 + n` (n = 1 in decode).
+    pub pos0: usize,
+    pub n: usize,
+    /// Oldest position the layer's mask lets any row see (sliding window), else 0.
+    pub lo: usize,
+    /// True for sliding-window layers (policies leave their window alone).
+    pub sliding: bool,
+}
+
+impl AttnCall {
+    pub fn is_decode(&self) -> bool {
+        self.n == 1
+    }
+    /// One past the newest position.
+    pub fn hi(&self) -> usize {
+        self.pos0 + self.n
+    }
+}
+
+/// A KV policy over a cache of element type `T`.
+pub trait KvPolicy<T: CacheElem>: Send {
+    fn name(&self) -> &'static str;
+
+    /// Fill `out[h]` with the segments kv head `h` attends to in this call (in key order).
+    fn segments<'s>(
+        &'s mut self,
+        call: &AttnCall,
+        store: &'s KvStore<T>,
+        out: &mut Vec<Vec<KvSegment<'s, T>>>,
+    );
+
+    /// Called after the whole forward of positions `pos0 .. pos0 + n` (prefill chunk or decode
+    /// step) has run through every layer.
+    fn end_forward(&mut self, _pos0: usize, _n: usize) {}
+
+    /// The token about to be fed at the next decode step (trigger policies look at it).
+    fn on_token(&mut self, _token: u32) {}
+
+    fn stats(&self) -> PolicyStats;
+}
+
+/// Push the stored segments of positions `r` of kv head `h` into `out`.
+pub fn push_range<'s, T: CacheElem>(
+    store: &'s KvStore<T>,
+    layer: usize,
+    h: usize,
+    r: Range<usize>,
+    out: &mut Vec<KvSegment<'s, T>>,
+) {
+    out.extend(
+        store
+            .segments(layer, h, r.start, r.end)
+            .into_iter()
+            .flatten(),
+    );
+}
+
+/// Reset `out` to `n_kv` empty lists, keeping their allocations.
+pub fn reset_out<T>(out: &mut Vec<Vec<KvSegment<'_, T>>>, n_kv: usize) {
+    out.truncate(n_kv);
+    for v in out.iter_mut() {
+        v.clear();
+    }
+    while out.len() < n_kv {
+        out.push(Vec::new());
+    }
+}
+
+/// Dense attention over everything the mask allows: the default policy, identical to the
+/// engine without a seam.
+#[derive(Debug, Default)]
+pub struct FullPolicy {
+    stats: PolicyStats,
+    step: StepCounter,
+}
+
+impl FullPolicy {
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl<T: CacheElem> KvPolicy<T> for FullPolicy {
+    fn name(&self) -> &'static str {
+        "full"
+    }
+    fn segments<'s>(
+        &'s mut self,
+        call: &AttnCall,
+        store: &'s KvStore<T>,
+        out: &mut Vec<Vec<KvSegment<'s, T>>>,
+    ) {
+        reset_out(out, store.n_kv_heads);
+        for (h, o) in out.iter_mut().enumerate() {
+            push_range(store, call.layer, h, call.lo..call.hi(), o);
+        }
+        if call.is_decode() && !call.sliding {
+            let keys = call.hi() - call.lo;
+            self.step.record(keys as f64, keys);
+        }
+    }
+    fn end_forward(&mut self, _pos0: usize, _n: usize) {
+        self.step.finish(&mut self.stats, true);
+    }
+    fn stats(&self) -> PolicyStats {
+        self.stats.clone()
+    }
+}

@@ -1,0 +1,138 @@
+//! StreamingLLM: attend to the first `sinks` tokens (attention sinks) and the most recent
+//! tokens, nothing in between. Applied to decode steps of global layers; prefill stays dense
+//! and sliding-window layers keep their window.
+use slowfast_backend::cpu::attention::KvSegment;
+
+use crate::policy::{push_range, reset_out, AttnCall, KvPolicy, PolicyStats, StepCounter};
+use crate::store::{CacheElem, KvStore};
+
+#[derive(Debug, Clone)]
+pub struct StreamingPolicy {
+    pub sinks: usize,
+    pub recent: usize,
+    stats: PolicyStats,
+    step: StepCounter,
+    sparse_this_step: bool,
+}
+
+impl StreamingPolicy {
+    /// A budget of `sinks + recent` tokens per kv head.
+    pub fn new(sinks: usize, recent: usize) -> Self {
+        StreamingPolicy {
+            sinks,
+            recent,
+            stats: PolicyStats::default(),
+            step: StepCounter::default(),
+            sparse_this_step: false,
+        }
+    }
+}
+
+impl<T: CacheElem> KvPolicy<T> for StreamingPolicy {
+    fn name(&self) -> &'static str {
+        "streaming"
+    }
+
+    fn segments<'s>(
+        &'s mut self,
+        call: &AttnCall,
+        store: &'s KvStore<T>,
+        out: &mut Vec<Vec<KvSegment<'s, T>>>,
+    ) {
+        reset_out(out, store.n_kv_heads);
+        let (lo, hi) = (call.lo, call.hi());
+        let sparse = call.is_decode() && !call.sliding && hi - lo > self.sinks + self.recent;
+        for (h, o) in out.iter_mut().enumerate() {
+            if sparse {
+                push_range(store, call.layer, h, lo..lo + self.sinks, o);
+                push_range(store, call.layer, h, hi - self.recent..hi, o);
+            } else {
+                push_range(store, call.layer, h, lo..hi, o);
+            }
+        }
+        if call.is_decode() && !call.sliding {
+            let attended = if sparse {
+                self.sinks + self.recent
+            } else {
+                hi - lo
+            };
+            self.step.record(attended as f64, hi - lo);
+            self.sparse_this_step |= sparse;
+        }
+    }
+
+    fn end_forward(&mut self, _pos0: usize, _n: usize) {
+        let slow = !self.sparse_this_step;
+        self.step.finish(&mut self.stats, slow);
+        self.sparse_this_step = false;
+    }
+
+    fn stats(&self) -> PolicyStats {
+        self.stats.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::LayerSpec;
+    use slowfast_backend::cpu::attention::KvPositions;
+
+    fn starts(segs: &[KvSegment<'_, f32>], d: usize) -> Vec<(u32, usize)> {
+        segs.iter()
+            .map(|s| match s.pos {
+                KvPositions::Range { start } => (start, s.k.len() / d),
+                KvPositions::List(_) => panic!("ranges expected"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn decode_keeps_sinks_and_recent_and_counts_them() {
+        let d = 2;
+        let mut st = KvStore::<f32>::new(
+            1,
+            d,
+            &[LayerSpec {
+                capacity: 64,
+                ring: false,
+            }],
+        );
+        let kv = vec![0.0; 40 * d];
+        st.write(0, 0, &kv, &kv).unwrap();
+        st.set_len(40);
+        let mut p = StreamingPolicy::new(4, 8);
+        {
+            let mut out = Vec::new();
+            let call = AttnCall {
+                layer: 0,
+                pos0: 39,
+                n: 1,
+                lo: 0,
+                sliding: false,
+            };
+            KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
+            assert_eq!(starts(&out[0], d), vec![(0, 4), (32, 8)]);
+        }
+        KvPolicy::<f32>::end_forward(&mut p, 39, 1);
+        // Prefill and short sequences stay dense.
+        {
+            let mut out = Vec::new();
+            let call = AttnCall {
+                layer: 0,
+                pos0: 0,
+                n: 40,
+                lo: 0,
+                sliding: false,
+            };
+            KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
+            assert_eq!(starts(&out[0], d), vec![(0, 40)]);
+        }
+        KvPolicy::<f32>::end_forward(&mut p, 0, 40);
+        let s = KvPolicy::<f32>::stats(&p);
+        assert_eq!((s.fast_steps, s.slow_steps), (1, 0));
+        assert_eq!(s.attended_tokens, 12.0);
+        assert_eq!(s.dense_tokens, 40.0);
+        assert!((s.retained_fraction() - 0.3).abs() < 1e-12);
+    }
+}
