@@ -19,6 +19,15 @@ pub struct Args {
     /// Timed decode runs per context (the median is reported).
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
+    /// Comma-separated KV policies, each timed at every context: full, streaming.
+    #[arg(long, default_value = "full")]
+    pub policies: String,
+    /// KV budget of the sparse policies: tokens, or a fraction of the context when below 1.
+    #[arg(long)]
+    pub kv_budget: Option<f64>,
+    /// Attention-sink tokens kept by the streaming policy.
+    #[arg(long, default_value_t = 4)]
+    pub sinks: usize,
     /// Write the records as a JSON array to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -46,14 +55,23 @@ pub fn run(a: Args) -> Result<()> {
     if a.new_tokens == 0 {
         bail!("--new-tokens must be at least 1");
     }
-    let m = a.model.load()?;
     let o = BenchOptions {
         contexts,
         new_tokens: a.new_tokens,
         kv_dtype: a.model.kv(),
         chunk: a.model.chunk,
         repeats: a.repeats,
+        policies: a.policies.split(',').map(|p| p.trim().to_owned()).collect(),
+        kv_budget: a.kv_budget,
+        sinks: a.sinks,
     };
+    // Check every policy against every context before the (slow) model load.
+    for &c in &o.contexts {
+        for p in &o.policies {
+            slowfast_engine::policy_spec(p, o.kv_budget, o.sinks, c)?;
+        }
+    }
+    let m = a.model.load()?;
     let recs = run_bench(&m, &o, &mut |s| eprintln!("{s}"))?;
     print!("{}", table(&recs));
     if let Some(p) = &a.json {

@@ -65,6 +65,15 @@ pub struct Args {
     /// Do not stop at end-of-sequence tokens.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// KV policy: full (dense attention) or streaming (sinks + recent window).
+    #[arg(long, default_value = "full")]
+    pub policy: String,
+    /// KV budget of a sparse policy: tokens, or a fraction of prompt + new tokens when below 1.
+    #[arg(long)]
+    pub kv_budget: Option<f64>,
+    /// Attention-sink tokens kept by the streaming policy.
+    #[arg(long, default_value_t = 4)]
+    pub sinks: usize,
     /// Print one JSON object with the text and timings at the end instead of streaming.
     #[arg(long)]
     pub json: bool,
@@ -108,6 +117,12 @@ pub fn run(a: Args) -> Result<()> {
         prompt
     };
     let ids = m.tokenizer.encode_with(&text, true, a.chat)?;
+    let policy = slowfast_engine::policy_spec(
+        &a.policy,
+        a.kv_budget,
+        a.sinks,
+        ids.len() + a.max_new_tokens,
+    )?;
     let opts = GenerateOptions {
         max_new_tokens: a.max_new_tokens,
         sampler,
@@ -115,6 +130,7 @@ pub fn run(a: Args) -> Result<()> {
         ignore_eos: a.ignore_eos,
         kv_dtype: a.model.kv(),
         chunk: a.model.chunk,
+        policy,
     };
     let stdout = std::io::stdout();
     let json = a.json;
@@ -129,7 +145,11 @@ pub fn run(a: Args) -> Result<()> {
         let v = serde_json::json!({
             "text": out.text,
             "model": m.name,
-            "policy": "full",
+            "policy": out.policy,
+            "slow_steps": out.policy_stats.slow_steps,
+            "fast_steps": out.policy_stats.fast_steps,
+            "mean_attended_tokens": out.policy_stats.mean_attended(),
+            "retained_fraction": out.policy_stats.retained_fraction(),
             "device": a.model.device,
             "prompt_tokens": out.prompt_tokens,
             "generated_tokens": out.generated_tokens,

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use crate::load::Loaded;
 use crate::sampler::argmax;
-use crate::session::{KvDtype, Session};
+use crate::session::{policy_spec, KvDtype, PolicySpec, Session};
 use crate::EngineError;
 
 #[derive(Debug, Clone)]
@@ -15,6 +15,10 @@ pub struct BenchOptions {
     pub chunk: usize,
     /// Timed repetitions of the decode phase (the median is reported).
     pub repeats: usize,
+    /// KV policies to compare at each context (full, streaming).
+    pub policies: Vec<String>,
+    pub kv_budget: Option<f64>,
+    pub sinks: usize,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -32,6 +36,9 @@ pub struct BenchRecord {
     /// Weight + KV bytes read per decode step, over the step time.
     pub decode_gb_s: f64,
     pub kv_bytes: usize,
+    /// Mean keys attended per decode step (global layers) and its fraction of dense.
+    pub mean_attended_tokens: f64,
+    pub retained_fraction: f64,
 }
 
 /// Pseudo-random token ids in `[0, vocab)`, reproducible.
@@ -64,83 +71,100 @@ pub fn run(
             )));
         }
         let prompt = random_tokens(ctx, cfg.vocab_size, 0x5107 + ctx as u64);
-        let mut sess = Session::new(
-            &m.model,
-            ctx + o.new_tokens * o.repeats.max(1) + 1,
-            o.kv_dtype,
-            o.chunk,
-        );
-        progress(&format!("context {ctx}: prefill"));
-        let t0 = Instant::now();
-        let mut last = Instant::now();
-        sess.prefill(&prompt, &mut |done, total| {
-            if last.elapsed().as_secs_f64() > 5.0 {
-                progress(&format!("  prefill {done}/{total}"));
-                last = Instant::now();
-            }
-        })?;
-        let prefill_s = t0.elapsed().as_secs_f64();
-        let mut times = Vec::new();
-        for r in 0..o.repeats.max(1) {
-            progress(&format!(
-                "context {ctx}: decode {} tokens (run {}/{})",
-                o.new_tokens,
-                r + 1,
-                o.repeats.max(1)
-            ));
-            let mut tok = argmax(sess.logits()).unwrap_or(0);
-            let t1 = Instant::now();
-            for _ in 0..o.new_tokens {
-                let l = sess.step(tok)?;
-                tok = argmax(l).unwrap_or(0);
-            }
-            times.push(t1.elapsed().as_secs_f64());
+        for pname in &o.policies {
+            let policy = policy_spec(pname, o.kv_budget, o.sinks, ctx)?;
+            out.push(run_one(m, o, ctx, &prompt, &policy, threads, progress)?);
         }
-        times.sort_by(f64::total_cmp);
-        let decode_s = times[times.len() / 2];
-        let per_tok = decode_s / o.new_tokens as f64;
-        // Bytes read per step: all weights once plus the K/V of the (average) context.
-        let kv_elem = match o.kv_dtype {
-            KvDtype::F32 => 4,
-            KvDtype::F16 => 2,
-        };
-        let avg_ctx = ctx + o.new_tokens / 2;
-        let kv_read: usize = (0..cfg.num_hidden_layers)
-            .map(|l| {
-                let span = match (cfg.is_sliding(l), cfg.sliding_window) {
-                    (true, Some(w)) => avg_ctx.min(w),
-                    _ => avg_ctx,
-                };
-                2 * span * cfg.num_key_value_heads * cfg.head_dim * kv_elem
-            })
-            .sum();
-        let bytes = m.model.weights.decode_bytes_per_step() + kv_read;
-        out.push(BenchRecord {
-            model: m.name.clone(),
-            policy: "full".into(),
-            device: "cpu".into(),
-            threads,
-            context: ctx,
-            new_tokens: o.new_tokens,
-            kv_dtype: format!("{:?}", o.kv_dtype).to_lowercase(),
-            prefill_tok_s: ctx as f64 / prefill_s,
-            decode_tok_s: 1.0 / per_tok,
-            decode_ms_per_token: per_tok * 1e3,
-            decode_gb_s: bytes as f64 / per_tok / 1e9,
-            kv_bytes: sess.kv_bytes(),
-        });
     }
     Ok(out)
+}
+
+/// Prefill `prompt` and time decode steps under one policy.
+fn run_one(
+    m: &Loaded,
+    o: &BenchOptions,
+    ctx: usize,
+    prompt: &[u32],
+    policy: &PolicySpec,
+    threads: usize,
+    progress: &mut dyn FnMut(&str),
+) -> Result<BenchRecord, EngineError> {
+    let cfg = &m.model.cfg;
+    let name = policy.name();
+    let cap = ctx + o.new_tokens * o.repeats.max(1) + 1;
+    let mut sess = Session::with_policy(&m.model, cap, o.kv_dtype, o.chunk, policy);
+    progress(&format!("context {ctx}, policy {name}: prefill"));
+    let t0 = Instant::now();
+    let mut last = Instant::now();
+    sess.prefill(prompt, &mut |done, total| {
+        if last.elapsed().as_secs_f64() > 5.0 {
+            progress(&format!("  prefill {done}/{total}"));
+            last = Instant::now();
+        }
+    })?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let mut times = Vec::new();
+    for r in 0..o.repeats.max(1) {
+        progress(&format!(
+            "context {ctx}, policy {name}: decode {} tokens (run {}/{})",
+            o.new_tokens,
+            r + 1,
+            o.repeats.max(1)
+        ));
+        let mut tok = argmax(sess.logits()).unwrap_or(0);
+        let t1 = Instant::now();
+        for _ in 0..o.new_tokens {
+            let l = sess.step(tok)?;
+            tok = argmax(l).unwrap_or(0);
+        }
+        times.push(t1.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    let per_tok = times[times.len() / 2] / o.new_tokens as f64;
+    // Bytes read per step: all weights once plus the K/V each layer attends (sliding layers:
+    // their window; global layers: what the policy attended on average).
+    let stats = sess.policy_stats();
+    let kv_elem = match o.kv_dtype {
+        KvDtype::F32 => 4,
+        KvDtype::F16 => 2,
+    };
+    let avg_ctx = (ctx + o.new_tokens / 2) as f64;
+    let kv_read: f64 = (0..cfg.num_hidden_layers)
+        .map(|l| {
+            let span = match (cfg.is_sliding(l), cfg.sliding_window) {
+                (true, Some(w)) => avg_ctx.min(w as f64),
+                _ => stats.mean_attended(),
+            };
+            2.0 * span * (cfg.num_key_value_heads * cfg.head_dim * kv_elem) as f64
+        })
+        .sum();
+    let bytes = m.model.weights.decode_bytes_per_step() as f64 + kv_read;
+    Ok(BenchRecord {
+        model: m.name.clone(),
+        policy: name.into(),
+        device: "cpu".into(),
+        threads,
+        context: ctx,
+        new_tokens: o.new_tokens,
+        kv_dtype: format!("{:?}", o.kv_dtype).to_lowercase(),
+        prefill_tok_s: ctx as f64 / prefill_s,
+        decode_tok_s: 1.0 / per_tok,
+        decode_ms_per_token: per_tok * 1e3,
+        decode_gb_s: bytes / per_tok / 1e9,
+        kv_bytes: sess.kv_bytes(),
+        mean_attended_tokens: stats.mean_attended(),
+        retained_fraction: stats.retained_fraction(),
+    })
 }
 
 /// A markdown table of bench records.
 pub fn table(rs: &[BenchRecord]) -> String {
     let mut s = String::from(
-        "| model | policy | context | prefill tok/s | decode tok/s | ms/token | decode GB/s | KV MiB |\n|---|---|---|---|---|---|---|---|\n",
+        "| model | policy | context | prefill tok/s | decode tok/s | ms/token | decode GB/s | KV MiB | retained |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rs {
         s.push_str(&format!(
-            "| {} | {} | {} | {:.1} | {:.2} | {:.2} | {:.1} | {:.1} |\n",
+            "| {} | {} | {} | {:.1} | {:.2} | {:.2} | {:.1} | {:.1} | {:.3} |\n",
             r.model,
             r.policy,
             r.context,
@@ -148,7 +172,8 @@ pub fn table(rs: &[BenchRecord]) -> String {
             r.decode_tok_s,
             r.decode_ms_per_token,
             r.decode_gb_s,
-            r.kv_bytes as f64 / (1 << 20) as f64
+            r.kv_bytes as f64 / (1 << 20) as f64,
+            r.retained_fraction
         ));
     }
     s

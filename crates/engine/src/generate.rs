@@ -6,9 +6,10 @@ use slowfast_tokenizer::StreamDecoder;
 
 use crate::load::Loaded;
 use crate::sampler::{Sampler, SamplerConfig};
-use crate::session::{KvDtype, Session, DEFAULT_CHUNK};
+use crate::session::{KvDtype, PolicySpec, Session, DEFAULT_CHUNK};
 use crate::stop::StopMatcher;
 use crate::EngineError;
+use slowfast_kv::PolicyStats;
 
 #[derive(Debug, Clone)]
 pub struct GenerateOptions {
@@ -19,6 +20,7 @@ pub struct GenerateOptions {
     pub ignore_eos: bool,
     pub kv_dtype: KvDtype,
     pub chunk: usize,
+    pub policy: PolicySpec,
 }
 
 impl Default for GenerateOptions {
@@ -30,6 +32,7 @@ impl Default for GenerateOptions {
             ignore_eos: false,
             kv_dtype: KvDtype::F16,
             chunk: DEFAULT_CHUNK,
+            policy: PolicySpec::Full,
         }
     }
 }
@@ -55,6 +58,8 @@ pub struct GenerateOutput {
     pub decode_tok_s: f64,
     pub stop_reason: StopReason,
     pub kv_bytes: usize,
+    pub policy: String,
+    pub policy_stats: PolicyStats,
 }
 
 /// Generate from `prompt_ids`, calling `on_text` with each piece of text that is safe to print.
@@ -79,7 +84,13 @@ pub fn generate(
         )));
     }
     let max_new = opts.max_new_tokens.min(ctx - prompt_ids.len());
-    let mut sess = Session::new(&m.model, needed.min(ctx), opts.kv_dtype, opts.chunk);
+    let mut sess = Session::with_policy(
+        &m.model,
+        needed.min(ctx),
+        opts.kv_dtype,
+        opts.chunk,
+        &opts.policy,
+    );
     let mut sampler = Sampler::new(opts.sampler.clone(), m.model.cfg.vocab_size)?;
     for &t in prompt_ids {
         sampler.accept(t);
@@ -144,5 +155,7 @@ pub fn generate(
         decode_tok_s: decode_steps as f64 / decode_seconds.max(1e-9),
         stop_reason: reason,
         kv_bytes: sess.kv_bytes(),
+        policy: sess.policy_name().to_owned(),
+        policy_stats: sess.policy_stats(),
     })
 }
