@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use slowfast_engine::bench::{run as run_bench, table, BenchOptions};
 
-use crate::common::ModelArgs;
+use crate::common::{ModelArgs, PolicyArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -22,12 +22,8 @@ pub struct Args {
     /// Comma-separated KV policies, each timed at every context: full, streaming.
     #[arg(long, default_value = "full")]
     pub policies: String,
-    /// KV budget of the sparse policies: tokens, or a fraction of the context when below 1.
-    #[arg(long)]
-    pub kv_budget: Option<f64>,
-    /// Attention-sink tokens kept by the streaming policy.
-    #[arg(long, default_value_t = 4)]
-    pub sinks: usize,
+    #[command(flatten)]
+    pub sparse: PolicyArgs,
     /// Write the records as a JSON array to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -62,8 +58,8 @@ pub fn run(a: Args) -> Result<()> {
         chunk: a.model.chunk,
         repeats: a.repeats,
         policies: a.policies.split(',').map(|p| p.trim().to_owned()).collect(),
-        kv_budget: a.kv_budget,
-        sinks: a.sinks,
+        kv_budget: a.sparse.kv_budget,
+        sinks: a.sparse.sinks,
     };
     // Check every policy against every context before the (slow) model load.
     for &c in &o.contexts {

@@ -5,7 +5,7 @@ use anyhow::{bail, Result};
 use slowfast_engine::eval::{eval_nll, EvalRecord, NllOptions};
 use slowfast_engine::policy_spec;
 
-use crate::common::{read_text, ModelArgs};
+use crate::common::{read_text, ModelArgs, PolicyArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -26,12 +26,8 @@ pub struct Args {
     /// Comma-separated KV policies to compare in one run: full, streaming.
     #[arg(long, default_value = "full")]
     pub policies: String,
-    /// KV budget of the sparse policies: tokens, or a fraction of --context when below 1.
-    #[arg(long)]
-    pub kv_budget: Option<f64>,
-    /// Attention-sink tokens kept by the streaming policy.
-    #[arg(long, default_value_t = 4)]
-    pub sinks: usize,
+    #[command(flatten)]
+    pub sparse: PolicyArgs,
     /// Write the records as a JSON array to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -69,7 +65,7 @@ pub fn run(a: Args) -> Result<()> {
     let specs = a
         .policies
         .split(',')
-        .map(|p| policy_spec(p.trim(), a.kv_budget, a.sinks, a.context))
+        .map(|p| policy_spec(p.trim(), a.sparse.kv_budget, a.sparse.sinks, a.context))
         .collect::<Result<Vec<_>, _>>()?;
     let text = read_text(&a.input)?;
     let m = a.model.load()?;

@@ -7,7 +7,7 @@ use slowfast_engine::generate::{generate, GenerateOptions};
 use slowfast_engine::sampler::SamplerConfig;
 use slowfast_tokenizer::ChatMessage;
 
-use crate::common::{read_text, ModelArgs};
+use crate::common::{read_text, ModelArgs, PolicyArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -68,12 +68,8 @@ pub struct Args {
     /// KV policy: full (dense attention) or streaming (sinks + recent window).
     #[arg(long, default_value = "full")]
     pub policy: String,
-    /// KV budget of a sparse policy: tokens, or a fraction of prompt + new tokens when below 1.
-    #[arg(long)]
-    pub kv_budget: Option<f64>,
-    /// Attention-sink tokens kept by the streaming policy.
-    #[arg(long, default_value_t = 4)]
-    pub sinks: usize,
+    #[command(flatten)]
+    pub sparse: PolicyArgs,
     /// Print one JSON object with the text and timings at the end instead of streaming.
     #[arg(long)]
     pub json: bool,
@@ -119,8 +115,8 @@ pub fn run(a: Args) -> Result<()> {
     let ids = m.tokenizer.encode_with(&text, true, a.chat)?;
     let policy = slowfast_engine::policy_spec(
         &a.policy,
-        a.kv_budget,
-        a.sinks,
+        a.sparse.kv_budget,
+        a.sparse.sinks,
         ids.len() + a.max_new_tokens,
     )?;
     let opts = GenerateOptions {

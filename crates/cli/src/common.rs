@@ -59,3 +59,14 @@ pub fn read_text(path: &std::path::Path) -> Result<String> {
         )
     })
 }
+
+/// Flags of the sparse KV policies, shared by generate, eval and bench.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PolicyArgs {
+    /// KV budget of a sparse policy: tokens, or a fraction of the context when below 1.
+    #[arg(long)]
+    pub kv_budget: Option<f64>,
+    /// Attention-sink tokens kept by the streaming policy.
+    #[arg(long, default_value_t = 4)]
+    pub sinks: usize,
+}

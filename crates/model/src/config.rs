@@ -13,6 +13,22 @@ pub enum Arch {
 }
 
 impl Arch {
+    /// Per-head RMSNorm of q and k (Qwen3, Gemma 3).
+    pub fn qk_norm(self) -> bool {
+        self != Arch::Llama
+    }
+    /// Gemma's sandwich norms (after attention and MLP) and sqrt(hidden)-scaled embeddings.
+    pub fn gemma_style(self) -> bool {
+        self == Arch::Gemma3
+    }
+    pub fn activation(self) -> Activation {
+        if self == Arch::Gemma3 {
+            Activation::GeluTanh
+        } else {
+            Activation::Silu
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
@@ -300,14 +316,10 @@ pub fn from_hf_json(v: &Value) -> Result<ModelConfig, ModelError> {
             .get("tie_word_embeddings")
             .and_then(|x| x.as_bool())
             .unwrap_or(tie_default),
-        qk_norm: arch != Arch::Llama,
-        post_norms: arch == Arch::Gemma3,
-        scale_embeddings: arch == Arch::Gemma3,
-        activation: if arch == Arch::Gemma3 {
-            Activation::GeluTanh
-        } else {
-            Activation::Silu
-        },
+        qk_norm: arch.qk_norm(),
+        post_norms: arch.gemma_style(),
+        scale_embeddings: arch.gemma_style(),
+        activation: arch.activation(),
         attn_scale,
     };
     if let Some(act) = v
@@ -453,14 +465,10 @@ pub fn from_gguf(g: &slowfast_loader::gguf::GgufFile) -> Result<ModelConfig, Mod
         layer_sliding,
         max_position_embeddings: g.get_u32(&k("context_length")).unwrap_or(4096) as usize,
         tie_word_embeddings,
-        qk_norm: arch != Arch::Llama,
-        post_norms: arch == Arch::Gemma3,
-        scale_embeddings: arch == Arch::Gemma3,
-        activation: if arch == Arch::Gemma3 {
-            Activation::GeluTanh
-        } else {
-            Activation::Silu
-        },
+        qk_norm: arch.qk_norm(),
+        post_norms: arch.gemma_style(),
+        scale_embeddings: arch.gemma_style(),
+        activation: arch.activation(),
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
     };
     cfg.validate()?;
