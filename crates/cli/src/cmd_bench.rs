@@ -19,7 +19,7 @@ pub struct Args {
     /// Timed decode runs per context (the median is reported).
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
-    /// Comma-separated KV policies, each timed at every context: full, streaming.
+    /// Comma-separated KV policies, each timed at every context: full, streaming, sfi.
     #[arg(long, default_value = "full")]
     pub policies: String,
     #[command(flatten)]
@@ -58,17 +58,23 @@ pub fn run(a: Args) -> Result<()> {
         chunk: a.model.chunk,
         repeats: a.repeats,
         policies: a.policies.split(',').map(|p| p.trim().to_owned()).collect(),
-        kv_budget: a.sparse.kv_budget,
-        sinks: a.sparse.sinks,
     };
     // Check every policy against every context before the (slow) model load.
     for &c in &o.contexts {
         for p in &o.policies {
-            slowfast_engine::policy_spec(p, o.kv_budget, o.sinks, c)?;
+            a.sparse.spec(p, c)?;
         }
     }
     let m = a.model.load()?;
-    let recs = run_bench(&m, &o, &mut |s| eprintln!("{s}"))?;
+    let spec_for = |name: &str,
+                    ctx: usize|
+     -> Result<slowfast_engine::PolicySpec, slowfast_engine::EngineError> {
+        a.sparse
+            .spec(name, ctx)
+            .map(|s| s.with_vocab(&m.tokenizer))
+            .map_err(|e| slowfast_engine::EngineError::BadInput(format!("{e:#}")))
+    };
+    let recs = run_bench(&m, &o, &spec_for, &mut |s| eprintln!("{s}"))?;
     print!("{}", table(&recs));
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&recs)?)

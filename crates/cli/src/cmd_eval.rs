@@ -3,7 +3,6 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use slowfast_engine::eval::{eval_nll, EvalRecord, NllOptions};
-use slowfast_engine::policy_spec;
 
 use crate::common::{read_text, ModelArgs, PolicyArgs};
 
@@ -23,7 +22,7 @@ pub struct Args {
     /// E: scored decode steps after a prefill of N-E tokens.
     #[arg(long, default_value_t = 512)]
     pub eval_tokens: usize,
-    /// Comma-separated KV policies to compare in one run: full, streaming.
+    /// Comma-separated KV policies to compare in one run: full, streaming, sfi.
     #[arg(long, default_value = "full")]
     pub policies: String,
     #[command(flatten)]
@@ -65,12 +64,16 @@ pub fn run(a: Args) -> Result<()> {
     let specs = a
         .policies
         .split(',')
-        .map(|p| policy_spec(p.trim(), a.sparse.kv_budget, a.sparse.sinks, a.context))
+        .map(|p| a.sparse.spec(p.trim(), a.context))
         .collect::<Result<Vec<_>, _>>()?;
     let text = read_text(&a.input)?;
     let m = a.model.load()?;
     let ids = m.tokenizer.encode(&text, true)?;
     eprintln!("{}: {} tokens", a.input.display(), ids.len());
+    let specs: Vec<_> = specs
+        .into_iter()
+        .map(|s| s.with_vocab(&m.tokenizer))
+        .collect();
     let mut recs = Vec::new();
     for spec in &specs {
         eprintln!("== policy {}", spec.name());

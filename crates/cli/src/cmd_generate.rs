@@ -65,7 +65,7 @@ pub struct Args {
     /// Do not stop at end-of-sequence tokens.
     #[arg(long)]
     pub ignore_eos: bool,
-    /// KV policy: full (dense attention) or streaming (sinks + recent window).
+    /// KV policy: full (dense attention), streaming (sinks + recent window) or sfi (Slow-Fast).
     #[arg(long, default_value = "full")]
     pub policy: String,
     #[command(flatten)]
@@ -113,12 +113,10 @@ pub fn run(a: Args) -> Result<()> {
         prompt
     };
     let ids = m.tokenizer.encode_with(&text, true, a.chat)?;
-    let policy = slowfast_engine::policy_spec(
-        &a.policy,
-        a.sparse.kv_budget,
-        a.sparse.sinks,
-        ids.len() + a.max_new_tokens,
-    )?;
+    let policy = a
+        .sparse
+        .spec(&a.policy, ids.len() + a.max_new_tokens)?
+        .with_vocab(&m.tokenizer);
     let opts = GenerateOptions {
         max_new_tokens: a.max_new_tokens,
         sampler,

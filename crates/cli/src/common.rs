@@ -66,7 +66,38 @@ pub struct PolicyArgs {
     /// KV budget of a sparse policy: tokens, or a fraction of the context when below 1.
     #[arg(long)]
     pub kv_budget: Option<f64>,
-    /// Attention-sink tokens kept by the streaming policy.
-    #[arg(long, default_value_t = 4)]
+    /// Attention-sink tokens kept by the streaming and SFI policies.
+    #[arg(long, alias = "sfi-sinks", default_value_t = 4)]
     pub sinks: usize,
+    /// SFI: recent window read in place (tokens; its start is page-aligned).
+    #[arg(long, default_value_t = 256)]
+    pub sfi_recent: usize,
+    /// SFI: force a slow (dense, refreshing) step after this many decode steps.
+    #[arg(long, default_value_t = 96)]
+    pub sfi_refresh_interval: usize,
+    /// SFI: least decode steps between two sentence-triggered refreshes.
+    #[arg(long, default_value_t = 16)]
+    pub sfi_min_gap: usize,
+    /// SFI slow-step trigger: punct (first token of a sentence), periodic, random, off.
+    #[arg(long, default_value = "punct", value_parser = ["punct", "periodic", "random", "off"])]
+    pub sfi_trigger: String,
+}
+
+impl PolicyArgs {
+    /// The policy `name` for sequences of `context` tokens, validated.
+    pub fn spec(&self, name: &str, context: usize) -> Result<slowfast_engine::PolicySpec> {
+        let knobs = slowfast_engine::session::SfiKnobs {
+            recent: self.sfi_recent,
+            refresh_interval: self.sfi_refresh_interval,
+            min_gap: self.sfi_min_gap,
+            trigger: self.sfi_trigger.clone(),
+        };
+        Ok(slowfast_engine::session::policy_spec_with(
+            name,
+            self.kv_budget,
+            self.sinks,
+            context,
+            &knobs,
+        )?)
+    }
 }

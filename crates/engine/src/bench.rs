@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use crate::load::Loaded;
 use crate::sampler::argmax;
-use crate::session::{policy_spec, KvDtype, PolicySpec, Session};
+use crate::session::{KvDtype, PolicySpec, Session};
 use crate::EngineError;
 
 #[derive(Debug, Clone)]
@@ -15,11 +15,12 @@ pub struct BenchOptions {
     pub chunk: usize,
     /// Timed repetitions of the decode phase (the median is reported).
     pub repeats: usize,
-    /// KV policies to compare at each context (full, streaming).
+    /// KV policies to compare at each context (names given to `spec_for`).
     pub policies: Vec<String>,
-    pub kv_budget: Option<f64>,
-    pub sinks: usize,
 }
+
+/// Makes the policy `name` for a context length.
+pub type SpecFor<'a> = &'a dyn Fn(&str, usize) -> Result<PolicySpec, EngineError>;
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BenchRecord {
@@ -58,6 +59,7 @@ pub fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 pub fn run(
     m: &Loaded,
     o: &BenchOptions,
+    spec_for: SpecFor<'_>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<BenchRecord>, EngineError> {
     let cfg = &m.model.cfg;
@@ -72,7 +74,7 @@ pub fn run(
         }
         let prompt = random_tokens(ctx, cfg.vocab_size, 0x5107 + ctx as u64);
         for pname in &o.policies {
-            let policy = policy_spec(pname, o.kv_budget, o.sinks, ctx)?;
+            let policy = spec_for(pname, ctx)?;
             out.push(run_one(m, o, ctx, &prompt, &policy, threads, progress)?);
         }
     }
@@ -92,7 +94,7 @@ fn run_one(
     let cfg = &m.model.cfg;
     let name = policy.name();
     let cap = ctx + o.new_tokens * o.repeats.max(1) + 1;
-    let mut sess = Session::with_policy(&m.model, cap, o.kv_dtype, o.chunk, policy);
+    let mut sess = Session::try_with_policy(&m.model, cap, o.kv_dtype, o.chunk, policy)?;
     progress(&format!("context {ctx}, policy {name}: prefill"));
     let t0 = Instant::now();
     let mut last = Instant::now();

@@ -80,7 +80,7 @@ pub fn eval_nll(
         )));
     }
     let n_prefill = context - eval_tokens;
-    let mut sess = Session::with_policy(&m.model, context, kv, chunk, policy);
+    let mut sess = Session::try_with_policy(&m.model, context, kv, chunk, policy)?;
     let t0 = Instant::now();
     let mut last_report = Instant::now();
     sess.prefill(&tokens[..n_prefill], &mut |done, total| {
@@ -109,10 +109,7 @@ pub fn eval_nll(
     Ok(EvalRecord {
         task: "nll".into(),
         policy: policy.name().into(),
-        kv_budget: match policy {
-            PolicySpec::Full => None,
-            PolicySpec::Streaming { sinks, recent } => Some(sinks + recent),
-        },
+        kv_budget: policy.budget(),
         delta_nll: None,
         retained_fraction: stats.retained_fraction(),
         slow_steps: stats.slow_steps,

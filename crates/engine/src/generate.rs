@@ -84,13 +84,13 @@ pub fn generate(
         )));
     }
     let max_new = opts.max_new_tokens.min(ctx - prompt_ids.len());
-    let mut sess = Session::with_policy(
+    let mut sess = Session::try_with_policy(
         &m.model,
         needed.min(ctx),
         opts.kv_dtype,
         opts.chunk,
         &opts.policy,
-    );
+    )?;
     let mut sampler = Sampler::new(opts.sampler.clone(), m.model.cfg.vocab_size)?;
     for &t in prompt_ids {
         sampler.accept(t);

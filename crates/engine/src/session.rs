@@ -1,6 +1,7 @@
 //! `Session`: one sequence being decoded — the model, its preallocated KV store (f32 or f16),
 //! scratch buffers and the logits of the last step. Prefill runs in chunks; decode one token.
 use half::f16;
+use slowfast_kv::sfi::memory::{SfiConfig, SfiPolicy};
 use slowfast_kv::{CacheElem, FullPolicy, KvPolicy, KvStore, PolicyStats, StreamingPolicy};
 use slowfast_model::{LogitsRows, Model, Scratch};
 
@@ -31,6 +32,14 @@ pub enum PolicySpec {
     Full,
     /// StreamingLLM: `sinks` first tokens + `recent` last tokens.
     Streaming { sinks: usize, recent: usize },
+    /// Slow-Fast Inference; `enders`/`newlines` (the trigger's token classes) come from the
+    /// tokenizer via `with_vocab`.
+    Sfi {
+        cfg: Box<SfiConfig>,
+        enders: Vec<u32>,
+        newlines: Vec<u32>,
+        vocab_size: usize,
+    },
 }
 
 impl PolicySpec {
@@ -38,16 +47,51 @@ impl PolicySpec {
         match self {
             PolicySpec::Full => "full",
             PolicySpec::Streaming { .. } => "streaming",
+            PolicySpec::Sfi { .. } => "sfi",
         }
     }
 
-    fn build<T: CacheElem>(&self) -> Box<dyn KvPolicy<T>> {
-        match *self {
+    /// Tokens attended per kv head by the sparse steps (None for full KV).
+    pub fn budget(&self) -> Option<usize> {
+        match self {
+            PolicySpec::Full => None,
+            PolicySpec::Streaming { sinks, recent } => Some(sinks + recent),
+            PolicySpec::Sfi { cfg, .. } => Some(cfg.sinks + cfg.selected + cfg.recent),
+        }
+    }
+
+    /// Attach the tokenizer's sentence-ender and newline tokens (SFI's trigger).
+    pub fn with_vocab(mut self, tok: &slowfast_tokenizer::Tokenizer) -> Self {
+        if let PolicySpec::Sfi {
+            enders,
+            newlines,
+            vocab_size,
+            ..
+        } = &mut self
+        {
+            *enders = tok.sentence_ender_ids();
+            *newlines = tok.newline_ids();
+            *vocab_size = tok.vocab_size();
+        }
+        self
+    }
+
+    fn build<T: CacheElem>(&self) -> Result<Box<dyn KvPolicy<T>>, EngineError> {
+        Ok(match self {
             PolicySpec::Full => Box::new(FullPolicy::new()),
             PolicySpec::Streaming { sinks, recent } => {
-                Box::new(StreamingPolicy::new(sinks, recent))
+                Box::new(StreamingPolicy::new(*sinks, *recent))
             }
-        }
+            PolicySpec::Sfi {
+                cfg,
+                enders,
+                newlines,
+                vocab_size,
+            } => Box::new(
+                SfiPolicy::<T>::new((**cfg).clone(), enders, newlines, (*vocab_size).max(1))
+                    .map_err(|e| EngineError::BadInput(format!("SFI trigger: {e}")))?,
+            ),
+        })
     }
 }
 
@@ -74,7 +118,8 @@ impl<'m> Session<'m> {
         Self::with_policy(model, max_tokens, kv, chunk, &PolicySpec::Full)
     }
 
-    /// A session whose attention goes through the KV policy `policy`.
+    /// A session whose attention goes through the KV policy `policy` (a spec made by
+    /// `policy_spec`, which validated it).
     pub fn with_policy(
         model: &'m Model,
         max_tokens: usize,
@@ -82,18 +127,30 @@ impl<'m> Session<'m> {
         chunk: usize,
         policy: &PolicySpec,
     ) -> Self {
+        Self::try_with_policy(model, max_tokens, kv, chunk, policy)
+            .expect("policy specs are validated when parsed")
+    }
+
+    /// `with_policy`, returning the policy's construction error instead of panicking.
+    pub fn try_with_policy(
+        model: &'m Model,
+        max_tokens: usize,
+        kv: KvDtype,
+        chunk: usize,
+        policy: &PolicySpec,
+    ) -> Result<Self, EngineError> {
         let chunk = chunk.clamp(1, max_tokens.max(1));
         let cache = match kv {
-            KvDtype::F32 => Cache::F32(model.new_cache(max_tokens, chunk), policy.build()),
-            KvDtype::F16 => Cache::F16(model.new_cache(max_tokens, chunk), policy.build()),
+            KvDtype::F32 => Cache::F32(model.new_cache(max_tokens, chunk), policy.build()?),
+            KvDtype::F16 => Cache::F16(model.new_cache(max_tokens, chunk), policy.build()?),
         };
-        Session {
+        Ok(Session {
             model,
             cache,
             scratch: Scratch::default(),
             chunk,
             logits: Vec::new(),
-        }
+        })
     }
 
     /// Tokens in the cache.
@@ -199,22 +256,78 @@ pub fn budget_tokens(budget: f64, context: usize) -> Result<usize, EngineError> 
     })
 }
 
-/// Build the policy named `name` for a sequence of `context` tokens.
+/// SFI knobs from the command line (the rest keep the authors' defaults).
+#[derive(Debug, Clone)]
+pub struct SfiKnobs {
+    pub recent: usize,
+    pub refresh_interval: usize,
+    pub min_gap: usize,
+    pub trigger: String,
+}
+
+impl Default for SfiKnobs {
+    fn default() -> Self {
+        SfiKnobs {
+            recent: 256,
+            refresh_interval: 96,
+            min_gap: 16,
+            trigger: "punct".into(),
+        }
+    }
+}
+
+/// Build the policy named `name` for a sequence of `context` tokens (SFI with default knobs).
 pub fn policy_spec(
     name: &str,
     budget: Option<f64>,
     sinks: usize,
     context: usize,
 ) -> Result<PolicySpec, EngineError> {
+    policy_spec_with(name, budget, sinks, context, &SfiKnobs::default())
+}
+
+fn sfi_spec(b: usize, sinks: usize, k: &SfiKnobs) -> Result<PolicySpec, EngineError> {
+    if b <= sinks + k.recent {
+        return Err(EngineError::BadInput(format!(
+            "--kv-budget ({b} tokens) must exceed --sinks + --sfi-recent ({})",
+            sinks + k.recent
+        )));
+    }
+    let mut cfg = SfiConfig::new(sinks, k.recent, b - sinks - k.recent);
+    cfg.trigger.kind = k
+        .trigger
+        .parse()
+        .map_err(|e| EngineError::BadInput(format!("--sfi-trigger: {e}")))?;
+    cfg.trigger.refresh_interval = k.refresh_interval;
+    cfg.trigger.period = k.refresh_interval;
+    cfg.trigger.min_gap = k.min_gap;
+    cfg.trigger
+        .validate()
+        .map_err(|e| EngineError::BadInput(format!("SFI trigger: {e}")))?;
+    Ok(PolicySpec::Sfi {
+        cfg: Box::new(cfg),
+        enders: Vec::new(),
+        newlines: Vec::new(),
+        vocab_size: 0,
+    })
+}
+
+/// `policy_spec` with explicit SFI knobs.
+pub fn policy_spec_with(
+    name: &str,
+    budget: Option<f64>,
+    sinks: usize,
+    context: usize,
+    sfi: &SfiKnobs,
+) -> Result<PolicySpec, EngineError> {
+    let need_budget = |p: &str| {
+        budget.ok_or_else(|| EngineError::BadInput(format!("--policy {p} needs --kv-budget")))
+    };
     match name {
         "full" => Ok(PolicySpec::Full),
+        "sfi" => sfi_spec(budget_tokens(need_budget("sfi")?, context)?, sinks, sfi),
         "streaming" => {
-            let b = budget_tokens(
-                budget.ok_or_else(|| {
-                    EngineError::BadInput("--policy streaming needs --kv-budget".into())
-                })?,
-                context,
-            )?;
+            let b = budget_tokens(need_budget("streaming")?, context)?;
             if b <= sinks {
                 return Err(EngineError::BadInput(format!(
                     "--kv-budget ({b} tokens) must exceed the {sinks} sink tokens"
@@ -226,7 +339,7 @@ pub fn policy_spec(
             })
         }
         other => Err(EngineError::BadInput(format!(
-            "unknown policy `{other}` (available: full, streaming)"
+            "unknown policy `{other}` (available: full, streaming, sfi)"
         ))),
     }
 }

@@ -108,6 +108,17 @@ pub trait KvPolicy<T: CacheElem>: Send {
         out: &mut Vec<Vec<KvSegment<'s, T>>>,
     );
 
+    /// How many of this call's last query rows should have their dense attention logits
+    /// captured and handed to `observe` (0: none). When non-zero, `segments` must be dense
+    /// (`lo .. hi` in order), so the logits cover positions `lo .. hi`.
+    fn capture_rows(&self, _call: &AttnCall) -> usize {
+        0
+    }
+
+    /// The captured logits of the last `rows` query rows: `[n_heads, rows, hi - lo]`, raw
+    /// scaled `q·k` with -inf where the causal mask hides a key.
+    fn observe(&mut self, _call: &AttnCall, _rows: usize, _logits: &[f32], _store: &KvStore<T>) {}
+
     /// Called after the whole forward of positions `pos0 .. pos0 + n` (prefill chunk or decode
     /// step) has run through every layer.
     fn end_forward(&mut self, _pos0: usize, _n: usize) {}

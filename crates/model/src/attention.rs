@@ -1,6 +1,8 @@
 //! The attention step of a layer: the one place where the decoder meets the KV store. It
 //! gathers the segments a query chunk may see and runs the exact tiled-softmax kernel.
-use slowfast_backend::cpu::attention::{attention, AttnShape, KvSegment, Mask, QueryPositions};
+use slowfast_backend::cpu::attention::{
+    attention, attention_with_logits, AttnShape, KvSegment, Mask, QueryPositions,
+};
 use slowfast_kv::{AttnCall, CacheElem, KvPolicy, KvStore};
 
 use crate::config::ModelConfig;
@@ -46,12 +48,14 @@ pub fn attend_layer<T: CacheElem>(
         sliding: window.is_some(),
     };
     debug_assert_eq!(hi, call.hi());
+    let capture = policy.capture_rows(&call).min(n);
     let mut segs: Vec<Vec<KvSegment<'_, T>>> = Vec::with_capacity(cfg.num_key_value_heads);
     policy.segments(&call, cache, &mut segs);
     let mask = Mask {
         causal: true,
         window: window.map(|w| w as u32),
     };
+    let err = |e| ModelError::Compute(format!("attention in layer {layer}: {e}"));
     attention(
         &shape,
         q,
@@ -61,5 +65,28 @@ pub fn attend_layer<T: CacheElem>(
         out,
         None,
     )
-    .map_err(|e| ModelError::Compute(format!("attention in layer {layer}: {e}")))
+    .map_err(err)?;
+    if capture == 0 {
+        return Ok(());
+    }
+    // Slow step / bootstrap: the dense logits of the last `capture` rows, for the policy.
+    let width = cfg.num_attention_heads * cfg.head_dim;
+    let q_last = &q[(n - capture) * width..n * width];
+    let mut logits = vec![0.0f32; cfg.num_attention_heads * capture * (hi - lo)];
+    let mut o = vec![0.0f32; capture * width];
+    let start = QueryPositions::Start((hi - capture) as u32);
+    attention_with_logits(
+        &shape,
+        q_last,
+        start,
+        &segs,
+        mask,
+        &mut o,
+        None,
+        &mut logits,
+    )
+    .map_err(err)?;
+    drop(segs);
+    policy.observe(&call, capture, &logits, cache);
+    Ok(())
 }
