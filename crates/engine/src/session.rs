@@ -115,23 +115,11 @@ impl<'m> Session<'m> {
     /// A session able to hold `max_tokens` tokens, prefilling `chunk` tokens at a time, with
     /// dense attention.
     pub fn new(model: &'m Model, max_tokens: usize, kv: KvDtype, chunk: usize) -> Self {
-        Self::with_policy(model, max_tokens, kv, chunk, &PolicySpec::Full)
+        Self::try_with_policy(model, max_tokens, kv, chunk, &PolicySpec::Full)
+            .expect("full KV has nothing to validate")
     }
 
-    /// A session whose attention goes through the KV policy `policy` (a spec made by
-    /// `policy_spec`, which validated it).
-    pub fn with_policy(
-        model: &'m Model,
-        max_tokens: usize,
-        kv: KvDtype,
-        chunk: usize,
-        policy: &PolicySpec,
-    ) -> Self {
-        Self::try_with_policy(model, max_tokens, kv, chunk, policy)
-            .expect("policy specs are validated when parsed")
-    }
-
-    /// `with_policy`, returning the policy's construction error instead of panicking.
+    /// A session whose attention goes through the KV policy `policy`.
     pub fn try_with_policy(
         model: &'m Model,
         max_tokens: usize,

@@ -8,10 +8,6 @@ use slowfast_kv::{AttnCall, CacheElem, KvPolicy, KvStore};
 use crate::config::ModelConfig;
 use crate::ModelError;
 
-/// Per-call reusable state of the attention step.
-#[derive(Default)]
-pub struct AttnScratch {}
-
 /// Attention of `n` query rows (`q`: `[n, heads, head_dim]`, positions `pos0..pos0 + n`) of
 /// `layer` over the cached keys the KV policy selects (within what the mask allows); writes
 /// `out` `[n, heads, head_dim]`.
@@ -26,7 +22,6 @@ pub fn attend_layer<T: CacheElem>(
     cache: &KvStore<T>,
     policy: &mut dyn KvPolicy<T>,
     out: &mut [f32],
-    _scratch: &mut AttnScratch,
 ) -> Result<(), ModelError> {
     let shape = AttnShape {
         n_heads: cfg.num_attention_heads,

@@ -7,7 +7,7 @@ use slowfast_quant::{
     gemm_crossover, matmul, matmul_gemm, matvec_with, DotPath, Isa, MatvecScratch,
 };
 
-use crate::attention::{attend_layer, AttnScratch};
+use crate::attention::attend_layer;
 use crate::config::{Activation, ModelConfig, RopeScaling};
 use crate::weights::{ModelWeights, Weight};
 use crate::ModelError;
@@ -60,7 +60,6 @@ pub struct Scratch {
     sin: Vec<f32>,  // [n, head_dim/2]
     cos_l: Vec<f32>,
     sin_l: Vec<f32>,
-    pub attn: AttnScratch,
 }
 
 fn resize(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
@@ -287,7 +286,7 @@ impl Model {
                 .map_err(|e| ModelError::Compute(format!("layer {l}: {e}")))?;
             let att = resize(&mut s.att, n * nh * hd);
             let window = if sliding { c.sliding_window } else { None };
-            attend_layer(c, l, q, pos0, n, window, cache, policy, att, &mut s.attn)?;
+            attend_layer(c, l, q, pos0, n, window, cache, policy, att)?;
             let o = resize(&mut s.o, n * h);
             self.linear(&w.wo, att, n, o)?;
             if let Some(pn) = &w.post_attn_norm {
