@@ -18,4 +18,4 @@ cargo build -q -p slowfast-cuda --features cuda --tests
 
 echo "== tests"
 export SLOWFAST_REQUIRE_MODEL=1 SLOWFAST_REQUIRE_NVRTC=1
-cargo test --workspace "$@"
+cargo test --workspace --no-fail-fast "$@"
