@@ -32,6 +32,9 @@ static GLOBAL: Counting = Counting;
 #[test]
 fn warmed_up_matvec_does_not_allocate() {
     let mut rng = Rng::fresh("warmed_up_matvec_does_not_allocate");
+    // The counter is global: start rayon's pool and wait until every worker has run, so the
+    // workers' own start-up allocations can't land inside a measured window (this raced in CI).
+    rayon::broadcast(|_| ());
     // 37 rows: sequential; 1024 x 640 Q8_0 (~700 KB): the parallel path.
     for (ty, rows, cols) in [
         (GgmlType::Q8_0, 37, 640),
