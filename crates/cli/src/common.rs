@@ -81,6 +81,40 @@ pub struct PolicyArgs {
     /// SFI slow-step trigger: punct (first token of a sentence), periodic, random, off.
     #[arg(long, default_value = "punct", value_parser = ["punct", "periodic", "random", "off"])]
     pub sfi_trigger: String,
+    /// SFI: prefill query rows (the last ones) whose dense attention bootstraps the first
+    /// selection.
+    #[arg(long, default_value_t = 16)]
+    pub sfi_bootstrap_rows: usize,
+    /// SFI Selector: power-mean exponent of the evidence over captured rows (0: geometric mean).
+    #[arg(long, default_value_t = 0.5)]
+    pub sfi_alpha: f64,
+    /// SFI Selector: key-norm prior exponent (smaller keys get more prior).
+    #[arg(long, default_value_t = 0.5)]
+    pub sfi_gamma: f64,
+    /// SFI Selector: weight of the key-norm prior in the prior.
+    #[arg(long, default_value_t = 1.0)]
+    pub sfi_prior_weight_l2: f64,
+    /// SFI Selector: weight of the position prior in the prior.
+    #[arg(long, default_value_t = 0.7)]
+    pub sfi_prior_weight_pos: f64,
+    /// SFI Selector: soft-NMS window in tokens (0 turns soft-NMS off).
+    #[arg(long, default_value_t = 32)]
+    pub sfi_nms_window: usize,
+    /// SFI Selector: soft-NMS strength (0 turns it off).
+    #[arg(long, default_value_t = 1.0)]
+    pub sfi_soft_alpha: f64,
+    /// SFI Selector: cross-head exclusivity strength (skipped with <= 2 kv heads; 0 turns it off).
+    #[arg(long, default_value_t = 0.85)]
+    pub sfi_cross_head_alpha: f64,
+    /// SFI Selector: cross-head exclusivity softmax temperature.
+    #[arg(long, default_value_t = 2.0)]
+    pub sfi_cross_head_temperature: f64,
+    /// SFI Selector: clip of the evidence/prior mixing weight lambda with one captured row.
+    #[arg(long, default_value_t = 0.35)]
+    pub sfi_lambda_clip_single: f64,
+    /// SFI Selector: clip of lambda with several captured rows.
+    #[arg(long, default_value_t = 0.25)]
+    pub sfi_lambda_clip_multi: f64,
 }
 
 impl PolicyArgs {
@@ -91,6 +125,20 @@ impl PolicyArgs {
             refresh_interval: self.sfi_refresh_interval,
             min_gap: self.sfi_min_gap,
             trigger: self.sfi_trigger.clone(),
+            bootstrap_rows: self.sfi_bootstrap_rows,
+            selector: slowfast_engine::session::SelectorConfig {
+                alpha: self.sfi_alpha,
+                gamma: self.sfi_gamma,
+                prior_weight_l2: self.sfi_prior_weight_l2,
+                prior_weight_pos: self.sfi_prior_weight_pos,
+                nms_window: self.sfi_nms_window,
+                soft_alpha: self.sfi_soft_alpha,
+                cross_head_alpha: self.sfi_cross_head_alpha,
+                cross_head_temperature: self.sfi_cross_head_temperature,
+                lambda_clip_single: self.sfi_lambda_clip_single,
+                lambda_clip_multi: self.sfi_lambda_clip_multi,
+                ..Default::default()
+            },
         };
         Ok(slowfast_engine::session::policy_spec_with(
             name,

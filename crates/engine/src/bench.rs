@@ -17,6 +17,9 @@ pub struct BenchOptions {
     pub repeats: usize,
     /// KV policies to compare at each context (names given to `spec_for`).
     pub policies: Vec<String>,
+    /// Prefill only the last this-many prompt tokens for real (None: all); the KV of the
+    /// positions before them is pseudo-random (`Session::fill_synthetic`).
+    pub real_prefill: Option<usize>,
 }
 
 /// Makes the policy `name` for a context length.
@@ -31,6 +34,8 @@ pub struct BenchRecord {
     pub context: usize,
     pub new_tokens: usize,
     pub kv_dtype: String,
+    /// Prompt tokens prefilled for real (the rest of the context was synthetic KV).
+    pub prefill_tokens: usize,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
     pub decode_ms_per_token: f64,
@@ -95,10 +100,20 @@ fn run_one(
     let name = policy.name();
     let cap = ctx + o.new_tokens * o.repeats.max(1) + 1;
     let mut sess = Session::try_with_policy(&m.model, cap, o.kv_dtype, o.chunk, policy)?;
-    progress(&format!("context {ctx}, policy {name}: prefill"));
+    let real = o.real_prefill.unwrap_or(ctx).clamp(1, ctx);
+    if real < ctx {
+        progress(&format!(
+            "context {ctx}, policy {name}: synthetic KV for {} tokens",
+            ctx - real
+        ));
+        sess.fill_synthetic(ctx - real, 0x5eed + ctx as u64)?;
+    }
+    progress(&format!(
+        "context {ctx}, policy {name}: prefill {real} tokens"
+    ));
     let t0 = Instant::now();
     let mut last = Instant::now();
-    sess.prefill(prompt, &mut |done, total| {
+    sess.prefill(&prompt[ctx - real..], &mut |done, total| {
         if last.elapsed().as_secs_f64() > 5.0 {
             progress(&format!("  prefill {done}/{total}"));
             last = Instant::now();
@@ -149,7 +164,8 @@ fn run_one(
         context: ctx,
         new_tokens: o.new_tokens,
         kv_dtype: format!("{:?}", o.kv_dtype).to_lowercase(),
-        prefill_tok_s: ctx as f64 / prefill_s,
+        prefill_tokens: real,
+        prefill_tok_s: real as f64 / prefill_s,
         decode_tok_s: 1.0 / per_tok,
         decode_ms_per_token: per_tok * 1e3,
         decode_gb_s: bytes / per_tok / 1e9,

@@ -2,6 +2,8 @@
 //! scratch buffers and the logits of the last step. Prefill runs in chunks; decode one token.
 use half::f16;
 use slowfast_kv::sfi::memory::{SfiConfig, SfiPolicy};
+pub use slowfast_kv::sfi::selector::SelectorConfig;
+use slowfast_kv::sfi::selector::SelectorError;
 use slowfast_kv::{CacheElem, FullPolicy, KvPolicy, KvStore, PolicyStats, StreamingPolicy};
 use slowfast_model::{LogitsRows, Model, Scratch};
 
@@ -215,6 +217,18 @@ impl<'m> Session<'m> {
         Ok(&self.logits)
     }
 
+    /// Benchmarks only: fill positions `0..n` of an empty cache with pseudo-random keys and
+    /// values (uniform in [-1, 1), reproducible from `seed`) without running the model, so a
+    /// decode benchmark at a long context need not pay for a full prefill (decode speed does
+    /// not depend on the values). The policy sees none of these positions; a real prefill
+    /// after them (e.g. the prompt's last chunk) bootstraps it as usual.
+    pub fn fill_synthetic(&mut self, n: usize, seed: u64) -> Result<(), EngineError> {
+        match &mut self.cache {
+            Cache::F32(c, _) => fill_store(c, n, seed),
+            Cache::F16(c, _) => fill_store(c, n, seed),
+        }
+    }
+
     /// Decode one token; returns its next-token logits.
     pub fn step(&mut self, token: u32) -> Result<&[f32], EngineError> {
         match &mut self.cache {
@@ -228,6 +242,45 @@ impl<'m> Session<'m> {
     pub fn logits(&self) -> &[f32] {
         &self.logits
     }
+}
+
+fn fill_store<T: CacheElem>(c: &mut KvStore<T>, n: usize, seed: u64) -> Result<(), EngineError> {
+    if !c.is_empty() {
+        return Err(EngineError::BadInput(
+            "synthetic KV fill needs an empty cache".into(),
+        ));
+    }
+    if n > c.capacity() {
+        return Err(EngineError::BadInput(format!(
+            "synthetic KV fill of {n} tokens exceeds the cache capacity of {}",
+            c.capacity()
+        )));
+    }
+    let width = c.n_kv_heads * c.head_dim;
+    let mut s = seed | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    };
+    for layer in 0..c.n_layers() {
+        // Ring (sliding-window) layers take chunks no longer than their capacity.
+        let step = c.layer(layer).spec.capacity.clamp(1, 512);
+        let mut k = vec![0.0f32; step * width];
+        let mut v = vec![0.0f32; step * width];
+        let mut p = 0;
+        while p < n {
+            let m = step.min(n - p);
+            k[..m * width].iter_mut().for_each(|x| *x = next());
+            v[..m * width].iter_mut().for_each(|x| *x = next());
+            c.write(layer, p, &k[..m * width], &v[..m * width])
+                .map_err(|e| EngineError::BadInput(format!("synthetic KV fill: {e}")))?;
+            p += m;
+        }
+    }
+    c.set_len(n);
+    Ok(())
 }
 
 /// Resolve `--kv-budget`: a value below 1 is a fraction of `context`, otherwise a token count.
@@ -251,6 +304,10 @@ pub struct SfiKnobs {
     pub refresh_interval: usize,
     pub min_gap: usize,
     pub trigger: String,
+    /// Prefill query rows whose dense logits bootstrap the first selection.
+    pub bootstrap_rows: usize,
+    /// The Selector's knobs (methods.md §1.4).
+    pub selector: SelectorConfig,
 }
 
 impl Default for SfiKnobs {
@@ -260,6 +317,8 @@ impl Default for SfiKnobs {
             refresh_interval: 96,
             min_gap: 16,
             trigger: "punct".into(),
+            bootstrap_rows: 16,
+            selector: SelectorConfig::default(),
         }
     }
 }
@@ -289,6 +348,24 @@ fn sfi_spec(b: usize, sinks: usize, k: &SfiKnobs) -> Result<PolicySpec, EngineEr
     cfg.trigger.refresh_interval = k.refresh_interval;
     cfg.trigger.period = k.refresh_interval;
     cfg.trigger.min_gap = k.min_gap;
+    if k.bootstrap_rows == 0 {
+        return Err(EngineError::BadInput(
+            "--sfi-bootstrap-rows must be at least 1".into(),
+        ));
+    }
+    cfg.bootstrap_rows = k.bootstrap_rows;
+    k.selector.validate().map_err(|e| match e {
+        SelectorError::Config {
+            field,
+            value,
+            expected,
+        } => EngineError::BadInput(format!(
+            "--sfi-{} = {value} is invalid (expected {expected})",
+            field.replace('_', "-")
+        )),
+        e => EngineError::BadInput(format!("SFI selector: {e}")),
+    })?;
+    cfg.selector = k.selector;
     cfg.trigger
         .validate()
         .map_err(|e| EngineError::BadInput(format!("SFI trigger: {e}")))?;

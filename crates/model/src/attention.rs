@@ -51,32 +51,34 @@ pub fn attend_layer<T: CacheElem>(
         window: window.map(|w| w as u32),
     };
     let err = |e| ModelError::Compute(format!("attention in layer {layer}: {e}"));
-    attention(
-        &shape,
-        q,
-        QueryPositions::Start(pos0 as u32),
-        &segs,
-        mask,
-        out,
-        None,
-    )
-    .map_err(err)?;
+    // Rows before the captured tail: plain attention. The captured tail (the slow step's row,
+    // or the prefill bootstrap rows) runs once, through the kernel that also writes its dense
+    // logits for the policy.
+    let width = cfg.num_attention_heads * cfg.head_dim;
+    let first = n - capture;
+    if first > 0 {
+        attention(
+            &shape,
+            &q[..first * width],
+            QueryPositions::Start(pos0 as u32),
+            &segs,
+            mask,
+            &mut out[..first * width],
+            None,
+        )
+        .map_err(err)?;
+    }
     if capture == 0 {
         return Ok(());
     }
-    // Slow step / bootstrap: the dense logits of the last `capture` rows, for the policy.
-    let width = cfg.num_attention_heads * cfg.head_dim;
-    let q_last = &q[(n - capture) * width..n * width];
     let mut logits = vec![0.0f32; cfg.num_attention_heads * capture * (hi - lo)];
-    let mut o = vec![0.0f32; capture * width];
-    let start = QueryPositions::Start((hi - capture) as u32);
     attention_with_logits(
         &shape,
-        q_last,
-        start,
+        &q[first * width..n * width],
+        QueryPositions::Start((pos0 + first) as u32),
         &segs,
         mask,
-        &mut o,
+        &mut out[first * width..n * width],
         None,
         &mut logits,
     )

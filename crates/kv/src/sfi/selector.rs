@@ -133,6 +133,18 @@ fn check(
 
 /// Checks the config and the input shapes and key norms (logits are checked where they are read).
 pub(crate) fn validate(cfg: &SelectorConfig, inp: &SelectorInput) -> Result<(), SelectorError> {
+    cfg.validate()?;
+    validate_input(inp)
+}
+
+impl SelectorConfig {
+    /// Checks every knob's range (an error names the field and the value).
+    pub fn validate(&self) -> Result<(), SelectorError> {
+        validate_config(self)
+    }
+}
+
+fn validate_config(cfg: &SelectorConfig) -> Result<(), SelectorError> {
     let fin = |x: f64| x.is_finite();
     check(
         fin(cfg.alpha) && cfg.alpha > -1e-6,
@@ -204,6 +216,10 @@ pub(crate) fn validate(cfg: &SelectorConfig, inp: &SelectorInput) -> Result<(), 
         cfg.eps,
         "in (0, 1e-3)",
     )?;
+    Ok(())
+}
+
+fn validate_input(inp: &SelectorInput) -> Result<(), SelectorError> {
     if inp.n_kv_heads == 0 || inp.rows == 0 {
         return Err(SelectorError::EmptyShape {
             n_kv_heads: inp.n_kv_heads,
