@@ -42,6 +42,11 @@ pub struct BenchRecord {
     /// Weight + KV bytes read per decode step, over the step time.
     pub decode_gb_s: f64,
     pub kv_bytes: usize,
+    /// Timed decode steps that were slow (dense; for SFI they also refresh the memory) and
+    /// the mean time of a slow and of a fast step (None when there was none).
+    pub slow_steps: usize,
+    pub slow_ms_per_step: Option<f64>,
+    pub fast_ms_per_step: Option<f64>,
     /// Mean keys attended per decode step (global layers) and its fraction of dense.
     pub mean_attended_tokens: f64,
     pub retained_fraction: f64,
@@ -121,6 +126,8 @@ fn run_one(
     })?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let mut times = Vec::new();
+    // Per-step times split by kind: slow (dense, refreshing) and fast (sparse) steps.
+    let (mut slow_s, mut slow_n, mut fast_s, mut fast_n) = (0.0f64, 0usize, 0.0f64, 0usize);
     for r in 0..o.repeats.max(1) {
         progress(&format!(
             "context {ctx}, policy {name}: decode {} tokens (run {}/{})",
@@ -131,8 +138,16 @@ fn run_one(
         let mut tok = argmax(sess.logits()).unwrap_or(0);
         let t1 = Instant::now();
         for _ in 0..o.new_tokens {
+            let before = sess.policy_stats().slow_steps;
+            let ts = Instant::now();
             let l = sess.step(tok)?;
             tok = argmax(l).unwrap_or(0);
+            let dt = ts.elapsed().as_secs_f64();
+            if sess.policy_stats().slow_steps > before {
+                (slow_s, slow_n) = (slow_s + dt, slow_n + 1);
+            } else {
+                (fast_s, fast_n) = (fast_s + dt, fast_n + 1);
+            }
         }
         times.push(t1.elapsed().as_secs_f64());
     }
@@ -170,6 +185,9 @@ fn run_one(
         decode_ms_per_token: per_tok * 1e3,
         decode_gb_s: bytes / per_tok / 1e9,
         kv_bytes: sess.kv_bytes(),
+        slow_steps: slow_n,
+        slow_ms_per_step: (slow_n > 0).then(|| slow_s / slow_n as f64 * 1e3),
+        fast_ms_per_step: (fast_n > 0).then(|| fast_s / fast_n as f64 * 1e3),
         mean_attended_tokens: stats.mean_attended(),
         retained_fraction: stats.retained_fraction(),
     })
@@ -178,17 +196,21 @@ fn run_one(
 /// A markdown table of bench records.
 pub fn table(rs: &[BenchRecord]) -> String {
     let mut s = String::from(
-        "| model | policy | context | prefill tok/s | decode tok/s | ms/token | decode GB/s | KV MiB | retained |\n|---|---|---|---|---|---|---|---|---|\n",
+        "| model | policy | context | prefill tok/s | decode tok/s | ms/token | slow ms (n) | fast ms | decode GB/s | KV MiB | retained |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
+    let ms = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
     for r in rs {
         s.push_str(&format!(
-            "| {} | {} | {} | {:.1} | {:.2} | {:.2} | {:.1} | {:.1} | {:.3} |\n",
+            "| {} | {} | {} | {:.1} | {:.2} | {:.2} | {} ({}) | {} | {:.1} | {:.1} | {:.3} |\n",
             r.model,
             r.policy,
             r.context,
             r.prefill_tok_s,
             r.decode_tok_s,
             r.decode_ms_per_token,
+            ms(r.slow_ms_per_step),
+            r.slow_steps,
+            ms(r.fast_ms_per_step),
             r.decode_gb_s,
             r.kv_bytes as f64 / (1 << 20) as f64,
             r.retained_fraction
