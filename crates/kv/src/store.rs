@@ -7,10 +7,15 @@ use slowfast_backend::cpu::attention::{KvElem, KvPositions, KvSegment};
 /// A KV element type that can be written from f32 (f32 as is, f16 rounded to nearest).
 pub trait CacheElem: KvElem + Default {
     fn store(src: &[f32], dst: &mut [Self]);
+    /// Widen a slice to f32 (`dst.len() == src.len()`; vectorised for f16).
+    fn load(src: &[Self], dst: &mut [f32]);
 }
 
 impl CacheElem for f32 {
     fn store(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn load(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
 }
@@ -18,6 +23,9 @@ impl CacheElem for f32 {
 impl CacheElem for half::f16 {
     fn store(src: &[f32], dst: &mut [half::f16]) {
         dst.convert_from_f32_slice(src);
+    }
+    fn load(src: &[half::f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
     }
 }
 

@@ -73,6 +73,8 @@ pub struct SfiPolicy<T> {
     scratch: SelectorScratch,
     selection: Selection,
     norms: Vec<f32>,
+    /// Per layer, per kv head: the L2 norm of each cached key computed so far.
+    key_norms: Vec<Vec<Vec<f32>>>,
     stats: PolicyStats,
     step: StepCounter,
     sparse_this_step: bool,
@@ -98,6 +100,7 @@ impl<T: CacheElem> SfiPolicy<T> {
                 per_head: Vec::new(),
             },
             norms: Vec::new(),
+            key_norms: Vec::new(),
             stats: PolicyStats::default(),
             step: StepCounter::default(),
             sparse_this_step: false,
@@ -140,15 +143,23 @@ impl<T: CacheElem> SfiPolicy<T> {
         let g = n_heads / nkv;
         let p = self.cfg.page.max(1);
         let recent_start = (len - self.cfg.recent.min(len)) / p * p;
-        // Key norms of the cached (post-RoPE) keys.
-        self.norms.resize(nkv * len, 0.0);
-        for h in 0..nkv {
+        // Key norms of the cached (post-RoPE) keys: kept per layer and extended by the
+        // positions written since the last refresh (cached keys are never rewritten).
+        if self.key_norms.len() <= layer {
+            self.key_norms.resize_with(layer + 1, Vec::new);
+        }
+        let cached = &mut self.key_norms[layer];
+        cached.resize_with(nkv, Vec::new);
+        self.norms.clear();
+        let mut row = vec![0.0f32; d];
+        for (h, kn) in cached.iter_mut().enumerate() {
             let (kslab, _) = store.head_slab(layer, h);
-            for j in 0..len {
-                let row = &kslab[j * d..(j + 1) * d];
-                let ss: f32 = row.iter().map(|x| x.to_f32() * x.to_f32()).sum();
-                self.norms[h * len + j] = ss.sqrt();
+            kn.truncate(len);
+            for j in kn.len()..len {
+                T::load(&kslab[j * d..(j + 1) * d], &mut row);
+                kn.push(l2_norm(&row));
             }
+            self.norms.extend_from_slice(kn);
         }
         let inp = SelectorInput {
             n_kv_heads: nkv,
@@ -200,6 +211,19 @@ impl<T: CacheElem> SfiPolicy<T> {
         self.refreshed = true;
         self.refreshes += 1;
     }
+}
+
+/// `sqrt(sum x^2)` with eight independent partial sums (vectorises).
+fn l2_norm(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v * v;
+        }
+    }
+    let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+    (acc.iter().sum::<f32>() + tail).sqrt()
 }
 
 impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
@@ -364,6 +388,37 @@ mod tests {
             // Recent window: page-aligned start (200 - 32 = 168, floor to 16 -> 160) to the end.
             assert!(matches!(recent.pos, KvPositions::Range { start: 160 }));
             assert_eq!(recent.k.len(), (len - 160) * d);
+        }
+    }
+
+    #[test]
+    fn key_norms_extend_incrementally_and_match_a_fresh_computation() {
+        let (nkv, g, d) = (2, 2, 12);
+        let st = store(nkv, d, 200);
+        let mut p = SfiPolicy::<f32>::new(SfiConfig::new(2, 16, 8), &[], &[], 100).unwrap();
+        for len in [120usize, 200, 160] {
+            let call = AttnCall {
+                layer: 0,
+                pos0: len - 1,
+                n: 1,
+                lo: 0,
+                sliding: false,
+            };
+            let logits = vec![0.5f32; nkv * g * len];
+            p.observe(&call, 1, &logits, &st);
+            assert_eq!(p.norms.len(), nkv * len);
+            for h in 0..nkv {
+                let (ks, _) = st.head_slab(0, h);
+                for j in 0..len {
+                    let row = &ks[j * d..(j + 1) * d];
+                    let want = row.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+                    let got = p.norms[h * len + j] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-5 * want,
+                        "len {len} head {h} pos {j}"
+                    );
+                }
+            }
         }
     }
 
