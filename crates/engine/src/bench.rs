@@ -75,6 +75,7 @@ pub fn run(
     let cfg = &m.model.cfg;
     let mut out = Vec::new();
     let threads = rayon::current_num_threads();
+    // Every context is checked before the first (long) run.
     for &ctx in &o.contexts {
         if ctx + o.new_tokens > cfg.max_position_embeddings {
             return Err(EngineError::BadInput(format!(
@@ -82,6 +83,8 @@ pub fn run(
                 o.new_tokens, cfg.max_position_embeddings
             )));
         }
+    }
+    for &ctx in &o.contexts {
         let prompt = random_tokens(ctx, cfg.vocab_size, 0x5107 + ctx as u64);
         for pname in &o.policies {
             let policy = spec_for(pname, ctx)?;
