@@ -36,7 +36,12 @@ pub struct BenchRecord {
     pub decode_ms_per_token: f64,
     /// Weight + KV bytes read per decode step, over the step time.
     pub decode_gb_s: f64,
+    /// KV bytes held at the end (same as `kv_bytes_end`).
     pub kv_bytes: usize,
+    /// KV bytes held right after prefill (after any one-shot compression) and at the end of
+    /// decoding (evicting policies free memory; the store's real allocations).
+    pub kv_bytes_after_prefill: usize,
+    pub kv_bytes_end: usize,
     /// Mean keys attended per decode step (global layers) and its fraction of dense.
     pub mean_attended_tokens: f64,
     pub retained_fraction: f64,
@@ -105,6 +110,7 @@ fn run_one(
         }
     })?;
     let prefill_s = t0.elapsed().as_secs_f64();
+    let kv_bytes_after_prefill = sess.kv_bytes();
     let mut times = Vec::new();
     for r in 0..o.repeats.max(1) {
         progress(&format!(
@@ -154,6 +160,8 @@ fn run_one(
         decode_ms_per_token: per_tok * 1e3,
         decode_gb_s: bytes / per_tok / 1e9,
         kv_bytes: sess.kv_bytes(),
+        kv_bytes_after_prefill,
+        kv_bytes_end: sess.kv_bytes(),
         mean_attended_tokens: stats.mean_attended(),
         retained_fraction: stats.retained_fraction(),
     })
@@ -162,11 +170,11 @@ fn run_one(
 /// A markdown table of bench records.
 pub fn table(rs: &[BenchRecord]) -> String {
     let mut s = String::from(
-        "| model | policy | context | prefill tok/s | decode tok/s | ms/token | decode GB/s | KV MiB | retained |\n|---|---|---|---|---|---|---|---|---|\n",
+        "| model | policy | context | prefill tok/s | decode tok/s | ms/token | decode GB/s | KV MiB after prefill | KV MiB end | retained |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rs {
         s.push_str(&format!(
-            "| {} | {} | {} | {:.1} | {:.2} | {:.2} | {:.1} | {:.1} | {:.3} |\n",
+            "| {} | {} | {} | {:.1} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {:.3} |\n",
             r.model,
             r.policy,
             r.context,
@@ -174,7 +182,8 @@ pub fn table(rs: &[BenchRecord]) -> String {
             r.decode_tok_s,
             r.decode_ms_per_token,
             r.decode_gb_s,
-            r.kv_bytes as f64 / (1 << 20) as f64,
+            r.kv_bytes_after_prefill as f64 / (1 << 20) as f64,
+            r.kv_bytes_end as f64 / (1 << 20) as f64,
             r.retained_fraction
         ));
     }

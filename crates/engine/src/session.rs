@@ -2,7 +2,10 @@
 //! scratch buffers and the logits of the last step. Prefill runs in chunks; decode one token.
 use half::f16;
 use slowfast_kv::sfi::memory::{SfiConfig, SfiPolicy};
-use slowfast_kv::{CacheElem, FullPolicy, KvPolicy, KvStore, PolicyStats, StreamingPolicy};
+use slowfast_kv::{
+    CacheElem, FullPolicy, H2oPolicy, KvPolicy, KvStore, PolicyStats, QuestPolicy, SnapKvConfig,
+    SnapKvPolicy, StreamingPolicy,
+};
 use slowfast_model::{LogitsRows, Model, Scratch};
 
 use crate::EngineError;
@@ -32,6 +35,13 @@ pub enum PolicySpec {
     Full,
     /// StreamingLLM: `sinks` first tokens + `recent` last tokens.
     Streaming { sinks: usize, recent: usize },
+    /// H2O: `heavy` best-scored keys (accumulated attention) + `recent` newest, evicted as
+    /// decoding proceeds.
+    H2o { heavy: usize, recent: usize },
+    /// SnapKV (or PyramidKV when `pyramid_beta` is set): compress once after prefill.
+    SnapKv(SnapKvConfig),
+    /// Quest: query-aware top pages per decode step over the full cache.
+    Quest { budget: usize },
     /// Slow-Fast Inference; `enders`/`newlines` (the trigger's token classes) come from the
     /// tokenizer via `with_vocab`.
     Sfi {
@@ -47,6 +57,10 @@ impl PolicySpec {
         match self {
             PolicySpec::Full => "full",
             PolicySpec::Streaming { .. } => "streaming",
+            PolicySpec::H2o { .. } => "h2o",
+            PolicySpec::SnapKv(c) if c.pyramid_beta.is_some() => "pyramidkv",
+            PolicySpec::SnapKv(_) => "snapkv",
+            PolicySpec::Quest { .. } => "quest",
             PolicySpec::Sfi { .. } => "sfi",
         }
     }
@@ -56,6 +70,9 @@ impl PolicySpec {
         match self {
             PolicySpec::Full => None,
             PolicySpec::Streaming { sinks, recent } => Some(sinks + recent),
+            PolicySpec::H2o { heavy, recent } => Some(heavy + recent),
+            PolicySpec::SnapKv(c) => Some(c.capacity),
+            PolicySpec::Quest { budget } => Some(*budget),
             PolicySpec::Sfi { cfg, .. } => Some(cfg.sinks + cfg.selected + cfg.recent),
         }
     }
@@ -82,6 +99,15 @@ impl PolicySpec {
             PolicySpec::Streaming { sinks, recent } => {
                 Box::new(StreamingPolicy::new(*sinks, *recent))
             }
+            PolicySpec::H2o { heavy, recent } => Box::new(
+                H2oPolicy::new(*heavy, *recent)
+                    .map_err(|e| EngineError::BadInput(format!("--policy h2o: {e}")))?,
+            ),
+            PolicySpec::SnapKv(c) => Box::new(
+                SnapKvPolicy::new(c.clone())
+                    .map_err(|e| EngineError::BadInput(format!("--policy {}: {e}", self.name())))?,
+            ),
+            PolicySpec::Quest { budget } => Box::new(QuestPolicy::new(*budget)),
             PolicySpec::Sfi {
                 cfg,
                 enders,
@@ -202,16 +228,27 @@ impl<'m> Session<'m> {
                 "empty prompt: nothing to prefill".into(),
             ));
         }
-        let n_chunks = tokens.len().div_ceil(self.chunk);
-        for (i, c) in tokens.chunks(self.chunk).enumerate() {
-            let rows = if i + 1 == n_chunks {
+        let tail = match &self.cache {
+            Cache::F32(_, p) => p.prefill_tail(),
+            Cache::F16(_, p) => p.prefill_tail(),
+        };
+        let bounds = chunk_bounds(tokens.len(), self.chunk, tail);
+        for (i, &(a, b)) in bounds.iter().enumerate() {
+            let rows = if i + 1 == bounds.len() {
                 LogitsRows::Last
             } else {
                 LogitsRows::None
             };
-            self.forward(c, rows)?;
-            progress(((i + 1) * self.chunk).min(tokens.len()), tokens.len());
+            self.forward(&tokens[a..b], rows)?;
+            progress(b, tokens.len());
         }
+        let r = match &mut self.cache {
+            Cache::F32(c, p) => p.end_prefill(c),
+            Cache::F16(c, p) => p.end_prefill(c),
+        };
+        r.map_err(|e| {
+            EngineError::BadInput(format!("end of prefill ({}): {e}", self.policy_name()))
+        })?;
         Ok(&self.logits)
     }
 
@@ -221,13 +258,41 @@ impl<'m> Session<'m> {
             Cache::F32(_, p) => p.on_token(token),
             Cache::F16(_, p) => p.on_token(token),
         }
-        self.forward(&[token], LogitsRows::Last)
+        self.forward(&[token], LogitsRows::Last)?;
+        let r = match &mut self.cache {
+            Cache::F32(c, p) => p.end_step(c),
+            Cache::F16(c, p) => p.end_step(c),
+        };
+        r.map_err(|e| EngineError::BadInput(format!("decode step ({}): {e}", self.policy_name())))?;
+        Ok(&self.logits)
     }
 
     /// Logits of the last forward call.
     pub fn logits(&self) -> &[f32] {
         &self.logits
     }
+}
+
+/// Prefill chunks `[a, b)` of at most `chunk` tokens over `n` tokens; when the policy watches
+/// the last `tail` prompt rows (and `tail <= chunk`), the last chunk is made at least that
+/// long by shortening the one before it.
+pub fn chunk_bounds(n: usize, chunk: usize, tail: usize) -> Vec<(usize, usize)> {
+    let chunk = chunk.max(1);
+    let mut v: Vec<(usize, usize)> = (0..n)
+        .step_by(chunk)
+        .map(|a| (a, (a + chunk).min(n)))
+        .collect();
+    let tail = tail.min(chunk).min(n);
+    let k = v.len();
+    if k >= 2 && v[k - 1].1 - v[k - 1].0 < tail {
+        let start = n - tail;
+        v[k - 2].1 = start;
+        v[k - 1].0 = start;
+        if v[k - 2].0 == start {
+            v.remove(k - 2);
+        }
+    }
+    v
 }
 
 /// Resolve `--kv-budget`: a value below 1 is a fraction of `context`, otherwise a token count.
@@ -263,6 +328,9 @@ impl Default for SfiKnobs {
         }
     }
 }
+
+/// Names accepted by `--policy` / `--policies`.
+pub const POLICIES: &str = "full, streaming, h2o, snapkv, pyramidkv, quest, sfi";
 
 /// Build the policy named `name` for a sequence of `context` tokens (SFI with default knobs).
 pub fn policy_spec(
@@ -326,8 +394,38 @@ pub fn policy_spec_with(
                 recent: b - sinks,
             })
         }
+        "h2o" => {
+            let b = budget_tokens(need_budget("h2o")?, context)?;
+            if b < 2 {
+                return Err(EngineError::BadInput(format!(
+                    "--policy h2o: --kv-budget ({b} tokens) must be at least 2 (heavy hitters + recent window)"
+                )));
+            }
+            Ok(PolicySpec::H2o {
+                heavy: b / 2,
+                recent: b - b / 2,
+            })
+        }
+        "snapkv" | "pyramidkv" => {
+            let b = budget_tokens(need_budget(name)?, context)?;
+            let cfg = if name == "snapkv" {
+                SnapKvConfig::snapkv(b)
+            } else {
+                SnapKvConfig::pyramidkv(b)
+            };
+            if b <= cfg.window {
+                return Err(EngineError::BadInput(format!(
+                    "--policy {name}: --kv-budget ({b} tokens) must exceed the observation window of {} tokens",
+                    cfg.window
+                )));
+            }
+            Ok(PolicySpec::SnapKv(cfg))
+        }
+        "quest" => Ok(PolicySpec::Quest {
+            budget: budget_tokens(need_budget("quest")?, context)?,
+        }),
         other => Err(EngineError::BadInput(format!(
-            "unknown policy `{other}` (available: full, streaming, sfi)"
+            "unknown policy `{other}` (available: {POLICIES})"
         ))),
     }
 }

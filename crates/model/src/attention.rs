@@ -1,7 +1,7 @@
 //! The attention step of a layer: the one place where the decoder meets the KV store. It
 //! gathers the segments a query chunk may see and runs the exact tiled-softmax kernel.
 use slowfast_backend::cpu::attention::{
-    attention, attention_with_logits, AttnShape, KvSegment, Mask, QueryPositions,
+    attention, attention_with_logits, logits_len, AttnShape, KvSegment, Mask, QueryPositions,
 };
 use slowfast_kv::{AttnCall, CacheElem, KvPolicy, KvStore};
 
@@ -45,6 +45,7 @@ pub fn attend_layer<T: CacheElem>(
     debug_assert_eq!(hi, call.hi());
     let capture = policy.capture_rows(&call).min(n);
     let mut segs: Vec<Vec<KvSegment<'_, T>>> = Vec::with_capacity(cfg.num_key_value_heads);
+    policy.query(&call, q);
     policy.segments(&call, cache, &mut segs);
     let mask = Mask {
         causal: true,
@@ -67,7 +68,8 @@ pub fn attend_layer<T: CacheElem>(
     // Slow step / bootstrap: the dense logits of the last `capture` rows, for the policy.
     let width = cfg.num_attention_heads * cfg.head_dim;
     let q_last = &q[(n - capture) * width..n * width];
-    let mut logits = vec![0.0f32; cfg.num_attention_heads * capture * (hi - lo)];
+    // [n_heads, capture, keys]: keys = hi - lo unless the policy compacted the layer.
+    let mut logits = vec![0.0f32; logits_len(&shape, capture, &segs)];
     let mut o = vec![0.0f32; capture * width];
     let start = QueryPositions::Start((hi - capture) as u32);
     attention_with_logits(
