@@ -435,6 +435,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn last_prefill_chunk_covers_the_observation_window() {
+        assert_eq!(chunk_bounds(10, 4, 0), vec![(0, 4), (4, 8), (8, 10)]);
+        assert_eq!(chunk_bounds(10, 4, 3), vec![(0, 4), (4, 7), (7, 10)]);
+        assert_eq!(chunk_bounds(9, 4, 4), vec![(0, 4), (4, 5), (5, 9)]);
+        assert_eq!(chunk_bounds(5, 4, 4), vec![(0, 1), (1, 5)]);
+        assert_eq!(chunk_bounds(3, 4, 32), vec![(0, 3)]);
+        // A window longer than a chunk is capped at the chunk (sliding rings hold window + chunk).
+        assert_eq!(chunk_bounds(9, 4, 32), vec![(0, 4), (4, 5), (5, 9)]);
+    }
+
+    #[test]
     fn budgets_and_policy_names() {
         assert_eq!(budget_tokens(0.2, 8192).unwrap(), 1638);
         assert_eq!(budget_tokens(2048.0, 8192).unwrap(), 2048);
@@ -449,6 +460,21 @@ mod tests {
         );
         assert!(policy_spec("streaming", None, 4, 1024).is_err());
         assert!(policy_spec("streaming", Some(3.0), 4, 1024).is_err());
+        assert_eq!(
+            policy_spec("h2o", Some(0.25), 4, 1024).unwrap(),
+            PolicySpec::H2o {
+                heavy: 128,
+                recent: 128
+            }
+        );
+        assert!(policy_spec("snapkv", Some(32.0), 4, 1024).is_err());
+        assert_eq!(
+            policy_spec("pyramidkv", Some(64.0), 4, 1024)
+                .unwrap()
+                .name(),
+            "pyramidkv"
+        );
+        assert!(policy_spec("quest", None, 4, 1024).is_err());
         assert!(policy_spec("h3o", None, 4, 1024)
             .unwrap_err()
             .to_string()

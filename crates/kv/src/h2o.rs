@@ -174,3 +174,96 @@ impl<T: CacheElem> KvPolicy<T> for H2oPolicy {
         self.stats.clone()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::LayerSpec;
+
+    fn call(pos0: usize, n: usize) -> AttnCall {
+        AttnCall {
+            layer: 0,
+            pos0,
+            n,
+            lo: 0,
+            sliding: false,
+        }
+    }
+
+    /// Logits of one row for 2 query heads (one kv head) with `hot` keys at logit 6.
+    fn row(keys: usize, hot0: &[usize], hot1: &[usize]) -> Vec<f32> {
+        let mut l = vec![0.0f32; 2 * keys];
+        for &k in hot0 {
+            l[k] = 6.0;
+        }
+        for &k in hot1 {
+            l[keys + k] = 6.0;
+        }
+        l
+    }
+
+    #[test]
+    fn keeps_heavy_hitters_and_recent_then_evicts_each_step() {
+        let (nkv, d, cap) = (1, 2, 64);
+        let mut st = KvStore::<f32>::new(
+            nkv,
+            d,
+            &[LayerSpec {
+                capacity: cap,
+                ring: false,
+            }],
+        );
+        let kv: Vec<f32> = (0..10 * d).map(|i| (i / d) as f32).collect();
+        st.write(0, 0, &kv, &kv).unwrap();
+        st.set_len(10);
+        let full_bytes = st.nbytes();
+        let mut p = H2oPolicy::new(2, 2).unwrap();
+        assert_eq!(KvPolicy::<f32>::capture_rows(&p, &call(0, 10)), 10);
+        // One captured row: head 0 attends to 3, head 1 to 6 and (a little) 1.
+        let mut l = row(10, &[3], &[6]);
+        l[10 + 1] = 3.0;
+        p.observe(&call(9, 1), 1, &l, &st);
+        p.end_prefill(&mut st).unwrap();
+        assert_eq!(st.slot_positions(0, 0), vec![3, 6, 8, 9]);
+        assert_eq!(p.evicted(), 6);
+        // 4 kept + 16 headroom slots instead of 64.
+        assert_eq!(st.nbytes(), full_bytes * 20 / 64);
+        // Decode position 10: it attends strongly to 8, which leaves the recent window now.
+        let kv = vec![10.0f32; d];
+        st.write(0, 10, &kv, &kv).unwrap();
+        st.set_len(11);
+        // Read order = slot order: [3, 6, 8, 9, 10]
+        let l = row(5, &[2], &[2]);
+        p.observe(&call(10, 1), 1, &l, &st);
+        p.end_step(&mut st).unwrap();
+        let mut kept = st.slot_positions(0, 0);
+        kept.sort();
+        // 3 and 6 both scored about 1 at prefill, but head 1 gave some of its mass to key 1,
+        // so 6 is the lowest-scored key outside the recent window (9, 10).
+        assert_eq!(kept, vec![3, 8, 9, 10]);
+        assert_eq!(st.held(0, 0), 4, "budget honoured exactly");
+        assert_eq!(p.evicted(), 7);
+    }
+
+    #[test]
+    fn budget_above_the_length_evicts_nothing() {
+        let mut st = KvStore::<f32>::new(
+            1,
+            2,
+            &[LayerSpec {
+                capacity: 32,
+                ring: false,
+            }],
+        );
+        let kv = vec![1.0f32; 10 * 2];
+        st.write(0, 0, &kv, &kv).unwrap();
+        st.set_len(10);
+        let bytes = st.nbytes();
+        let mut p = H2oPolicy::with_budget(10).unwrap();
+        p.observe(&call(9, 1), 1, &row(10, &[1], &[2]), &st);
+        p.end_prefill(&mut st).unwrap();
+        assert!(!st.layer(0).is_compact());
+        assert_eq!(st.nbytes(), bytes);
+        assert!(H2oPolicy::new(3, 0).is_err());
+    }
+}

@@ -119,8 +119,9 @@ impl<T: CacheElem> KvPolicy<T> for QuestPolicy {
             && l >= self.dense_layers
             && !store.layer(l).is_compact()
             && lo == 0
+            && hi - lo > self.budget
             && n_pages > self.pages()
-            && self.q.len() % (nkv * d) == 0
+            && self.q.len().is_multiple_of(nkv * d)
             && !self.q.is_empty();
         if !sparse {
             for (h, o) in out.iter_mut().enumerate() {
@@ -183,5 +184,100 @@ impl<T: CacheElem> KvPolicy<T> for QuestPolicy {
 
     fn stats(&self) -> PolicyStats {
         self.stats.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::LayerSpec;
+    use slowfast_backend::cpu::attention::KvPositions;
+
+    #[test]
+    fn page_bounds_bound_every_key_and_are_tight_for_one_key_pages() {
+        let d = 8;
+        let mut s = 12345u64;
+        let mut rnd = || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+        };
+        let keys: Vec<f32> = (0..50 * d).map(|_| rnd()).collect();
+        let q: Vec<f32> = (0..d).map(|_| rnd()).collect();
+        let mut b = PageBounds::default();
+        b.update(&keys, 37, 16, d);
+        b.update(&keys, 50, 16, d); // incremental: page 2 recomputed, page 3 new
+        let mut fresh = PageBounds::default();
+        fresh.update(&keys, 50, 16, d);
+        assert_eq!((&b.min, &b.max), (&fresh.min, &fresh.max));
+        for t in 0..50 {
+            let dot: f32 = q
+                .iter()
+                .zip(&keys[t * d..(t + 1) * d])
+                .map(|(a, b)| a * b)
+                .sum();
+            assert!(b.upper_bound(t / 16, &q) >= dot - 1e-5);
+        }
+        let mut one = PageBounds::default();
+        one.update(&keys, 3, 1, d);
+        let dot: f32 = q.iter().zip(&keys[2 * d..3 * d]).map(|(a, b)| a * b).sum();
+        assert!((one.upper_bound(2, &q) - dot).abs() < 1e-5);
+    }
+
+    #[test]
+    fn decode_reads_the_top_pages_and_the_newest() {
+        let d = 2;
+        let mut st = KvStore::<f32>::new(
+            1,
+            d,
+            &[LayerSpec {
+                capacity: 128,
+                ring: false,
+            }],
+        );
+        let mut kv = vec![0.0f32; 65 * d];
+        for t in 52..56 {
+            kv[t * d] = 10.0; // page 3 holds keys along the query
+        }
+        st.write(0, 0, &kv, &kv).unwrap();
+        st.set_len(65);
+        let mut p = QuestPolicy::new(48); // 3 pages
+        p.dense_layers = 0;
+        let call = AttnCall {
+            layer: 0,
+            pos0: 64,
+            n: 1,
+            lo: 0,
+            sliding: false,
+        };
+        // Two query heads sharing the kv head.
+        KvPolicy::<f32>::query(&mut p, &call, &[1.0, 0.0, 0.5, 0.0]);
+        let mut out = Vec::new();
+        KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
+        let got: Vec<(u32, usize)> = out[0]
+            .iter()
+            .map(|s| match s.pos {
+                KvPositions::Range { start } => (start, s.len(d)),
+                KvPositions::List(_) => panic!("pages are ranges"),
+            })
+            .collect();
+        // Page 3 (the bound), page 0 (first of the zero-bound ties), page 4 (newest).
+        assert_eq!(got, vec![(0, 16), (48, 17)]);
+        drop(out);
+        KvPolicy::<f32>::end_forward(&mut p, 64, 1);
+        let s = KvPolicy::<f32>::stats(&p);
+        assert_eq!(
+            (s.fast_steps, s.attended_tokens, s.dense_tokens),
+            (1, 33.0, 65.0)
+        );
+        // A budget covering the context reads everything.
+        let mut p = QuestPolicy::new(80);
+        p.dense_layers = 0;
+        let mut out = Vec::new();
+        KvPolicy::<f32>::query(&mut p, &call, &[1.0, 0.0, 0.5, 0.0]);
+        KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
+        assert_eq!(out[0].len(), 1);
+        assert_eq!(out[0][0].len(d), 65);
     }
 }

@@ -176,3 +176,109 @@ impl<T: CacheElem> KvPolicy<T> for SnapKvPolicy {
         self.stats.clone()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::LayerSpec;
+
+    fn store(len: usize, cap: usize, layers: usize) -> KvStore<f32> {
+        let spec = LayerSpec {
+            capacity: cap,
+            ring: false,
+        };
+        let mut st = KvStore::<f32>::new(1, 2, &vec![spec; layers]);
+        let kv: Vec<f32> = (0..len * 2).map(|i| (i / 2) as f32).collect();
+        for l in 0..layers {
+            st.write(l, 0, &kv, &kv).unwrap();
+        }
+        st.set_len(len);
+        st
+    }
+
+    /// Window logits `[2 heads, rows, keys]`: head 0 looks at 10 (logit 5) and 25 (logit 4),
+    /// head 1 at nothing in particular; rows cannot see keys past their own position.
+    fn window_logits(rows: usize, keys: usize) -> Vec<f32> {
+        let mut l = vec![0.0f32; 2 * rows * keys];
+        for h in 0..2 {
+            for r in 0..rows {
+                let row = &mut l[(h * rows + r) * keys..(h * rows + r + 1) * keys];
+                for (j, x) in row.iter_mut().enumerate() {
+                    if j > keys - rows + r {
+                        *x = f32::NEG_INFINITY;
+                    }
+                }
+                if h == 0 {
+                    row[10] = 5.0;
+                    row[25] = 4.0;
+                }
+            }
+        }
+        l
+    }
+
+    fn call(layer: usize, pos0: usize, n: usize) -> AttnCall {
+        AttnCall {
+            layer,
+            pos0,
+            n,
+            lo: 0,
+            sliding: false,
+        }
+    }
+
+    #[test]
+    fn keeps_pooled_top_tokens_and_the_window_once() {
+        let mut st = store(40, 100, 1);
+        let full = st.nbytes();
+        let mut cfg = SnapKvConfig::snapkv(10);
+        cfg.window = 4;
+        let mut p = SnapKvPolicy::new(cfg).unwrap();
+        assert_eq!(KvPolicy::<f32>::prefill_tail(&p), 4);
+        assert_eq!(KvPolicy::<f32>::capture_rows(&p, &call(0, 0, 40)), 4);
+        assert_eq!(KvPolicy::<f32>::capture_rows(&p, &call(0, 40, 1)), 0);
+        p.observe(&call(0, 0, 40), 4, &window_logits(4, 40), &st);
+        p.end_prefill(&mut st).unwrap();
+        // Max-pooling (kernel 7) spreads the peak at 10 over 7..=13; the 6 picks are the
+        // first six of those ties, then the window 36..40.
+        assert_eq!(
+            st.slot_positions(0, 0),
+            vec![7, 8, 9, 10, 11, 12, 36, 37, 38, 39]
+        );
+        // 10 kept + 60 decode headroom of 100 slots.
+        assert_eq!(st.nbytes(), full * 70 / 100);
+        // Decode reads exactly what is kept plus the new token.
+        let kv = vec![0.5f32; 2];
+        st.write(0, 40, &kv, &kv).unwrap();
+        st.set_len(41);
+        let mut out = Vec::new();
+        KvPolicy::<f32>::segments(&mut p, &call(0, 40, 1), &st, &mut out);
+        assert_eq!(out[0].iter().map(|s| s.len(2)).sum::<usize>(), 11);
+        KvPolicy::<f32>::end_forward(&mut p, 40, 1);
+        let s = KvPolicy::<f32>::stats(&p);
+        assert_eq!((s.attended_tokens, s.dense_tokens), (11.0, 41.0));
+    }
+
+    #[test]
+    fn pyramid_layers_keep_their_budgets_and_big_budgets_keep_everything() {
+        let mut st = store(200, 256, 3);
+        let mut cfg = SnapKvConfig::pyramidkv(40);
+        cfg.window = 4;
+        let mut p = SnapKvPolicy::new(cfg).unwrap();
+        for l in 0..3 {
+            p.observe(&call(l, 0, 200), 4, &window_logits(4, 200), &st);
+        }
+        p.end_prefill(&mut st).unwrap();
+        let held: Vec<usize> = (0..3).map(|l| st.held(l, 0)).collect();
+        assert_eq!(held, pyramid_budgets(40, 4, 3, 200, 20.0));
+        assert_eq!(held.iter().sum::<usize>(), 120);
+        assert!(held[0] > held[1] && held[1] > held[2]);
+        // Budget >= prompt: nothing is compacted.
+        let mut st = store(40, 100, 1);
+        let mut p = SnapKvPolicy::new(SnapKvConfig::snapkv(40)).unwrap();
+        p.observe(&call(0, 0, 40), 32, &window_logits(32, 40), &st);
+        p.end_prefill(&mut st).unwrap();
+        assert!(!st.layer(0).is_compact());
+        assert!(SnapKvPolicy::new(SnapKvConfig::snapkv(32)).is_err());
+    }
+}

@@ -41,6 +41,9 @@ pub struct LayerKv<T> {
     /// Set once the layer is compacted: per kv head, the position of each used slot
     /// (`pos[h].len()` slots in use).
     compact: Option<Compact>,
+    /// One past the newest position written to this layer (ahead of the store's `len` while
+    /// a forward is under way).
+    written: usize,
 }
 
 /// Slot bookkeeping of a compacted layer.
@@ -127,6 +130,7 @@ impl<T: CacheElem> KvStore<T> {
                     k: vec![T::default(); n],
                     v: vec![T::default(); n],
                     compact: None,
+                    written: 0,
                 }
             })
             .collect();
@@ -156,12 +160,16 @@ impl<T: CacheElem> KvStore<T> {
     /// Forget everything (buffers are kept).
     pub fn clear(&mut self) {
         self.len = 0;
+        for l in &mut self.layers {
+            l.written = 0;
+        }
     }
     /// Drop positions `>= len` (e.g. rejected speculative tokens); never grows.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
         let (nkv, d) = (self.n_kv_heads, self.head_dim);
         for l in &mut self.layers {
+            l.written = l.written.min(len);
             let cap = l.spec.capacity;
             if let Some(c) = &mut l.compact {
                 for h in 0..nkv {
@@ -209,8 +217,8 @@ impl<T: CacheElem> KvStore<T> {
         let l = &self.layers[layer];
         match &l.compact {
             Some(c) => c.pos[h].len(),
-            None if l.spec.ring => self.len.min(l.spec.capacity),
-            None => self.len,
+            None if l.spec.ring => l.written.min(l.spec.capacity),
+            None => l.written,
         }
     }
     /// The position of each held slot of kv head `h` (slot order; the order `segments` reads
@@ -220,15 +228,15 @@ impl<T: CacheElem> KvStore<T> {
         match &l.compact {
             Some(c) => c.pos[h].clone(),
             None if l.spec.ring => {
-                let cap = l.spec.capacity;
-                let first = self.len.saturating_sub(cap);
-                let mut v = vec![0u32; self.len - first];
-                for p in first..self.len {
+                let (cap, n) = (l.spec.capacity, l.written);
+                let first = n.saturating_sub(cap);
+                let mut v = vec![0u32; n - first];
+                for p in first..n {
                     v[p % cap] = p as u32;
                 }
                 v
             }
-            None => (0..self.len as u32).collect(),
+            None => (0..l.written as u32).collect(),
         }
     }
 
@@ -364,6 +372,7 @@ impl<T: CacheElem> KvStore<T> {
                 capacity: cap,
             });
         }
+        l.written = l.written.max(pos0 + n);
         for t in 0..n {
             let slot = if l.spec.ring {
                 (pos0 + t) % cap
@@ -403,10 +412,11 @@ impl<T: CacheElem> KvStore<T> {
         let Some(&p0) = positions.first() else {
             return Ok(());
         };
-        if (p0 as usize) < self.len || positions.windows(2).any(|w| w[1] <= w[0]) {
+        let written = self.layers[layer].written;
+        if (p0 as usize) < written || positions.windows(2).any(|w| w[1] <= w[0]) {
             return Err(KvError::BadPositions {
                 layer,
-                len: self.len,
+                len: written,
                 got: positions.iter().take(8).copied().collect(),
             });
         }
@@ -416,7 +426,7 @@ impl<T: CacheElem> KvStore<T> {
             .all(|(i, &p)| p as usize == p0 as usize + i);
         let l = &self.layers[layer];
         if l.compact.is_none() {
-            if contiguous {
+            if contiguous && p0 as usize == written {
                 return self.write(layer, p0 as usize, k, v);
             }
             // Keep what the layer holds; room for everything it could hold before.
@@ -443,6 +453,7 @@ impl<T: CacheElem> KvStore<T> {
         let l = &mut self.layers[layer];
         let cap = l.spec.capacity;
         let c = l.compact.as_mut().expect("append needs a compacted layer");
+        l.written = l.written.max(*positions.last().unwrap() as usize + 1);
         for h in 0..nkv {
             let base = h * cap * d;
             if l.spec.ring {
@@ -659,5 +670,125 @@ mod tests {
         assert_eq!(a.k[0].to_f32(), 1.0);
         assert!((a.k[1].to_f32() - 0.1).abs() < 1e-3);
         assert_eq!(a.v[1].to_f32(), -0.5);
+    }
+}
+
+#[cfg(test)]
+mod compact_tests {
+    use super::*;
+
+    /// A global layer of `len` tokens whose key rows are `[pos*10 + h, ...]`.
+    fn filled(nkv: usize, d: usize, cap: usize, len: usize) -> KvStore<f32> {
+        let mut s = KvStore::<f32>::new(
+            nkv,
+            d,
+            &[LayerSpec {
+                capacity: cap,
+                ring: false,
+            }],
+        );
+        let kv: Vec<f32> = (0..len * nkv * d)
+            .map(|i| ((i / (nkv * d)) * 10 + (i / d) % nkv) as f32)
+            .collect();
+        s.write(0, 0, &kv, &kv).unwrap();
+        s.set_len(len);
+        s
+    }
+
+    fn rows(seg: &KvSegment<'_, f32>, d: usize) -> Vec<f32> {
+        seg.k.chunks(d).map(|r| r[0]).collect()
+    }
+
+    #[test]
+    fn compaction_keeps_chosen_slots_with_positions_and_frees_memory() {
+        let (nkv, d) = (2, 4);
+        let mut s = filled(nkv, d, 100, 20);
+        let before = s.nbytes();
+        assert_eq!(before, 2 * nkv * 100 * d * 4);
+        s.compact(0, &[vec![7, 2, 19], vec![0, 5, 6]], 3).unwrap();
+        // 3 kept + 3 headroom slots per head, K and V, f32
+        assert_eq!(s.nbytes(), 2 * nkv * 6 * d * 4);
+        assert_eq!(s.held(0, 0), 3);
+        assert_eq!(s.slot_positions(0, 0), vec![2, 7, 19]);
+        let [a, b] = s.segments(0, 1, 0, 20);
+        assert!(b.is_none());
+        let a = a.unwrap();
+        assert_eq!(rows(&a, d), vec![1.0, 51.0, 61.0]);
+        assert!(matches!(a.pos, KvPositions::List(&[0, 5, 6])));
+        // Positions capacity: 20 written + 3 free slots.
+        assert_eq!(s.capacity(), 23);
+        // Append after compaction keeps ascending positions.
+        let kv = vec![200.0f32; nkv * d];
+        s.write(0, 20, &kv, &kv).unwrap();
+        s.set_len(21);
+        assert_eq!(s.slot_positions(0, 0), vec![2, 7, 19, 20]);
+        // A sub-range reads only the kept positions inside it.
+        let [a, _] = s.segments(0, 0, 5, 20);
+        assert!(matches!(a.unwrap().pos, KvPositions::List(&[7, 19])));
+        // Eviction reuses the slot (the last one moves in).
+        s.evict_slot(0, 0, 0).unwrap();
+        assert_eq!(s.slot_positions(0, 0), vec![20, 7, 19]);
+        let [a, _] = s.segments(0, 0, 0, 21);
+        assert_eq!(rows(&a.unwrap(), d), vec![200.0, 70.0, 190.0]);
+        assert!(matches!(
+            s.evict_slot(0, 0, 3),
+            Err(KvError::BadSlot { slot: 3, .. })
+        ));
+        assert!(matches!(
+            s.compact(0, &[vec![0]], 0),
+            Err(KvError::KeepHeads { got: 1, .. })
+        ));
+        // Truncate drops the positions past the new length.
+        s.truncate(20);
+        assert_eq!(s.slot_positions(0, 0), vec![7, 19]);
+        // The store refuses to overflow the shrunk allocation.
+        let kv = vec![0.0f32; 5 * nkv * d];
+        assert!(matches!(
+            s.write(0, 20, &kv, &kv),
+            Err(KvError::Full { .. })
+        ));
+    }
+
+    #[test]
+    fn explicit_positions_compact_the_layer_and_rings_drop_old_slots() {
+        let (nkv, d) = (1, 2);
+        let mut s = KvStore::<f32>::new(
+            nkv,
+            d,
+            &[
+                LayerSpec {
+                    capacity: 6,
+                    ring: true,
+                },
+                LayerSpec {
+                    capacity: 64,
+                    ring: false,
+                },
+            ],
+        );
+        let kv = |ps: &[u32]| -> Vec<f32> { ps.iter().flat_map(|&p| [p as f32, 0.0]).collect() };
+        // Contiguous positions take the plain path.
+        s.write_at(1, &[0, 1, 2], &kv(&[0, 1, 2]), &kv(&[0, 1, 2]))
+            .unwrap();
+        assert!(!s.layer(1).is_compact());
+        s.write_at(1, &[5, 9], &kv(&[5, 9]), &kv(&[5, 9])).unwrap();
+        assert!(s.layer(1).is_compact());
+        assert_eq!(s.slot_positions(1, 0), vec![0, 1, 2, 5, 9]);
+        assert!(matches!(
+            s.write_at(1, &[12, 11], &kv(&[12, 11]), &kv(&[12, 11])),
+            Err(KvError::BadPositions { .. })
+        ));
+        // Ring of 6: sparse positions, older ones dropped once it is full.
+        s.write_at(0, &[0, 3, 4], &kv(&[0, 3, 4]), &kv(&[0, 3, 4]))
+            .unwrap();
+        s.write_at(0, &[7, 8, 9], &kv(&[7, 8, 9]), &kv(&[7, 8, 9]))
+            .unwrap();
+        s.write_at(0, &[10, 11], &kv(&[10, 11]), &kv(&[10, 11]))
+            .unwrap();
+        // Room for 2: keep positions >= 10 - (6 - 2) = 6.
+        assert_eq!(s.slot_positions(0, 0), vec![7, 8, 9, 10, 11]);
+        let [a, _] = s.segments(0, 0, 8, 12);
+        let a = a.unwrap();
+        assert_eq!(rows(&a, d), vec![8.0, 9.0, 10.0, 11.0]);
     }
 }
