@@ -20,7 +20,7 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
     /// Comma-separated KV policies, each timed at every context: full, streaming, h2o, snapkv,
-    /// pyramidkv, quest, sfi (see `generate --help`).
+    /// pyramidkv, quest, fastkv, sfi (see `generate --help`).
     #[arg(long, default_value = "full")]
     pub policies: String,
     #[command(flatten)]

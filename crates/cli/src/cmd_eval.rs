@@ -23,7 +23,7 @@ pub struct Args {
     #[arg(long, default_value_t = 512)]
     pub eval_tokens: usize,
     /// Comma-separated KV policies to compare in one run: full, streaming, h2o, snapkv,
-    /// pyramidkv, quest, sfi (see `generate --help`).
+    /// pyramidkv, quest, fastkv, sfi (see `generate --help`).
     #[arg(long, default_value = "full")]
     pub policies: String,
     #[command(flatten)]

@@ -68,7 +68,9 @@ pub struct Args {
     /// KV policy: full (dense attention), streaming (sinks + recent window), h2o (heavy
     /// hitters + recent, evicting while decoding), snapkv (compress once after prefill),
     /// pyramidkv (snapkv with per-layer budgets shrinking with depth), quest (query-aware
-    /// top pages, nothing evicted) or sfi (Slow-Fast). All but full need --kv-budget.
+    /// top pages, nothing evicted), fastkv (token-selective propagation in prefill, see
+    /// --fastkv-*, then snapkv-style retention) or sfi (Slow-Fast). All but full need
+    /// --kv-budget.
     #[arg(long, default_value = "full")]
     pub policy: String,
     #[command(flatten)]

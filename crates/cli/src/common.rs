@@ -84,6 +84,14 @@ pub struct PolicyArgs {
     /// SFI slow-step trigger: punct (first token of a sentence), periodic, random, off.
     #[arg(long, default_value = "punct", value_parser = ["punct", "periodic", "random", "off"])]
     pub sfi_trigger: String,
+    /// FastKV: fraction of the prompt propagated past the TSP layer (sets the prefill cost;
+    /// --kv-budget sets the decode KV kept per layer).
+    #[arg(long, default_value_t = 0.2)]
+    pub fastkv_tsp_rate: f64,
+    /// FastKV: layer after which only the selected tokens propagate (a global-attention
+    /// layer; default: the global layer nearest the middle of the model).
+    #[arg(long)]
+    pub fastkv_tsp_layer: Option<usize>,
 }
 
 impl PolicyArgs {
@@ -95,12 +103,17 @@ impl PolicyArgs {
             min_gap: self.sfi_min_gap,
             trigger: self.sfi_trigger.clone(),
         };
-        Ok(slowfast_engine::session::policy_spec_with(
+        let fastkv = slowfast_engine::session::FastKvKnobs {
+            tsp_rate: self.fastkv_tsp_rate,
+            tsp_layer: self.fastkv_tsp_layer,
+        };
+        Ok(slowfast_engine::session::policy_spec_knobs(
             name,
             self.kv_budget,
             self.sinks,
             context,
             &knobs,
+            &fastkv,
         )?)
     }
 }

@@ -6,7 +6,7 @@ use slowfast_kv::{
     CacheElem, FullPolicy, H2oPolicy, KvPolicy, KvStore, PolicyStats, QuestPolicy, SnapKvConfig,
     SnapKvPolicy, StreamingPolicy,
 };
-use slowfast_model::{LogitsRows, Model, Scratch};
+use slowfast_model::{LogitsRows, Model, Scratch, TspConfig};
 
 use crate::EngineError;
 
@@ -40,6 +40,14 @@ pub enum PolicySpec {
     H2o { heavy: usize, recent: usize },
     /// SnapKV (or PyramidKV when `pyramid_beta` is set): compress once after prefill.
     SnapKv(SnapKvConfig),
+    /// FastKV: token-selective propagation in prefill (`tsp_rate` of the prompt goes past
+    /// `tsp_layer`, None = the global layer nearest the middle), then SnapKV-style retention
+    /// of `cfg.capacity` tokens per layer for decode.
+    FastKv {
+        cfg: SnapKvConfig,
+        tsp_rate: f64,
+        tsp_layer: Option<usize>,
+    },
     /// Quest: query-aware top pages per decode step over the full cache.
     Quest { budget: usize },
     /// Slow-Fast Inference; `enders`/`newlines` (the trigger's token classes) come from the
@@ -58,8 +66,8 @@ impl PolicySpec {
             PolicySpec::Full => "full",
             PolicySpec::Streaming { .. } => "streaming",
             PolicySpec::H2o { .. } => "h2o",
-            PolicySpec::SnapKv(c) if c.pyramid_beta.is_some() => "pyramidkv",
-            PolicySpec::SnapKv(_) => "snapkv",
+            PolicySpec::SnapKv(c) => c.name,
+            PolicySpec::FastKv { .. } => "fastkv",
             PolicySpec::Quest { .. } => "quest",
             PolicySpec::Sfi { .. } => "sfi",
         }
@@ -71,7 +79,7 @@ impl PolicySpec {
             PolicySpec::Full => None,
             PolicySpec::Streaming { sinks, recent } => Some(sinks + recent),
             PolicySpec::H2o { heavy, recent } => Some(heavy + recent),
-            PolicySpec::SnapKv(c) => Some(c.capacity),
+            PolicySpec::SnapKv(c) | PolicySpec::FastKv { cfg: c, .. } => Some(c.capacity),
             PolicySpec::Quest { budget } => Some(*budget),
             PolicySpec::Sfi { cfg, .. } => Some(cfg.sinks + cfg.selected + cfg.recent),
         }
@@ -103,7 +111,7 @@ impl PolicySpec {
                 H2oPolicy::new(*heavy, *recent)
                     .map_err(|e| EngineError::BadInput(format!("--policy h2o: {e}")))?,
             ),
-            PolicySpec::SnapKv(c) => Box::new(
+            PolicySpec::SnapKv(c) | PolicySpec::FastKv { cfg: c, .. } => Box::new(
                 SnapKvPolicy::new(c.clone())
                     .map_err(|e| EngineError::BadInput(format!("--policy {}: {e}", self.name())))?,
             ),
@@ -131,6 +139,8 @@ pub const DEFAULT_CHUNK: usize = 512;
 
 pub struct Session<'m> {
     pub model: &'m Model,
+    /// FastKV prefill: (fraction of the prompt propagated, TSP layer, window, kernel).
+    tsp: Option<(f64, usize, usize, usize)>,
     cache: Cache,
     scratch: Scratch,
     chunk: usize,
@@ -158,8 +168,22 @@ impl<'m> Session<'m> {
             KvDtype::F32 => Cache::F32(model.new_cache(max_tokens, chunk), policy.build()?),
             KvDtype::F16 => Cache::F16(model.new_cache(max_tokens, chunk), policy.build()?),
         };
+        let tsp = match policy {
+            PolicySpec::FastKv {
+                cfg,
+                tsp_rate,
+                tsp_layer,
+            } => Some((
+                *tsp_rate,
+                tsp_layer.unwrap_or_else(|| model.default_tsp_layer()),
+                cfg.window,
+                cfg.kernel,
+            )),
+            _ => None,
+        };
         Ok(Session {
             model,
+            tsp,
             cache,
             scratch: Scratch::default(),
             chunk,
@@ -233,14 +257,30 @@ impl<'m> Session<'m> {
             Cache::F16(_, p) => p.prefill_tail(),
         };
         let bounds = chunk_bounds(tokens.len(), self.chunk, tail);
-        for (i, &(a, b)) in bounds.iter().enumerate() {
-            let rows = if i + 1 == bounds.len() {
-                LogitsRows::Last
-            } else {
-                LogitsRows::None
+        if let (Some((rate, layer, window, kernel)), 0) = (self.tsp, self.pos()) {
+            let n = tokens.len();
+            let tsp = TspConfig {
+                layer,
+                len: ((n as f64 * rate).floor() as usize).clamp(window.min(n), n),
+                window,
+                kernel,
             };
-            self.forward(&tokens[a..b], rows)?;
-            progress(b, tokens.len());
+            let (m, s, l) = (self.model, &mut self.scratch, &mut self.logits);
+            match &mut self.cache {
+                Cache::F32(c, p) => m.prefill_fastkv(tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
+                Cache::F16(c, p) => m.prefill_fastkv(tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
+            };
+            progress(n, n);
+        } else {
+            for (i, &(a, b)) in bounds.iter().enumerate() {
+                let rows = if i + 1 == bounds.len() {
+                    LogitsRows::Last
+                } else {
+                    LogitsRows::None
+                };
+                self.forward(&tokens[a..b], rows)?;
+                progress(b, tokens.len());
+            }
         }
         let r = match &mut self.cache {
             Cache::F32(c, p) => p.end_prefill(c),
@@ -330,7 +370,7 @@ impl Default for SfiKnobs {
 }
 
 /// Names accepted by `--policy` / `--policies`.
-pub const POLICIES: &str = "full, streaming, h2o, snapkv, pyramidkv, quest, sfi";
+pub const POLICIES: &str = "full, streaming, h2o, snapkv, pyramidkv, quest, fastkv, sfi";
 
 /// Build the policy named `name` for a sequence of `context` tokens (SFI with default knobs).
 pub fn policy_spec(
@@ -368,13 +408,43 @@ fn sfi_spec(b: usize, sinks: usize, k: &SfiKnobs) -> Result<PolicySpec, EngineEr
     })
 }
 
-/// `policy_spec` with explicit SFI knobs.
+/// FastKV knobs from the command line.
+#[derive(Debug, Clone)]
+pub struct FastKvKnobs {
+    /// Fraction of the prompt propagated past the TSP layer (sets the prefill cost).
+    pub tsp_rate: f64,
+    /// TSP layer (None: the global layer nearest the middle of the model).
+    pub tsp_layer: Option<usize>,
+}
+
+impl Default for FastKvKnobs {
+    fn default() -> Self {
+        FastKvKnobs {
+            tsp_rate: 0.2,
+            tsp_layer: None,
+        }
+    }
+}
+
+/// `policy_spec` with explicit SFI knobs (FastKV at its defaults).
 pub fn policy_spec_with(
     name: &str,
     budget: Option<f64>,
     sinks: usize,
     context: usize,
     sfi: &SfiKnobs,
+) -> Result<PolicySpec, EngineError> {
+    policy_spec_knobs(name, budget, sinks, context, sfi, &FastKvKnobs::default())
+}
+
+/// `policy_spec` with explicit SFI and FastKV knobs.
+pub fn policy_spec_knobs(
+    name: &str,
+    budget: Option<f64>,
+    sinks: usize,
+    context: usize,
+    sfi: &SfiKnobs,
+    fastkv: &FastKvKnobs,
 ) -> Result<PolicySpec, EngineError> {
     let need_budget = |p: &str| {
         budget.ok_or_else(|| EngineError::BadInput(format!("--policy {p} needs --kv-budget")))
@@ -420,6 +490,27 @@ pub fn policy_spec_with(
                 )));
             }
             Ok(PolicySpec::SnapKv(cfg))
+        }
+        "fastkv" => {
+            let b = budget_tokens(need_budget("fastkv")?, context)?;
+            let cfg = SnapKvConfig::fastkv(b);
+            if b <= cfg.window {
+                return Err(EngineError::BadInput(format!(
+                    "--policy fastkv: --kv-budget ({b} tokens) must exceed the observation window of {} tokens",
+                    cfg.window
+                )));
+            }
+            let r = fastkv.tsp_rate;
+            if !(r > 0.0 && r <= 1.0) {
+                return Err(EngineError::BadInput(format!(
+                    "--fastkv-tsp-rate must be in (0, 1], got {r}"
+                )));
+            }
+            Ok(PolicySpec::FastKv {
+                cfg,
+                tsp_rate: r,
+                tsp_layer: fastkv.tsp_layer,
+            })
         }
         "quest" => Ok(PolicySpec::Quest {
             budget: budget_tokens(need_budget("quest")?, context)?,

@@ -114,3 +114,50 @@ fn small_budgets_free_memory_and_attend_to_the_budget() {
         assert!(r.logits.iter().flatten().all(|x| x.is_finite()));
     }
 }
+
+fn fastkv(budget: usize, rate: f64) -> PolicySpec {
+    PolicySpec::FastKv {
+        cfg: slowfast_kv::SnapKvConfig::fastkv(budget),
+        tsp_rate: rate,
+        tsp_layer: None,
+    }
+}
+
+#[test]
+fn fastkv_with_full_propagation_and_budget_equals_full_prefill() {
+    let m = model();
+    assert_eq!(m.default_tsp_layer(), 1);
+    let t = tokens(130);
+    let full = run(&m, &PolicySpec::Full, &t[..90], &t[90..]);
+    let got = run(&m, &fastkv(131, 1.0), &t[..90], &t[90..]);
+    assert_eq!(got.logits, full.logits);
+    assert_eq!(got.bytes_end, full.bytes_end);
+}
+
+#[test]
+fn fastkv_propagates_a_subset_and_keeps_the_budget() {
+    let m = model();
+    let c = &m.cfg;
+    let t = tokens(130);
+    let (prompt, rest) = (&t[..100], &t[100..]);
+    let full = run(&m, &PolicySpec::Full, prompt, rest);
+    // Half the prompt past layer 1; 40 tokens kept per layer for decode.
+    let got = run(&m, &fastkv(40, 0.5), prompt, rest);
+    let per_slot = 2 * c.num_key_value_heads * c.head_dim * 4;
+    // Layers 0, 1: 40 kept + 31 decode slots. Layer 2 held the 50 propagated tokens in a
+    // 131-slot allocation (+ room), then kept 40 of them with the same decode headroom.
+    assert_eq!(got.bytes_after_prefill, 3 * (40 + 31) * per_slot);
+    assert!(got.logits.iter().flatten().all(|x| x.is_finite()));
+    assert_ne!(got.logits, full.logits);
+    let want: f64 = (0..30).map(|i| (40 + i + 1) as f64).sum();
+    assert!((got.stats.attended_tokens - want).abs() < 1e-9);
+    // A TSP layer outside the model is refused with its name in the message.
+    let bad = PolicySpec::FastKv {
+        cfg: slowfast_kv::SnapKvConfig::fastkv(40),
+        tsp_rate: 0.5,
+        tsp_layer: Some(7),
+    };
+    let mut s = Session::try_with_policy(&m, 131, KvDtype::F32, 16, &bad).unwrap();
+    let e = s.prefill(prompt, &mut |_, _| {}).unwrap_err().to_string();
+    assert!(e.contains("tsp-layer 7"), "{e}");
+}

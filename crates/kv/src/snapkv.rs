@@ -24,6 +24,8 @@ pub struct SnapKvConfig {
     /// PyramidKV: per-layer capacities decreasing linearly with depth, `min = (C - w) / beta`
     /// (None: every layer keeps `capacity`).
     pub pyramid_beta: Option<f64>,
+    /// Policy name reported (snapkv, pyramidkv, or fastkv for FastKV's decode-KV retention).
+    pub name: &'static str,
 }
 
 impl SnapKvConfig {
@@ -34,12 +36,23 @@ impl SnapKvConfig {
             window: 32,
             kernel: 7,
             pyramid_beta: None,
+            name: "snapkv",
+        }
+    }
+    /// FastKV's KV retention: SnapKV scoring with window 8, kernel 7, in every layer
+    /// (FastKV's prefill propagation is run by the session, see `Model::prefill_fastkv`).
+    pub fn fastkv(capacity: usize) -> Self {
+        SnapKvConfig {
+            window: 8,
+            name: "fastkv",
+            ..Self::snapkv(capacity)
         }
     }
     /// PyramidKV: SnapKV scoring, pyramid budgets with beta = 20 (same total).
     pub fn pyramidkv(capacity: usize) -> Self {
         SnapKvConfig {
             pyramid_beta: Some(20.0),
+            name: "pyramidkv",
             ..Self::snapkv(capacity)
         }
     }
@@ -76,11 +89,7 @@ impl SnapKvPolicy {
     }
 
     fn name_of(&self) -> &'static str {
-        if self.cfg.pyramid_beta.is_some() {
-            "pyramidkv"
-        } else {
-            "snapkv"
-        }
+        self.cfg.name
     }
 }
 
@@ -139,6 +148,8 @@ impl<T: CacheElem> KvPolicy<T> for SnapKvPolicy {
             None => vec![self.cfg.capacity; layers.len()],
         };
         self.layer_capacity = vec![None; store.n_layers()];
+        // Decode room the store was sized for (positions it can still take).
+        let headroom = store.capacity().saturating_sub(n);
         let nkv = store.n_kv_heads;
         for (&l, &cap) in layers.iter().zip(&caps) {
             self.layer_capacity[l] = Some(cap);
@@ -164,7 +175,6 @@ impl<T: CacheElem> KvPolicy<T> for SnapKvPolicy {
                 keep.push(k);
             }
             if evicts {
-                let headroom = store.layer(l).spec.capacity - store.held(l, 0);
                 store.compact(l, &keep, headroom)?;
             }
         }

@@ -8,9 +8,9 @@ use slowfast_kv::{AttnCall, CacheElem, KvPolicy, KvStore};
 use crate::config::ModelConfig;
 use crate::ModelError;
 
-/// Attention of `n` query rows (`q`: `[n, heads, head_dim]`, positions `pos0..pos0 + n`) of
-/// `layer` over the cached keys the KV policy selects (within what the mask allows); writes
-/// `out` `[n, heads, head_dim]`.
+/// Attention of `n` query rows (`q`: `[n, heads, head_dim]`, positions `pos0..pos0 + n`, or
+/// the ascending `q_list` when given: FastKV's propagated rows) of `layer` over the cached keys
+/// the KV policy selects (within what the mask allows); writes `out` `[n, heads, head_dim]`.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_layer<T: CacheElem>(
     cfg: &ModelConfig,
@@ -19,6 +19,7 @@ pub fn attend_layer<T: CacheElem>(
     pos0: usize,
     n: usize,
     window: Option<usize>,
+    q_list: Option<&[u32]>,
     cache: &KvStore<T>,
     policy: &mut dyn KvPolicy<T>,
     out: &mut [f32],
@@ -29,10 +30,19 @@ pub fn attend_layer<T: CacheElem>(
         head_dim: cfg.head_dim,
         scale: cfg.attn_scale,
     };
-    let hi = pos0 + n;
+    // With a position list, the call spans its first to its last row (hi = last + 1).
+    let (first, hi) = match q_list {
+        Some(l) => (l[0] as usize, *l.last().unwrap() as usize + 1),
+        None => (pos0, pos0 + n),
+    };
+    let pos0 = hi - n;
+    let q_pos = |r: usize| match q_list {
+        Some(l) => QueryPositions::List(&l[r..]),
+        None => QueryPositions::Start((pos0 + r) as u32),
+    };
     // The oldest key any row of the chunk can see.
     let lo = match window {
-        Some(w) => (pos0 + 1).saturating_sub(w),
+        Some(w) => (first + 1).saturating_sub(w),
         None => 0,
     };
     let call = AttnCall {
@@ -52,16 +62,7 @@ pub fn attend_layer<T: CacheElem>(
         window: window.map(|w| w as u32),
     };
     let err = |e| ModelError::Compute(format!("attention in layer {layer}: {e}"));
-    attention(
-        &shape,
-        q,
-        QueryPositions::Start(pos0 as u32),
-        &segs,
-        mask,
-        out,
-        None,
-    )
-    .map_err(err)?;
+    attention(&shape, q, q_pos(0), &segs, mask, out, None).map_err(err)?;
     if capture == 0 {
         return Ok(());
     }
@@ -71,7 +72,7 @@ pub fn attend_layer<T: CacheElem>(
     // [n_heads, capture, keys]: keys = hi - lo unless the policy compacted the layer.
     let mut logits = vec![0.0f32; logits_len(&shape, capture, &segs)];
     let mut o = vec![0.0f32; capture * width];
-    let start = QueryPositions::Start((hi - capture) as u32);
+    let start = q_pos(n - capture);
     attention_with_logits(
         &shape,
         q_last,
