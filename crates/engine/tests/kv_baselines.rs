@@ -151,6 +151,9 @@ fn fastkv_propagates_a_subset_and_keeps_the_budget() {
     assert_ne!(got.logits, full.logits);
     let want: f64 = (0..30).map(|i| (40 + i + 1) as f64).sum();
     assert!((got.stats.attended_tokens - want).abs() < 1e-9);
+    // A budget above what was propagated: layer 2 keeps its 50 tokens, its allocation shrunk.
+    let got = run(&m, &fastkv(60, 0.5), prompt, rest);
+    assert_eq!(got.bytes_after_prefill, (2 * (60 + 31) + (50 + 31)) * per_slot);
     // A TSP layer outside the model is refused with its name in the message.
     let bad = PolicySpec::FastKv {
         cfg: slowfast_kv::SnapKvConfig::fastkv(40),

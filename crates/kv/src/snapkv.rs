@@ -176,6 +176,9 @@ impl<T: CacheElem> KvPolicy<T> for SnapKvPolicy {
             }
             if evicts {
                 store.compact(l, &keep, headroom)?;
+            } else {
+                // FastKV's propagated layers hold fewer tokens than they were allocated for.
+                store.shrink(l, headroom)?;
             }
         }
         self.scores.clear();

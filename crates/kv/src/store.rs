@@ -300,6 +300,22 @@ impl<T: CacheElem> KvStore<T> {
         Ok(())
     }
 
+    /// Shrink a compacted `layer`'s allocation to what it holds plus `headroom` slots per head
+    /// (e.g. after FastKV wrote only its propagated tokens into a full-size allocation).
+    /// Layers that are not compacted are left alone.
+    pub fn shrink(&mut self, layer: usize, headroom: usize) -> Result<(), KvError> {
+        let l = &self.layers[layer];
+        let Some(c) = &l.compact else {
+            return Ok(());
+        };
+        let most = c.pos.iter().map(Vec::len).max().unwrap_or(0);
+        if l.spec.ring || l.spec.capacity <= most + headroom {
+            return Ok(());
+        }
+        let keep: Vec<Vec<usize>> = c.pos.iter().map(|p| (0..p.len()).collect()).collect();
+        self.compact(layer, &keep, headroom)
+    }
+
     /// Evict slot `slot` of kv head `h` of a compacted `layer`: the last held slot moves into
     /// its place (O(head_dim); positions then no longer ascend with the slot).
     pub fn evict_slot(&mut self, layer: usize, h: usize, slot: usize) -> Result<(), KvError> {
@@ -717,6 +733,13 @@ mod compact_tests {
         assert!(matches!(a.pos, KvPositions::List(&[0, 5, 6])));
         // Positions capacity: 20 written + 3 free slots.
         assert_eq!(s.capacity(), 23);
+        // Shrinking to what is held + 1 frees two slots per head; never grows.
+        s.shrink(0, 1).unwrap();
+        assert_eq!(s.nbytes(), 2 * nkv * 4 * d * 4);
+        s.shrink(0, 3).unwrap();
+        assert_eq!(s.nbytes(), 2 * nkv * 4 * d * 4);
+        assert_eq!(s.slot_positions(0, 1), vec![0, 5, 6]);
+        s.compact(0, &[vec![0, 1, 2], vec![0, 1, 2]], 3).unwrap();
         // Append after compaction keeps ascending positions.
         let kv = vec![200.0f32; nkv * d];
         s.write(0, 20, &kv, &kv).unwrap();
