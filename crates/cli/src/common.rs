@@ -65,8 +65,9 @@ pub fn read_text(path: &std::path::Path) -> Result<String> {
 pub struct PolicyArgs {
     /// KV budget of a sparse policy: tokens per kv head of each global layer (window
     /// included), or a fraction of the context when below 1. h2o splits it half heavy
-    /// hitters, half recent; snapkv/pyramidkv keep it after prefill (pyramidkv: on average
-    /// over layers); quest reads it as pages of 16 tokens (at least 3) per decode step.
+    /// hitters, half recent; snapkv/pyramidkv/fastkv keep it after prefill (pyramidkv: on
+    /// average over layers); quest reads it as pages of 16 tokens (at least 3) per decode step;
+    /// streaming: sinks + recent; sfi: sinks + selected + recent.
     #[arg(long)]
     pub kv_budget: Option<f64>,
     /// Attention-sink tokens kept by the streaming and SFI policies.

@@ -153,7 +153,10 @@ fn fastkv_propagates_a_subset_and_keeps_the_budget() {
     assert!((got.stats.attended_tokens - want).abs() < 1e-9);
     // A budget above what was propagated: layer 2 keeps its 50 tokens, its allocation shrunk.
     let got = run(&m, &fastkv(60, 0.5), prompt, rest);
-    assert_eq!(got.bytes_after_prefill, (2 * (60 + 31) + (50 + 31)) * per_slot);
+    assert_eq!(
+        got.bytes_after_prefill,
+        (2 * (60 + 31) + (50 + 31)) * per_slot
+    );
     // A TSP layer outside the model is refused with its name in the message.
     let bad = PolicySpec::FastKv {
         cfg: slowfast_kv::SnapKvConfig::fastkv(40),
