@@ -22,7 +22,8 @@ pub struct Args {
     /// E: scored decode steps after a prefill of N-E tokens.
     #[arg(long, default_value_t = 512)]
     pub eval_tokens: usize,
-    /// Comma-separated KV policies to compare in one run: full, streaming, sfi.
+    /// Comma-separated KV policies to compare in one run: full, streaming, h2o, snapkv,
+    /// pyramidkv, quest, fastkv, sfi (see `generate --help`).
     #[arg(long, default_value = "full")]
     pub policies: String,
     #[command(flatten)]
@@ -34,11 +35,11 @@ pub struct Args {
 
 fn table(rs: &[EvalRecord]) -> String {
     let mut s = String::from(
-        "| task | policy | kv budget | context | eval tokens | nll | Δnll vs full | ppl | retained |\n|---|---|---|---|---|---|---|---|---|\n",
+        "| task | policy | kv budget | context | eval tokens | nll | Δnll vs full | ppl | retained | KV MiB after prefill | KV MiB end |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rs {
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {:.4} | {} | {:.3} | {:.3} |\n",
+            "| {} | {} | {} | {} | {} | {:.4} | {} | {:.3} | {:.3} | {:.1} | {:.1} |\n",
             r.task,
             r.policy,
             r.kv_budget.map_or("-".into(), |b| b.to_string()),
@@ -47,7 +48,9 @@ fn table(rs: &[EvalRecord]) -> String {
             r.nll,
             r.delta_nll.map_or("-".into(), |d| format!("{d:+.4}")),
             r.ppl,
-            r.retained_fraction
+            r.retained_fraction,
+            r.kv_bytes_after_prefill as f64 / (1 << 20) as f64,
+            r.kv_bytes_end as f64 / (1 << 20) as f64
         ));
     }
     s

@@ -65,7 +65,12 @@ pub struct Args {
     /// Do not stop at end-of-sequence tokens.
     #[arg(long)]
     pub ignore_eos: bool,
-    /// KV policy: full (dense attention), streaming (sinks + recent window) or sfi (Slow-Fast).
+    /// KV policy: full (dense attention), streaming (sinks + recent window), h2o (heavy
+    /// hitters + recent, evicting while decoding), snapkv (compress once after prefill),
+    /// pyramidkv (snapkv with per-layer budgets shrinking with depth), quest (query-aware
+    /// top pages, nothing evicted), fastkv (token-selective propagation in prefill, see
+    /// --fastkv-*, then snapkv-style retention) or sfi (Slow-Fast). All but full need
+    /// --kv-budget.
     #[arg(long, default_value = "full")]
     pub policy: String,
     #[command(flatten)]

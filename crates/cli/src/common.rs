@@ -63,7 +63,11 @@ pub fn read_text(path: &std::path::Path) -> Result<String> {
 /// Flags of the sparse KV policies, shared by generate, eval and bench.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PolicyArgs {
-    /// KV budget of a sparse policy: tokens, or a fraction of the context when below 1.
+    /// KV budget of a sparse policy: tokens per kv head of each global layer (window
+    /// included), or a fraction of the context when below 1. h2o splits it half heavy
+    /// hitters, half recent; snapkv/pyramidkv/fastkv keep it after prefill (pyramidkv: on
+    /// average over layers); quest reads it as pages of 16 tokens (at least 3) per decode step;
+    /// streaming: sinks + recent; sfi: sinks + selected + recent.
     #[arg(long)]
     pub kv_budget: Option<f64>,
     /// Attention-sink tokens kept by the streaming and SFI policies.
@@ -115,6 +119,14 @@ pub struct PolicyArgs {
     /// SFI Selector: clip of lambda with several captured rows.
     #[arg(long, default_value_t = 0.25)]
     pub sfi_lambda_clip_multi: f64,
+    /// FastKV: fraction of the prompt propagated past the TSP layer (sets the prefill cost;
+    /// --kv-budget sets the decode KV kept per layer).
+    #[arg(long, default_value_t = 0.2)]
+    pub fastkv_tsp_rate: f64,
+    /// FastKV: layer after which only the selected tokens propagate (a global-attention
+    /// layer; default: the global layer nearest the middle of the model).
+    #[arg(long)]
+    pub fastkv_tsp_layer: Option<usize>,
 }
 
 impl PolicyArgs {
@@ -140,12 +152,17 @@ impl PolicyArgs {
                 ..Default::default()
             },
         };
-        Ok(slowfast_engine::session::policy_spec_with(
+        let fastkv = slowfast_engine::session::FastKvKnobs {
+            tsp_rate: self.fastkv_tsp_rate,
+            tsp_layer: self.fastkv_tsp_layer,
+        };
+        Ok(slowfast_engine::session::policy_spec_knobs(
             name,
             self.kv_budget,
             self.sinks,
             context,
             &knobs,
+            &fastkv,
         )?)
     }
 }

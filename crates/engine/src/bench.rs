@@ -41,12 +41,17 @@ pub struct BenchRecord {
     pub decode_ms_per_token: f64,
     /// Weight + KV bytes read per decode step, over the step time.
     pub decode_gb_s: f64,
+    /// KV bytes held at the end (same as `kv_bytes_end`).
     pub kv_bytes: usize,
     /// Timed decode steps that were slow (dense; for SFI they also refresh the memory) and
     /// the mean time of a slow and of a fast step (None when there was none).
     pub slow_steps: usize,
     pub slow_ms_per_step: Option<f64>,
     pub fast_ms_per_step: Option<f64>,
+    /// KV bytes held right after prefill (after any one-shot compression) and at the end of
+    /// decoding (evicting policies free memory; the store's real allocations).
+    pub kv_bytes_after_prefill: usize,
+    pub kv_bytes_end: usize,
     /// Mean keys attended per decode step (global layers) and its fraction of dense.
     pub mean_attended_tokens: f64,
     pub retained_fraction: f64,
@@ -128,6 +133,7 @@ fn run_one(
         }
     })?;
     let prefill_s = t0.elapsed().as_secs_f64();
+    let kv_bytes_after_prefill = sess.kv_bytes();
     let mut times = Vec::new();
     // Per-step times split by kind: slow (dense, refreshing) and fast (sparse) steps.
     let (mut slow_s, mut slow_n, mut fast_s, mut fast_n) = (0.0f64, 0usize, 0.0f64, 0usize);
@@ -191,6 +197,8 @@ fn run_one(
         slow_steps: slow_n,
         slow_ms_per_step: (slow_n > 0).then(|| slow_s / slow_n as f64 * 1e3),
         fast_ms_per_step: (fast_n > 0).then(|| fast_s / fast_n as f64 * 1e3),
+        kv_bytes_after_prefill,
+        kv_bytes_end: sess.kv_bytes(),
         mean_attended_tokens: stats.mean_attended(),
         retained_fraction: stats.retained_fraction(),
     })
@@ -199,12 +207,12 @@ fn run_one(
 /// A markdown table of bench records.
 pub fn table(rs: &[BenchRecord]) -> String {
     let mut s = String::from(
-        "| model | policy | context | prefill tok/s | decode tok/s | ms/token | slow ms (n) | fast ms | decode GB/s | KV MiB | retained |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| model | policy | context | prefill tok/s | decode tok/s | ms/token | slow ms (n) | fast ms | decode GB/s | KV MiB after prefill | KV MiB end | retained |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let ms = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
     for r in rs {
         s.push_str(&format!(
-            "| {} | {} | {} | {:.1} | {:.2} | {:.2} | {} ({}) | {} | {:.1} | {:.1} | {:.3} |\n",
+            "| {} | {} | {} | {:.1} | {:.2} | {:.2} | {} ({}) | {} | {:.1} | {:.1} | {:.1} | {:.3} |\n",
             r.model,
             r.policy,
             r.context,
@@ -215,7 +223,8 @@ pub fn table(rs: &[BenchRecord]) -> String {
             r.slow_steps,
             ms(r.fast_ms_per_step),
             r.decode_gb_s,
-            r.kv_bytes as f64 / (1 << 20) as f64,
+            r.kv_bytes_after_prefill as f64 / (1 << 20) as f64,
+            r.kv_bytes_end as f64 / (1 << 20) as f64,
             r.retained_fraction
         ));
     }

@@ -28,6 +28,9 @@ pub struct EvalRecord {
     pub prefill_seconds: f64,
     pub decode_seconds: f64,
     pub kv_bytes: usize,
+    /// KV bytes held after prefill (after one-shot compression) and at the end of decoding.
+    pub kv_bytes_after_prefill: usize,
+    pub kv_bytes_end: usize,
 }
 
 /// `-ln softmax(logits)[target]`, in f64.
@@ -90,6 +93,7 @@ pub fn eval_nll(
         }
     })?;
     let prefill_seconds = t0.elapsed().as_secs_f64();
+    let kv_bytes_after_prefill = sess.kv_bytes();
     let t1 = Instant::now();
     let mut total = 0.0;
     for i in n_prefill..context {
@@ -122,6 +126,8 @@ pub fn eval_nll(
         prefill_seconds,
         decode_seconds: t1.elapsed().as_secs_f64(),
         kv_bytes: sess.kv_bytes(),
+        kv_bytes_after_prefill,
+        kv_bytes_end: sess.kv_bytes(),
     })
 }
 

@@ -4,8 +4,11 @@ use half::f16;
 use slowfast_kv::sfi::memory::{SfiConfig, SfiPolicy};
 pub use slowfast_kv::sfi::selector::SelectorConfig;
 use slowfast_kv::sfi::selector::SelectorError;
-use slowfast_kv::{CacheElem, FullPolicy, KvPolicy, KvStore, PolicyStats, StreamingPolicy};
-use slowfast_model::{LogitsRows, Model, Scratch};
+use slowfast_kv::{
+    CacheElem, FullPolicy, H2oPolicy, KvPolicy, KvStore, PolicyStats, QuestPolicy, SnapKvConfig,
+    SnapKvPolicy, StreamingPolicy,
+};
+use slowfast_model::{LogitsRows, Model, Scratch, TspConfig};
 
 use crate::EngineError;
 
@@ -34,6 +37,21 @@ pub enum PolicySpec {
     Full,
     /// StreamingLLM: `sinks` first tokens + `recent` last tokens.
     Streaming { sinks: usize, recent: usize },
+    /// H2O: `heavy` best-scored keys (accumulated attention) + `recent` newest, evicted as
+    /// decoding proceeds.
+    H2o { heavy: usize, recent: usize },
+    /// SnapKV (or PyramidKV when `pyramid_beta` is set): compress once after prefill.
+    SnapKv(SnapKvConfig),
+    /// FastKV: token-selective propagation in prefill (`tsp_rate` of the prompt goes past
+    /// `tsp_layer`, None = the global layer nearest the middle), then SnapKV-style retention
+    /// of `cfg.capacity` tokens per layer for decode.
+    FastKv {
+        cfg: SnapKvConfig,
+        tsp_rate: f64,
+        tsp_layer: Option<usize>,
+    },
+    /// Quest: query-aware top pages per decode step over the full cache.
+    Quest { budget: usize },
     /// Slow-Fast Inference; `enders`/`newlines` (the trigger's token classes) come from the
     /// tokenizer via `with_vocab`.
     Sfi {
@@ -49,6 +67,10 @@ impl PolicySpec {
         match self {
             PolicySpec::Full => "full",
             PolicySpec::Streaming { .. } => "streaming",
+            PolicySpec::H2o { .. } => "h2o",
+            PolicySpec::SnapKv(c) => c.name,
+            PolicySpec::FastKv { .. } => "fastkv",
+            PolicySpec::Quest { .. } => "quest",
             PolicySpec::Sfi { .. } => "sfi",
         }
     }
@@ -58,6 +80,9 @@ impl PolicySpec {
         match self {
             PolicySpec::Full => None,
             PolicySpec::Streaming { sinks, recent } => Some(sinks + recent),
+            PolicySpec::H2o { heavy, recent } => Some(heavy + recent),
+            PolicySpec::SnapKv(c) | PolicySpec::FastKv { cfg: c, .. } => Some(c.capacity),
+            PolicySpec::Quest { budget } => Some(*budget),
             PolicySpec::Sfi { cfg, .. } => Some(cfg.sinks + cfg.selected + cfg.recent),
         }
     }
@@ -84,6 +109,15 @@ impl PolicySpec {
             PolicySpec::Streaming { sinks, recent } => {
                 Box::new(StreamingPolicy::new(*sinks, *recent))
             }
+            PolicySpec::H2o { heavy, recent } => Box::new(
+                H2oPolicy::new(*heavy, *recent)
+                    .map_err(|e| EngineError::BadInput(format!("--policy h2o: {e}")))?,
+            ),
+            PolicySpec::SnapKv(c) | PolicySpec::FastKv { cfg: c, .. } => Box::new(
+                SnapKvPolicy::new(c.clone())
+                    .map_err(|e| EngineError::BadInput(format!("--policy {}: {e}", self.name())))?,
+            ),
+            PolicySpec::Quest { budget } => Box::new(QuestPolicy::new(*budget)),
             PolicySpec::Sfi {
                 cfg,
                 enders,
@@ -107,6 +141,8 @@ pub const DEFAULT_CHUNK: usize = 512;
 
 pub struct Session<'m> {
     pub model: &'m Model,
+    /// FastKV prefill: (fraction of the prompt propagated, TSP layer, window, kernel).
+    tsp: Option<(f64, usize, usize, usize)>,
     cache: Cache,
     scratch: Scratch,
     chunk: usize,
@@ -134,8 +170,22 @@ impl<'m> Session<'m> {
             KvDtype::F32 => Cache::F32(model.new_cache(max_tokens, chunk), policy.build()?),
             KvDtype::F16 => Cache::F16(model.new_cache(max_tokens, chunk), policy.build()?),
         };
+        let tsp = match policy {
+            PolicySpec::FastKv {
+                cfg,
+                tsp_rate,
+                tsp_layer,
+            } => Some((
+                *tsp_rate,
+                tsp_layer.unwrap_or_else(|| model.default_tsp_layer()),
+                cfg.window,
+                cfg.kernel,
+            )),
+            _ => None,
+        };
         Ok(Session {
             model,
+            tsp,
             cache,
             scratch: Scratch::default(),
             chunk,
@@ -204,16 +254,43 @@ impl<'m> Session<'m> {
                 "empty prompt: nothing to prefill".into(),
             ));
         }
-        let n_chunks = tokens.len().div_ceil(self.chunk);
-        for (i, c) in tokens.chunks(self.chunk).enumerate() {
-            let rows = if i + 1 == n_chunks {
-                LogitsRows::Last
-            } else {
-                LogitsRows::None
+        let tail = match &self.cache {
+            Cache::F32(_, p) => p.prefill_tail(),
+            Cache::F16(_, p) => p.prefill_tail(),
+        };
+        let bounds = chunk_bounds(tokens.len(), self.chunk, tail);
+        if let (Some((rate, layer, window, kernel)), 0) = (self.tsp, self.pos()) {
+            let n = tokens.len();
+            let tsp = TspConfig {
+                layer,
+                len: ((n as f64 * rate).floor() as usize).clamp(window.min(n), n),
+                window,
+                kernel,
             };
-            self.forward(c, rows)?;
-            progress(((i + 1) * self.chunk).min(tokens.len()), tokens.len());
+            let (m, s, l) = (self.model, &mut self.scratch, &mut self.logits);
+            match &mut self.cache {
+                Cache::F32(c, p) => m.prefill_fastkv(tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
+                Cache::F16(c, p) => m.prefill_fastkv(tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
+            };
+            progress(n, n);
+        } else {
+            for (i, &(a, b)) in bounds.iter().enumerate() {
+                let rows = if i + 1 == bounds.len() {
+                    LogitsRows::Last
+                } else {
+                    LogitsRows::None
+                };
+                self.forward(&tokens[a..b], rows)?;
+                progress(b, tokens.len());
+            }
         }
+        let r = match &mut self.cache {
+            Cache::F32(c, p) => p.end_prefill(c),
+            Cache::F16(c, p) => p.end_prefill(c),
+        };
+        r.map_err(|e| {
+            EngineError::BadInput(format!("end of prefill ({}): {e}", self.policy_name()))
+        })?;
         Ok(&self.logits)
     }
 
@@ -235,7 +312,13 @@ impl<'m> Session<'m> {
             Cache::F32(_, p) => p.on_token(token),
             Cache::F16(_, p) => p.on_token(token),
         }
-        self.forward(&[token], LogitsRows::Last)
+        self.forward(&[token], LogitsRows::Last)?;
+        let r = match &mut self.cache {
+            Cache::F32(c, p) => p.end_step(c),
+            Cache::F16(c, p) => p.end_step(c),
+        };
+        r.map_err(|e| EngineError::BadInput(format!("decode step ({}): {e}", self.policy_name())))?;
+        Ok(&self.logits)
     }
 
     /// Logits of the last forward call.
@@ -283,6 +366,28 @@ fn fill_store<T: CacheElem>(c: &mut KvStore<T>, n: usize, seed: u64) -> Result<(
     Ok(())
 }
 
+/// Prefill chunks `[a, b)` of at most `chunk` tokens over `n` tokens; when the policy watches
+/// the last `tail` prompt rows (and `tail <= chunk`), the last chunk is made at least that
+/// long by shortening the one before it.
+pub fn chunk_bounds(n: usize, chunk: usize, tail: usize) -> Vec<(usize, usize)> {
+    let chunk = chunk.max(1);
+    let mut v: Vec<(usize, usize)> = (0..n)
+        .step_by(chunk)
+        .map(|a| (a, (a + chunk).min(n)))
+        .collect();
+    let tail = tail.min(chunk).min(n);
+    let k = v.len();
+    if k >= 2 && v[k - 1].1 - v[k - 1].0 < tail {
+        let start = n - tail;
+        v[k - 2].1 = start;
+        v[k - 1].0 = start;
+        if v[k - 2].0 == start {
+            v.remove(k - 2);
+        }
+    }
+    v
+}
+
 /// Resolve `--kv-budget`: a value below 1 is a fraction of `context`, otherwise a token count.
 pub fn budget_tokens(budget: f64, context: usize) -> Result<usize, EngineError> {
     if !budget.is_finite() || budget <= 0.0 {
@@ -322,6 +427,9 @@ impl Default for SfiKnobs {
         }
     }
 }
+
+/// Names accepted by `--policy` / `--policies`.
+pub const POLICIES: &str = "full, streaming, h2o, snapkv, pyramidkv, quest, fastkv, sfi";
 
 /// Build the policy named `name` for a sequence of `context` tokens (SFI with default knobs).
 pub fn policy_spec(
@@ -377,13 +485,43 @@ fn sfi_spec(b: usize, sinks: usize, k: &SfiKnobs) -> Result<PolicySpec, EngineEr
     })
 }
 
-/// `policy_spec` with explicit SFI knobs.
+/// FastKV knobs from the command line.
+#[derive(Debug, Clone)]
+pub struct FastKvKnobs {
+    /// Fraction of the prompt propagated past the TSP layer (sets the prefill cost).
+    pub tsp_rate: f64,
+    /// TSP layer (None: the global layer nearest the middle of the model).
+    pub tsp_layer: Option<usize>,
+}
+
+impl Default for FastKvKnobs {
+    fn default() -> Self {
+        FastKvKnobs {
+            tsp_rate: 0.2,
+            tsp_layer: None,
+        }
+    }
+}
+
+/// `policy_spec` with explicit SFI knobs (FastKV at its defaults).
 pub fn policy_spec_with(
     name: &str,
     budget: Option<f64>,
     sinks: usize,
     context: usize,
     sfi: &SfiKnobs,
+) -> Result<PolicySpec, EngineError> {
+    policy_spec_knobs(name, budget, sinks, context, sfi, &FastKvKnobs::default())
+}
+
+/// `policy_spec` with explicit SFI and FastKV knobs.
+pub fn policy_spec_knobs(
+    name: &str,
+    budget: Option<f64>,
+    sinks: usize,
+    context: usize,
+    sfi: &SfiKnobs,
+    fastkv: &FastKvKnobs,
 ) -> Result<PolicySpec, EngineError> {
     let need_budget = |p: &str| {
         budget.ok_or_else(|| EngineError::BadInput(format!("--policy {p} needs --kv-budget")))
@@ -403,8 +541,59 @@ pub fn policy_spec_with(
                 recent: b - sinks,
             })
         }
+        "h2o" => {
+            let b = budget_tokens(need_budget("h2o")?, context)?;
+            if b < 2 {
+                return Err(EngineError::BadInput(format!(
+                    "--policy h2o: --kv-budget ({b} tokens) must be at least 2 (heavy hitters + recent window)"
+                )));
+            }
+            Ok(PolicySpec::H2o {
+                heavy: b / 2,
+                recent: b - b / 2,
+            })
+        }
+        "snapkv" | "pyramidkv" => {
+            let b = budget_tokens(need_budget(name)?, context)?;
+            let cfg = if name == "snapkv" {
+                SnapKvConfig::snapkv(b)
+            } else {
+                SnapKvConfig::pyramidkv(b)
+            };
+            if b <= cfg.window {
+                return Err(EngineError::BadInput(format!(
+                    "--policy {name}: --kv-budget ({b} tokens) must exceed the observation window of {} tokens",
+                    cfg.window
+                )));
+            }
+            Ok(PolicySpec::SnapKv(cfg))
+        }
+        "fastkv" => {
+            let b = budget_tokens(need_budget("fastkv")?, context)?;
+            let cfg = SnapKvConfig::fastkv(b);
+            if b <= cfg.window {
+                return Err(EngineError::BadInput(format!(
+                    "--policy fastkv: --kv-budget ({b} tokens) must exceed the observation window of {} tokens",
+                    cfg.window
+                )));
+            }
+            let r = fastkv.tsp_rate;
+            if !(r > 0.0 && r <= 1.0) {
+                return Err(EngineError::BadInput(format!(
+                    "--fastkv-tsp-rate must be in (0, 1], got {r}"
+                )));
+            }
+            Ok(PolicySpec::FastKv {
+                cfg,
+                tsp_rate: r,
+                tsp_layer: fastkv.tsp_layer,
+            })
+        }
+        "quest" => Ok(PolicySpec::Quest {
+            budget: budget_tokens(need_budget("quest")?, context)?,
+        }),
         other => Err(EngineError::BadInput(format!(
-            "unknown policy `{other}` (available: full, streaming, sfi)"
+            "unknown policy `{other}` (available: {POLICIES})"
         ))),
     }
 }
@@ -412,6 +601,17 @@ pub fn policy_spec_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn last_prefill_chunk_covers_the_observation_window() {
+        assert_eq!(chunk_bounds(10, 4, 0), vec![(0, 4), (4, 8), (8, 10)]);
+        assert_eq!(chunk_bounds(10, 4, 3), vec![(0, 4), (4, 7), (7, 10)]);
+        assert_eq!(chunk_bounds(9, 4, 4), vec![(0, 4), (4, 5), (5, 9)]);
+        assert_eq!(chunk_bounds(5, 4, 4), vec![(0, 1), (1, 5)]);
+        assert_eq!(chunk_bounds(3, 4, 32), vec![(0, 3)]);
+        // A window longer than a chunk is capped at the chunk (sliding rings hold window + chunk).
+        assert_eq!(chunk_bounds(9, 4, 32), vec![(0, 4), (4, 5), (5, 9)]);
+    }
 
     #[test]
     fn budgets_and_policy_names() {
@@ -428,6 +628,21 @@ mod tests {
         );
         assert!(policy_spec("streaming", None, 4, 1024).is_err());
         assert!(policy_spec("streaming", Some(3.0), 4, 1024).is_err());
+        assert_eq!(
+            policy_spec("h2o", Some(0.25), 4, 1024).unwrap(),
+            PolicySpec::H2o {
+                heavy: 128,
+                recent: 128
+            }
+        );
+        assert!(policy_spec("snapkv", Some(32.0), 4, 1024).is_err());
+        assert_eq!(
+            policy_spec("pyramidkv", Some(64.0), 4, 1024)
+                .unwrap()
+                .name(),
+            "pyramidkv"
+        );
+        assert!(policy_spec("quest", None, 4, 1024).is_err());
         assert!(policy_spec("h3o", None, 4, 1024)
             .unwrap_err()
             .to_string()

@@ -1,10 +1,18 @@
-//! slowfast-kv: the KV store (preallocated, written in place) and, on top of it, the KV
-//! policies that decide what each decode step attends to.
+//! slowfast-kv: the KV store (preallocated, written in place, compactable per kv head) and, on
+//! top of it, the KV policies that decide what each step attends to and what is kept.
+pub mod h2o;
 pub mod policy;
+pub mod pyramid;
+pub mod quest;
+pub mod score;
 pub mod sfi;
+pub mod snapkv;
 pub mod store;
 pub mod streaming;
 
+pub use h2o::H2oPolicy;
 pub use policy::{AttnCall, FullPolicy, KvPolicy, PolicyStats, StepCounter};
+pub use quest::QuestPolicy;
+pub use snapkv::{SnapKvConfig, SnapKvPolicy};
 pub use store::{CacheElem, KvError, KvStore, LayerKv, LayerSpec};
 pub use streaming::StreamingPolicy;

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use slowfast_backend::cpu::attention::KvSegment;
 
-use crate::store::{CacheElem, KvStore};
+use crate::store::{CacheElem, KvError, KvStore};
 
 /// Counters every policy reports (for `generate --json`, eval and bench).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
@@ -100,6 +100,10 @@ impl AttnCall {
 pub trait KvPolicy<T: CacheElem>: Send {
     fn name(&self) -> &'static str;
 
+    /// The call's query rows (`[n, n_heads, head_dim]`, after RoPE), handed over just before
+    /// `segments`. Query-aware policies (Quest) read them here; others ignore them.
+    fn query(&mut self, _call: &AttnCall, _q: &[f32]) {}
+
     /// Fill `out[h]` with the segments kv head `h` attends to in this call (in key order).
     fn segments<'s>(
         &'s mut self,
@@ -115,8 +119,10 @@ pub trait KvPolicy<T: CacheElem>: Send {
         0
     }
 
-    /// The captured logits of the last `rows` query rows: `[n_heads, rows, hi - lo]`, raw
-    /// scaled `q·k` with -inf where the causal mask hides a key.
+    /// The captured logits of the last `rows` query rows: `[n_heads, rows, keys]`, raw
+    /// scaled `q·k` with -inf where the causal mask hides a key. `keys` is `hi - lo` for an
+    /// uncompacted layer, else what kv head `hq / group` holds (query head blocks follow each
+    /// other, see `attention_with_logits`).
     fn observe(&mut self, _call: &AttnCall, _rows: usize, _logits: &[f32], _store: &KvStore<T>) {}
 
     /// Called after the whole forward of positions `pos0 .. pos0 + n` (prefill chunk or decode
@@ -125,6 +131,23 @@ pub trait KvPolicy<T: CacheElem>: Send {
 
     /// The token about to be fed at the next decode step (trigger policies look at it).
     fn on_token(&mut self, _token: u32) {}
+
+    /// Prompt rows at the end of prefill the policy observes (an observation window): the
+    /// session makes its last prefill chunk at least this long.
+    fn prefill_tail(&self) -> usize {
+        0
+    }
+
+    /// After the last prefill chunk, with the store mutable: one-shot compressors (SnapKV,
+    /// PyramidKV) and H2O evict here, freeing memory.
+    fn end_prefill(&mut self, _store: &mut KvStore<T>) -> Result<(), KvError> {
+        Ok(())
+    }
+
+    /// After each decode step (after `end_forward`), with the store mutable (H2O evicts).
+    fn end_step(&mut self, _store: &mut KvStore<T>) -> Result<(), KvError> {
+        Ok(())
+    }
 
     fn stats(&self) -> PolicyStats;
 }

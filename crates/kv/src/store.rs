@@ -1,6 +1,9 @@
 //! `KvStore`: per-layer K/V buffers `[kv_heads, capacity, head_dim]`, preallocated and written
 //! in place at each token's position. Global layers hold every position (slot = position);
 //! sliding-window layers hold a ring of `window + chunk` slots (slot = position mod capacity).
+//! Evicting policies *compact* a layer (`compact`): each kv head keeps a chosen set of slots,
+//! moved to the front of a smaller allocation, with an explicit position per slot (keys keep
+//! their RoPE positions, masks stay exact); later tokens are appended after them.
 use half::slice::HalfFloatSliceExt;
 use slowfast_backend::cpu::attention::{KvElem, KvPositions, KvSegment};
 
@@ -43,6 +46,27 @@ pub struct LayerKv<T> {
     pub spec: LayerSpec,
     k: Vec<T>, // [kv_heads, capacity, head_dim]
     v: Vec<T>, // [kv_heads, capacity, head_dim]
+    /// Set once the layer is compacted: per kv head, the position of each used slot
+    /// (`pos[h].len()` slots in use).
+    compact: Option<Compact>,
+    /// One past the newest position written to this layer (ahead of the store's `len` while
+    /// a forward is under way).
+    written: usize,
+}
+
+/// Slot bookkeeping of a compacted layer.
+#[derive(Debug, Clone)]
+struct Compact {
+    pos: Vec<Vec<u32>>, // [kv_heads][used slots]
+    /// Per kv head: positions ascend with the slot (false after an out-of-order eviction).
+    sorted: Vec<bool>,
+}
+
+impl<T> LayerKv<T> {
+    /// True once an evicting policy compacted this layer.
+    pub fn is_compact(&self) -> bool {
+        self.compact.is_some()
+    }
 }
 
 /// The KV cache of one sequence.
@@ -79,6 +103,27 @@ pub enum KvError {
         n: usize,
         capacity: usize,
     },
+    #[error("compacting layer {layer} kv head {head}: slot {slot} is not held (the head holds {held} slots)")]
+    BadSlot {
+        layer: usize,
+        head: usize,
+        slot: usize,
+        held: usize,
+    },
+    #[error(
+        "compacting layer {layer}: got slot lists for {got} kv heads, the store has {n_kv_heads}"
+    )]
+    KeepHeads {
+        layer: usize,
+        got: usize,
+        n_kv_heads: usize,
+    },
+    #[error("layer {layer}: explicit positions must ascend and start at or after the {len} tokens already written, got {got:?}")]
+    BadPositions {
+        layer: usize,
+        len: usize,
+        got: Vec<u32>,
+    },
 }
 
 impl<T: CacheElem> KvStore<T> {
@@ -92,6 +137,8 @@ impl<T: CacheElem> KvStore<T> {
                     spec,
                     k: vec![T::default(); n],
                     v: vec![T::default(); n],
+                    compact: None,
+                    written: 0,
                 }
             })
             .collect();
@@ -121,30 +168,192 @@ impl<T: CacheElem> KvStore<T> {
     /// Forget everything (buffers are kept).
     pub fn clear(&mut self) {
         self.len = 0;
+        for l in &mut self.layers {
+            l.written = 0;
+        }
     }
     /// Drop positions `>= len` (e.g. rejected speculative tokens); never grows.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
+        let (nkv, d) = (self.n_kv_heads, self.head_dim);
+        for l in &mut self.layers {
+            l.written = l.written.min(len);
+            let cap = l.spec.capacity;
+            if let Some(c) = &mut l.compact {
+                for h in 0..nkv {
+                    let base = h * cap * d;
+                    retain_slots(
+                        &mut c.pos[h],
+                        &mut l.k[base..base + cap * d],
+                        &mut l.v[base..base + cap * d],
+                        d,
+                        |p| (p as usize) < len,
+                    );
+                }
+            }
+        }
     }
     /// Record that positions up to `len` are written in every layer (after the last layer).
     pub fn set_len(&mut self, len: usize) {
         self.len = len;
     }
-    /// Tokens a global layer can hold.
+    /// Positions a global layer can hold: its slots, or for a compacted layer the positions
+    /// written so far plus its free slots.
     pub fn capacity(&self) -> usize {
         self.layers
             .iter()
             .filter(|l| !l.spec.ring)
-            .map(|l| l.spec.capacity)
+            .map(|l| match &l.compact {
+                None => l.spec.capacity,
+                Some(c) => {
+                    let used = c.pos.iter().map(Vec::len).max().unwrap_or(0);
+                    self.len + l.spec.capacity.saturating_sub(used)
+                }
+            })
             .min()
             .unwrap_or(usize::MAX)
     }
-    /// Bytes held by the buffers.
+    /// Bytes held by the K/V buffers (allocations, so compaction shows up here).
     pub fn nbytes(&self) -> usize {
         self.layers
             .iter()
-            .map(|l| 2 * l.k.len() * std::mem::size_of::<T>())
+            .map(|l| (l.k.capacity() + l.v.capacity()) * std::mem::size_of::<T>())
             .sum()
+    }
+    /// Slots of kv head `h` of `layer` holding a token.
+    pub fn held(&self, layer: usize, h: usize) -> usize {
+        let l = &self.layers[layer];
+        match &l.compact {
+            Some(c) => c.pos[h].len(),
+            None if l.spec.ring => l.written.min(l.spec.capacity),
+            None => l.written,
+        }
+    }
+    /// The position of each held slot of kv head `h` (slot order; the order `segments` reads
+    /// them in when the whole history is asked for).
+    pub fn slot_positions(&self, layer: usize, h: usize) -> Vec<u32> {
+        let l = &self.layers[layer];
+        match &l.compact {
+            Some(c) => c.pos[h].clone(),
+            None if l.spec.ring => {
+                let (cap, n) = (l.spec.capacity, l.written);
+                let first = n.saturating_sub(cap);
+                let mut v = vec![0u32; n - first];
+                for p in first..n {
+                    v[p % cap] = p as u32;
+                }
+                v
+            }
+            None => (0..l.written as u32).collect(),
+        }
+    }
+
+    /// Keep, for each kv head `h`, only the slots `keep[h]` of `layer` (any order; they are
+    /// stored by ascending position) and shrink the layer's allocation to the most any head
+    /// keeps plus `headroom` free slots per head. The freed memory is returned to the allocator.
+    pub fn compact(
+        &mut self,
+        layer: usize,
+        keep: &[Vec<usize>],
+        headroom: usize,
+    ) -> Result<(), KvError> {
+        let (nkv, d) = (self.n_kv_heads, self.head_dim);
+        if keep.len() != nkv {
+            return Err(KvError::KeepHeads {
+                layer,
+                got: keep.len(),
+                n_kv_heads: nkv,
+            });
+        }
+        // Per head: the kept (position, slot) pairs by ascending position.
+        let mut kept: Vec<Vec<(u32, usize)>> = Vec::with_capacity(nkv);
+        for (h, slots) in keep.iter().enumerate() {
+            let all = self.slot_positions(layer, h);
+            let mut v = Vec::with_capacity(slots.len());
+            for &s in slots {
+                let p = *all.get(s).ok_or(KvError::BadSlot {
+                    layer,
+                    head: h,
+                    slot: s,
+                    held: all.len(),
+                })?;
+                v.push((p, s));
+            }
+            v.sort_unstable();
+            v.dedup();
+            kept.push(v);
+        }
+        let l = &mut self.layers[layer];
+        let old_cap = l.spec.capacity;
+        let cap = kept.iter().map(Vec::len).max().unwrap_or(0) + headroom;
+        let mut k = vec![T::default(); nkv * cap * d];
+        let mut v = vec![T::default(); nkv * cap * d];
+        for (h, slots) in kept.iter().enumerate() {
+            for (i, &(_, s)) in slots.iter().enumerate() {
+                let (src, dst) = ((h * old_cap + s) * d, (h * cap + i) * d);
+                k[dst..dst + d].copy_from_slice(&l.k[src..src + d]);
+                v[dst..dst + d].copy_from_slice(&l.v[src..src + d]);
+            }
+        }
+        l.k = k;
+        l.v = v;
+        l.spec.capacity = cap;
+        l.compact = Some(Compact {
+            pos: kept
+                .iter()
+                .map(|v| v.iter().map(|&(p, _)| p).collect())
+                .collect(),
+            sorted: vec![true; nkv],
+        });
+        Ok(())
+    }
+
+    /// Shrink a compacted `layer`'s allocation to what it holds plus `headroom` slots per head
+    /// (e.g. after FastKV wrote only its propagated tokens into a full-size allocation).
+    /// Layers that are not compacted are left alone.
+    pub fn shrink(&mut self, layer: usize, headroom: usize) -> Result<(), KvError> {
+        let l = &self.layers[layer];
+        let Some(c) = &l.compact else {
+            return Ok(());
+        };
+        let most = c.pos.iter().map(Vec::len).max().unwrap_or(0);
+        if l.spec.ring || l.spec.capacity <= most + headroom {
+            return Ok(());
+        }
+        let keep: Vec<Vec<usize>> = c.pos.iter().map(|p| (0..p.len()).collect()).collect();
+        self.compact(layer, &keep, headroom)
+    }
+
+    /// Evict slot `slot` of kv head `h` of a compacted `layer`: the last held slot moves into
+    /// its place (O(head_dim); positions then no longer ascend with the slot).
+    pub fn evict_slot(&mut self, layer: usize, h: usize, slot: usize) -> Result<(), KvError> {
+        let d = self.head_dim;
+        let l = &mut self.layers[layer];
+        let cap = l.spec.capacity;
+        let c = l.compact.as_mut().ok_or(KvError::BadSlot {
+            layer,
+            head: h,
+            slot,
+            held: 0,
+        })?;
+        let held = c.pos[h].len();
+        if slot >= held {
+            return Err(KvError::BadSlot {
+                layer,
+                head: h,
+                slot,
+                held,
+            });
+        }
+        let last = held - 1;
+        if slot != last {
+            let base = h * cap * d;
+            l.k.copy_within(base + last * d..base + (last + 1) * d, base + slot * d);
+            l.v.copy_within(base + last * d..base + (last + 1) * d, base + slot * d);
+            c.sorted[h] = false;
+        }
+        c.pos[h].swap_remove(slot);
+        Ok(())
     }
 
     /// Write `n` tokens' keys and values (`[n, kv_heads, head_dim]`, f32) at positions
@@ -166,6 +375,10 @@ impl<T: CacheElem> KvStore<T> {
                 head_dim: d,
             });
         }
+        if self.layers[layer].compact.is_some() {
+            let pos: Vec<u32> = (pos0..pos0 + n).map(|p| p as u32).collect();
+            return self.append(layer, &pos, k, v);
+        }
         let l = &mut self.layers[layer];
         let cap = l.spec.capacity;
         if l.spec.ring {
@@ -183,6 +396,7 @@ impl<T: CacheElem> KvStore<T> {
                 capacity: cap,
             });
         }
+        l.written = l.written.max(pos0 + n);
         for t in 0..n {
             let slot = if l.spec.ring {
                 (pos0 + t) % cap
@@ -199,8 +413,118 @@ impl<T: CacheElem> KvStore<T> {
         Ok(())
     }
 
+    /// Write `n` tokens at explicit, ascending `positions` (`k`, `v`: `[n, kv_heads, head_dim]`)
+    /// that need not be contiguous (FastKV propagates a subset of the prompt). Contiguous
+    /// positions into a layer that is not compacted take the plain `write` path; otherwise the
+    /// layer is compacted first (keeping what it holds) and the tokens are appended.
+    pub fn write_at(
+        &mut self,
+        layer: usize,
+        positions: &[u32],
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), KvError> {
+        let (nkv, d) = (self.n_kv_heads, self.head_dim);
+        if k.len() != positions.len() * nkv * d || v.len() != k.len() {
+            return Err(KvError::Shape {
+                got: k.len().max(v.len()),
+                n: positions.len(),
+                n_kv_heads: nkv,
+                head_dim: d,
+            });
+        }
+        let Some(&p0) = positions.first() else {
+            return Ok(());
+        };
+        let written = self.layers[layer].written;
+        if (p0 as usize) < written || positions.windows(2).any(|w| w[1] <= w[0]) {
+            return Err(KvError::BadPositions {
+                layer,
+                len: written,
+                got: positions.iter().take(8).copied().collect(),
+            });
+        }
+        let contiguous = positions
+            .iter()
+            .enumerate()
+            .all(|(i, &p)| p as usize == p0 as usize + i);
+        let l = &self.layers[layer];
+        if l.compact.is_none() {
+            if contiguous && p0 as usize == written {
+                return self.write(layer, p0 as usize, k, v);
+            }
+            // Keep what the layer holds; room for everything it could hold before.
+            let keep: Vec<Vec<usize>> = (0..nkv)
+                .map(|h| (0..self.held(layer, h)).collect())
+                .collect();
+            let headroom = l.spec.capacity - self.held(layer, 0);
+            self.compact(layer, &keep, headroom)?;
+        }
+        self.append(layer, positions, k, v)
+    }
+
+    /// Append tokens at ascending `positions` to a compacted layer. A compacted ring layer
+    /// first drops the slots a ring of its size would have overwritten.
+    fn append(
+        &mut self,
+        layer: usize,
+        positions: &[u32],
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), KvError> {
+        let (nkv, d) = (self.n_kv_heads, self.head_dim);
+        let n = positions.len();
+        let l = &mut self.layers[layer];
+        let cap = l.spec.capacity;
+        let c = l.compact.as_mut().expect("append needs a compacted layer");
+        l.written = l.written.max(*positions.last().unwrap() as usize + 1);
+        for h in 0..nkv {
+            let base = h * cap * d;
+            if l.spec.ring {
+                if n > cap {
+                    return Err(KvError::ChunkTooLong {
+                        pos0: positions[0] as usize,
+                        n,
+                        capacity: cap,
+                    });
+                }
+                if c.pos[h].len() + n > cap {
+                    // A ring keeps the last `cap` positions: older ones are never read again.
+                    let oldest = (positions[0] as usize).saturating_sub(cap - n);
+                    retain_slots(
+                        &mut c.pos[h],
+                        &mut l.k[base..base + cap * d],
+                        &mut l.v[base..base + cap * d],
+                        d,
+                        |p| p as usize >= oldest,
+                    );
+                }
+            }
+            let held = c.pos[h].len();
+            if held + n > cap {
+                return Err(KvError::Full {
+                    layer,
+                    pos: *positions.last().unwrap() as usize,
+                    capacity: cap,
+                });
+            }
+            if c.pos[h].last().is_some_and(|&p| p >= positions[0]) {
+                c.sorted[h] = false;
+            }
+            for (t, &p) in positions.iter().enumerate() {
+                let src = (t * nkv + h) * d;
+                let dst = base + (held + t) * d;
+                T::store(&k[src..src + d], &mut l.k[dst..dst + d]);
+                T::store(&v[src..src + d], &mut l.v[dst..dst + d]);
+                c.pos[h].push(p);
+            }
+        }
+        Ok(())
+    }
+
     /// The keys of kv head `h` at positions `[lo, hi)` as one or two contiguous segments
-    /// (two when a ring wraps). `lo` must be within what the layer still holds.
+    /// (two when a ring wraps; one with a position list for a compacted layer, holding only
+    /// the kept positions of the range). `lo` must be within what the layer still holds.
     pub fn segments(
         &self,
         layer: usize,
@@ -214,6 +538,32 @@ impl<T: CacheElem> KvStore<T> {
             return [None, None];
         }
         let base = h * cap * d;
+        if let Some(c) = &l.compact {
+            // Held slots with positions in [lo, hi): a binary search while positions ascend;
+            // otherwise (after out-of-order evictions) every held slot, which must all lie in
+            // the range (global layers are always read from 0 to the newest position).
+            let pos = &c.pos[h];
+            let (a, b) = if c.sorted[h] {
+                (
+                    pos.partition_point(|&p| (p as usize) < lo),
+                    pos.partition_point(|&p| (p as usize) < hi),
+                )
+            } else {
+                debug_assert!(pos.iter().all(|&p| (lo..hi).contains(&(p as usize))));
+                (0, pos.len())
+            };
+            if a == b {
+                return [None, None];
+            }
+            return [
+                Some(KvSegment {
+                    k: &l.k[base + a * d..base + b * d],
+                    v: &l.v[base + a * d..base + b * d],
+                    pos: KvPositions::List(&pos[a..b]),
+                }),
+                None,
+            ];
+        }
         let seg = |slot: usize, pos: usize, len: usize| KvSegment {
             k: &l.k[base + slot * d..base + (slot + len) * d],
             v: &l.v[base + slot * d..base + (slot + len) * d],
@@ -238,6 +588,28 @@ impl<T: CacheElem> KvStore<T> {
         let n = l.spec.capacity * self.head_dim;
         (&l.k[h * n..(h + 1) * n], &l.v[h * n..(h + 1) * n])
     }
+}
+
+/// Keep the slots whose position passes `keep`, in order, moving them to the front.
+fn retain_slots<T: Copy>(
+    pos: &mut Vec<u32>,
+    k: &mut [T],
+    v: &mut [T],
+    d: usize,
+    keep: impl Fn(u32) -> bool,
+) {
+    let mut w = 0;
+    for r in 0..pos.len() {
+        if keep(pos[r]) {
+            if w != r {
+                k.copy_within(r * d..(r + 1) * d, w * d);
+                v.copy_within(r * d..(r + 1) * d, w * d);
+                pos[w] = pos[r];
+            }
+            w += 1;
+        }
+    }
+    pos.truncate(w);
 }
 
 #[cfg(test)]
@@ -322,5 +694,132 @@ mod tests {
         assert_eq!(a.k[0].to_f32(), 1.0);
         assert!((a.k[1].to_f32() - 0.1).abs() < 1e-3);
         assert_eq!(a.v[1].to_f32(), -0.5);
+    }
+}
+
+#[cfg(test)]
+mod compact_tests {
+    use super::*;
+
+    /// A global layer of `len` tokens whose key rows are `[pos*10 + h, ...]`.
+    fn filled(nkv: usize, d: usize, cap: usize, len: usize) -> KvStore<f32> {
+        let mut s = KvStore::<f32>::new(
+            nkv,
+            d,
+            &[LayerSpec {
+                capacity: cap,
+                ring: false,
+            }],
+        );
+        let kv: Vec<f32> = (0..len * nkv * d)
+            .map(|i| ((i / (nkv * d)) * 10 + (i / d) % nkv) as f32)
+            .collect();
+        s.write(0, 0, &kv, &kv).unwrap();
+        s.set_len(len);
+        s
+    }
+
+    fn rows(seg: &KvSegment<'_, f32>, d: usize) -> Vec<f32> {
+        seg.k.chunks(d).map(|r| r[0]).collect()
+    }
+
+    #[test]
+    fn compaction_keeps_chosen_slots_with_positions_and_frees_memory() {
+        let (nkv, d) = (2, 4);
+        let mut s = filled(nkv, d, 100, 20);
+        let before = s.nbytes();
+        assert_eq!(before, 2 * nkv * 100 * d * 4);
+        s.compact(0, &[vec![7, 2, 19], vec![0, 5, 6]], 3).unwrap();
+        // 3 kept + 3 headroom slots per head, K and V, f32
+        assert_eq!(s.nbytes(), 2 * nkv * 6 * d * 4);
+        assert_eq!(s.held(0, 0), 3);
+        assert_eq!(s.slot_positions(0, 0), vec![2, 7, 19]);
+        let [a, b] = s.segments(0, 1, 0, 20);
+        assert!(b.is_none());
+        let a = a.unwrap();
+        assert_eq!(rows(&a, d), vec![1.0, 51.0, 61.0]);
+        assert!(matches!(a.pos, KvPositions::List(&[0, 5, 6])));
+        // Positions capacity: 20 written + 3 free slots.
+        assert_eq!(s.capacity(), 23);
+        // Shrinking to what is held + 1 frees two slots per head; never grows.
+        s.shrink(0, 1).unwrap();
+        assert_eq!(s.nbytes(), 2 * nkv * 4 * d * 4);
+        s.shrink(0, 3).unwrap();
+        assert_eq!(s.nbytes(), 2 * nkv * 4 * d * 4);
+        assert_eq!(s.slot_positions(0, 1), vec![0, 5, 6]);
+        s.compact(0, &[vec![0, 1, 2], vec![0, 1, 2]], 3).unwrap();
+        // Append after compaction keeps ascending positions.
+        let kv = vec![200.0f32; nkv * d];
+        s.write(0, 20, &kv, &kv).unwrap();
+        s.set_len(21);
+        assert_eq!(s.slot_positions(0, 0), vec![2, 7, 19, 20]);
+        // A sub-range reads only the kept positions inside it.
+        let [a, _] = s.segments(0, 0, 5, 20);
+        assert!(matches!(a.unwrap().pos, KvPositions::List(&[7, 19])));
+        // Eviction reuses the slot (the last one moves in).
+        s.evict_slot(0, 0, 0).unwrap();
+        assert_eq!(s.slot_positions(0, 0), vec![20, 7, 19]);
+        let [a, _] = s.segments(0, 0, 0, 21);
+        assert_eq!(rows(&a.unwrap(), d), vec![200.0, 70.0, 190.0]);
+        assert!(matches!(
+            s.evict_slot(0, 0, 3),
+            Err(KvError::BadSlot { slot: 3, .. })
+        ));
+        assert!(matches!(
+            s.compact(0, &[vec![0]], 0),
+            Err(KvError::KeepHeads { got: 1, .. })
+        ));
+        // Truncate drops the positions past the new length.
+        s.truncate(20);
+        assert_eq!(s.slot_positions(0, 0), vec![7, 19]);
+        // The store refuses to overflow the shrunk allocation.
+        let kv = vec![0.0f32; 5 * nkv * d];
+        assert!(matches!(
+            s.write(0, 20, &kv, &kv),
+            Err(KvError::Full { .. })
+        ));
+    }
+
+    #[test]
+    fn explicit_positions_compact_the_layer_and_rings_drop_old_slots() {
+        let (nkv, d) = (1, 2);
+        let mut s = KvStore::<f32>::new(
+            nkv,
+            d,
+            &[
+                LayerSpec {
+                    capacity: 6,
+                    ring: true,
+                },
+                LayerSpec {
+                    capacity: 64,
+                    ring: false,
+                },
+            ],
+        );
+        let kv = |ps: &[u32]| -> Vec<f32> { ps.iter().flat_map(|&p| [p as f32, 0.0]).collect() };
+        // Contiguous positions take the plain path.
+        s.write_at(1, &[0, 1, 2], &kv(&[0, 1, 2]), &kv(&[0, 1, 2]))
+            .unwrap();
+        assert!(!s.layer(1).is_compact());
+        s.write_at(1, &[5, 9], &kv(&[5, 9]), &kv(&[5, 9])).unwrap();
+        assert!(s.layer(1).is_compact());
+        assert_eq!(s.slot_positions(1, 0), vec![0, 1, 2, 5, 9]);
+        assert!(matches!(
+            s.write_at(1, &[12, 11], &kv(&[12, 11]), &kv(&[12, 11])),
+            Err(KvError::BadPositions { .. })
+        ));
+        // Ring of 6: sparse positions, older ones dropped once it is full.
+        s.write_at(0, &[0, 3, 4], &kv(&[0, 3, 4]), &kv(&[0, 3, 4]))
+            .unwrap();
+        s.write_at(0, &[7, 8, 9], &kv(&[7, 8, 9]), &kv(&[7, 8, 9]))
+            .unwrap();
+        s.write_at(0, &[10, 11], &kv(&[10, 11]), &kv(&[10, 11]))
+            .unwrap();
+        // Room for 2: keep positions >= 10 - (6 - 2) = 6.
+        assert_eq!(s.slot_positions(0, 0), vec![7, 8, 9, 10, 11]);
+        let [a, _] = s.segments(0, 0, 8, 12);
+        let a = a.unwrap();
+        assert_eq!(rows(&a, d), vec![8.0, 9.0, 10.0, 11.0]);
     }
 }

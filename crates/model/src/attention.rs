@@ -1,16 +1,16 @@
 //! The attention step of a layer: the one place where the decoder meets the KV store. It
 //! gathers the segments a query chunk may see and runs the exact tiled-softmax kernel.
 use slowfast_backend::cpu::attention::{
-    attention, attention_with_logits, AttnShape, KvSegment, Mask, QueryPositions,
+    attention, attention_with_logits, logits_len, AttnShape, KvSegment, Mask, QueryPositions,
 };
 use slowfast_kv::{AttnCall, CacheElem, KvPolicy, KvStore};
 
 use crate::config::ModelConfig;
 use crate::ModelError;
 
-/// Attention of `n` query rows (`q`: `[n, heads, head_dim]`, positions `pos0..pos0 + n`) of
-/// `layer` over the cached keys the KV policy selects (within what the mask allows); writes
-/// `out` `[n, heads, head_dim]`.
+/// Attention of `n` query rows (`q`: `[n, heads, head_dim]`, positions `pos0..pos0 + n`, or
+/// the ascending `q_list` when given: FastKV's propagated rows) of `layer` over the cached keys
+/// the KV policy selects (within what the mask allows); writes `out` `[n, heads, head_dim]`.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_layer<T: CacheElem>(
     cfg: &ModelConfig,
@@ -19,6 +19,7 @@ pub fn attend_layer<T: CacheElem>(
     pos0: usize,
     n: usize,
     window: Option<usize>,
+    q_list: Option<&[u32]>,
     cache: &KvStore<T>,
     policy: &mut dyn KvPolicy<T>,
     out: &mut [f32],
@@ -29,10 +30,20 @@ pub fn attend_layer<T: CacheElem>(
         head_dim: cfg.head_dim,
         scale: cfg.attn_scale,
     };
-    let hi = pos0 + n;
+    // With a position list, the call spans its first to its last row (hi = last + 1).
+    let (first, hi) = match q_list {
+        Some(l) => (l[0] as usize, *l.last().unwrap() as usize + 1),
+        None => (pos0, pos0 + n),
+    };
+    let pos0 = hi - n;
+    // Positions of query rows `r0..r1`.
+    let q_pos = |r0: usize, r1: usize| match q_list {
+        Some(l) => QueryPositions::List(&l[r0..r1]),
+        None => QueryPositions::Start((pos0 + r0) as u32),
+    };
     // The oldest key any row of the chunk can see.
     let lo = match window {
-        Some(w) => (pos0 + 1).saturating_sub(w),
+        Some(w) => (first + 1).saturating_sub(w),
         None => 0,
     };
     let call = AttnCall {
@@ -45,25 +56,26 @@ pub fn attend_layer<T: CacheElem>(
     debug_assert_eq!(hi, call.hi());
     let capture = policy.capture_rows(&call).min(n);
     let mut segs: Vec<Vec<KvSegment<'_, T>>> = Vec::with_capacity(cfg.num_key_value_heads);
+    policy.query(&call, q);
     policy.segments(&call, cache, &mut segs);
     let mask = Mask {
         causal: true,
         window: window.map(|w| w as u32),
     };
     let err = |e| ModelError::Compute(format!("attention in layer {layer}: {e}"));
-    // Rows before the captured tail: plain attention. The captured tail (the slow step's row,
-    // or the prefill bootstrap rows) runs once, through the kernel that also writes its dense
-    // logits for the policy.
+    // A decode slow step (one row, captured) runs once, through the kernel that also writes
+    // the dense logits. In prefill every row goes through the plain kernel (so the outputs do
+    // not depend on what a policy captures) and the captured tail is re-run for its logits.
     let width = cfg.num_attention_heads * cfg.head_dim;
-    let first = n - capture;
-    if first > 0 {
+    let plain = if n == 1 && capture == 1 { 0 } else { n };
+    if plain > 0 {
         attention(
             &shape,
-            &q[..first * width],
-            QueryPositions::Start(pos0 as u32),
+            &q[..plain * width],
+            q_pos(0, plain),
             &segs,
             mask,
-            &mut out[..first * width],
+            &mut out[..plain * width],
             None,
         )
         .map_err(err)?;
@@ -71,14 +83,23 @@ pub fn attend_layer<T: CacheElem>(
     if capture == 0 {
         return Ok(());
     }
-    let mut logits = vec![0.0f32; cfg.num_attention_heads * capture * (hi - lo)];
+    let tail = n - capture;
+    let mut scratch_out;
+    let o: &mut [f32] = if plain == 0 {
+        out
+    } else {
+        scratch_out = vec![0.0f32; capture * width];
+        &mut scratch_out
+    };
+    // [n_heads, capture, keys]: keys = hi - lo unless the policy compacted the layer.
+    let mut logits = vec![0.0f32; logits_len(&shape, capture, &segs)];
     attention_with_logits(
         &shape,
-        &q[first * width..n * width],
-        QueryPositions::Start((pos0 + first) as u32),
+        &q[tail * width..n * width],
+        q_pos(tail, n),
         &segs,
         mask,
-        &mut out[first * width..n * width],
+        o,
         None,
         &mut logits,
     )

@@ -23,6 +23,24 @@ pub enum LogitsRows {
     All,
 }
 
+/// FastKV's token-selective propagation: from `layer` on, only `len` prompt tokens (the top
+/// scored plus the last `window`) are processed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TspConfig {
+    pub layer: usize,
+    pub len: usize,
+    pub window: usize,
+    pub kernel: usize,
+}
+
+/// Positions of the rows of a forward: contiguous from a start, or an ascending list (FastKV
+/// propagates a subset of the prompt with its original positions).
+#[derive(Debug, Clone, Copy)]
+enum RowPos<'a> {
+    Range(usize),
+    List(&'a [u32]),
+}
+
 /// How activations meet quantized weights in the matrix products.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatmulPrecision {
@@ -224,42 +242,43 @@ impl Model {
                 capacity: cap,
             });
         }
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
             return Err(ModelError::Compute(format!(
                 "token id {bad} is outside the vocabulary of {} tokens",
                 c.vocab_size
             )));
         }
-        // Embedding lookup (Gemma scales by sqrt(hidden)).
-        let x = resize(&mut s.x, n * h);
-        let scale = if c.scale_embeddings {
-            (h as f32).sqrt()
-        } else {
-            1.0
-        };
-        for (t, row) in tokens.iter().zip(x.chunks_exact_mut(h)) {
-            self.weights.embed.row_f32(*t as usize, row);
-            if scale != 1.0 {
-                row.iter_mut().for_each(|v| *v *= scale);
-            }
-        }
-        ops::rope_tables(
-            pos0..pos0 + n,
-            &self.inv_freq_global,
-            &mut s.cos,
-            &mut s.sin,
-        );
-        if c.layer_sliding.iter().any(|&b| b) {
-            ops::rope_tables(
-                pos0..pos0 + n,
-                &self.inv_freq_local,
-                &mut s.cos_l,
-                &mut s.sin_l,
-            );
-        }
-        for (l, w) in self.weights.layers.iter().enumerate() {
+        self.embed(tokens, s);
+        self.rope(RowPos::Range(pos0), n, s);
+        self.run_layers(
+            0..c.num_hidden_layers,
+            n,
+            RowPos::Range(pos0),
+            cache,
+            policy,
+            s,
+        )?;
+        cache.set_len(pos0 + n);
+        policy.end_forward(pos0, n);
+        self.head(n, rows, s, logits)
+    }
+
+    /// Run the `n` rows of the residual stream `s.x` (positions `pos`, RoPE tables already in
+    /// `s`) through `layers`, writing their K/V into `cache`.
+    fn run_layers<T: CacheElem>(
+        &self,
+        layers: std::ops::Range<usize>,
+        n: usize,
+        pos: RowPos<'_>,
+        cache: &mut KvStore<T>,
+        policy: &mut dyn KvPolicy<T>,
+        s: &mut Scratch,
+    ) -> Result<(), ModelError> {
+        let c = &self.cfg;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        for l in layers {
+            let w = &self.weights.layers[l];
             let sliding = c.is_sliding(l);
             // --- attention block ---
             let xb = resize(&mut s.xb, n * h);
@@ -281,12 +300,18 @@ impl Model {
             };
             ops::rope_inplace(q, nh, hd, cos, sin);
             ops::rope_inplace(k, nkv, hd, cos, sin);
-            cache
-                .write(l, pos0, k, v)
-                .map_err(|e| ModelError::Compute(format!("layer {l}: {e}")))?;
+            match pos {
+                RowPos::Range(p0) => cache.write(l, p0, k, v),
+                RowPos::List(list) => cache.write_at(l, list, k, v),
+            }
+            .map_err(|e| ModelError::Compute(format!("layer {l}: {e}")))?;
             let att = resize(&mut s.att, n * nh * hd);
             let window = if sliding { c.sliding_window } else { None };
-            attend_layer(c, l, q, pos0, n, window, cache, policy, att)?;
+            let (p0, list) = match pos {
+                RowPos::Range(p0) => (p0, None),
+                RowPos::List(list) => (0, Some(list)),
+            };
+            attend_layer(c, l, q, p0, n, window, list, cache, policy, att)?;
             let o = resize(&mut s.o, n * h);
             self.linear(&w.wo, att, n, o)?;
             if let Some(pn) = &w.post_attn_norm {
@@ -311,9 +336,19 @@ impl Model {
             }
             ops::add_inplace(&mut s.x, o);
         }
-        cache.set_len(pos0 + n);
-        policy.end_forward(pos0, n);
-        // Final norm + LM head on the rows that need logits.
+        Ok(())
+    }
+
+    /// Final norm + LM head on the rows of `s.x` (`n` rows) that need logits.
+    fn head(
+        &self,
+        n: usize,
+        rows: LogitsRows,
+        s: &mut Scratch,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        let c = &self.cfg;
+        let h = c.hidden_size;
         let first = match rows {
             LogitsRows::None => return Ok(()),
             LogitsRows::Last => n - 1,
@@ -329,5 +364,232 @@ impl Model {
         );
         logits.resize(m * c.vocab_size, 0.0);
         self.linear(self.weights.lm_head(), xb, m, logits)
+    }
+
+    /// Embedding lookup of `tokens` into `s.x` (Gemma scales by sqrt(hidden)).
+    fn embed(&self, tokens: &[u32], s: &mut Scratch) {
+        let c = &self.cfg;
+        let (n, h) = (tokens.len(), c.hidden_size);
+        let x = resize(&mut s.x, n * h);
+        let scale = if c.scale_embeddings {
+            (h as f32).sqrt()
+        } else {
+            1.0
+        };
+        for (t, row) in tokens.iter().zip(x.chunks_exact_mut(h)) {
+            self.weights.embed.row_f32(*t as usize, row);
+            if scale != 1.0 {
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
+        }
+    }
+
+    /// FastKV prefill (token-selective propagation) of `tokens` at positions `0..n` into an
+    /// empty `cache`: chunks of `chunk` rows run through layers `0..=tsp_layer` with full
+    /// context; there the last `window` rows' softmax attention (summed over heads and rows,
+    /// max-pooled with `kernel`) picks the top `tsp_len - window` earlier tokens, which with
+    /// the window are the only rows layers `tsp_layer + 1..` process, at their original
+    /// positions. Writes the last row's `[vocab]` logits. With `tsp_len >= n` this is exactly
+    /// `forward_with` over the same chunks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill_fastkv<T: CacheElem>(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvStore<T>,
+        policy: &mut dyn KvPolicy<T>,
+        s: &mut Scratch,
+        chunks: &[(usize, usize)],
+        tsp: &TspConfig,
+        logits: &mut Vec<f32>,
+    ) -> Result<Vec<u32>, ModelError> {
+        let c = &self.cfg;
+        let (n, h, hd) = (tokens.len(), c.hidden_size, c.head_dim);
+        let l_count = c.num_hidden_layers;
+        if n == 0 || !cache.is_empty() {
+            return Err(ModelError::Compute(
+                "FastKV prefill needs a non-empty prompt and an empty cache".into(),
+            ));
+        }
+        if tsp.layer >= l_count || c.is_sliding(tsp.layer) {
+            return Err(ModelError::Compute(format!(
+                "--fastkv-tsp-layer {} must be a global-attention layer of this {l_count}-layer model (global layers: {:?})",
+                tsp.layer,
+                (0..l_count).filter(|&l| !c.is_sliding(l)).collect::<Vec<_>>()
+            )));
+        }
+        if n > cache.capacity() {
+            return Err(ModelError::ContextFull {
+                needed: n,
+                capacity: cache.capacity(),
+            });
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(ModelError::Compute(format!(
+                "token id {bad} is outside the vocabulary of {} tokens",
+                c.vocab_size
+            )));
+        }
+        // Phase 1: every token through layers 0..=T; keep the residual stream.
+        let mut hidden = vec![0.0f32; n * h]; // [n, hidden]
+        let mut q_last = Vec::new(); // [rows, heads, head_dim] of the last rows at layer T
+        for &(a, b) in chunks {
+            let m = b - a;
+            self.embed(&tokens[a..b], s);
+            self.rope(RowPos::Range(a), m, s);
+            self.run_layers(0..tsp.layer + 1, m, RowPos::Range(a), cache, policy, s)?;
+            hidden[a * h..b * h].copy_from_slice(&s.x[..m * h]);
+            let rows = tsp.window.min(m);
+            let width = c.num_attention_heads * hd;
+            q_last.clear();
+            q_last.extend_from_slice(&s.q[(m - rows) * width..m * width]);
+        }
+        let keep = if tsp.len >= n {
+            (0..n as u32).collect::<Vec<u32>>()
+        } else {
+            self.tsp_select(tsp, n, &q_last, cache)?
+        };
+        // Phase 2: the kept rows through the remaining layers, chunk by chunk.
+        let sel_chunks: Vec<(usize, usize)> = if keep.len() == n {
+            chunks.to_vec()
+        } else {
+            // Same chunk size; the last chunk holds at least the window (policies observe it).
+            let size = chunks.first().map_or(n, |&(a, b)| b - a).max(1);
+            let k = keep.len();
+            let mut v: Vec<(usize, usize)> = (0..k)
+                .step_by(size)
+                .map(|a| (a, (a + size).min(k)))
+                .collect();
+            let w = tsp.window.min(size).min(k);
+            let last = v.len() - 1;
+            if last > 0 && v[last].1 - v[last].0 < w {
+                v[last - 1].1 = k - w;
+                v[last].0 = k - w;
+                if v[last - 1].0 == k - w {
+                    v.remove(last - 1);
+                }
+            }
+            v
+        };
+        for &(a, b) in &sel_chunks {
+            let m = b - a;
+            let x = resize(&mut s.x, m * h);
+            for (i, &p) in keep[a..b].iter().enumerate() {
+                x[i * h..(i + 1) * h]
+                    .copy_from_slice(&hidden[p as usize * h..(p as usize + 1) * h]);
+            }
+            let list = &keep[a..b];
+            let contiguous = list.windows(2).all(|w| w[1] == w[0] + 1);
+            let pos = if contiguous {
+                RowPos::Range(list[0] as usize)
+            } else {
+                RowPos::List(list)
+            };
+            self.rope(pos, m, s);
+            self.run_layers(tsp.layer + 1..l_count, m, pos, cache, policy, s)?;
+        }
+        cache.set_len(n);
+        policy.end_forward(0, n);
+        let m = sel_chunks.last().map_or(0, |&(a, b)| b - a);
+        self.head(m, LogitsRows::Last, s, logits)?;
+        Ok(keep)
+    }
+
+    /// FastKV's token choice at the TSP layer: softmax attention of the last rows (`q_last`)
+    /// over all keys of layer `tsp.layer`, summed over rows and heads, max-pooled; the top
+    /// `len - window` earlier positions plus the window, ascending.
+    fn tsp_select<T: CacheElem>(
+        &self,
+        tsp: &TspConfig,
+        n: usize,
+        q_last: &[f32],
+        cache: &KvStore<T>,
+    ) -> Result<Vec<u32>, ModelError> {
+        use slowfast_backend::cpu::attention::{
+            attention_with_logits, logits_len, AttnShape, KvSegment, Mask, QueryPositions,
+        };
+        let c = &self.cfg;
+        let shape = AttnShape {
+            n_heads: c.num_attention_heads,
+            n_kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            scale: c.attn_scale,
+        };
+        let rows = q_last.len() / (c.num_attention_heads * c.head_dim);
+        let segs: Vec<Vec<KvSegment<'_, T>>> = (0..c.num_key_value_heads)
+            .map(|kh| {
+                cache
+                    .segments(tsp.layer, kh, 0, n)
+                    .into_iter()
+                    .flatten()
+                    .collect()
+            })
+            .collect();
+        let mut lg = vec![0.0f32; logits_len(&shape, rows, &segs)];
+        let mut o = vec![0.0f32; q_last.len()];
+        attention_with_logits(
+            &shape,
+            q_last,
+            QueryPositions::Start((n - rows) as u32),
+            &segs,
+            Mask::CAUSAL,
+            &mut o,
+            None,
+            &mut lg,
+        )
+        .map_err(|e| ModelError::Compute(format!("FastKV scores at layer {}: {e}", tsp.layer)))?;
+        let mut per_q = Vec::new();
+        slowfast_kv::score::accumulate_probs(
+            &lg,
+            rows,
+            &vec![n; c.num_key_value_heads],
+            &mut per_q,
+        );
+        let w = tsp.window.min(tsp.len).min(n);
+        let mut total = vec![0.0f32; n - w];
+        for q in &per_q {
+            for (t, x) in total
+                .iter_mut()
+                .zip(slowfast_kv::score::max_pool(&q[..n - w], tsp.kernel))
+            {
+                *t += x;
+            }
+        }
+        let mut keep: Vec<u32> = slowfast_kv::score::top_k(&total, tsp.len - w)
+            .into_iter()
+            .map(|i| i as u32)
+            .collect();
+        keep.extend((n - w) as u32..n as u32);
+        keep.sort_unstable();
+        Ok(keep)
+    }
+
+    /// The global-attention layer nearest the middle of the model (FastKV's default TSP layer).
+    pub fn default_tsp_layer(&self) -> usize {
+        let l = self.cfg.num_hidden_layers;
+        let mid = (l as f64 - 1.0) / 2.0;
+        (0..l)
+            .filter(|&i| !self.cfg.is_sliding(i))
+            .min_by(|&a, &b| (a as f64 - mid).abs().total_cmp(&(b as f64 - mid).abs()))
+            .unwrap_or(l / 2)
+    }
+
+    /// RoPE tables (global and, if the model has sliding layers, local) for `n` rows.
+    fn rope(&self, pos: RowPos<'_>, n: usize, s: &mut Scratch) {
+        let sliding = self.cfg.layer_sliding.iter().any(|&b| b);
+        match pos {
+            RowPos::Range(p0) => {
+                ops::rope_tables(p0..p0 + n, &self.inv_freq_global, &mut s.cos, &mut s.sin);
+                if sliding {
+                    ops::rope_tables(p0..p0 + n, &self.inv_freq_local, &mut s.cos_l, &mut s.sin_l);
+                }
+            }
+            RowPos::List(l) => {
+                let it = || l.iter().map(|&p| p as usize);
+                ops::rope_tables(it(), &self.inv_freq_global, &mut s.cos, &mut s.sin);
+                if sliding {
+                    ops::rope_tables(it(), &self.inv_freq_local, &mut s.cos_l, &mut s.sin_l);
+                }
+            }
+        }
     }
 }

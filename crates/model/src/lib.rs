@@ -10,6 +10,6 @@ pub mod random;
 pub mod weights;
 
 pub use config::{Activation, Arch, ModelConfig, RopeScaling};
-pub use decoder::{LogitsRows, MatmulPrecision, Model, Scratch};
+pub use decoder::{LogitsRows, MatmulPrecision, Model, Scratch, TspConfig};
 pub use error::ModelError;
 pub use weights::{ModelWeights, Weight};
