@@ -30,6 +30,9 @@ for p in $phases; do
         --new-tokens "$N" --json "$OUT/bench-b1.json" 2>&1 | tee "$OUT/bench.log"
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_B:-8k,32k}" \
         --batch "${BATCH:-8}" --new-tokens "$N" --json "$OUT/bench-b8.json" 2>&1 | tee -a "$OUT/bench.log" ;;
+    bench4)
+      .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_4:-128k}" \
+        --batch 4 --new-tokens "$N" --json "$OUT/bench-b4.json" 2>&1 | tee -a "$OUT/bench.log" ;;
     torch)
       python3 .bin/torch_reference.py --contexts "$CTX" --new-tokens "$N" --json "$OUT/torch.json" 2>&1 | tee "$OUT/torch.log" ;;
     gen)
