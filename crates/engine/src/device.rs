@@ -98,3 +98,35 @@ pub fn session<'m>(
         Device::Cuda => Err(not_built()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_and_the_no_cuda_message() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda);
+        assert!("tpu".parse::<Device>().unwrap_err().contains("tpu"));
+        assert!(not_built().to_string().contains("--features cuda"));
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_session_without_the_feature_says_so() {
+        let mut small = slowfast_model::presets::preset("qwen3-0.6b").unwrap();
+        small.num_hidden_layers = 1;
+        small.layer_sliding = vec![false];
+        small.vocab_size = 64;
+        small.hidden_size = 64;
+        small.intermediate_size = 64;
+        let w = slowfast_model::random::random_weights(&small, slowfast_quant::GgmlType::F32, 1)
+            .unwrap();
+        let m = Model::new(small, w).unwrap();
+        let err = match session(Device::Cuda, &m, 16, KvDtype::F32, 8, &PolicySpec::Full) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("a build without the cuda feature made a GPU session"),
+        };
+        assert!(err.contains("built without CUDA"), "{err}");
+    }
+}
