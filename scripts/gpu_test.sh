@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Builds the slowfast-cuda GPU test binaries and the micro-benchmark here (no GPU or CUDA
-# toolkit needed), copies them to .bin/ (git-ignored), and prints the `run`-tool command that
-# runs them on the GPU machine with SLOWFAST_REQUIRE_GPU=1, writing logs to $OUT.
+# Builds every GPU test binary (slowfast-cuda kernels, slowfast-engine's GPU decoder against
+# the CPU engine), the kernel micro-benchmark and the `slowfast` CLI with --features cuda here
+# (no GPU or CUDA toolkit needed), copies them to .bin/ (git-ignored) with the test fixtures
+# and bench/torch_reference.py, and prints the `run`-tool command that runs all of it on the
+# GPU machine (tests with SLOWFAST_REQUIRE_GPU=1, then `slowfast bench --device cuda` and the
+# PyTorch reference at the same contexts), writing logs to $OUT.
 #
 #   scripts/gpu_test.sh            # build + print the command
 #   CARGO_MANIFEST=path/Cargo.toml scripts/gpu_test.sh   # build through another workspace root
@@ -9,14 +12,19 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 manifest="${CARGO_MANIFEST:-$root/Cargo.toml}"
-mkdir -p .bin
-rm -f .bin/slowfast_cuda-* .bin/cuda_bench
+# The run tool sends the session's own checkout; when that is another worktree, stage there:
+#   BIN_DIR=/path/to/that/checkout/.bin scripts/gpu_test.sh
+bin="${BIN_DIR:-$root/.bin}"
+mkdir -p "$bin"
+rm -rf "$bin"/slowfast_cuda-* "$bin"/slowfast_engine-* "$bin"/cuda_bench "$bin"/slowfast "$bin"/fixtures
 
 # build MODE ARGS...: MODE "test" lists test executables, "bin" lists the others.
 build() {
   local mode="$1"
   shift
-  cargo "$@" --manifest-path "$manifest" -p slowfast-cuda --features cuda --release --message-format=json \
+  local pkg="$1"
+  shift
+  cargo "$@" --manifest-path "$manifest" -p "$pkg" --features cuda --release --message-format=json \
     | python3 -c '
 import json, sys
 want_test = sys.argv[1] == "test"
@@ -33,16 +41,32 @@ for line in sys.stdin:
 }
 
 # test binaries: one per tests/*.rs target (and the lib's unit tests)
-for exe in $(build test test --no-run); do
+for exe in $(build test slowfast-cuda test --no-run); do
   name="$(basename "$exe")"
-  cp "$exe" ".bin/slowfast_cuda-${name%-*}"
+  cp "$exe" "$bin/slowfast_cuda-${name%-*}"
 done
-for exe in $(build bin build --example cuda_bench); do
-  cp "$exe" .bin/cuda_bench
+for exe in $(build test slowfast-engine test --no-run --test gpu_model); do
+  name="$(basename "$exe")"
+  cp "$exe" "$bin/slowfast_engine-${name%-*}"
 done
-ls -la .bin/ | grep -E "slowfast_cuda|cuda_bench" >&2
+for exe in $(build bin slowfast-cuda build --example cuda_bench); do
+  cp "$exe" "$bin/cuda_bench"
+done
+for exe in $(build bin slowfast build --bin slowfast); do
+  cp "$exe" "$bin/slowfast"
+done
+# Debug line tables off: the carried folder must stay small (64 MiB with the tree).
+for f in "$bin"/slowfast_cuda-* "$bin"/slowfast_engine-* "$bin"/cuda_bench "$bin"/slowfast; do
+  strip --strip-debug "$f" 2>/dev/null || true
+done
+# The run tool sends the session's checkout: carry fixtures and the reference script too.
+mkdir -p "$bin/fixtures"
+cp -r tests/fixtures/hf tests/fixtures/gguf "$bin/fixtures/"
+cp bench/torch_reference.py scripts/gpu_run.sh "$bin/"
+ls -la "$bin" >&2
+du -sh "$bin" >&2
 
 cat <<'CMD'
-# run tool, carry [".bin"], timeout_s 600:
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64 SLOWFAST_REQUIRE_GPU=1 SLOWFAST_REQUIRE_NVRTC=1; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > $OUT/nvidia-smi.txt 2>&1; rc=0; for t in .bin/slowfast_cuda-*; do echo "== $t" | tee -a $OUT/tests.log; $t --test-threads=1 --nocapture 2>&1 | tee -a $OUT/tests.log; [ "${PIPESTATUS[0]}" = 0 ] || rc=1; done; .bin/cuda_bench 2>&1 | tee $OUT/bench.log; echo "tests rc=$rc"
+# run tool, carry [".bin"], timeout_s 600 (phases: tests kbench bench torch gen; env CTX, N, BATCH):
+bash .bin/gpu_run.sh tests bench torch
 CMD

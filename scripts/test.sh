@@ -13,8 +13,10 @@ fi
 echo "== fetching the default model (cached after the first run)"
 cargo run --release -q -p slowfast -- fetch gemma3-270m
 
-echo "== compiling the CUDA path (feature cuda)"
+echo "== compiling the CUDA path (feature cuda: kernels crate, GPU decoder tests, CLI)"
 cargo build -q -p slowfast-cuda --features cuda --tests
+cargo build -q -p slowfast-engine --features cuda --tests
+cargo build -q -p slowfast --features cuda
 
 echo "== tests"
 export SLOWFAST_REQUIRE_MODEL=1 SLOWFAST_REQUIRE_NVRTC=1

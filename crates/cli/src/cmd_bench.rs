@@ -31,6 +31,9 @@ pub struct Args {
     pub real_prefill: Option<usize>,
     #[command(flatten)]
     pub sparse: PolicyArgs,
+    /// Sequences decoded together (`--device cuda` only; each holds a copy of the prompt).
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
     /// Write the records as a JSON array to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -76,6 +79,12 @@ pub fn run(a: Args) -> Result<()> {
             a.sparse.spec(p, c)?;
         }
     }
+    if a.model.device() == slowfast_engine::Device::Cuda {
+        return run_cuda(&a, o);
+    }
+    if a.batch != 1 {
+        bail!("--batch: batched decode runs on --device cuda only");
+    }
     let m = a.model.load()?;
     let spec_for = |name: &str,
                     ctx: usize|
@@ -87,11 +96,38 @@ pub fn run(a: Args) -> Result<()> {
     };
     let recs = run_bench(&m, &o, &spec_for, &mut |s| eprintln!("{s}"))?;
     print!("{}", table(&recs));
-    if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_string_pretty(&recs)?)
+    write_json(&a.json, &recs)
+}
+
+fn write_json<T: serde::Serialize>(p: &Option<PathBuf>, recs: &T) -> Result<()> {
+    if let Some(p) = p {
+        std::fs::write(p, serde_json::to_string_pretty(recs)?)
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", p.display()))?;
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(a: &Args, o: BenchOptions) -> Result<()> {
+    use slowfast_engine::cuda::{bench, table, GpuBenchOptions};
+    if o.policies.iter().any(|p| p != "full") {
+        bail!("--device cuda: only the full KV policy is on cuda yet (--policies full)");
+    }
+    let m = a.model.load()?;
+    let go = GpuBenchOptions {
+        contexts: o.contexts,
+        new_tokens: o.new_tokens,
+        batch: a.batch,
+        repeats: o.repeats,
+    };
+    let recs = bench(&m, &go, &mut |s| eprintln!("{s}"))?;
+    print!("{}", table(&recs));
+    write_json(&a.json, &recs)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_a: &Args, _o: BenchOptions) -> Result<()> {
+    Err(slowfast_engine::device::not_built().into())
 }
 
 #[cfg(test)]

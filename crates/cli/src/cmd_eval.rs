@@ -69,6 +69,7 @@ pub fn run(a: Args) -> Result<()> {
         .split(',')
         .map(|p| a.sparse.spec(p.trim(), a.context))
         .collect::<Result<Vec<_>, _>>()?;
+    a.model.require_cpu("eval")?;
     let text = read_text(&a.input)?;
     let m = a.model.load()?;
     let ids = m.tokenizer.encode(&text, true)?;

@@ -130,6 +130,7 @@ pub fn run(a: Args) -> Result<()> {
         kv_dtype: a.model.kv(),
         chunk: a.model.chunk,
         policy,
+        device: a.model.device(),
     };
     let stdout = std::io::stdout();
     let json = a.json;

@@ -24,12 +24,22 @@ impl ModelArgs {
         self.kv_dtype.parse().expect("clap restricts the values")
     }
 
+    pub fn device(&self) -> slowfast_engine::Device {
+        self.device.parse().expect("clap restricts the values")
+    }
+
+    /// `--device cuda` for a command that runs on the CPU only.
+    pub fn require_cpu(&self, command: &str) -> Result<()> {
+        if self.device() != slowfast_engine::Device::Cpu {
+            bail!("--device cuda: `{command}` is not on cuda yet (generate and bench are; use --device cpu)");
+        }
+        Ok(())
+    }
+
     /// Check the device and load the model (fetching the default model on first use).
     pub fn load(&self) -> Result<Loaded> {
-        if self.device == "cuda" {
-            bail!(
-                "--device cuda: the CUDA engine is not wired into the decoder yet; this build runs models on the CPU only (use --device cpu)"
-            );
+        if self.device() == slowfast_engine::Device::Cuda && !slowfast_engine::device::CUDA_BUILT {
+            return Err(slowfast_engine::device::not_built().into());
         }
         if self.chunk == 0 {
             bail!("--chunk must be at least 1");

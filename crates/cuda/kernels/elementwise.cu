@@ -61,3 +61,13 @@ extern "C" __global__ void kv_append(const bf16* __restrict__ k, const bf16* __r
         reinterpret_cast<uint4*>(v_cache + dst)[c] = reinterpret_cast<const uint4*>(v + src)[c];
     }
 }
+
+// End of a decode step: pos[b] += 1 (the next token's position) and seq_lens[b] = pos[b] + 1
+// (the cache length the next step attends to, its own key included). n <= 1024, one block.
+extern "C" __global__ void advance_positions(u32* pos, u32* seq_lens, u32 n) {
+    for (u32 b = threadIdx.x; b < n; b += blockDim.x) {
+        const u32 p = pos[b] + 1;
+        pos[b] = p;
+        seq_lens[b] = p + 1;
+    }
+}

@@ -61,11 +61,14 @@ extern "C" __global__ void head_rmsnorm_bf16(bf16* x, const float* __restrict__ 
 
 // NeoX (rotate-half) RoPE in place on q [n, q_heads, head_dim] and k [n, k_heads, head_dim]
 // (k may be null). Pair i < rot_dim/2 rotates (x[i], x[i + rot_dim/2]) by
-// angle = positions[t] * theta^(-2i/rot_dim) / pos_scale. Angles in double precision so
-// positions near 128K keep their phase. grid (n, q_heads + k_heads), block rot_dim/2.
+// angle = positions[t] * theta^(-2i/rot_dim) / pos_scale, or positions[t] * inv_freq[i] when
+// the table inv_freq [rot_dim/2] is given (Llama 3 / per-frequency scaling). Angles in double
+// precision so positions near 128K keep their phase. grid (n, q_heads + k_heads), block
+// rot_dim/2.
 extern "C" __global__ void rope_neox_bf16(bf16* q, bf16* k, const u32* __restrict__ positions,
                                           u32 q_heads, u32 k_heads, u32 head_dim, u32 rot_dim,
-                                          float theta, float pos_scale) {
+                                          float theta, float pos_scale,
+                                          const double* __restrict__ inv_freq_table) {
     const u32 t = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
     const u32 half = rot_dim / 2;
     if (i >= half) return;
@@ -73,7 +76,9 @@ extern "C" __global__ void rope_neox_bf16(bf16* q, bf16* k, const u32* __restric
     if (h < q_heads) x = q + ((u64)t * q_heads + h) * head_dim;
     else if (k != nullptr) x = k + ((u64)t * k_heads + (h - q_heads)) * head_dim;
     else return;
-    const double inv_freq = pow((double)theta, -2.0 * (double)i / (double)rot_dim) / (double)pos_scale;
+    const double inv_freq = inv_freq_table != nullptr
+        ? inv_freq_table[i]
+        : pow((double)theta, -2.0 * (double)i / (double)rot_dim) / (double)pos_scale;
     const double ang = (double)positions[t] * inv_freq;
     double s, c;
     sincos(ang, &s, &c);

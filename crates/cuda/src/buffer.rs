@@ -17,6 +17,9 @@ impl GpuElem for f32 {
 impl GpuElem for half::bf16 {
     const NAME: &'static str = "bf16";
 }
+impl GpuElem for f64 {
+    const NAME: &'static str = "f64";
+}
 impl GpuElem for u32 {
     const NAME: &'static str = "u32";
 }

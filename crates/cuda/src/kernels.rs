@@ -22,6 +22,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "add_bf16",
     "glu_bf16",
     "kv_append",
+    "advance_positions",
     "rmsnorm_bf16",
     "head_rmsnorm_bf16",
     "rope_neox_bf16",

@@ -14,6 +14,8 @@ mod buffer;
 #[cfg(feature = "cuda")]
 mod context;
 #[cfg(feature = "cuda")]
+pub mod model;
+#[cfg(feature = "cuda")]
 pub mod ops;
 #[cfg(not(feature = "cuda"))]
 mod stub;
@@ -27,6 +29,8 @@ pub use buffer::{GpuBuffer, GpuElem};
 pub use context::CudaContext;
 #[cfg(feature = "cuda")]
 pub use half::bf16;
+#[cfg(feature = "cuda")]
+pub use model::{DecoderSpec, GpuDecoder, Norm, Tensor, WeightSource};
 #[cfg(feature = "cuda")]
 pub use ops::attention::{AttnWorkspace, DecodeAttn, PrefillAttn};
 #[cfg(feature = "cuda")]

@@ -4,9 +4,10 @@ use std::time::Instant;
 
 use slowfast_tokenizer::StreamDecoder;
 
+use crate::device::Device;
 use crate::load::Loaded;
 use crate::sampler::{Sampler, SamplerConfig};
-use crate::session::{KvDtype, PolicySpec, Session, DEFAULT_CHUNK};
+use crate::session::{KvDtype, PolicySpec, DEFAULT_CHUNK};
 use crate::stop::StopMatcher;
 use crate::EngineError;
 use slowfast_kv::PolicyStats;
@@ -21,6 +22,7 @@ pub struct GenerateOptions {
     pub kv_dtype: KvDtype,
     pub chunk: usize,
     pub policy: PolicySpec,
+    pub device: Device,
 }
 
 impl Default for GenerateOptions {
@@ -33,6 +35,7 @@ impl Default for GenerateOptions {
             kv_dtype: KvDtype::F16,
             chunk: DEFAULT_CHUNK,
             policy: PolicySpec::Full,
+            device: Device::Cpu,
         }
     }
 }
@@ -84,7 +87,8 @@ pub fn generate(
         )));
     }
     let max_new = opts.max_new_tokens.min(ctx - prompt_ids.len());
-    let mut sess = Session::try_with_policy(
+    let mut sess = crate::device::session(
+        opts.device,
         &m.model,
         needed.min(ctx),
         opts.kv_dtype,

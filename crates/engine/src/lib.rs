@@ -1,5 +1,8 @@
 //! slowfast-engine: sampling, the generate loop, evaluation and benchmarks.
 pub mod bench;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod device;
 pub mod error;
 pub mod eval;
 pub mod generate;
@@ -9,6 +12,7 @@ pub mod sampler;
 pub mod session;
 pub mod stop;
 
+pub use device::Device;
 pub use error::EngineError;
 pub use load::{load, Loaded, DEFAULT_MODEL};
 pub use session::{budget_tokens, policy_spec, KvDtype, PolicySpec, Session};

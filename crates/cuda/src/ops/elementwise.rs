@@ -202,4 +202,23 @@ impl CudaContext {
             &args,
         )
     }
+
+    /// End of a decode step: `pos[b] += 1; seq_lens[b] = pos[b] + 1` for `b < n` (n <= 1024).
+    pub fn advance_positions(
+        &self,
+        pos: &mut GpuBuffer<u32>,
+        seq_lens: &mut GpuBuffer<u32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "advance_positions";
+        if n > 1024 {
+            return Err(CudaError::bad(OP, format!("{n} sequences (at most 1024)")));
+        }
+        let args = [
+            KArg::P(pos.ptr_min(OP, "pos [n]", n)?),
+            KArg::P(seq_lens.ptr_min(OP, "seq_lens [n]", n)?),
+            KArg::U(n as u32),
+        ];
+        self.launch(OP, (1, 1, 1), (1024, 1, 1), 0, &args)
+    }
 }

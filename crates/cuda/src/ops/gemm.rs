@@ -50,6 +50,22 @@ impl CudaContext {
         let px = x.ptr_min(OP, "x [n, in]", n * in_features)?;
         let pw = w.ptr_min(OP, "w [out, in]", out_features * in_features)?;
         let py = y.ptr_min(OP, "y [n, out]", n * out_features)?;
+        self.linear_raw(px, pw, py, O::CUDA_TYPE, n, in_features, out_features)
+    }
+
+    /// [`CudaContext::linear`] on raw device addresses (shapes checked by the caller).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn linear_raw(
+        &self,
+        px: u64,
+        pw: u64,
+        py: u64,
+        out_type: cudaDataType,
+        n: usize,
+        in_features: usize,
+        out_features: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "linear";
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Column-major view: Y^T[out, n] = W[out, in] · X^T[in, n], with W read transposed
         // from its column-major [in, out] storage.
@@ -70,7 +86,7 @@ impl CudaContext {
                 in_features as i32,
                 &beta as *const f32 as *const c_void,
                 py as *mut c_void,
-                O::CUDA_TYPE,
+                out_type,
                 out_features as i32,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,

@@ -151,6 +151,25 @@ impl CudaContext {
         head_dim: usize,
         rope: Rope,
     ) -> Result<(), CudaError> {
+        self.rope_neox_with(q, k, positions, n, q_heads, k_heads, head_dim, rope, None)
+    }
+
+    /// [`CudaContext::rope_neox`] with an explicit inverse-frequency table `inv_freq`
+    /// [rot_dim/2] (f64) replacing `theta` / `pos_scale` when given (Llama 3 scaling,
+    /// GGUF `rope_freqs`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_neox_with(
+        &self,
+        q: &mut GpuBuffer<bf16>,
+        k: Option<&mut GpuBuffer<bf16>>,
+        positions: &GpuBuffer<u32>,
+        n: usize,
+        q_heads: usize,
+        k_heads: usize,
+        head_dim: usize,
+        rope: Rope,
+        inv_freq: Option<&GpuBuffer<f64>>,
+    ) -> Result<(), CudaError> {
         const OP: &str = "rope_neox";
         if rope.rot_dim == 0
             || rope.rot_dim % 2 != 0
@@ -190,6 +209,10 @@ impl CudaContext {
             KArg::U(rope.rot_dim as u32),
             KArg::F(rope.theta),
             KArg::F(rope.pos_scale),
+            KArg::P(match inv_freq {
+                Some(t) => t.ptr_min(OP, "inv_freq [rot_dim/2]", rope.rot_dim / 2)?,
+                None => 0,
+            }),
         ];
         let block = (rope.rot_dim / 2).div_ceil(32) * 32;
         self.launch(

@@ -1,0 +1,747 @@
+//! The generic decoder (Llama / Qwen3 / Gemma 3 flags) on the GPU: bf16 weights uploaded once,
+//! a bf16 KV cache of `num_slots` sequences (`[slot, kv_head, position, head_dim]` per layer),
+//! chunked prefill of one sequence and batched decode steps with greedy argmax on the device.
+//! A decode step queues kernels only: no host synchronisation and no allocation (after the
+//! first step sized the attention workspace).
+//!
+//! Head dims below the kernels' 64 / 128 / 256 are zero-padded per head (q/k/v rows, o
+//! columns); the q/k norm weights and eps are rescaled so the padded RMS equals the true one.
+
+use std::sync::Arc;
+
+use cudarc::cublas::sys::cudaDataType;
+use half::bf16;
+
+use crate::buffer::GpuBuffer;
+use crate::context::CudaContext;
+use crate::error::CudaError;
+use crate::ops::attention::{AttnWorkspace, DecodeAttn, PrefillAttn};
+use crate::ops::elementwise::Glu;
+use crate::ops::norm::{RmsNorm, Rope};
+use crate::ops::KvLayout;
+
+/// Architecture of the decoder, resolved from a model config.
+#[derive(Clone, Debug)]
+pub struct DecoderSpec {
+    pub hidden: usize,
+    pub layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+    pub eps: f32,
+    /// Per-head RMSNorm of q and k before RoPE.
+    pub qk_norm: bool,
+    /// Norms after attention and after the MLP (Gemma 3).
+    pub post_norms: bool,
+    /// Embedding rows are multiplied by this (Gemma: sqrt(hidden)).
+    pub embed_scale: f32,
+    pub glu: Glu,
+    pub attn_scale: f32,
+    /// Per layer: the sliding window, None for a global layer.
+    pub windows: Vec<Option<usize>>,
+    /// RoPE inverse frequencies `[head_dim / 2]` of global and sliding layers.
+    pub inv_freq_global: Vec<f64>,
+    pub inv_freq_local: Vec<f64>,
+    /// LM head tied to the embedding.
+    pub tied: bool,
+}
+
+/// A weight matrix of the decoder, `[rows = out, cols = in]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tensor {
+    Embed,
+    LmHead,
+    Q(usize),
+    K(usize),
+    V(usize),
+    O(usize),
+    Gate(usize),
+    Up(usize),
+    Down(usize),
+}
+
+/// A norm weight vector (already in its final form: Gemma's `1 + w` folded in).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Norm {
+    Attn(usize),
+    Q(usize),
+    K(usize),
+    PostAttn(usize),
+    Ffn(usize),
+    PostFfw(usize),
+    Final,
+}
+
+/// Where the decoder's weights come from (the engine dequantizes its CPU model).
+pub trait WeightSource {
+    /// The matrix as bf16, row-major `[rows, cols]`.
+    fn matrix(&self, t: Tensor) -> Result<Vec<bf16>, String>;
+    fn norm(&self, n: Norm) -> Result<Vec<f32>, String>;
+}
+
+struct Layer {
+    attn_norm: GpuBuffer<f32>,
+    q_norm: Option<GpuBuffer<f32>>,
+    k_norm: Option<GpuBuffer<f32>>,
+    post_attn: Option<GpuBuffer<f32>>,
+    ffn_norm: GpuBuffer<f32>,
+    post_ffw: Option<GpuBuffer<f32>>,
+    wq: GpuBuffer<bf16>,        // [heads * hdk, hidden]
+    wk: GpuBuffer<bf16>,        // [kv_heads * hdk, hidden]
+    wv: GpuBuffer<bf16>,        // [kv_heads * hdk, hidden]
+    wo: GpuBuffer<bf16>,        // [hidden, heads * hdk]
+    w_gate_up: GpuBuffer<bf16>, // [2 * intermediate, hidden]
+    w_down: GpuBuffer<bf16>,    // [hidden, intermediate]
+}
+
+/// Activations for up to `rows` token rows.
+struct Acts {
+    rows: usize,
+    x: GpuBuffer<bf16>,    // [rows, hidden] residual stream
+    xb: GpuBuffer<bf16>,   // [rows, hidden] normed
+    q: GpuBuffer<bf16>,    // [rows, heads, hdk]
+    k: GpuBuffer<bf16>,    // [rows, kv_heads, hdk]
+    v: GpuBuffer<bf16>,    // [rows, kv_heads, hdk]
+    att: GpuBuffer<bf16>,  // [rows, heads, hdk]
+    o: GpuBuffer<bf16>,    // [rows, hidden]
+    gu: GpuBuffer<bf16>,   // [rows, 2 * intermediate]
+    act: GpuBuffer<bf16>,  // [rows, intermediate]
+    ids: GpuBuffer<u32>,   // [rows]
+    pos: GpuBuffer<u32>,   // [rows]
+    slots: GpuBuffer<u32>, // [rows]
+}
+
+/// The decoder on one GPU with its KV cache.
+pub struct GpuDecoder {
+    ctx: Arc<CudaContext>,
+    spec: DecoderSpec,
+    /// Head dim the kernels run at (64, 128 or 256; >= spec.head_dim).
+    hdk: usize,
+    head_norm: RmsNorm,
+    layers: Vec<Layer>,
+    /// Per layer: K and V caches, each [slots, kv_heads, capacity, hdk].
+    caches: Vec<(GpuBuffer<bf16>, GpuBuffer<bf16>)>,
+    embed: GpuBuffer<bf16>,
+    lm_head: Option<GpuBuffer<bf16>>,
+    final_norm: GpuBuffer<f32>,
+    freq_global: GpuBuffer<f64>,
+    freq_local: GpuBuffer<f64>,
+    kv: KvLayout,
+    chunk: usize,
+    pre: Acts,
+    dec: Acts,
+    logits: GpuBuffer<f32>, // [slots, vocab]
+    dec_lens: GpuBuffer<u32>,
+    next: GpuBuffer<u32>, // [slots] next input token per slot
+    ws: AttnWorkspace,
+    slot_len: Vec<usize>,
+    /// Longest slot at `begin_decode` (+1): sizes the flash-decoding split (a longer sequence
+    /// later is still exact, its last split just takes the rest).
+    decode_span: usize,
+    /// The decode step captured as a CUDA graph (for the current `decode_span`).
+    graph: Option<cudarc::driver::CudaGraph>,
+    weight_bytes: usize,
+}
+
+fn bad(what: String) -> CudaError {
+    CudaError::bad("gpu decoder", what)
+}
+
+/// Kernel head dim for a model head dim.
+pub fn kernel_head_dim(head_dim: usize) -> Option<usize> {
+    [64, 128, 256].into_iter().find(|&d| head_dim <= d)
+}
+
+/// `[heads * hd, cols]` -> `[heads * hdk, cols]` with zero rows after each head.
+fn pad_rows(w: Vec<bf16>, heads: usize, hd: usize, hdk: usize, cols: usize) -> Vec<bf16> {
+    if hd == hdk {
+        return w;
+    }
+    let mut out = vec![bf16::ZERO; heads * hdk * cols];
+    for h in 0..heads {
+        let src = &w[h * hd * cols..(h + 1) * hd * cols];
+        out[h * hdk * cols..h * hdk * cols + hd * cols].copy_from_slice(src);
+    }
+    out
+}
+
+/// `[rows, heads * hd]` -> `[rows, heads * hdk]` with zero columns after each head.
+fn pad_cols(w: Vec<bf16>, rows: usize, heads: usize, hd: usize, hdk: usize) -> Vec<bf16> {
+    if hd == hdk {
+        return w;
+    }
+    let mut out = vec![bf16::ZERO; rows * heads * hdk];
+    for r in 0..rows {
+        for h in 0..heads {
+            let s = r * heads * hd + h * hd;
+            let d = r * heads * hdk + h * hdk;
+            out[d..d + hd].copy_from_slice(&w[s..s + hd]);
+        }
+    }
+    out
+}
+
+impl Acts {
+    fn new(ctx: &CudaContext, s: &DecoderSpec, hdk: usize, rows: usize) -> Result<Self, CudaError> {
+        let (h, qd, kd, i) = (
+            s.hidden,
+            s.n_heads * hdk,
+            s.n_kv_heads * hdk,
+            s.intermediate,
+        );
+        Ok(Acts {
+            rows,
+            x: ctx.alloc(rows * h)?,
+            xb: ctx.alloc(rows * h)?,
+            q: ctx.alloc(rows * qd)?,
+            k: ctx.alloc(rows * kd)?,
+            v: ctx.alloc(rows * kd)?,
+            att: ctx.alloc(rows * qd)?,
+            o: ctx.alloc(rows * h)?,
+            gu: ctx.alloc(rows * 2 * i)?,
+            act: ctx.alloc(rows * i)?,
+            ids: ctx.alloc(rows)?,
+            pos: ctx.alloc(rows)?,
+            slots: ctx.alloc(rows)?,
+        })
+    }
+}
+
+/// Which attention a forward pass runs.
+enum Attn {
+    /// One sequence's chunk at `pos0` in `slot`.
+    Prefill { slot: usize, pos0: usize },
+    /// One token for each of `batch` slots.
+    Decode,
+}
+
+impl GpuDecoder {
+    /// Uploads the weights (bf16) and allocates a KV cache of `num_slots` sequences of up to
+    /// `capacity` tokens each; prefill runs in chunks of at most `chunk` tokens.
+    pub fn new(
+        ctx: Arc<CudaContext>,
+        spec: DecoderSpec,
+        src: &dyn WeightSource,
+        num_slots: usize,
+        capacity: usize,
+        chunk: usize,
+    ) -> Result<Self, CudaError> {
+        let s = &spec;
+        let hd = s.head_dim;
+        let hdk = kernel_head_dim(hd)
+            .ok_or_else(|| bad(format!("head_dim {hd} (the GPU kernels support up to 256)")))?;
+        if s.windows.len() != s.layers
+            || s.inv_freq_global.len() != hd / 2
+            || s.inv_freq_local.len() != hd / 2
+            || s.n_kv_heads == 0
+            || s.n_heads % s.n_kv_heads != 0
+        {
+            return Err(bad(format!("inconsistent spec {spec:?}")));
+        }
+        if num_slots == 0 || num_slots > 1024 || capacity == 0 || chunk == 0 {
+            return Err(bad(format!(
+                "{num_slots} slots (1..=1024) of capacity {capacity}, chunk {chunk}"
+            )));
+        }
+        let (h, nh, nkv, inter) = (s.hidden, s.n_heads, s.n_kv_heads, s.intermediate);
+        let mut weight_bytes = 0usize;
+        let mut up = |t: Tensor, rows: usize, cols: usize| -> Result<Vec<bf16>, CudaError> {
+            let w = src.matrix(t).map_err(|e| bad(format!("{t:?}: {e}")))?;
+            if w.len() != rows * cols {
+                return Err(bad(format!(
+                    "{t:?}: {} values for [{rows}, {cols}]",
+                    w.len()
+                )));
+            }
+            weight_bytes += w.len() * 2;
+            Ok(w)
+        };
+        let norm = |n: Norm, len: usize| -> Result<Vec<f32>, CudaError> {
+            let w = src.norm(n).map_err(|e| bad(format!("{n:?}: {e}")))?;
+            if w.len() != len {
+                return Err(bad(format!("{n:?}: {} values, expected {len}", w.len())));
+            }
+            Ok(w)
+        };
+        // Padded head: mean over hdk of zero-extended x is ms * hd / hdk; scaling the weight
+        // by sqrt(hd / hdk) and eps by hd / hdk gives x * w / sqrt(ms + eps) exactly.
+        let r = hd as f32 / hdk as f32;
+        let head_w = |w: Vec<f32>| -> Vec<f32> {
+            let mut o = vec![0.0f32; hdk];
+            for (d, v) in o.iter_mut().zip(&w) {
+                *d = v * r.sqrt();
+            }
+            o
+        };
+        let kv = KvLayout {
+            num_slots,
+            kv_heads: nkv,
+            capacity,
+            head_dim: hdk,
+        };
+        let mut layers = Vec::with_capacity(s.layers);
+        let mut caches = Vec::with_capacity(s.layers);
+        for l in 0..s.layers {
+            let wq = pad_rows(up(Tensor::Q(l), nh * hd, h)?, nh, hd, hdk, h);
+            let wk = pad_rows(up(Tensor::K(l), nkv * hd, h)?, nkv, hd, hdk, h);
+            let wv = pad_rows(up(Tensor::V(l), nkv * hd, h)?, nkv, hd, hdk, h);
+            let wo = pad_cols(up(Tensor::O(l), h, nh * hd)?, h, nh, hd, hdk);
+            let mut gate_up = up(Tensor::Gate(l), inter, h)?;
+            gate_up.extend_from_slice(&up(Tensor::Up(l), inter, h)?);
+            let w_down = up(Tensor::Down(l), h, inter)?;
+            let opt = |n: Norm, on: bool, len: usize| -> Result<Option<Vec<f32>>, CudaError> {
+                if on {
+                    norm(n, len).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            let q_norm = opt(Norm::Q(l), s.qk_norm, hd)?.map(&head_w);
+            let k_norm = opt(Norm::K(l), s.qk_norm, hd)?.map(&head_w);
+            let upo = |v: Option<Vec<f32>>| v.map(|v| ctx.upload(&v)).transpose();
+            layers.push(Layer {
+                attn_norm: ctx.upload(&norm(Norm::Attn(l), h)?)?,
+                q_norm: upo(q_norm)?,
+                k_norm: upo(k_norm)?,
+                post_attn: upo(opt(Norm::PostAttn(l), s.post_norms, h)?)?,
+                ffn_norm: ctx.upload(&norm(Norm::Ffn(l), h)?)?,
+                post_ffw: upo(opt(Norm::PostFfw(l), s.post_norms, h)?)?,
+                wq: ctx.upload(&wq)?,
+                wk: ctx.upload(&wk)?,
+                wv: ctx.upload(&wv)?,
+                wo: ctx.upload(&wo)?,
+                w_gate_up: ctx.upload(&gate_up)?,
+                w_down: ctx.upload(&w_down)?,
+            });
+            caches.push((ctx.alloc(kv.elems())?, ctx.alloc(kv.elems())?));
+        }
+        let embed = ctx.upload(&up(Tensor::Embed, s.vocab, h)?)?;
+        let lm_head = if s.tied {
+            None
+        } else {
+            Some(ctx.upload(&up(Tensor::LmHead, s.vocab, h)?)?)
+        };
+        let chunk = chunk.min(capacity);
+        let pre = Acts::new(&ctx, s, hdk, chunk)?;
+        let dec = Acts::new(&ctx, s, hdk, num_slots)?;
+        let slots: Vec<u32> = (0..num_slots as u32).collect();
+        let mut dec = dec;
+        ctx.upload_into(&slots, &mut dec.slots)?;
+        Ok(GpuDecoder {
+            final_norm: ctx.upload(&norm(Norm::Final, h)?)?,
+            freq_global: ctx.upload(&s.inv_freq_global)?,
+            freq_local: ctx.upload(&s.inv_freq_local)?,
+            logits: ctx.alloc(num_slots * s.vocab)?,
+            dec_lens: ctx.alloc(num_slots)?,
+            next: ctx.alloc(num_slots)?,
+            head_norm: RmsNorm {
+                eps: s.eps * r,
+                gemma: false,
+            },
+            ws: AttnWorkspace::new(),
+            slot_len: vec![0; num_slots],
+            decode_span: 1,
+            graph: None,
+            hdk,
+            layers,
+            caches,
+            embed,
+            lm_head,
+            kv,
+            chunk,
+            pre,
+            dec,
+            weight_bytes,
+            spec,
+            ctx,
+        })
+    }
+
+    pub fn spec(&self) -> &DecoderSpec {
+        &self.spec
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    pub fn num_slots(&self) -> usize {
+        self.kv.num_slots
+    }
+    pub fn capacity(&self) -> usize {
+        self.kv.capacity
+    }
+    /// Tokens cached in `slot`.
+    pub fn slot_len(&self, slot: usize) -> usize {
+        self.slot_len[slot]
+    }
+    /// Bytes of all weight matrices on the device (embedding once).
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+    /// Bytes of the KV cache allocated (all layers, K and V).
+    pub fn kv_bytes(&self) -> usize {
+        self.caches.len() * 2 * self.kv.elems() * 2
+    }
+    /// Bytes of weights one decode step reads (every matrix once; one embedding row per token
+    /// is negligible and left out; a tied head reads the embedding once).
+    pub fn decode_weight_bytes(&self) -> usize {
+        let (s, h) = (&self.spec, self.spec.hidden);
+        let per_layer = (s.n_heads * 2 + s.n_kv_heads * 2) * self.hdk * h + 3 * h * s.intermediate;
+        (s.layers * per_layer + s.vocab * h) * 2
+    }
+
+    /// Forgets the sequence in `slot`.
+    pub fn reset_slot(&mut self, slot: usize) -> Result<(), CudaError> {
+        self.check_slot(slot)?;
+        self.slot_len[slot] = 0;
+        Ok(())
+    }
+
+    fn check_slot(&self, slot: usize) -> Result<(), CudaError> {
+        if slot >= self.kv.num_slots {
+            return Err(bad(format!("slot {slot} of {}", self.kv.num_slots)));
+        }
+        Ok(())
+    }
+
+    /// Copies the cached sequence of slot `from` into slot `to` (every layer's K and V).
+    pub fn copy_slot(&mut self, from: usize, to: usize) -> Result<(), CudaError> {
+        self.check_slot(from)?;
+        self.check_slot(to)?;
+        if from == to {
+            return Ok(());
+        }
+        let slot_elems = self.kv.kv_heads * self.kv.capacity * self.kv.head_dim;
+        let stream = self.ctx.stream().cu_stream();
+        for (k, v) in &self.caches {
+            for c in [k, v] {
+                let base = c.device_ptr();
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        base + (to * slot_elems * 2) as u64,
+                        base + (from * slot_elems * 2) as u64,
+                        slot_elems * 2,
+                        stream,
+                    )
+                }
+                .map_err(crate::context::drv("cuMemcpyDtoDAsync (KV slot)"))?;
+            }
+        }
+        self.slot_len[to] = self.slot_len[from];
+        Ok(())
+    }
+
+    /// Appends `tokens` to the sequence in `slot` (chunked). The last row's logits go to row
+    /// `slot` of the logits; with `all_logits` every row's logits are returned `[n, vocab]`
+    /// (for tests; allocates and synchronises).
+    pub fn prefill(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<Option<Vec<f32>>, CudaError> {
+        self.check_slot(slot)?;
+        let v = self.spec.vocab;
+        if tokens.is_empty() {
+            return Err(bad("prefill of no tokens".into()));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= v) {
+            return Err(bad(format!("token id {t} outside the vocabulary of {v}")));
+        }
+        let start = self.slot_len[slot];
+        if start + tokens.len() > self.kv.capacity {
+            return Err(bad(format!(
+                "{} + {} tokens exceed the KV capacity {}",
+                start,
+                tokens.len(),
+                self.kv.capacity
+            )));
+        }
+        let mut all = all_logits.then(Vec::new);
+        let mut scratch: Option<GpuBuffer<f32>> = None;
+        for (ci, c) in tokens.chunks(self.chunk).enumerate() {
+            let pos0 = start + ci * self.chunk;
+            let n = c.len();
+            let pos: Vec<u32> = (pos0..pos0 + n).map(|p| p as u32).collect();
+            self.ctx.upload_into(c, &mut self.pre.ids)?;
+            self.ctx.upload_into(&pos, &mut self.pre.pos)?;
+            self.ctx
+                .upload_into(&vec![slot as u32; n], &mut self.pre.slots)?;
+            self.forward(n, Attn::Prefill { slot, pos0 })?;
+            let h = self.spec.hidden;
+            let head = self.lm_head.as_ref().unwrap_or(&self.embed).device_ptr();
+            if let Some(all) = all.as_mut() {
+                let buf = match scratch.take() {
+                    Some(b) => b,
+                    None => self.ctx.alloc::<f32>(self.chunk * v)?,
+                };
+                self.ctx.linear_raw(
+                    self.pre.xb.device_ptr(),
+                    head,
+                    buf.device_ptr(),
+                    cudaDataType::CUDA_R_32F,
+                    n,
+                    h,
+                    v,
+                )?;
+                let got = self.ctx.download(&buf)?;
+                all.extend_from_slice(&got[..n * v]);
+                scratch = Some(buf);
+            }
+            if pos0 + n == start + tokens.len() {
+                self.ctx.linear_raw(
+                    self.pre.xb.device_ptr() + ((n - 1) * h * 2) as u64,
+                    head,
+                    self.logits.device_ptr() + (slot * v * 4) as u64,
+                    cudaDataType::CUDA_R_32F,
+                    1,
+                    h,
+                    v,
+                )?;
+            }
+        }
+        self.slot_len[slot] = start + tokens.len();
+        Ok(all)
+    }
+
+    /// Sets the next input token of every slot from the argmax of its logits row.
+    pub fn argmax_next(&mut self) -> Result<(), CudaError> {
+        let (b, v) = (self.kv.num_slots, self.spec.vocab);
+        self.ctx.argmax(&self.logits, &mut self.next, b, v)
+    }
+
+    /// Sets the next input token of every slot (`tokens.len() == num_slots`).
+    pub fn set_next(&mut self, tokens: &[u32]) -> Result<(), CudaError> {
+        if tokens.len() != self.kv.num_slots {
+            return Err(bad(format!(
+                "{} next tokens for {} slots",
+                tokens.len(),
+                self.kv.num_slots
+            )));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.spec.vocab) {
+            return Err(bad(format!("token id {t} outside the vocabulary")));
+        }
+        self.ctx.upload_into(tokens, &mut self.next)
+    }
+
+    /// The next input token of every slot (synchronises).
+    pub fn next_tokens(&self) -> Result<Vec<u32>, CudaError> {
+        self.ctx.download(&self.next)
+    }
+
+    /// Logits `[num_slots, vocab]` of the last prefill / decode step (synchronises).
+    pub fn logits(&self) -> Result<Vec<f32>, CudaError> {
+        self.ctx.download(&self.logits)
+    }
+
+    /// Prepares decode steps for every slot from the host's view of the slot lengths (call
+    /// after prefill or after `set_next` / slot changes; no per-step host work after it).
+    pub fn begin_decode(&mut self) -> Result<(), CudaError> {
+        if let Some(s) = self.slot_len.iter().position(|&l| l == 0) {
+            return Err(bad(format!(
+                "slot {s} is empty: prefill it before decoding"
+            )));
+        }
+        let pos: Vec<u32> = self.slot_len.iter().map(|&l| l as u32).collect();
+        let lens: Vec<u32> = pos.iter().map(|p| p + 1).collect();
+        self.decode_span = self.slot_len.iter().max().copied().unwrap_or(0) + 1;
+        self.graph = None;
+        self.ctx.upload_into(&pos, &mut self.dec.pos)?;
+        self.ctx.upload_into(&lens, &mut self.dec_lens)
+    }
+
+    /// One decode step of every slot: feeds each slot's next token, writes the logits and
+    /// sets the next tokens to their argmax. Queues kernels only (`begin_decode` first); runs
+    /// the captured graph when `capture_decode` made one.
+    pub fn decode_step(&mut self) -> Result<(), CudaError> {
+        if let Some(s) = self.slot_len.iter().position(|&l| l >= self.kv.capacity) {
+            return Err(bad(format!(
+                "slot {s} is full ({} tokens)",
+                self.kv.capacity
+            )));
+        }
+        match &self.graph {
+            Some(g) => g.launch().map_err(crate::context::drv("cuGraphLaunch"))?,
+            None => self.queue_step()?,
+        }
+        for l in self.slot_len.iter_mut() {
+            *l += 1;
+        }
+        Ok(())
+    }
+
+    /// Captures one decode step as a CUDA graph; later `decode_step`s replay it (one launch
+    /// instead of ~15 per layer). Call after `begin_decode` and one plain `decode_step` (which
+    /// sizes the attention workspace); `begin_decode` drops the graph.
+    pub fn capture_decode(&mut self) -> Result<(), CudaError> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        self.graph = None;
+        let stream = self.ctx.stream().clone();
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(crate::context::drv("cuStreamBeginCapture"))?;
+        let queued = self.queue_step();
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(crate::context::drv("cuStreamEndCapture"))?;
+        queued?;
+        let g = graph.ok_or_else(|| bad("stream capture produced no graph".into()))?;
+        g.upload().map_err(crate::context::drv("cuGraphUpload"))?;
+        self.graph = Some(g);
+        Ok(())
+    }
+
+    /// Whether decode steps replay a captured graph.
+    pub fn has_graph(&self) -> bool {
+        self.graph.is_some()
+    }
+
+    fn queue_step(&mut self) -> Result<(), CudaError> {
+        let b = self.kv.num_slots;
+        let (h, v) = (self.spec.hidden, self.spec.vocab);
+        self.forward(b, Attn::Decode)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed).device_ptr();
+        self.ctx.linear_raw(
+            self.dec.xb.device_ptr(),
+            head,
+            self.logits.device_ptr(),
+            cudaDataType::CUDA_R_32F,
+            b,
+            h,
+            v,
+        )?;
+        self.ctx.argmax(&self.logits, &mut self.next, b, v)?;
+        self.ctx
+            .advance_positions(&mut self.dec.pos, &mut self.dec_lens, b)
+    }
+
+    /// The layers over `n` rows of `pre` (prefill) or `dec` (decode); leaves the final-normed
+    /// rows in `xb`.
+    fn forward(&mut self, n: usize, mode: Attn) -> Result<(), CudaError> {
+        let GpuDecoder {
+            ctx,
+            spec: s,
+            hdk,
+            head_norm,
+            layers,
+            caches,
+            embed,
+            final_norm,
+            freq_global,
+            freq_local,
+            kv,
+            pre,
+            dec,
+            dec_lens,
+            next,
+            ws,
+            decode_span,
+            ..
+        } = self;
+        let (ctx, hdk, kv) = (&**ctx, *hdk, *kv);
+        let (h, nh, nkv, inter) = (s.hidden, s.n_heads, s.n_kv_heads, s.intermediate);
+        let a = match mode {
+            Attn::Prefill { .. } => pre,
+            Attn::Decode => dec,
+        };
+        debug_assert!(n <= a.rows);
+        let norm = RmsNorm {
+            eps: s.eps,
+            gemma: false,
+        };
+        let ids = match mode {
+            Attn::Prefill { .. } => &a.ids,
+            Attn::Decode => &*next,
+        };
+        ctx.embed(embed, ids, &mut a.x, n, h, s.vocab, s.embed_scale)?;
+        ctx.rmsnorm(&a.x, &layers[0].attn_norm, &mut a.xb, n, h, norm)?;
+        for (l, (w, (kc, vc))) in layers.iter().zip(caches.iter_mut()).enumerate() {
+            let window = s.windows[l];
+            ctx.linear(&a.xb, &w.wq, &mut a.q, n, h, nh * hdk)?;
+            ctx.linear(&a.xb, &w.wk, &mut a.k, n, h, nkv * hdk)?;
+            ctx.linear(&a.xb, &w.wv, &mut a.v, n, h, nkv * hdk)?;
+            if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+                ctx.head_rmsnorm(&mut a.q, qn, n * nh, hdk, *head_norm)?;
+                ctx.head_rmsnorm(&mut a.k, kn, n * nkv, hdk, *head_norm)?;
+            }
+            let freqs = if window.is_some() {
+                &*freq_local
+            } else {
+                &*freq_global
+            };
+            let rope = Rope {
+                theta: 1.0,
+                rot_dim: s.head_dim,
+                pos_scale: 1.0,
+            };
+            ctx.rope_neox_with(
+                &mut a.q,
+                Some(&mut a.k),
+                &a.pos,
+                n,
+                nh,
+                nkv,
+                hdk,
+                rope,
+                Some(freqs),
+            )?;
+            ctx.kv_append(&a.k, &a.v, kc, vc, &a.pos, &a.slots, n, kv)?;
+            match mode {
+                Attn::Prefill { slot, pos0 } => {
+                    let p = PrefillAttn {
+                        n_tokens: n,
+                        n_heads: nh,
+                        slot,
+                        pos0,
+                        scale: s.attn_scale,
+                        window,
+                    };
+                    ctx.attn_prefill(&a.q, kc, vc, kv, &mut a.att, None, &p)?;
+                }
+                Attn::Decode => {
+                    let p = DecodeAttn {
+                        batch: n,
+                        n_heads: nh,
+                        scale: s.attn_scale,
+                        window,
+                        max_seq_len: *decode_span,
+                        splits: None,
+                    };
+                    ctx.attn_decode(
+                        &a.q, kc, vc, kv, dec_lens, &a.slots, &mut a.att, None, ws, &p,
+                    )?;
+                }
+            }
+            ctx.linear(&a.att, &w.wo, &mut a.o, n, nh * hdk, h)?;
+            // x += post_attn(o); xb = ffn_norm(x)
+            ctx.add_rmsnorm(
+                &a.o,
+                &mut a.x,
+                w.post_attn.as_ref(),
+                &w.ffn_norm,
+                &mut a.xb,
+                n,
+                h,
+                norm,
+            )?;
+            ctx.linear(&a.xb, &w.w_gate_up, &mut a.gu, n, h, 2 * inter)?;
+            ctx.glu(s.glu, &a.gu, &mut a.act, n, inter)?;
+            ctx.linear(&a.act, &w.w_down, &mut a.o, n, inter, h)?;
+            // x += post_ffw(o); xb = next layer's input norm (the final norm after the last)
+            let next_norm = layers.get(l + 1).map_or(&*final_norm, |nl| &nl.attn_norm);
+            ctx.add_rmsnorm(
+                &a.o,
+                &mut a.x,
+                w.post_ffw.as_ref(),
+                next_norm,
+                &mut a.xb,
+                n,
+                h,
+                norm,
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,516 @@
+//! `--device cuda`: the CPU model's weights dequantized to bf16 and uploaded to one GPU
+//! (`slowfast_cuda::GpuDecoder`), a one-sequence session for the generate loop, and the GPU
+//! benchmark (decode tok/s and GB/s against a device copy measured in the same run, prefill
+//! tok/s and TFLOP/s against a cuBLAS GEMM measured in the same run).
+use std::sync::Arc;
+use std::time::Instant;
+
+use half::bf16;
+use rayon::prelude::*;
+use slowfast_cuda::ops::elementwise::Glu;
+use slowfast_cuda::{CudaContext, DecoderSpec, GpuDecoder, Norm, Tensor, WeightSource};
+use slowfast_kv::PolicyStats;
+use slowfast_model::decoder::rope_inv_freq;
+use slowfast_model::{Activation, Model, RopeScaling, Weight};
+use slowfast_quant::GgmlType;
+
+use crate::device::Steps;
+use crate::load::Loaded;
+use crate::session::PolicySpec;
+use crate::EngineError;
+
+/// Prompt tokens per prefill pass on the GPU (GEMMs run near their peak from a few thousand
+/// rows; activations stay below a few GiB).
+pub const GPU_CHUNK: usize = 8192;
+
+fn gpu_err(e: slowfast_cuda::CudaError) -> EngineError {
+    EngineError::BadInput(format!("--device cuda: {e}"))
+}
+
+/// Opens GPU 0 (compiles or loads the kernels).
+pub fn open_context() -> Result<Arc<CudaContext>, EngineError> {
+    CudaContext::new(0).map(Arc::new).map_err(gpu_err)
+}
+
+/// The GPU decoder's spec for a model config.
+pub fn spec_of(m: &Model) -> DecoderSpec {
+    let c = &m.cfg;
+    DecoderSpec {
+        hidden: c.hidden_size,
+        layers: c.num_hidden_layers,
+        n_heads: c.num_attention_heads,
+        n_kv_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        intermediate: c.intermediate_size,
+        vocab: c.vocab_size,
+        eps: c.rms_norm_eps,
+        qk_norm: c.qk_norm,
+        post_norms: c.post_norms,
+        embed_scale: if c.scale_embeddings {
+            (c.hidden_size as f32).sqrt()
+        } else {
+            1.0
+        },
+        glu: match c.activation {
+            Activation::Silu => Glu::SwiGlu,
+            Activation::GeluTanh => Glu::GeGluTanh,
+        },
+        attn_scale: c.attn_scale,
+        windows: (0..c.num_hidden_layers)
+            .map(|l| c.is_sliding(l).then_some(c.sliding_window).flatten())
+            .collect(),
+        inv_freq_global: rope_inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling),
+        inv_freq_local: rope_inv_freq(c.head_dim, c.rope_local_theta, &RopeScaling::None),
+        tied: c.tie_word_embeddings,
+    }
+}
+
+/// The CPU model's weights, dequantized row by row (in parallel) to bf16.
+struct Dequant<'a>(&'a Model);
+
+fn to_bf16(w: &Weight) -> Vec<bf16> {
+    let mut out = vec![bf16::ZERO; w.rows * w.cols];
+    if w.ty == GgmlType::BF16 {
+        out.par_chunks_mut(1 << 16)
+            .zip(w.data.as_slice().par_chunks(1 << 17))
+            .for_each(|(o, b)| {
+                for (d, s) in o.iter_mut().zip(b.chunks_exact(2)) {
+                    *d = bf16::from_bits(u16::from_le_bytes([s[0], s[1]]));
+                }
+            });
+        return out;
+    }
+    out.par_chunks_mut(w.cols).enumerate().for_each_init(
+        || vec![0f32; w.cols],
+        |row, (r, o)| {
+            w.row_f32(r, row);
+            for (d, s) in o.iter_mut().zip(row.iter()) {
+                *d = bf16::from_f32(*s);
+            }
+        },
+    );
+    out
+}
+
+impl WeightSource for Dequant<'_> {
+    fn matrix(&self, t: Tensor) -> Result<Vec<bf16>, String> {
+        let w = &self.0.weights;
+        let m = match t {
+            Tensor::Embed => &w.embed,
+            Tensor::LmHead => w.lm_head(),
+            Tensor::Q(l) => &w.layers[l].wq,
+            Tensor::K(l) => &w.layers[l].wk,
+            Tensor::V(l) => &w.layers[l].wv,
+            Tensor::O(l) => &w.layers[l].wo,
+            Tensor::Gate(l) => &w.layers[l].w_gate,
+            Tensor::Up(l) => &w.layers[l].w_up,
+            Tensor::Down(l) => &w.layers[l].w_down,
+        };
+        Ok(to_bf16(m))
+    }
+
+    fn norm(&self, n: Norm) -> Result<Vec<f32>, String> {
+        let w = &self.0.weights;
+        let missing = || format!("{n:?} is missing");
+        Ok(match n {
+            Norm::Attn(l) => w.layers[l].attn_norm.clone(),
+            Norm::Q(l) => w.layers[l].q_norm.clone().ok_or_else(missing)?,
+            Norm::K(l) => w.layers[l].k_norm.clone().ok_or_else(missing)?,
+            Norm::PostAttn(l) => w.layers[l].post_attn_norm.clone().ok_or_else(missing)?,
+            Norm::Ffn(l) => w.layers[l].ffn_norm.clone(),
+            Norm::PostFfw(l) => w.layers[l].post_ffw_norm.clone().ok_or_else(missing)?,
+            Norm::Final => w.final_norm.clone(),
+        })
+    }
+}
+
+/// Uploads `model` to the GPU with a KV cache of `slots` sequences of `capacity` tokens.
+pub fn load_decoder(
+    ctx: Arc<CudaContext>,
+    model: &Model,
+    slots: usize,
+    capacity: usize,
+    chunk: usize,
+) -> Result<GpuDecoder, EngineError> {
+    GpuDecoder::new(ctx, spec_of(model), &Dequant(model), slots, capacity, chunk).map_err(gpu_err)
+}
+
+/// One sequence on the GPU, stepped by the generate loop (logits come back to the host for
+/// the CPU sampler chain, so sampling is the same as on the CPU).
+pub struct GpuSession {
+    dec: GpuDecoder,
+    logits: Vec<f32>,
+    decoding: bool,
+    steps: usize,
+}
+
+impl GpuSession {
+    pub fn new(model: &Model, max_tokens: usize, policy: &PolicySpec) -> Result<Self, EngineError> {
+        if *policy != PolicySpec::Full {
+            return Err(EngineError::BadInput(format!(
+                "--device cuda: the {} KV policy is not on cuda yet (use --policy full)",
+                policy.name()
+            )));
+        }
+        let ctx = open_context()?;
+        let dec = load_decoder(ctx, model, 1, max_tokens.max(1), GPU_CHUNK)?;
+        Ok(GpuSession {
+            dec,
+            logits: Vec::new(),
+            decoding: false,
+            steps: 0,
+        })
+    }
+
+    pub fn decoder(&mut self) -> &mut GpuDecoder {
+        &mut self.dec
+    }
+}
+
+impl Steps for GpuSession {
+    fn prefill(
+        &mut self,
+        tokens: &[u32],
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<&[f32], EngineError> {
+        if tokens.is_empty() {
+            return Err(EngineError::BadInput(
+                "empty prompt: nothing to prefill".into(),
+            ));
+        }
+        self.dec.prefill(0, tokens, false).map_err(gpu_err)?;
+        self.logits = self.dec.logits().map_err(gpu_err)?;
+        self.decoding = false;
+        progress(tokens.len(), tokens.len());
+        Ok(&self.logits)
+    }
+
+    fn step(&mut self, token: u32) -> Result<&[f32], EngineError> {
+        if !self.decoding {
+            self.dec.begin_decode().map_err(gpu_err)?;
+            self.decoding = true;
+        }
+        self.dec.set_next(&[token]).map_err(gpu_err)?;
+        self.dec.decode_step().map_err(gpu_err)?;
+        if self.steps == 0 {
+            // Later steps replay the step as one CUDA graph (plain launches if capture fails).
+            let _ = self.dec.capture_decode();
+        }
+        self.logits = self.dec.logits().map_err(gpu_err)?;
+        self.steps += 1;
+        Ok(&self.logits)
+    }
+
+    fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+    fn kv_bytes(&self) -> usize {
+        self.dec.kv_bytes()
+    }
+    fn policy_name(&self) -> &'static str {
+        "full"
+    }
+    fn policy_stats(&self) -> PolicyStats {
+        let n = self.dec.slot_len(0) as f64;
+        PolicyStats {
+            slow_steps: self.steps,
+            fast_steps: 0,
+            attended_tokens: n * self.steps as f64,
+            dense_tokens: n * self.steps as f64,
+        }
+    }
+}
+
+/// Options of `slowfast bench --device cuda`.
+#[derive(Debug, Clone)]
+pub struct GpuBenchOptions {
+    pub contexts: Vec<usize>,
+    pub new_tokens: usize,
+    /// Sequences decoded together (each slot holds a copy of the prefilled prompt).
+    pub batch: usize,
+    /// Timed decode runs per context (the median is reported).
+    pub repeats: usize,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GpuBenchRecord {
+    pub model: String,
+    pub device: String,
+    pub policy: String,
+    pub batch: usize,
+    pub context: usize,
+    pub new_tokens: usize,
+    pub kv_dtype: String,
+    pub prefill_seconds: f64,
+    pub prefill_tok_s: f64,
+    /// Matmul + causal attention FLOPs of the prefill over its time.
+    pub prefill_tflops: f64,
+    /// Over the bf16 GEMM rate measured in the same run (8192^3).
+    pub prefill_pct_of_gemm: f64,
+    /// Tokens per second summed over the batch.
+    pub decode_tok_s: f64,
+    pub decode_ms_per_step: f64,
+    /// Whether the timed steps replayed a CUDA graph of the step.
+    pub cuda_graph: bool,
+    /// The same steps launched kernel by kernel (no graph).
+    pub decode_ms_per_step_no_graph: f64,
+    /// (weights + K/V read per step) / step time.
+    pub decode_gb_s: f64,
+    /// Over the device-to-device copy rate measured in the same run.
+    pub decode_pct_of_copy: f64,
+    pub decode_bytes_per_step: f64,
+    pub copy_gb_s: f64,
+    pub gemm_tflops: f64,
+    pub weight_bytes: usize,
+    pub kv_bytes: usize,
+    pub peak_gpu_mem_gib: f64,
+    pub device_name: String,
+}
+
+/// Device-to-device copy rate (GB/s, bytes read + written) over 2 GiB.
+pub fn copy_rate(ctx: &CudaContext) -> Result<f64, EngineError> {
+    let n = 1usize << 30;
+    let src = ctx.alloc::<bf16>(n).map_err(gpu_err)?;
+    let mut dst = ctx.alloc::<bf16>(n).map_err(gpu_err)?;
+    ctx.copy(&src, &mut dst).map_err(gpu_err)?;
+    let ms = ctx
+        .time_ms(20, || ctx.copy(&src, &mut dst))
+        .map_err(gpu_err)?;
+    Ok(2.0 * (n * 2) as f64 / (ms as f64 * 1e-3) / 1e9)
+}
+
+/// cuBLAS bf16 GEMM rate (TFLOP/s) at 8192^3 with random operands.
+pub fn gemm_rate(ctx: &CudaContext) -> Result<f64, EngineError> {
+    let n = 8192usize;
+    let mut s = 0x1234_5678_9abc_def1u64;
+    let data: Vec<bf16> = (0..n * n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+        })
+        .collect();
+    let a = ctx.upload(&data).map_err(gpu_err)?;
+    let b = ctx.upload(&data).map_err(gpu_err)?;
+    let mut c = ctx.alloc::<bf16>(n * n).map_err(gpu_err)?;
+    for _ in 0..3 {
+        ctx.linear(&a, &b, &mut c, n, n, n).map_err(gpu_err)?;
+    }
+    let ms = ctx
+        .time_ms(10, || ctx.linear(&a, &b, &mut c, n, n, n))
+        .map_err(gpu_err)?;
+    Ok(2.0 * (n * n * n) as f64 / (ms as f64 * 1e-3) / 1e12)
+}
+
+/// FLOPs of prefilling `n` tokens from position 0: every weight matrix (the LM head for the
+/// last row only) and causal attention (QK^T and PV; sliding layers within their window).
+pub fn prefill_flops(m: &Model, n: usize) -> f64 {
+    let c = &m.cfg;
+    let (h, hd) = (c.hidden_size as f64, c.head_dim as f64);
+    let (nh, nkv, i) = (
+        c.num_attention_heads as f64,
+        c.num_key_value_heads as f64,
+        c.intermediate_size as f64,
+    );
+    let per_tok = c.num_hidden_layers as f64 * (h * (2.0 * nh * hd + 2.0 * nkv * hd) + 3.0 * h * i);
+    let mut flops = 2.0 * per_tok * n as f64 + 2.0 * h * c.vocab_size as f64;
+    for l in 0..c.num_hidden_layers {
+        let keys: f64 = match (c.is_sliding(l), c.sliding_window) {
+            (true, Some(w)) if w < n => {
+                let w = w as f64;
+                w * (w + 1.0) / 2.0 + (n as f64 - w) * w
+            }
+            _ => n as f64 * (n as f64 + 1.0) / 2.0,
+        };
+        flops += 4.0 * hd * nh * keys;
+    }
+    flops
+}
+
+fn used_gib(ctx: &CudaContext) -> f64 {
+    ctx.mem_info()
+        .map(|(free, total)| (total - free) as f64 / (1u64 << 30) as f64)
+        .unwrap_or(0.0)
+}
+
+/// `slowfast bench --device cuda`: per context, prefill one random prompt into slot 0, copy it
+/// to the other slots, then time greedy decode steps of the whole batch (argmax on the
+/// device, no host round trip between steps).
+pub fn bench(
+    m: &Loaded,
+    o: &GpuBenchOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<GpuBenchRecord>, EngineError> {
+    let cfg = &m.model.cfg;
+    if o.contexts.is_empty() || o.new_tokens == 0 || o.batch == 0 {
+        return Err(EngineError::BadInput(
+            "bench: need contexts, --new-tokens >= 1 and --batch >= 1".into(),
+        ));
+    }
+    let max_ctx = *o.contexts.iter().max().unwrap_or(&1);
+    let repeats = o.repeats.max(1);
+    // Each repeat times new_tokens graph steps and new_tokens plain steps.
+    let capacity = max_ctx + 2 * (o.new_tokens + 1) * repeats + 2;
+    if max_ctx > cfg.max_position_embeddings {
+        return Err(EngineError::BadInput(format!(
+            "context {max_ctx} exceeds the model's context of {} tokens",
+            cfg.max_position_embeddings
+        )));
+    }
+    if capacity > cfg.max_position_embeddings {
+        progress(&format!(
+            "note: decoding runs up to {} tokens past the model's context of {} (timing only)",
+            capacity - cfg.max_position_embeddings,
+            cfg.max_position_embeddings
+        ));
+    }
+    let ctx = open_context()?;
+    progress(&format!(
+        "device {} (sm_{}{}, {} SMs), kernels from cache: {}",
+        ctx.device_name(),
+        ctx.compute_capability().0,
+        ctx.compute_capability().1,
+        ctx.sm_count(),
+        ctx.kernels_from_cache()
+    ));
+    let copy = copy_rate(&ctx)?;
+    let gemm = gemm_rate(&ctx)?;
+    progress(&format!(
+        "ceilings: device copy {copy:.0} GB/s, bf16 GEMM 8192^3 {gemm:.0} TFLOP/s"
+    ));
+    let t = Instant::now();
+    let mut dec = load_decoder(ctx.clone(), &m.model, o.batch, capacity, GPU_CHUNK)?;
+    progress(&format!(
+        "weights on the GPU: {:.2} GiB bf16 (dequantized + uploaded in {:.1}s); KV cache {:.2} GiB for {} x {} tokens",
+        dec.weight_bytes() as f64 / (1u64 << 30) as f64,
+        t.elapsed().as_secs_f64(),
+        dec.kv_bytes() as f64 / (1u64 << 30) as f64,
+        o.batch,
+        capacity
+    ));
+    let spec = dec.spec().clone();
+    let hdk = slowfast_cuda::model::kernel_head_dim(spec.head_dim).unwrap_or(spec.head_dim);
+    let mut out = Vec::new();
+    for &n in &o.contexts {
+        let prompt = crate::bench::random_tokens(n, cfg.vocab_size, 0x5107 + n as u64);
+        for s in 0..o.batch {
+            dec.reset_slot(s).map_err(gpu_err)?;
+        }
+        progress(&format!("context {n}: prefill"));
+        ctx.synchronize().map_err(gpu_err)?;
+        let t0 = Instant::now();
+        dec.prefill(0, &prompt, false).map_err(gpu_err)?;
+        ctx.synchronize().map_err(gpu_err)?;
+        let prefill_s = t0.elapsed().as_secs_f64();
+        for s in 1..o.batch {
+            dec.copy_slot(0, s).map_err(gpu_err)?;
+        }
+        dec.argmax_next().map_err(gpu_err)?;
+        dec.begin_decode().map_err(gpu_err)?;
+        dec.decode_step().map_err(gpu_err)?; // warm-up (sizes the attention workspace)
+        ctx.synchronize().map_err(gpu_err)?;
+        let mut peak = used_gib(&ctx);
+        let (mut times, mut plain, mut graph_ok) = (Vec::new(), Vec::new(), true);
+        for r in 0..repeats {
+            progress(&format!(
+                "context {n}: decode {} steps x batch {} (run {}/{repeats})",
+                o.new_tokens,
+                o.batch,
+                r + 1
+            ));
+            let ms = ctx
+                .time_ms(o.new_tokens, || dec.decode_step())
+                .map_err(gpu_err)?;
+            plain.push(ms as f64);
+            if let Err(e) = dec.capture_decode() {
+                graph_ok = false;
+                progress(&format!(
+                    "CUDA graph capture failed ({e}); timing plain steps"
+                ));
+            }
+            let ms = ctx
+                .time_ms(o.new_tokens, || dec.decode_step())
+                .map_err(gpu_err)?;
+            times.push(ms as f64);
+            dec.begin_decode().map_err(gpu_err)?; // drops the graph
+        }
+        peak = peak.max(used_gib(&ctx));
+        times.sort_by(f64::total_cmp);
+        plain.sort_by(f64::total_cmp);
+        let step_ms = times[times.len() / 2];
+        let plain_ms = plain[plain.len() / 2];
+        // K/V bytes read per step: each slot's cached length (mean over the timed steps) on
+        // global layers, the window on sliding ones, at the kernel head dim.
+        let avg = n as f64 + 1.0 + (2 * repeats * o.new_tokens) as f64 / 2.0;
+        let kv_read: f64 = spec
+            .windows
+            .iter()
+            .map(|w| {
+                let span = w.map_or(avg, |w| avg.min(w as f64));
+                2.0 * span * (spec.n_kv_heads * hdk * 2) as f64
+            })
+            .sum::<f64>()
+            * o.batch as f64;
+        let bytes = dec.decode_weight_bytes() as f64 + kv_read;
+        let gbs = bytes / (step_ms * 1e-3) / 1e9;
+        let tflops = prefill_flops(&m.model, n) / prefill_s / 1e12;
+        let rec = GpuBenchRecord {
+            model: m.name.clone(),
+            device: "cuda".into(),
+            policy: "full".into(),
+            batch: o.batch,
+            context: n,
+            new_tokens: o.new_tokens,
+            kv_dtype: "bf16".into(),
+            prefill_seconds: prefill_s,
+            prefill_tok_s: n as f64 / prefill_s,
+            prefill_tflops: tflops,
+            prefill_pct_of_gemm: 100.0 * tflops / gemm,
+            decode_tok_s: o.batch as f64 / (step_ms * 1e-3),
+            decode_ms_per_step: step_ms,
+            cuda_graph: graph_ok,
+            decode_ms_per_step_no_graph: plain_ms,
+            decode_gb_s: gbs,
+            decode_pct_of_copy: 100.0 * gbs / copy,
+            decode_bytes_per_step: bytes,
+            copy_gb_s: copy,
+            gemm_tflops: gemm,
+            weight_bytes: dec.weight_bytes(),
+            kv_bytes: dec.kv_bytes(),
+            peak_gpu_mem_gib: peak,
+            device_name: ctx.device_name().to_owned(),
+        };
+        progress(&format!(
+            "context {n}: prefill {:.0} tok/s ({:.0} TFLOP/s), decode {:.3} ms/step (no graph {:.3}), {:.1} tok/s, {:.0} GB/s ({:.1}% of copy)",
+            rec.prefill_tok_s, rec.prefill_tflops, rec.decode_ms_per_step, rec.decode_ms_per_step_no_graph, rec.decode_tok_s, rec.decode_gb_s, rec.decode_pct_of_copy
+        ));
+        out.push(rec);
+    }
+    Ok(out)
+}
+
+/// A markdown table of GPU bench records.
+pub fn table(rs: &[GpuBenchRecord]) -> String {
+    let mut s = String::from(
+        "| model | batch | context | prefill tok/s | prefill TFLOP/s (% GEMM) | decode tok/s | ms/step (no graph) | decode GB/s (% copy) | peak GiB |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rs {
+        s.push_str(&format!(
+            "| {} | {} | {} | {:.0} | {:.0} ({:.0}%) | {:.1} | {:.3} ({:.3}) | {:.0} ({:.1}%) | {:.1} |\n",
+            r.model,
+            r.batch,
+            r.context,
+            r.prefill_tok_s,
+            r.prefill_tflops,
+            r.prefill_pct_of_gemm,
+            r.decode_tok_s,
+            r.decode_ms_per_step,
+            r.decode_ms_per_step_no_graph,
+            r.decode_gb_s,
+            r.decode_pct_of_copy,
+            r.peak_gpu_mem_gib
+        ));
+    }
+    s
+}

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (copied to .bin/ by scripts/gpu_test.sh): the GPU tests, the
+# `slowfast bench --device cuda` sweep and the PyTorch reference, logs under $OUT.
+#   bash .bin/gpu_run.sh [tests] [bench] [torch]      (default: all three)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export SLOWFAST_REQUIRE_GPU=1 SLOWFAST_REQUIRE_NVRTC=1 PYTHONUNBUFFERED=1
+export SLOWFAST_FIXTURES="$PWD/.bin/fixtures" SLOWFAST_HOME="${SLOWFAST_HOME:-/tmp/slowfast-home}"
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+phases="${*:-tests bench torch}"
+CTX="${CTX:-8k,16k,32k,64k,128k}"
+N="${N:-64}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+rc=0
+for p in $phases; do
+  case "$p" in
+    tests)
+      for t in .bin/slowfast_cuda-* .bin/slowfast_engine-*; do
+        echo "== $t" | tee -a "$OUT/tests.log"
+        $t --test-threads=1 --nocapture 2>&1 | tee -a "$OUT/tests.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+      done
+      echo "tests rc=$rc" | tee -a "$OUT/tests.log" ;;
+    kbench)
+      .bin/cuda_bench quick 2>&1 | tee "$OUT/kernel-bench.log" ;;
+    bench)
+      .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "$CTX" --batch 1 \
+        --new-tokens "$N" --json "$OUT/bench-b1.json" 2>&1 | tee "$OUT/bench.log"
+      .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_B:-8k,32k}" \
+        --batch "${BATCH:-8}" --new-tokens "$N" --json "$OUT/bench-b8.json" 2>&1 | tee -a "$OUT/bench.log" ;;
+    bench4)
+      .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_4:-128k}" \
+        --batch 4 --new-tokens "$N" --json "$OUT/bench-b4.json" 2>&1 | tee -a "$OUT/bench.log" ;;
+    torch)
+      python3 .bin/torch_reference.py --contexts "$CTX" --new-tokens "$N" --json "$OUT/torch.json" 2>&1 | tee "$OUT/torch.log" ;;
+    gen)
+      .bin/slowfast generate --device cuda --model .bin/fixtures/hf/qwen3 -p "The miller" -n 16 --temperature 0 2>&1 | tee "$OUT/generate.log"
+      .bin/slowfast generate --device cpu --model .bin/fixtures/hf/qwen3 -p "The miller" -n 16 --temperature 0 2>&1 | tee -a "$OUT/generate.log" ;;
+  esac
+done
+exit $rc
