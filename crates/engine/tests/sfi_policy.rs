@@ -61,10 +61,12 @@ fn slow_steps_equal_full_kv_exactly() {
     cfg.trigger.kind = TriggerKind::Periodic;
     cfg.trigger.period = 1; // every decode step is slow
     cfg.trigger.min_gap = 1;
-    let (full, _) = run(&m, &PolicySpec::Full, &t[..100], &t[100..]);
-    let (got, stats) = run(&m, &sfi(cfg), &t[..100], &t[100..]);
+    // A 96-token prompt is whole 16-token chunks, so SFI's prefill chunks (the last one holds
+    // at least the 16 bootstrap rows) are the same as full KV's and bit equality is expected.
+    let (full, _) = run(&m, &PolicySpec::Full, &t[..96], &t[96..]);
+    let (got, stats) = run(&m, &sfi(cfg), &t[..96], &t[96..]);
     assert_eq!(got, full);
-    assert_eq!((stats.slow_steps, stats.fast_steps), (50, 0));
+    assert_eq!((stats.slow_steps, stats.fast_steps), (54, 0));
 }
 
 #[test]

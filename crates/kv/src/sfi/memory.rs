@@ -6,7 +6,7 @@ use slowfast_backend::cpu::attention::{KvPositions, KvSegment};
 use super::selector::{select_into, Selection, SelectorConfig, SelectorInput, SelectorScratch};
 use super::trigger::{Trigger, TriggerConfig, TriggerError};
 use crate::policy::{push_range, reset_out, AttnCall, KvPolicy, PolicyStats, StepCounter};
-use crate::store::{CacheElem, KvStore};
+use crate::store::{CacheElem, KvError, KvStore};
 
 /// SFI knobs (methods.md §1.3).
 #[derive(Debug, Clone, PartialEq)]
@@ -53,6 +53,15 @@ impl SfiConfig {
     }
 }
 
+/// Captured prefill logits waiting for the end of prefill.
+#[derive(Default)]
+struct Pending {
+    rows: usize,
+    n_heads: usize,
+    len: usize,
+    logits: Vec<f32>,
+}
+
 /// One layer's sparse memory.
 struct LayerMem<T> {
     k: Vec<T>,     // [kv_heads, len, head_dim]
@@ -73,6 +82,9 @@ pub struct SfiPolicy<T> {
     scratch: SelectorScratch,
     selection: Selection,
     norms: Vec<f32>,
+    /// Per layer: the captured bootstrap logits of the latest prefill chunk, selected from
+    /// once at `end_prefill` (so earlier chunks cost no Selector run).
+    pending: Vec<Option<Pending>>,
     /// Per layer, per kv head: the L2 norm of each cached key computed so far.
     key_norms: Vec<Vec<Vec<f32>>>,
     stats: PolicyStats,
@@ -101,6 +113,7 @@ impl<T: CacheElem> SfiPolicy<T> {
             },
             norms: Vec::new(),
             key_norms: Vec::new(),
+            pending: Vec::new(),
             stats: PolicyStats::default(),
             step: StepCounter::default(),
             sparse_this_step: false,
@@ -288,7 +301,41 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
         debug_assert_eq!(call.lo, 0, "SFI memories live in global layers");
         let len = call.hi() - call.lo;
         let n_heads = logits.len() / (rows * len).max(1);
-        self.refresh(call.layer, rows, logits, store, n_heads, len);
+        if call.is_decode() {
+            self.refresh(call.layer, rows, logits, store, n_heads, len);
+            return;
+        }
+        // Prefill: keep the latest chunk's capture; `end_prefill` selects from it.
+        if self.pending.len() <= call.layer {
+            self.pending.resize_with(call.layer + 1, || None);
+        }
+        let p = self.pending[call.layer].get_or_insert_with(Pending::default);
+        (p.rows, p.n_heads, p.len) = (rows, n_heads, len);
+        p.logits.clear();
+        p.logits.extend_from_slice(logits);
+    }
+
+    fn prefill_tail(&self) -> usize {
+        self.cfg.bootstrap_rows
+    }
+
+    fn end_prefill(&mut self, store: &mut KvStore<T>) -> Result<(), KvError> {
+        let mut pending = std::mem::take(&mut self.pending);
+        for (layer, p) in pending.iter_mut().enumerate() {
+            if let Some(p) = p.take() {
+                // Only positions the capture saw: a later forward may have grown the store.
+                if p.len <= store.len() {
+                    self.refresh(layer, p.rows, &p.logits, store, p.n_heads, p.len);
+                }
+            }
+        }
+        self.pending = pending;
+        if self.refreshed {
+            // The bootstrap: restart the trigger's reuse count.
+            self.trigger.reset_after_refresh();
+            self.refreshed = false;
+        }
+        Ok(())
     }
 
     fn end_forward(&mut self, _pos0: usize, n: usize) {
@@ -420,6 +467,44 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn prefill_captures_wait_for_end_prefill_and_only_the_last_chunk_counts() {
+        let (nkv, g, d, len) = (1, 2, 4, 200);
+        let mut st = store(nkv, d, len);
+        let mut p = SfiPolicy::<f32>::new(SfiConfig::new(2, 32, 3), &[], &[], 100).unwrap();
+        assert_eq!(KvPolicy::<f32>::prefill_tail(&p), 16);
+        // Two chunks' captures (2 rows each): the first points at 10, 11, 12, the last at
+        // 50, 60, 70.
+        for (hi, peaks) in [(150usize, [10usize, 11, 12]), (200, [50, 60, 70])] {
+            let call = AttnCall {
+                layer: 0,
+                pos0: hi - 2,
+                n: 2,
+                lo: 0,
+                sliding: false,
+            };
+            let mut logits = vec![0.0f32; nkv * g * 2 * hi];
+            for r in 0..g * 2 {
+                for &j in &peaks {
+                    logits[r * hi + j] = 15.0;
+                }
+            }
+            p.observe(&call, 2, &logits, &st);
+            assert_eq!(
+                p.refreshes(),
+                0,
+                "no Selector run before the end of prefill"
+            );
+        }
+        KvPolicy::<f32>::end_prefill(&mut p, &mut st).unwrap();
+        assert_eq!(p.refreshes(), 1);
+        let m = p.mem(0).expect("a memory after the bootstrap");
+        assert_eq!(m.pos, vec![0, 1, 50, 60, 70]);
+        // Nothing pending any more: a second end_prefill selects nothing.
+        KvPolicy::<f32>::end_prefill(&mut p, &mut st).unwrap();
+        assert_eq!(p.refreshes(), 1);
     }
 
     #[test]
