@@ -1,6 +1,7 @@
 //! slowfast-kv: the KV store (preallocated, written in place) and, on top of it, the KV
 //! policies that decide what each decode step attends to.
 pub mod policy;
+pub mod probe;
 pub mod sfi;
 pub mod store;
 pub mod streaming;
