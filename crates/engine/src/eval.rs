@@ -1,26 +1,32 @@
-//! `slowfast eval`: quality measurements. `nll`: prefill N−E tokens of a text, then E
-//! teacher-forced decode steps; the mean next-token negative log-likelihood (natural log) over
-//! the E predictions those steps make (of tokens t_{N−E+1} .. t_N).
+//! `slowfast eval`: quality measurements, one record per (task, policy). `nll` (here):
+//! prefill N−E tokens of a text, then E teacher-forced decode steps; the mean next-token
+//! negative log-likelihood (natural log) over the E predictions those steps make (of tokens
+//! t_{N−E+1} .. t_N). `agree`, `passkey` and `stability` live in the submodules.
+pub mod agree;
+pub mod passkey;
+pub mod stability;
+
 use std::time::Instant;
 
 use crate::load::Loaded;
 use crate::session::{KvDtype, PolicySpec, Session};
 use crate::EngineError;
 
-/// One row of `eval` output (one task under one policy).
+/// One row of `eval` output (one task under one policy). The task's own numbers are in
+/// `metrics`, serialized inline (an `nll` record keeps its `nll`, `ppl`, `delta_nll` fields).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct EvalRecord {
     pub task: String,
     pub policy: String,
     pub model: String,
     pub context: usize,
+    /// Decode steps the task scored (nll, agree, stability) or answer tokens per trial
+    /// (passkey).
     pub eval_tokens: usize,
     /// KV budget in tokens (None for full KV).
     pub kv_budget: Option<usize>,
-    pub nll: f64,
-    pub ppl: f64,
-    /// NLL minus the full-KV NLL of the same run (filled in when full KV ran too).
-    pub delta_nll: Option<f64>,
+    #[serde(flatten)]
+    pub metrics: Metrics,
     /// Keys attended over keys a dense step would attend, over the decode steps.
     pub retained_fraction: f64,
     pub slow_steps: usize,
@@ -28,6 +34,73 @@ pub struct EvalRecord {
     pub prefill_seconds: f64,
     pub decode_seconds: f64,
     pub kv_bytes: usize,
+}
+
+/// The per-task numbers of a record.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(untagged)]
+pub enum Metrics {
+    Nll(NllMetrics),
+    Agree(agree::AgreeMetrics),
+    Passkey(passkey::PasskeyMetrics),
+    Stability(stability::StabilityMetrics),
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct NllMetrics {
+    pub nll: f64,
+    pub ppl: f64,
+    /// NLL minus the full-KV NLL of the same run (filled in when full KV ran too).
+    pub delta_nll: Option<f64>,
+}
+
+/// Index of the largest logit (the first one on ties): greedy decoding.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Check that `context` fits the model.
+pub(crate) fn check_model_context(m: &Loaded, context: usize) -> Result<(), EngineError> {
+    let max_ctx = m.model.cfg.max_position_embeddings;
+    if context > max_ctx {
+        return Err(EngineError::BadInput(format!(
+            "--context {context} exceeds the model's context of {max_ctx} tokens"
+        )));
+    }
+    Ok(())
+}
+
+/// Check that a text of `have` tokens covers `need` tokens of `--context {context}`.
+pub(crate) fn check_input_len(have: usize, need: usize, context: usize) -> Result<(), EngineError> {
+    if have < need {
+        return Err(EngineError::BadInput(format!(
+            "the input has {have} tokens; --context {context} needs at least {need}"
+        )));
+    }
+    Ok(())
+}
+
+/// Prefill `tokens`, reporting progress at most every 2 s; returns the seconds it took.
+pub(crate) fn prefill_reporting(
+    sess: &mut Session,
+    tokens: &[u32],
+    progress: &mut dyn FnMut(&str),
+) -> Result<f64, EngineError> {
+    let t0 = Instant::now();
+    let mut last_report = Instant::now();
+    sess.prefill(tokens, &mut |done, total| {
+        if last_report.elapsed().as_secs_f64() > 2.0 || done == total {
+            progress(&format!("prefill {done}/{total} tokens"));
+            last_report = Instant::now();
+        }
+    })?;
+    Ok(t0.elapsed().as_secs_f64())
 }
 
 /// `-ln softmax(logits)[target]`, in f64.
@@ -66,31 +139,13 @@ pub fn eval_nll(
             "--eval-tokens ({eval_tokens}) must be at least 1 and less than --context ({context})"
         )));
     }
-    if tokens.len() < context + 1 {
-        return Err(EngineError::BadInput(format!(
-            "the input has {} tokens; --context {context} needs at least {}",
-            tokens.len(),
-            context + 1
-        )));
-    }
-    let max_ctx = m.model.cfg.max_position_embeddings;
-    if context > max_ctx {
-        return Err(EngineError::BadInput(format!(
-            "--context {context} exceeds the model's context of {max_ctx} tokens"
-        )));
-    }
+    check_input_len(tokens.len(), context + 1, context)?;
+    check_model_context(m, context)?;
     let n_prefill = context - eval_tokens;
     let mut sess = Session::try_with_policy(&m.model, context, kv, chunk, policy)?;
-    let t0 = Instant::now();
-    let mut last_report = Instant::now();
-    sess.prefill(&tokens[..n_prefill], &mut |done, total| {
-        if last_report.elapsed().as_secs_f64() > 2.0 || done == total {
-            progress(&format!("prefill {done}/{total} tokens"));
-            last_report = Instant::now();
-        }
-    })?;
-    let prefill_seconds = t0.elapsed().as_secs_f64();
+    let prefill_seconds = prefill_reporting(&mut sess, &tokens[..n_prefill], progress)?;
     let t1 = Instant::now();
+    let mut last_report = Instant::now();
     let mut total = 0.0;
     for i in n_prefill..context {
         let logits = sess.step(tokens[i])?;
@@ -110,15 +165,17 @@ pub fn eval_nll(
         task: "nll".into(),
         policy: policy.name().into(),
         kv_budget: policy.budget(),
-        delta_nll: None,
+        metrics: Metrics::Nll(NllMetrics {
+            nll,
+            ppl: nll.exp(),
+            delta_nll: None,
+        }),
         retained_fraction: stats.retained_fraction(),
         slow_steps: stats.slow_steps,
         fast_steps: stats.fast_steps,
         model: m.name.clone(),
         context,
         eval_tokens,
-        nll,
-        ppl: nll.exp(),
         prefill_seconds,
         decode_seconds: t1.elapsed().as_secs_f64(),
         kv_bytes: sess.kv_bytes(),
@@ -137,5 +194,67 @@ mod tests {
             let want = -((l[t] as f64).exp() / z).ln();
             assert!((nll_of(&l, t as u32) - want).abs() < 1e-12);
         }
+    }
+
+    #[test]
+    fn records_serialize_the_task_metrics_inline() {
+        let rec = |metrics| EvalRecord {
+            task: "nll".into(),
+            policy: "full".into(),
+            model: "m".into(),
+            context: 8,
+            eval_tokens: 2,
+            kv_budget: None,
+            metrics,
+            retained_fraction: 1.0,
+            slow_steps: 2,
+            fast_steps: 0,
+            prefill_seconds: 0.5,
+            decode_seconds: 0.25,
+            kv_bytes: 64,
+        };
+        let nll = rec(Metrics::Nll(NllMetrics {
+            nll: 2.0,
+            ppl: 2f64.exp(),
+            delta_nll: Some(0.0),
+        }));
+        let v = serde_json::to_value(&nll).unwrap();
+        // The fields an `nll` record always had, at the top level.
+        for k in [
+            "task",
+            "policy",
+            "model",
+            "context",
+            "eval_tokens",
+            "kv_budget",
+            "nll",
+            "ppl",
+            "delta_nll",
+            "retained_fraction",
+            "slow_steps",
+            "fast_steps",
+            "prefill_seconds",
+            "decode_seconds",
+            "kv_bytes",
+        ] {
+            assert!(v.get(k).is_some(), "missing {k} in {v}");
+        }
+        assert_eq!(v["nll"], 2.0);
+        let agree = rec(Metrics::Agree(agree::AgreeMetrics {
+            agreement: 0.5,
+            first_divergence: Some(3),
+            matched: 1,
+            text: "ab".into(),
+        }));
+        let v = serde_json::to_value(&agree).unwrap();
+        assert_eq!(v["agreement"], 0.5);
+        assert_eq!(v["first_divergence"], 3);
+        assert!(v.get("nll").is_none());
+    }
+
+    #[test]
+    fn argmax_takes_the_first_largest() {
+        assert_eq!(argmax(&[0.0, 3.0, 1.0, 3.0]), 1);
+        assert_eq!(argmax(&[-1.0]), 0);
     }
 }
