@@ -31,6 +31,7 @@ pub struct LayerSpec {
 }
 
 /// One layer's K and V.
+#[derive(Clone)]
 pub struct LayerKv<T> {
     pub spec: LayerSpec,
     k: Vec<T>, // [kv_heads, capacity, head_dim]
@@ -38,6 +39,7 @@ pub struct LayerKv<T> {
 }
 
 /// The KV cache of one sequence.
+#[derive(Clone)]
 pub struct KvStore<T> {
     pub n_kv_heads: usize,
     pub head_dim: usize,
