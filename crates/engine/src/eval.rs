@@ -86,6 +86,48 @@ pub(crate) fn check_input_len(have: usize, need: usize, context: usize) -> Resul
     Ok(())
 }
 
+/// Whether `p` can continue a dense prefill made under another policy: its state does not
+/// depend on the prefill (full KV; streaming only acts on decode steps). SFI captures its
+/// bootstrap rows during the prefill and so runs its own; so does any other policy.
+pub fn prefill_free(p: &PolicySpec) -> bool {
+    matches!(p, PolicySpec::Full | PolicySpec::Streaming { .. })
+}
+
+/// One session per policy (capacity `cap`), each with `tokens` prefilled, and the prefill's
+/// seconds. The prefill is dense under every policy, so it runs once under the first policy
+/// that needs its own (else the first policy) and the prefill-free policies continue from
+/// copies of that session; other policies that need their own prefill get one.
+pub(crate) fn prefilled_sessions<'m>(
+    m: &'m Loaded,
+    cap: usize,
+    kv: KvDtype,
+    chunk: usize,
+    policies: &[PolicySpec],
+    tokens: &[u32],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<(Session<'m>, f64)>, EngineError> {
+    let base = policies.iter().position(|p| !prefill_free(p)).unwrap_or(0);
+    let mut out: Vec<Option<(Session<'m>, f64)>> = policies.iter().map(|_| None).collect();
+    for (i, p) in policies.iter().enumerate() {
+        if i == base || !prefill_free(p) {
+            progress(&format!("prefill under {}", p.name()));
+            let mut sess = Session::try_with_policy(&m.model, cap, kv, chunk, p)?;
+            let secs = prefill_reporting(&mut sess, tokens, progress)?;
+            out[i] = Some((sess, secs));
+        }
+    }
+    for (i, p) in policies.iter().enumerate() {
+        if out[i].is_none() {
+            let (b, secs) = out[base].as_ref().expect("prefilled above");
+            out[i] = Some((b.fork(p)?, *secs));
+        }
+    }
+    Ok(out
+        .into_iter()
+        .map(|s| s.expect("every slot filled"))
+        .collect())
+}
+
 /// Prefill `tokens`, reporting progress at most every 2 s; returns the seconds it took.
 pub(crate) fn prefill_reporting(
     sess: &mut Session,

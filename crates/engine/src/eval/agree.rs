@@ -2,9 +2,11 @@
 //! under each policy, compared position by position with the full-KV continuation.
 use std::time::Instant;
 
-use super::{argmax, check_input_len, check_model_context, prefill_reporting, EvalRecord, Metrics};
+use super::{
+    argmax, check_input_len, check_model_context, prefilled_sessions, EvalRecord, Metrics,
+};
 use crate::load::Loaded;
-use crate::session::{KvDtype, PolicySpec, Session};
+use crate::session::{KvDtype, PolicySpec};
 use crate::EngineError;
 
 /// How a greedy continuation compares with the full-KV one.
@@ -42,19 +44,18 @@ pub struct AgreeOptions {
     pub chunk: usize,
 }
 
-/// Greedy continuation of E tokens after `tokens[..N−E]` under `policy`; with `reference` (the
-/// full-KV continuation) the record says how far they agree, without it the record is the
-/// reference itself (agreement 1). Returns the record and the continuation. Every continuation
-/// token comes out of a decode step: the prefill stops one token short of the prompt and the
-/// last prompt token is the first decode step.
+/// Greedy continuations of E tokens after `tokens[..N−E]` under each policy, compared
+/// position by position with the first, which must be full KV (the reference, agreement 1).
+/// One record per policy. Every continuation token comes out of a decode step: the prefill
+/// (shared where `prefilled_sessions` can) stops one token short of the prompt and the last
+/// prompt token is the first decode step.
 pub fn eval_agree(
     m: &Loaded,
     tokens: &[u32],
     o: &AgreeOptions,
-    policy: &PolicySpec,
-    reference: Option<&[u32]>,
+    policies: &[PolicySpec],
     progress: &mut dyn FnMut(&str),
-) -> Result<(EvalRecord, Vec<u32>), EngineError> {
+) -> Result<Vec<EvalRecord>, EngineError> {
     let AgreeOptions {
         context,
         eval_tokens,
@@ -66,46 +67,68 @@ pub fn eval_agree(
             "--eval-tokens ({eval_tokens}) must be at least 1 and at most --context ({context}) - 2"
         )));
     }
+    if policies.first() != Some(&PolicySpec::Full) {
+        return Err(EngineError::BadInput(
+            "agree needs full KV as its first policy (the reference)".into(),
+        ));
+    }
     let n_prompt = context - eval_tokens;
     check_input_len(tokens.len(), n_prompt, context)?;
     check_model_context(m, context)?;
-    let mut sess = Session::try_with_policy(&m.model, context, kv, chunk, policy)?;
-    let prefill_seconds = prefill_reporting(&mut sess, &tokens[..n_prompt - 1], progress)?;
-    let t1 = Instant::now();
-    let mut last_report = Instant::now();
-    let mut out = Vec::with_capacity(eval_tokens);
-    let mut next = tokens[n_prompt - 1];
-    while out.len() < eval_tokens {
-        next = argmax(sess.step(next)?);
-        out.push(next);
-        if last_report.elapsed().as_secs_f64() > 2.0 || out.len() == eval_tokens {
-            progress(&format!("decode {}/{eval_tokens}", out.len()));
-            last_report = Instant::now();
-        }
-    }
-    let (agreement, first_divergence, matched) = agreement(reference.unwrap_or(&out), &out);
-    let stats = sess.policy_stats();
-    let rec = EvalRecord {
-        task: "agree".into(),
-        policy: policy.name().into(),
-        model: m.name.clone(),
+    let sessions = prefilled_sessions(
+        m,
         context,
-        eval_tokens,
-        kv_budget: policy.budget(),
-        metrics: Metrics::Agree(AgreeMetrics {
-            agreement,
-            first_divergence,
-            matched,
-            text: m.tokenizer.decode(&out),
-        }),
-        retained_fraction: stats.retained_fraction(),
-        slow_steps: stats.slow_steps,
-        fast_steps: stats.fast_steps,
-        prefill_seconds,
-        decode_seconds: t1.elapsed().as_secs_f64(),
-        kv_bytes: sess.kv_bytes(),
-    };
-    Ok((rec, out))
+        kv,
+        chunk,
+        policies,
+        &tokens[..n_prompt - 1],
+        progress,
+    )?;
+    let mut reference: Option<Vec<u32>> = None;
+    let mut recs = Vec::new();
+    for ((mut sess, prefill_seconds), policy) in sessions.into_iter().zip(policies) {
+        let t1 = Instant::now();
+        let mut last_report = Instant::now();
+        let mut out = Vec::with_capacity(eval_tokens);
+        let mut next = tokens[n_prompt - 1];
+        while out.len() < eval_tokens {
+            next = argmax(sess.step(next)?);
+            out.push(next);
+            if last_report.elapsed().as_secs_f64() > 2.0 || out.len() == eval_tokens {
+                progress(&format!(
+                    "{}: decode {}/{eval_tokens}",
+                    policy.name(),
+                    out.len()
+                ));
+                last_report = Instant::now();
+            }
+        }
+        let decode_seconds = t1.elapsed().as_secs_f64();
+        let (agreement, first_divergence, matched) =
+            agreement(reference.get_or_insert_with(|| out.clone()), &out);
+        let stats = sess.policy_stats();
+        recs.push(EvalRecord {
+            task: "agree".into(),
+            policy: policy.name().into(),
+            model: m.name.clone(),
+            context,
+            eval_tokens,
+            kv_budget: policy.budget(),
+            metrics: Metrics::Agree(AgreeMetrics {
+                agreement,
+                first_divergence,
+                matched,
+                text: m.tokenizer.decode(&out),
+            }),
+            retained_fraction: stats.retained_fraction(),
+            slow_steps: stats.slow_steps,
+            fast_steps: stats.fast_steps,
+            prefill_seconds,
+            decode_seconds,
+            kv_bytes: sess.kv_bytes(),
+        });
+    }
+    Ok(recs)
 }
 
 #[cfg(test)]
@@ -124,37 +147,59 @@ mod tests {
     }
 
     #[test]
-    fn greedy_continuation_agrees_with_itself_on_the_real_model() {
-        let Some(path) = slowfast_loader::paths::test_model_path() else {
-            return;
+    fn forked_sessions_continue_exactly_like_their_own_prefill() {
+        // The tiny Gemma 3 fixture (random weights, sliding and global layers): full KV and
+        // streaming forked from an SFI prefill must match their own prefills bit for bit.
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/hf/gemma3"
+        );
+        let m = crate::load(dir, &mut |_| {}).unwrap();
+        let ids: Vec<u32> = (0..96u32).map(|i| (i * 37 + 11) % 500).collect();
+        let knobs = crate::session::SfiKnobs {
+            recent: 16,
+            ..Default::default()
         };
-        let m = crate::load(path.to_str().unwrap(), &mut |_| {}).unwrap();
-        let text = "It is a truth universally acknowledged, that a single man in possession \
-                    of a good fortune, must be in want of a wife. However little known the \
-                    feelings or views of such a man may be on his first entering a neighbourhood";
-        let ids = m.tokenizer.encode(text, true).unwrap();
+        let sfi = crate::session::policy_spec_with("sfi", Some(48.0), 2, 128, &knobs)
+            .unwrap()
+            .with_vocab(&m.tokenizer);
+        let stream = crate::session::policy_spec("streaming", Some(40.0), 2, 128).unwrap();
+        let policies = [PolicySpec::Full, stream, sfi];
         let o = AgreeOptions {
-            context: ids.len() + 6,
-            eval_tokens: 8,
+            context: 120,
+            eval_tokens: 24,
             kv: KvDtype::F32,
             chunk: 16,
         };
-        let full = PolicySpec::Full;
-        let (r0, cont) = eval_agree(&m, &ids, &o, &full, None, &mut |_| {}).unwrap();
-        assert_eq!(cont.len(), 8);
-        let (r1, again) = eval_agree(&m, &ids, &o, &full, Some(&cont), &mut |_| {}).unwrap();
-        assert_eq!(again, cont);
-        for r in [r0, r1] {
-            let Metrics::Agree(a) = r.metrics else {
-                panic!("an agree record")
+        let shared = eval_agree(&m, &ids, &o, &policies, &mut |_| {}).unwrap();
+        for (i, p) in policies.iter().enumerate() {
+            // Full alone prefills itself; streaming after full forks from a full prefill.
+            let alone = if i == 0 {
+                vec![PolicySpec::Full]
+            } else {
+                vec![PolicySpec::Full, p.clone()]
             };
-            assert_eq!((a.agreement, a.first_divergence), (1.0, None));
+            let own = eval_agree(&m, &ids, &o, &alone, &mut |_| {}).unwrap();
+            let (Metrics::Agree(a), Metrics::Agree(b)) =
+                (&shared[i].metrics, &own[i.min(1)].metrics)
+            else {
+                panic!("agree records")
+            };
+            assert_eq!(a.text, b.text, "{}", p.name());
+            assert_eq!(a.matched, b.matched, "{}", p.name());
         }
-        let short = AgreeOptions {
-            eval_tokens: o.context - 1,
+        let Metrics::Agree(r) = &shared[0].metrics else {
+            panic!("an agree record")
+        };
+        assert_eq!((r.agreement, r.first_divergence), (1.0, None));
+        assert!(shared[1].retained_fraction < 1.0);
+        let e = eval_agree(&m, &ids, &o, &policies[1..], &mut |_| {}).unwrap_err();
+        assert!(e.to_string().contains("full KV"), "{e}");
+        let long = AgreeOptions {
+            eval_tokens: 119,
             ..o
         };
-        let e = eval_agree(&m, &ids, &short, &full, None, &mut |_| {}).unwrap_err();
-        assert!(e.to_string().contains("--eval-tokens"), "{e}");
+        let e = eval_agree(&m, &ids, &long, &policies, &mut |_| {}).unwrap_err();
+        assert!(e.to_string().contains("--eval-tokens (119)"), "{e}");
     }
 }

@@ -5,7 +5,7 @@
 //! first number in the answer equals the key asked for. Everything is drawn from `--seed`.
 use std::time::Instant;
 
-use super::{argmax, check_model_context, prefill_reporting, EvalRecord, Metrics};
+use super::{argmax, check_model_context, prefilled_sessions, EvalRecord, Metrics};
 use crate::load::Loaded;
 use crate::session::{KvDtype, PolicySpec, Session};
 use crate::EngineError;
@@ -342,24 +342,15 @@ pub struct PasskeyMetrics {
     pub answers: Vec<PasskeyAnswer>,
 }
 
-/// Answer one trial under one policy: the decoded answer text and the session's counters.
-fn answer_trial<'m>(
-    m: &'m Loaded,
-    t: &PasskeyTrial,
+/// Answer a trial in a prefilled session: feed the rest of the prompt as decode steps, then
+/// greedily decode `o.answer_tokens` tokens; returns the decoded answer.
+fn answer(
+    m: &Loaded,
+    sess: &mut Session,
+    rest: &[u32],
     o: &PasskeyOptions,
-    policy: &PolicySpec,
-    progress: &mut dyn FnMut(&str),
-) -> Result<(String, Session<'m>, f64, f64), EngineError> {
-    let cap = o.context + o.answer_tokens;
-    let mut sess = Session::try_with_policy(&m.model, cap, o.kv, o.chunk, policy)?;
-    let split = if o.question_in_prefill {
-        o.context
-    } else {
-        t.question_start
-    };
-    let prefill = prefill_reporting(&mut sess, &t.tokens[..split], progress)?;
-    let t1 = Instant::now();
-    for &q in &t.tokens[split..] {
+) -> Result<String, EngineError> {
+    for &q in rest {
         sess.step(q)?;
     }
     let mut out = Vec::with_capacity(o.answer_tokens);
@@ -369,12 +360,7 @@ fn answer_trial<'m>(
         next = argmax(sess.step(next)?);
         out.push(next);
     }
-    Ok((
-        m.tokenizer.decode(&out),
-        sess,
-        prefill,
-        t1.elapsed().as_secs_f64(),
-    ))
+    Ok(m.tokenizer.decode(&out))
 }
 
 /// Run `o.trials` trials under each policy (trial by trial, every policy on the same
@@ -395,8 +381,25 @@ pub fn eval_passkey(
     let mut kv_bytes = vec![0; policies.len()];
     for i in 0..o.trials {
         let t = gen.trial(o, i)?;
-        for (pi, p) in policies.iter().enumerate() {
-            let (text, sess, pf, dec) = answer_trial(m, &t, o, p, progress)?;
+        let split = if o.question_in_prefill {
+            o.context
+        } else {
+            t.question_start
+        };
+        let cap = o.context + o.answer_tokens;
+        let sessions = prefilled_sessions(
+            m,
+            cap,
+            o.kv,
+            o.chunk,
+            policies,
+            &t.tokens[..split],
+            progress,
+        )?;
+        for (pi, ((mut sess, pf), p)) in sessions.into_iter().zip(policies).enumerate() {
+            let t1 = Instant::now();
+            let text = answer(m, &mut sess, &t.tokens[split..], o)?;
+            let dec = t1.elapsed().as_secs_f64();
             let got = parse_answer(&text).unwrap_or("").to_string();
             let correct = got == t.answer;
             progress(&format!(
