@@ -72,10 +72,11 @@ pub struct Args {
     /// passkey: tokens greedily decoded for each answer.
     #[arg(long, default_value_t = 8)]
     pub passkey_answer_tokens: usize,
-    /// passkey: where the question goes: `decode` feeds it token by token through the
-    /// policy (what a follow-up question sees), `prefill` makes it the end of the dense
-    /// prefill.
-    #[arg(long, default_value = "decode", value_parser = ["decode", "prefill"])]
+    /// passkey: where the question goes: `prefill` makes it the end of the (dense) prompt
+    /// prefill, as in long-context benchmarks, so only the answer is decoded under the policy;
+    /// `decode` feeds it token by token through the policy after a prefill of the haystack
+    /// alone (a follow-up question: the sparse memory was chosen before the question came).
+    #[arg(long, default_value = "prefill", value_parser = ["prefill", "decode"])]
     pub passkey_question: String,
     /// stability: keys in each step's support (top-k by attention logit, per query head).
     #[arg(long, default_value_t = 64)]

@@ -247,6 +247,7 @@ fn passkey_and_stability_write_their_records() {
         .collect();
     assert_eq!(depths, [2, 1]);
     assert_eq!(p["answers"].as_array().unwrap().len(), 3);
+    assert_eq!(p["question"], "prefill", "the default question placement");
 
     let t = text();
     let r = records(&[
