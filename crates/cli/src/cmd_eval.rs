@@ -17,7 +17,9 @@ use crate::common::{read_text, ModelArgs, PolicyArgs};
              NLL (and its difference from full KV).
   agree      greedy continuation of E tokens after N-E tokens of --input under each policy,
              compared position by position with full KV (which always runs first, as the
-             reference, even when --policies leaves it out): agreement and first divergence.
+             reference, even when --policies leaves it out): agreement and first divergence;
+             also teacher-forced agreement (each policy fed full KV's continuation: how often
+             its argmax is full KV's token).
   passkey    --passkey-trials synthetic retrieval prompts of N tokens drawn from --seed: keys
              (5-digit numbers) at --passkey-depths in a haystack (--input, else a generated
              filler), optional distractor numbers, and a completion-style question at the
@@ -52,6 +54,10 @@ pub struct Args {
     /// Write the records as a JSON array to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// agree: skip the teacher-forced agreement (it costs a second decode pass per sparse
+    /// policy, and a second prefill for SFI).
+    #[arg(long)]
+    pub agree_no_teacher_forced: bool,
     /// passkey: seed of the trials (keys, names, depths of the other pieces, haystack offsets).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -116,7 +122,7 @@ fn table(rs: &[EvalRecord]) -> String {
             "| task | policy | kv budget | context | eval tokens | nll | Δnll vs full | ppl | retained |\n|---|---|---|---|---|---|---|---|---|\n",
         ),
         Metrics::Agree(_) => s.push_str(
-            "| task | policy | kv budget | context | eval tokens | agreement | first divergence | retained |\n|---|---|---|---|---|---|---|---|\n",
+            "| task | policy | kv budget | context | eval tokens | agreement | first divergence | teacher-forced | retained |\n|---|---|---|---|---|---|---|---|---|\n",
         ),
         Metrics::Passkey(_) => s.push_str(
             "| task | policy | kv budget | context | trials | accuracy | by depth (right/trials) | retained |\n|---|---|---|---|---|---|---|---|\n",
@@ -146,7 +152,7 @@ fn table(rs: &[EvalRecord]) -> String {
                 r.retained_fraction
             ),
             Metrics::Agree(m) => format!(
-                "| {} | {} | {} | {} | {} | {:.3} | {} | {:.3} |",
+                "| {} | {} | {} | {} | {} | {:.3} | {} | {} | {:.3} |",
                 r.task,
                 r.policy,
                 budget(r),
@@ -154,6 +160,7 @@ fn table(rs: &[EvalRecord]) -> String {
                 r.eval_tokens,
                 m.agreement,
                 m.first_divergence.map_or("none".into(), |d| d.to_string()),
+                opt(m.teacher_forced_agreement, 3),
                 r.retained_fraction
             ),
             Metrics::Passkey(m) => format!(
@@ -328,6 +335,7 @@ pub fn run(a: Args) -> Result<()> {
                 eval_tokens: e.expect("set for agree"),
                 kv,
                 chunk,
+                teacher_forced: !a.agree_no_teacher_forced,
             };
             recs = eval_agree(&m, &ids, &o, &specs, &mut progress)?;
             for r in &recs {

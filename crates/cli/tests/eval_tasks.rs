@@ -164,6 +164,7 @@ fn eval_help_explains_every_task_flag() {
         "--task",
         "--eval-tokens",
         "--seed",
+        "--agree-no-teacher-forced",
         "--passkey-trials",
         "--passkey-depths",
         "--passkey-needles",
@@ -203,6 +204,7 @@ fn agree_runs_full_first_and_compares_with_it() {
     let names: Vec<_> = r.iter().map(|x| x["policy"].as_str().unwrap()).collect();
     assert_eq!(names, ["full", "streaming", "sfi"]);
     assert_eq!(r[0]["agreement"], 1.0);
+    assert_eq!(r[0]["teacher_forced_agreement"], 1.0);
     assert!(r[0]["first_divergence"].is_null());
     for x in &r {
         assert_eq!(x["task"], "agree");
@@ -211,6 +213,8 @@ fn agree_runs_full_first_and_compares_with_it() {
         assert!((0.0..=1.0).contains(&a));
         let m = x["matched"].as_u64().unwrap();
         assert_eq!(a, m as f64 / 16.0);
+        let tf = x["teacher_forced_agreement"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&tf));
         assert!(x.get("retained_fraction").is_some() && x.get("nll").is_none());
     }
     assert_eq!(r[1]["kv_budget"], 40);

@@ -286,6 +286,7 @@ mod tests {
             agreement: 0.5,
             first_divergence: Some(3),
             matched: 1,
+            teacher_forced_agreement: None,
             text: "ab".into(),
         }));
         let v = serde_json::to_value(&agree).unwrap();

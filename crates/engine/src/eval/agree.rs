@@ -3,10 +3,11 @@
 use std::time::Instant;
 
 use super::{
-    argmax, check_input_len, check_model_context, prefilled_sessions, EvalRecord, Metrics,
+    argmax, check_input_len, check_model_context, prefill_free, prefill_reporting,
+    prefilled_sessions, EvalRecord, Metrics,
 };
 use crate::load::Loaded;
-use crate::session::{KvDtype, PolicySpec};
+use crate::session::{KvDtype, PolicySpec, Session};
 use crate::EngineError;
 
 /// How a greedy continuation compares with the full-KV one.
@@ -18,6 +19,9 @@ pub struct AgreeMetrics {
     pub first_divergence: Option<usize>,
     /// Positions that agree.
     pub matched: usize,
+    /// Teacher-forced: the fraction of the E positions where the policy's argmax, fed the
+    /// full-KV continuation, equals the full-KV token (None when not measured).
+    pub teacher_forced_agreement: Option<f64>,
     /// The continuation, decoded.
     pub text: String,
 }
@@ -42,6 +46,9 @@ pub struct AgreeOptions {
     pub eval_tokens: usize,
     pub kv: KvDtype,
     pub chunk: usize,
+    /// Also measure teacher-forced agreement (a second decode pass per sparse policy; a policy
+    /// with its own prefill, SFI, prefills twice).
+    pub teacher_forced: bool,
 }
 
 /// Greedy continuations of E tokens after `tokens[..N−E]` under each policy, compared
@@ -61,6 +68,7 @@ pub fn eval_agree(
         eval_tokens,
         kv,
         chunk,
+        teacher_forced,
     } = *o;
     if eval_tokens == 0 || eval_tokens + 2 > context {
         return Err(EngineError::BadInput(format!(
@@ -84,6 +92,18 @@ pub fn eval_agree(
         &tokens[..n_prompt - 1],
         progress,
     )?;
+    // Copies for the teacher-forced pass, taken before any decoding (the policies with
+    // their own prefill get a fresh one after the greedy pass).
+    let mut forced: Vec<Option<Session>> = Vec::new();
+    if teacher_forced {
+        for ((sess, _), p) in sessions.iter().zip(policies).skip(1) {
+            forced.push(if prefill_free(p) {
+                Some(sess.fork(p)?)
+            } else {
+                None
+            });
+        }
+    }
     let mut reference: Option<Vec<u32>> = None;
     let mut recs = Vec::new();
     for ((mut sess, prefill_seconds), policy) in sessions.into_iter().zip(policies) {
@@ -118,6 +138,7 @@ pub fn eval_agree(
                 agreement,
                 first_divergence,
                 matched,
+                teacher_forced_agreement: teacher_forced.then_some(1.0),
                 text: m.tokenizer.decode(&out),
             }),
             retained_fraction: stats.retained_fraction(),
@@ -127,6 +148,36 @@ pub fn eval_agree(
             decode_seconds,
             kv_bytes: sess.kv_bytes(),
         });
+    }
+    let reference = reference.expect("full KV ran first");
+    for (i, f) in forced.into_iter().enumerate() {
+        let (rec, policy) = (&mut recs[i + 1], &policies[i + 1]);
+        let mut sess = match f {
+            Some(s) => s,
+            None => {
+                progress(&format!(
+                    "{}: prefill again for the teacher-forced pass",
+                    policy.name()
+                ));
+                let mut s = Session::try_with_policy(&m.model, context, kv, chunk, policy)?;
+                prefill_reporting(&mut s, &tokens[..n_prompt - 1], progress)?;
+                s
+            }
+        };
+        let mut hits = 0;
+        let mut input = tokens[n_prompt - 1];
+        for &want in &reference {
+            hits += usize::from(argmax(sess.step(input)?) == want);
+            input = want;
+        }
+        let tf = hits as f64 / reference.len() as f64;
+        progress(&format!(
+            "{}: teacher-forced agreement {tf:.3}",
+            policy.name()
+        ));
+        if let Metrics::Agree(a) = &mut rec.metrics {
+            a.teacher_forced_agreement = Some(tf);
+        }
     }
     Ok(recs)
 }
@@ -170,6 +221,7 @@ mod tests {
             eval_tokens: 24,
             kv: KvDtype::F32,
             chunk: 16,
+            teacher_forced: true,
         };
         let shared = eval_agree(&m, &ids, &o, &policies, &mut |_| {}).unwrap();
         for (i, p) in policies.iter().enumerate() {
@@ -187,6 +239,20 @@ mod tests {
             };
             assert_eq!(a.text, b.text, "{}", p.name());
             assert_eq!(a.matched, b.matched, "{}", p.name());
+            assert_eq!(
+                a.teacher_forced_agreement,
+                b.teacher_forced_agreement,
+                "{}",
+                p.name()
+            );
+            let tf = a.teacher_forced_agreement.unwrap();
+            // Up to the first divergence the greedy and teacher-forced runs are the same run.
+            let first = a.first_divergence.unwrap_or(o.eval_tokens);
+            assert!(
+                tf >= first as f64 / o.eval_tokens as f64,
+                "{}: {tf}",
+                p.name()
+            );
         }
         let Metrics::Agree(r) = &shared[0].metrics else {
             panic!("an agree record")
