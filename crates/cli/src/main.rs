@@ -29,7 +29,7 @@ struct Cli {
 enum Cmd {
     /// Generate text from a prompt, streaming it to stdout.
     Generate(cmd_generate::Args),
-    /// Measure quality (next-token NLL on a text).
+    /// Measure quality under KV policies: NLL, greedy agreement, passkey retrieval, support stability.
     Eval(cmd_eval::Args),
     /// Measure prefill and decode throughput at several context lengths.
     Bench(cmd_bench::Args),

@@ -1,26 +1,32 @@
-//! `slowfast eval`: quality measurements. `nll`: prefill N−E tokens of a text, then E
-//! teacher-forced decode steps; the mean next-token negative log-likelihood (natural log) over
-//! the E predictions those steps make (of tokens t_{N−E+1} .. t_N).
+//! `slowfast eval`: quality measurements, one record per (task, policy). `nll` (here):
+//! prefill N−E tokens of a text, then E teacher-forced decode steps; the mean next-token
+//! negative log-likelihood (natural log) over the E predictions those steps make (of tokens
+//! t_{N−E+1} .. t_N). `agree`, `passkey` and `stability` live in the submodules.
+pub mod agree;
+pub mod passkey;
+pub mod stability;
+
 use std::time::Instant;
 
 use crate::load::Loaded;
 use crate::session::{KvDtype, PolicySpec, Session};
 use crate::EngineError;
 
-/// One row of `eval` output (one task under one policy).
+/// One row of `eval` output (one task under one policy). The task's own numbers are in
+/// `metrics`, serialized inline (an `nll` record keeps its `nll`, `ppl`, `delta_nll` fields).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct EvalRecord {
     pub task: String,
     pub policy: String,
     pub model: String,
     pub context: usize,
+    /// Decode steps the task scored (nll, agree, stability) or answer tokens per trial
+    /// (passkey).
     pub eval_tokens: usize,
     /// KV budget in tokens (None for full KV).
     pub kv_budget: Option<usize>,
-    pub nll: f64,
-    pub ppl: f64,
-    /// NLL minus the full-KV NLL of the same run (filled in when full KV ran too).
-    pub delta_nll: Option<f64>,
+    #[serde(flatten)]
+    pub metrics: Metrics,
     /// Keys attended over keys a dense step would attend, over the decode steps.
     pub retained_fraction: f64,
     pub slow_steps: usize,
@@ -31,6 +37,134 @@ pub struct EvalRecord {
     /// KV bytes held after prefill (after one-shot compression) and at the end of decoding.
     pub kv_bytes_after_prefill: usize,
     pub kv_bytes_end: usize,
+}
+
+/// The per-task numbers of a record.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(untagged)]
+pub enum Metrics {
+    Nll(NllMetrics),
+    Agree(agree::AgreeMetrics),
+    Passkey(passkey::PasskeyMetrics),
+    Stability(stability::StabilityMetrics),
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct NllMetrics {
+    pub nll: f64,
+    pub ppl: f64,
+    /// NLL minus the full-KV NLL of the same run (filled in when full KV ran too).
+    pub delta_nll: Option<f64>,
+}
+
+/// Index of the largest logit (the first one on ties): greedy decoding.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Check that `context` fits the model.
+pub(crate) fn check_model_context(m: &Loaded, context: usize) -> Result<(), EngineError> {
+    let max_ctx = m.model.cfg.max_position_embeddings;
+    if context > max_ctx {
+        return Err(EngineError::BadInput(format!(
+            "--context {context} exceeds the model's context of {max_ctx} tokens"
+        )));
+    }
+    Ok(())
+}
+
+/// Check that a text of `have` tokens covers `need` tokens of `--context {context}`.
+pub(crate) fn check_input_len(have: usize, need: usize, context: usize) -> Result<(), EngineError> {
+    if have < need {
+        return Err(EngineError::BadInput(format!(
+            "the input has {have} tokens; --context {context} needs at least {need}"
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `p` can continue a dense prefill made under another policy: its state does not
+/// depend on the prefill (full KV; streaming only acts on decode steps). SFI captures its
+/// bootstrap rows during the prefill and so runs its own; so does any other policy.
+pub fn prefill_free(p: &PolicySpec) -> bool {
+    matches!(p, PolicySpec::Full | PolicySpec::Streaming { .. })
+}
+
+/// Whether the KV store after a prefill under `p` is the plain dense one, so prefill-free
+/// policies may continue from a copy (SFI and Quest only read it; H2O, SnapKV, PyramidKV and
+/// FastKV compress it at the end of prefill).
+fn leaves_kv_dense(p: &PolicySpec) -> bool {
+    matches!(
+        p,
+        PolicySpec::Full
+            | PolicySpec::Streaming { .. }
+            | PolicySpec::Sfi { .. }
+            | PolicySpec::Quest { .. }
+    )
+}
+
+/// One session per policy (capacity `cap`), each with `tokens` prefilled, and the prefill's
+/// seconds. The prefill is dense under every policy, so it runs once under the first policy
+/// that needs its own (else the first policy) and the prefill-free policies continue from
+/// copies of that session; other policies that need their own prefill get one.
+pub(crate) fn prefilled_sessions<'m>(
+    m: &'m Loaded,
+    cap: usize,
+    kv: KvDtype,
+    chunk: usize,
+    policies: &[PolicySpec],
+    tokens: &[u32],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<(Session<'m>, f64)>, EngineError> {
+    // The base: a policy that needs its own prefill anyway but leaves the KV dense (SFI), else
+    // the first prefill-free one.
+    let base = policies
+        .iter()
+        .position(|p| !prefill_free(p) && leaves_kv_dense(p))
+        .or_else(|| policies.iter().position(prefill_free))
+        .unwrap_or(0);
+    let mut out: Vec<Option<(Session<'m>, f64)>> = policies.iter().map(|_| None).collect();
+    for (i, p) in policies.iter().enumerate() {
+        if i == base || !prefill_free(p) {
+            progress(&format!("prefill under {}", p.name()));
+            let mut sess = Session::try_with_policy(&m.model, cap, kv, chunk, p)?;
+            let secs = prefill_reporting(&mut sess, tokens, progress)?;
+            out[i] = Some((sess, secs));
+        }
+    }
+    for (i, p) in policies.iter().enumerate() {
+        if out[i].is_none() {
+            let (b, secs) = out[base].as_ref().expect("prefilled above");
+            out[i] = Some((b.fork(p)?, *secs));
+        }
+    }
+    Ok(out
+        .into_iter()
+        .map(|s| s.expect("every slot filled"))
+        .collect())
+}
+
+/// Prefill `tokens`, reporting progress at most every 2 s; returns the seconds it took.
+pub(crate) fn prefill_reporting(
+    sess: &mut Session,
+    tokens: &[u32],
+    progress: &mut dyn FnMut(&str),
+) -> Result<f64, EngineError> {
+    let t0 = Instant::now();
+    let mut last_report = Instant::now();
+    sess.prefill(tokens, &mut |done, total| {
+        if last_report.elapsed().as_secs_f64() > 2.0 || done == total {
+            progress(&format!("prefill {done}/{total} tokens"));
+            last_report = Instant::now();
+        }
+    })?;
+    Ok(t0.elapsed().as_secs_f64())
 }
 
 /// `-ln softmax(logits)[target]`, in f64.
@@ -69,32 +203,14 @@ pub fn eval_nll(
             "--eval-tokens ({eval_tokens}) must be at least 1 and less than --context ({context})"
         )));
     }
-    if tokens.len() < context + 1 {
-        return Err(EngineError::BadInput(format!(
-            "the input has {} tokens; --context {context} needs at least {}",
-            tokens.len(),
-            context + 1
-        )));
-    }
-    let max_ctx = m.model.cfg.max_position_embeddings;
-    if context > max_ctx {
-        return Err(EngineError::BadInput(format!(
-            "--context {context} exceeds the model's context of {max_ctx} tokens"
-        )));
-    }
+    check_input_len(tokens.len(), context + 1, context)?;
+    check_model_context(m, context)?;
     let n_prefill = context - eval_tokens;
     let mut sess = Session::try_with_policy(&m.model, context, kv, chunk, policy)?;
-    let t0 = Instant::now();
-    let mut last_report = Instant::now();
-    sess.prefill(&tokens[..n_prefill], &mut |done, total| {
-        if last_report.elapsed().as_secs_f64() > 2.0 || done == total {
-            progress(&format!("prefill {done}/{total} tokens"));
-            last_report = Instant::now();
-        }
-    })?;
-    let prefill_seconds = t0.elapsed().as_secs_f64();
+    let prefill_seconds = prefill_reporting(&mut sess, &tokens[..n_prefill], progress)?;
     let kv_bytes_after_prefill = sess.kv_bytes();
     let t1 = Instant::now();
+    let mut last_report = Instant::now();
     let mut total = 0.0;
     for i in n_prefill..context {
         let logits = sess.step(tokens[i])?;
@@ -114,15 +230,17 @@ pub fn eval_nll(
         task: "nll".into(),
         policy: policy.name().into(),
         kv_budget: policy.budget(),
-        delta_nll: None,
+        metrics: Metrics::Nll(NllMetrics {
+            nll,
+            ppl: nll.exp(),
+            delta_nll: None,
+        }),
         retained_fraction: stats.retained_fraction(),
         slow_steps: stats.slow_steps,
         fast_steps: stats.fast_steps,
         model: m.name.clone(),
         context,
         eval_tokens,
-        nll,
-        ppl: nll.exp(),
         prefill_seconds,
         decode_seconds: t1.elapsed().as_secs_f64(),
         kv_bytes: sess.kv_bytes(),
@@ -143,5 +261,68 @@ mod tests {
             let want = -((l[t] as f64).exp() / z).ln();
             assert!((nll_of(&l, t as u32) - want).abs() < 1e-12);
         }
+    }
+
+    #[test]
+    fn records_serialize_the_task_metrics_inline() {
+        let rec = |metrics| EvalRecord {
+            task: "nll".into(),
+            policy: "full".into(),
+            model: "m".into(),
+            context: 8,
+            eval_tokens: 2,
+            kv_budget: None,
+            metrics,
+            retained_fraction: 1.0,
+            slow_steps: 2,
+            fast_steps: 0,
+            prefill_seconds: 0.5,
+            decode_seconds: 0.25,
+            kv_bytes: 64,
+        };
+        let nll = rec(Metrics::Nll(NllMetrics {
+            nll: 2.0,
+            ppl: 2f64.exp(),
+            delta_nll: Some(0.0),
+        }));
+        let v = serde_json::to_value(&nll).unwrap();
+        // The fields an `nll` record always had, at the top level.
+        for k in [
+            "task",
+            "policy",
+            "model",
+            "context",
+            "eval_tokens",
+            "kv_budget",
+            "nll",
+            "ppl",
+            "delta_nll",
+            "retained_fraction",
+            "slow_steps",
+            "fast_steps",
+            "prefill_seconds",
+            "decode_seconds",
+            "kv_bytes",
+        ] {
+            assert!(v.get(k).is_some(), "missing {k} in {v}");
+        }
+        assert_eq!(v["nll"], 2.0);
+        let agree = rec(Metrics::Agree(agree::AgreeMetrics {
+            agreement: 0.5,
+            first_divergence: Some(3),
+            matched: 1,
+            teacher_forced_agreement: None,
+            text: "ab".into(),
+        }));
+        let v = serde_json::to_value(&agree).unwrap();
+        assert_eq!(v["agreement"], 0.5);
+        assert_eq!(v["first_divergence"], 3);
+        assert!(v.get("nll").is_none());
+    }
+
+    #[test]
+    fn argmax_takes_the_first_largest() {
+        assert_eq!(argmax(&[0.0, 3.0, 1.0, 3.0]), 1);
+        assert_eq!(argmax(&[-1.0]), 0);
     }
 }

@@ -193,6 +193,25 @@ impl<'m> Session<'m> {
         })
     }
 
+    /// A copy of this session (KV cache, position, last logits) that continues under
+    /// `policy` with a fresh policy state. Meant for policies whose state a dense prefill does
+    /// not touch (full, streaming): `eval` prefills once and forks.
+    pub fn fork(&self, policy: &PolicySpec) -> Result<Session<'m>, EngineError> {
+        let cache = match &self.cache {
+            Cache::F32(c, _) => Cache::F32(c.clone(), policy.build()?),
+            Cache::F16(c, _) => Cache::F16(c.clone(), policy.build()?),
+        };
+        Ok(Session {
+            model: self.model,
+            cache,
+            scratch: Scratch::default(),
+            chunk: self.chunk,
+            logits: self.logits.clone(),
+            // The prefill is done: a fork never runs FastKV's propagation.
+            tsp: None,
+        })
+    }
+
     /// Tokens in the cache.
     pub fn pos(&self) -> usize {
         match &self.cache {

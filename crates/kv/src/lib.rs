@@ -2,6 +2,7 @@
 //! top of it, the KV policies that decide what each step attends to and what is kept.
 pub mod h2o;
 pub mod policy;
+pub mod probe;
 pub mod pyramid;
 pub mod quest;
 pub mod score;

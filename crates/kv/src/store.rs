@@ -42,6 +42,7 @@ pub struct LayerSpec {
 }
 
 /// One layer's K and V.
+#[derive(Clone)]
 pub struct LayerKv<T> {
     pub spec: LayerSpec,
     k: Vec<T>, // [kv_heads, capacity, head_dim]
@@ -70,6 +71,7 @@ impl<T> LayerKv<T> {
 }
 
 /// The KV cache of one sequence.
+#[derive(Clone)]
 pub struct KvStore<T> {
     pub n_kv_heads: usize,
     pub head_dim: usize,

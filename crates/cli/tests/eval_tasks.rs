@@ -1,0 +1,291 @@
+//! `slowfast eval --task agree|passkey|stability` as a user runs it: every bad flag gives an
+//! error naming it (before any model loads), and each task runs end to end on the tiny
+//! Gemma 3 fixture (random weights: the numbers are not meaningful, the records are checked).
+use std::path::PathBuf;
+use std::process::Command;
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_slowfast"));
+    c.env("SLOWFAST_HOME", tmp("home"));
+    c
+}
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("slowfast-evaltasks-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn fixture() -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/hf/gemma3")
+        .to_str()
+        .unwrap()
+        .to_owned()
+}
+
+fn text() -> String {
+    let p = tmp("text").join("text.txt");
+    std::fs::write(
+        &p,
+        "The quick brown fox jumps over the lazy dog. Is it not so? It is!\n".repeat(60),
+    )
+    .unwrap();
+    p.to_str().unwrap().to_owned()
+}
+
+fn args<'a>(a: &[&'a str], b: &[&'a str]) -> Vec<&'a str> {
+    [a, b].concat()
+}
+
+/// Run `eval` with `args`; expect failure with `expect` in stderr and no panic.
+fn fails(args: &[&str], expect: &str) {
+    let out = bin().arg("eval").args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "expected failure for {args:?}: {err}"
+    );
+    assert!(!err.contains("panicked"), "panic for {args:?}: {err}");
+    assert!(
+        err.contains(expect),
+        "for {args:?} expected `{expect}` in: {err}"
+    );
+}
+
+/// Run `eval` with `args` and `--json`; returns the records.
+fn records(args: &[&str]) -> Vec<serde_json::Value> {
+    let json = tmp("json").join(format!("{}.json", args.join("_").len()));
+    let out = bin()
+        .arg("eval")
+        .args(["--model", &fixture(), "--kv-dtype", "f32"])
+        .args(args)
+        .args(["--json", json.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.starts_with("| task | policy |"), "{table}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    v.as_array().unwrap().clone()
+}
+
+#[test]
+fn bad_eval_flags_are_named_before_loading_a_model() {
+    let t = text();
+    // A model that does not exist: every error below must come before loading it.
+    let m = ["--model", "/nonexistent/model.gguf"];
+    let pk_base = [&m[..], &["--task", "passkey"]].concat();
+    fails(
+        &args(&pk_base, &["--passkey-depths", "0.5,1.5"]),
+        "--passkey-depths: 1.5",
+    );
+    fails(&args(&pk_base, &["--passkey-depths", "0.5,abc"]), "`abc`");
+    fails(
+        &args(&pk_base, &["--passkey-needles", "0"]),
+        "--passkey-needles",
+    );
+    fails(
+        &args(&pk_base, &["--passkey-needles", "9"]),
+        "--passkey-needles (9)",
+    );
+    fails(
+        &args(&pk_base, &["--passkey-trials", "0"]),
+        "--passkey-trials",
+    );
+    fails(
+        &args(&pk_base, &["--passkey-answer-tokens", "0"]),
+        "--passkey-answer-tokens",
+    );
+    fails(&args(&pk_base, &["--passkey-question", "middle"]), "middle");
+    fails(&args(&pk_base, &["--policies", "full,h3o"]), "h3o");
+    fails(&args(&pk_base, &["--policies", "sfi"]), "--kv-budget");
+    fails(
+        &[&m[..], &["--task", "agree"]].concat(),
+        "--task agree needs --input",
+    );
+    fails(&[&m[..], &["--task", "bogus", "-i", &t]].concat(), "bogus");
+    fails(
+        &[&m[..], &["--task", "agree", "-i", &t, "--context", "100"]].concat(),
+        "--eval-tokens (128)",
+    );
+    fails(
+        &[
+            &m[..],
+            &[
+                "--task",
+                "stability",
+                "-i",
+                &t,
+                "--context",
+                "100",
+                "--eval-tokens",
+                "1",
+            ],
+        ]
+        .concat(),
+        "--eval-tokens (1)",
+    );
+    let st_base = [&m[..], &["--task", "stability", "-i", &t]].concat();
+    fails(
+        &args(&st_base, &["--policies", "sfi", "--kv-budget", "0.2"]),
+        "runs full KV only",
+    );
+    fails(
+        &args(&st_base, &["--stability-topk", "0"]),
+        "--stability-topk",
+    );
+    fails(
+        &args(&st_base, &["--stability-distances", "1,0"]),
+        "--stability-distances: 0",
+    );
+    fails(
+        &args(&st_base, &["--stability-distances", "1,x"]),
+        "--stability-distances: `x`",
+    );
+    // Flags fine: now the missing model is the error, and the missing input file before it.
+    fails(&args(&st_base, &[]), "/nonexistent/model.gguf");
+    fails(
+        &[&m[..], &["--task", "nll", "-i", "/nonexistent/text.txt"]].concat(),
+        "cannot read /nonexistent/text.txt",
+    );
+}
+
+#[test]
+fn eval_help_explains_every_task_flag() {
+    let out = bin().args(["eval", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    for f in [
+        "--task",
+        "--eval-tokens",
+        "--seed",
+        "--agree-no-teacher-forced",
+        "--passkey-trials",
+        "--passkey-depths",
+        "--passkey-needles",
+        "--passkey-distractors",
+        "--passkey-answer-tokens",
+        "--passkey-question",
+        "--stability-topk",
+        "--stability-distances",
+        "agree      greedy",
+        "passkey    ",
+        "stability  dense",
+    ] {
+        assert!(help.contains(f), "--help lacks {f}: {help}");
+    }
+}
+
+#[test]
+fn agree_runs_full_first_and_compares_with_it() {
+    let t = text();
+    let sparse = ["--kv-budget", "40", "--sinks", "2", "--sfi-recent", "16"];
+    let args = [
+        &[
+            "--task",
+            "agree",
+            "-i",
+            &t,
+            "--context",
+            "128",
+            "--eval-tokens",
+            "16",
+        ][..],
+        &["--policies", "streaming,sfi"],
+        &sparse,
+    ]
+    .concat();
+    let r = records(&args);
+    let names: Vec<_> = r.iter().map(|x| x["policy"].as_str().unwrap()).collect();
+    assert_eq!(names, ["full", "streaming", "sfi"]);
+    assert_eq!(r[0]["agreement"], 1.0);
+    assert_eq!(r[0]["teacher_forced_agreement"], 1.0);
+    assert!(r[0]["first_divergence"].is_null());
+    for x in &r {
+        assert_eq!(x["task"], "agree");
+        assert_eq!(x["eval_tokens"], 16);
+        let a = x["agreement"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&a));
+        let m = x["matched"].as_u64().unwrap();
+        assert_eq!(a, m as f64 / 16.0);
+        let tf = x["teacher_forced_agreement"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&tf));
+        assert!(x.get("retained_fraction").is_some() && x.get("nll").is_none());
+    }
+    assert_eq!(r[1]["kv_budget"], 40);
+    assert!(r[1]["retained_fraction"].as_f64().unwrap() < 1.0);
+}
+
+#[test]
+fn passkey_and_stability_write_their_records() {
+    let r = records(&[
+        "--task",
+        "passkey",
+        "--context",
+        "200",
+        "--passkey-trials",
+        "3",
+        "--passkey-depths",
+        "0.25,0.75",
+        "--passkey-answer-tokens",
+        "4",
+    ]);
+    assert_eq!(r.len(), 1);
+    let p = &r[0];
+    assert_eq!(
+        (p["task"].as_str(), p["trials"].as_u64()),
+        (Some("passkey"), Some(3))
+    );
+    let acc = p["accuracy"].as_f64().unwrap();
+    assert_eq!(acc, p["correct"].as_f64().unwrap() / 3.0);
+    let depths: Vec<_> = p["per_depth"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["trials"].as_u64().unwrap())
+        .collect();
+    assert_eq!(depths, [2, 1]);
+    assert_eq!(p["answers"].as_array().unwrap().len(), 3);
+    assert_eq!(p["question"], "prefill", "the default question placement");
+
+    let t = text();
+    let r = records(&[
+        "--task",
+        "stability",
+        "-i",
+        &t,
+        "--context",
+        "128",
+        "--eval-tokens",
+        "48",
+        "--stability-topk",
+        "4",
+        "--stability-distances",
+        "1,3",
+    ]);
+    let s = &r[0];
+    assert_eq!(
+        (s["task"].as_str(), s["policy"].as_str()),
+        (Some("stability"), Some("full"))
+    );
+    assert_eq!(s["steps"], 48);
+    assert_eq!(s["topk"], 4);
+    let d: Vec<_> = s["jaccard_by_distance"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["distance"].as_u64().unwrap())
+        .collect();
+    assert_eq!(d, [1, 3]);
+    assert!(s["boundaries"].as_u64().unwrap() >= 1, "{s}");
+    for k in ["jaccard_within", "jaccard_across"] {
+        let j = s[k].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&j), "{k} = {j}");
+    }
+    assert!(!s["per_head"].as_array().unwrap().is_empty());
+}
