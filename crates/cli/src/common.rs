@@ -114,7 +114,9 @@ pub struct PolicyArgs {
     /// SFI Selector: soft-NMS window in tokens (0 turns soft-NMS off).
     #[arg(long, default_value_t = 32)]
     pub sfi_nms_window: usize,
-    /// SFI Selector: soft-NMS strength (0 turns it off).
+    /// SFI Selector: soft-NMS strength (0 turns it off). Negative values, down to -1, pool
+    /// instead (an extension): the neighbours of a peak within the window move up towards it,
+    /// so spans such as a number are kept whole (-1: each key scores its window's maximum).
     #[arg(long, default_value_t = 1.0)]
     pub sfi_soft_alpha: f64,
     /// SFI Selector: cross-head exclusivity strength (skipped with <= 2 kv heads; 0 turns it off).

@@ -22,6 +22,9 @@ pub struct SelectorConfig {
     pub prior_beta: f64,
     /// Soft-NMS window: the pooled max covers [j - w/2, j + w/2].
     pub nms_window: usize,
+    /// Soft-NMS strength a: log s' = log s - a * (pooled - log s). 0 turns it off; a < 0
+    /// (down to -1, an extension) pools instead: a peak's neighbours move up towards it, so
+    /// contiguous spans (a number, a name) are kept whole.
     pub soft_alpha: f64,
     pub cross_head_alpha: f64,
     pub cross_head_temperature: f64,
@@ -179,10 +182,10 @@ fn validate_config(cfg: &SelectorConfig) -> Result<(), SelectorError> {
     )?;
     check(fin(cfg.prior_beta), "prior_beta", cfg.prior_beta, "finite")?;
     check(
-        fin(cfg.soft_alpha) && cfg.soft_alpha >= 0.0,
+        fin(cfg.soft_alpha) && cfg.soft_alpha >= -1.0,
         "soft_alpha",
         cfg.soft_alpha,
-        "finite, >= 0",
+        "finite, >= -1",
     )?;
     check(
         fin(cfg.cross_head_alpha),

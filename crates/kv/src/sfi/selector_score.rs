@@ -158,7 +158,7 @@ fn score_head_body(
     }
     // Soft-NMS.
     let half = cfg.nms_window / 2;
-    if half > 0 && cfg.soft_alpha > 0.0 {
+    if half > 0 && cfg.soft_alpha != 0.0 {
         let [g, hb, pooled] = &mut sc.nms;
         math::sliding_max(scores, half, g, hb, pooled);
         for j in 0..n {

@@ -231,6 +231,26 @@ fn fast_matches_reference_with_other_alphas_and_k_sweep() {
 }
 
 #[test]
+fn fast_matches_reference_with_span_pooling() {
+    // soft_alpha < 0 turns soft-NMS into pooling: neighbours of a peak move up towards it.
+    let mut scratch = SelectorScratch::default();
+    let mut rng = Rng(1234);
+    for (soft_alpha, nms_window) in [(-1.0, 8), (-0.5, 6), (-1.0, 32)] {
+        let cfg = SelectorConfig {
+            soft_alpha,
+            nms_window,
+            ..Default::default()
+        };
+        let mut c = random_case(&mut rng, 4, 4, 600);
+        c.k = (c.recent_start - c.sinks) / 4;
+        let ctx = format!("soft_alpha {soft_alpha} window {nms_window}");
+        let fast = select(&cfg, &c.input(), &mut scratch).unwrap();
+        let (reference, scores) = select_reference(&cfg, &c.input()).unwrap();
+        assert_same_up_to_ties(&fast, &reference, &scores, &c, &ctx);
+    }
+}
+
+#[test]
 fn sliding_max_matches_brute_force() {
     let mut rng = Rng(3);
     let (mut g, mut h, mut out) = (Vec::new(), Vec::new(), Vec::new());
@@ -306,6 +326,14 @@ fn bad_inputs_are_errors() {
     assert!(msg.contains("cross_head_temperature"), "{msg}");
     let bad = SelectorConfig { alpha: -1.0, ..cfg };
     assert!(select_reference(&bad, &c.input()).is_err());
+    let bad = SelectorConfig {
+        soft_alpha: -1.5,
+        ..cfg
+    };
+    let msg = select(&bad, &c.input(), &mut scratch)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("soft_alpha"), "{msg}");
 }
 
 #[test]
