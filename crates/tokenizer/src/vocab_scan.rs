@@ -8,10 +8,16 @@ fn is_newline(c: char) -> bool {
     c == '\n' || c == '\r'
 }
 
-/// Decoded text ends a sentence: after stripping trailing newlines it ends in `.` `?` `!`
-/// `。` `？` `！` (a text of only newlines does not count).
+/// Closing quotes and brackets that may follow a sentence's final punctuation (`."`, `?'`, `!)`).
+const CLOSERS: &[char] = &[
+    '"', '\'', '\u{201d}', '\u{2019}', ')', '\u{300d}', '\u{300f}',
+];
+
+/// Decoded text ends a sentence: after stripping trailing newlines and then closing quotes or
+/// brackets it ends in `.` `?` `!` `。` `？` `！` (a text of only newlines does not count).
+/// Prose ends many sentences inside quotes (`."` is one token in Gemma's vocabulary).
 pub fn is_sentence_ender(text: &str) -> bool {
-    let core = text.trim_end_matches(is_newline);
+    let core = text.trim_end_matches(is_newline).trim_end_matches(CLOSERS);
     core.ends_with(ENDERS)
 }
 
@@ -48,10 +54,26 @@ mod tests {
 
     #[test]
     fn classes() {
-        for t in [".", " end.", "?\n", "!\n\n", "。", "？", "Mr.", "...\r\n"] {
+        for t in [
+            ".",
+            " end.",
+            "?\n",
+            "!\n\n",
+            "。",
+            "？",
+            "Mr.",
+            "...\r\n",
+            ".\"",
+            "?'\n",
+            ".\u{201d}",
+            "!)",
+            "。」",
+        ] {
             assert!(is_sentence_ender(t), "{t:?}");
         }
-        for t in ["Mr", "\n", "", ". ", "a", ".a", "\n\n"] {
+        for t in [
+            "Mr", "\n", "", ". ", "a", ".a", "\n\n", "\"", "a\"", ")", ".\" ",
+        ] {
             assert!(!is_sentence_ender(t), "{t:?}");
         }
         for t in [".", "?\n", "!\n\n", "。"] {

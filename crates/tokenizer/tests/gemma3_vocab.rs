@@ -130,7 +130,7 @@ fn special_ids_and_token_classes() {
         tok.token_id(t)
             .unwrap_or_else(|| panic!("{t:?} not in vocab"))
     };
-    for t in [".", "?", "!", "▁.", "。"] {
+    for t in [".", "?", "!", "▁.", "。", ".\"", "?\""] {
         assert!(enders.contains(&id(t)), "{t:?}");
     }
     for t in ["Mr", "▁Mr", "\n", ",", "<eos>"] {
@@ -143,8 +143,12 @@ fn special_ids_and_token_classes() {
     // Every class member really decodes to such text.
     for &i in &enders {
         let s = tok.decode(&[i]);
+        let closers = [
+            '"', '\'', '\u{201d}', '\u{2019}', ')', '\u{300d}', '\u{300f}',
+        ];
         assert!(
             s.trim_end_matches('\n')
+                .trim_end_matches(closers)
                 .ends_with(['.', '?', '!', '。', '？', '！']),
             "{s:?}"
         );
