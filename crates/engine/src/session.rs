@@ -442,7 +442,13 @@ impl Default for SfiKnobs {
             min_gap: 16,
             trigger: "punct".into(),
             bootstrap_rows: 16,
-            selector: SelectorConfig::default(),
+            selector: SelectorConfig {
+                // slowfast's default: span pooling instead of the paper's soft-NMS (window
+                // 32, strength 1), which drops the neighbours of a peak (docs/results.md).
+                soft_alpha: -1.0,
+                nms_window: 8,
+                ..SelectorConfig::default()
+            },
         }
     }
 }
