@@ -179,6 +179,24 @@ pub fn reset_out<T>(out: &mut Vec<Vec<KvSegment<'_, T>>>, n_kv: usize) {
     }
 }
 
+/// Every kv head attends to all of `call.lo .. call.hi()` (what the mask allows); a global
+/// layer's decode step is counted in `step` as dense.
+pub fn dense_segments<'s, T: CacheElem>(
+    call: &AttnCall,
+    store: &'s KvStore<T>,
+    out: &mut Vec<Vec<KvSegment<'s, T>>>,
+    step: &mut StepCounter,
+) {
+    reset_out(out, store.n_kv_heads);
+    for (h, o) in out.iter_mut().enumerate() {
+        push_range(store, call.layer, h, call.lo..call.hi(), o);
+    }
+    if call.is_decode() && !call.sliding {
+        let keys = call.hi() - call.lo;
+        step.record(keys as f64, keys);
+    }
+}
+
 /// Dense attention over everything the mask allows: the default policy, identical to the
 /// engine without a seam.
 #[derive(Debug, Default)]
@@ -203,14 +221,7 @@ impl<T: CacheElem> KvPolicy<T> for FullPolicy {
         store: &'s KvStore<T>,
         out: &mut Vec<Vec<KvSegment<'s, T>>>,
     ) {
-        reset_out(out, store.n_kv_heads);
-        for (h, o) in out.iter_mut().enumerate() {
-            push_range(store, call.layer, h, call.lo..call.hi(), o);
-        }
-        if call.is_decode() && !call.sliding {
-            let keys = call.hi() - call.lo;
-            self.step.record(keys as f64, keys);
-        }
+        dense_segments(call, store, out, &mut self.step);
     }
     fn end_forward(&mut self, _pos0: usize, _n: usize) {
         self.step.finish(&mut self.stats, true);

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 
 use slowfast_backend::cpu::attention::KvSegment;
 
-use crate::policy::{push_range, reset_out, AttnCall, KvPolicy, PolicyStats, StepCounter};
+use crate::policy::{dense_segments, AttnCall, KvPolicy, PolicyStats, StepCounter};
 use crate::store::{CacheElem, KvStore};
 
 /// `|a ∩ b| / |a ∪ b|` of two sorted, duplicate-free lists (1 when both are empty).
@@ -248,14 +248,7 @@ impl<T: CacheElem> KvPolicy<T> for ProbePolicy {
         store: &'s KvStore<T>,
         out: &mut Vec<Vec<KvSegment<'s, T>>>,
     ) {
-        reset_out(out, store.n_kv_heads);
-        for (h, o) in out.iter_mut().enumerate() {
-            push_range(store, call.layer, h, call.lo..call.hi(), o);
-        }
-        if call.is_decode() && !call.sliding {
-            let keys = call.hi() - call.lo;
-            self.step.record(keys as f64, keys);
-        }
+        dense_segments(call, store, out, &mut self.step);
     }
 
     fn capture_rows(&self, call: &AttnCall) -> usize {
