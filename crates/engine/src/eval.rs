@@ -279,6 +279,8 @@ mod tests {
             prefill_seconds: 0.5,
             decode_seconds: 0.25,
             kv_bytes: 64,
+            kv_bytes_after_prefill: 64,
+            kv_bytes_end: 64,
         };
         let nll = rec(Metrics::Nll(NllMetrics {
             nll: 2.0,
