@@ -6,8 +6,9 @@
 //! evicts the lowest-scored non-recent key (its slot is reused). Sliding layers keep their ring.
 use slowfast_backend::cpu::attention::KvSegment;
 
+use crate::policy::dense_segments;
 use crate::policy::{AttnCall, KvPolicy, PolicyStats, StepCounter};
-use crate::score::{accumulate_probs, dense_segments, group_sum, keys_per_head, top_k};
+use crate::score::{accumulate_probs, group_sum, keys_per_head, top_k};
 use crate::store::{CacheElem, KvError, KvStore};
 
 /// Free slots per head left after the first compaction (decode appends one token per step,

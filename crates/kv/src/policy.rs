@@ -179,8 +179,9 @@ pub fn reset_out<T>(out: &mut Vec<Vec<KvSegment<'_, T>>>, n_kv: usize) {
     }
 }
 
-/// Every kv head attends to all of `call.lo .. call.hi()` (what the mask allows); a global
-/// layer's decode step is counted in `step` as dense.
+/// Dense read of everything the layer holds in `lo .. hi` (for compacted layers, what the
+/// policy kept), counting decode steps of global layers in `step` (keys held per kv head
+/// against the `hi - lo` a dense step reads).
 pub fn dense_segments<'s, T: CacheElem>(
     call: &AttnCall,
     store: &'s KvStore<T>,
@@ -192,8 +193,15 @@ pub fn dense_segments<'s, T: CacheElem>(
         push_range(store, call.layer, h, call.lo..call.hi(), o);
     }
     if call.is_decode() && !call.sliding {
-        let keys = call.hi() - call.lo;
-        step.record(keys as f64, keys);
+        let d = store.head_dim;
+        let held: usize = out
+            .iter()
+            .map(|o| o.iter().map(|s| s.len(d)).sum::<usize>())
+            .sum();
+        step.record(
+            held as f64 / store.n_kv_heads.max(1) as f64,
+            call.hi() - call.lo,
+        );
     }
 }
 

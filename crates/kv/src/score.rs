@@ -1,9 +1,7 @@
 //! Attention-score helpers shared by the scoring baselines (H2O, SnapKV, PyramidKV, FastKV):
 //! softmax column sums of captured logits per kv head, 1-D max pooling, top-k, SnapKV-style
-//! keep sets, and the dense read of whatever a (possibly compacted) layer holds.
-use slowfast_backend::cpu::attention::KvSegment;
-
-use crate::policy::{push_range, reset_out, AttnCall, StepCounter};
+//! keep sets (the dense read of whatever a layer holds is `policy::dense_segments`).
+use crate::policy::AttnCall;
 use crate::store::{CacheElem, KvStore};
 
 /// Keys each kv head attends in a dense read of `call` (what `attend_layer` captured logits
@@ -123,31 +121,6 @@ pub fn snap_keep(
     keep.extend(prefix..n);
     keep.sort_unstable();
     keep
-}
-
-/// Dense read of everything the layer holds in `lo .. hi` (for compacted layers, what the
-/// policy kept), counting decode steps of global layers in `step`.
-pub fn dense_segments<'s, T: CacheElem>(
-    call: &AttnCall,
-    store: &'s KvStore<T>,
-    out: &mut Vec<Vec<KvSegment<'s, T>>>,
-    step: &mut StepCounter,
-) {
-    reset_out(out, store.n_kv_heads);
-    for (h, o) in out.iter_mut().enumerate() {
-        push_range(store, call.layer, h, call.lo..call.hi(), o);
-    }
-    if call.is_decode() && !call.sliding {
-        let d = store.head_dim;
-        let held: usize = out
-            .iter()
-            .map(|o| o.iter().map(|s| s.len(d)).sum::<usize>())
-            .sum();
-        step.record(
-            held as f64 / store.n_kv_heads.max(1) as f64,
-            call.hi() - call.lo,
-        );
-    }
 }
 
 #[cfg(test)]

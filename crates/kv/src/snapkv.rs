@@ -6,9 +6,10 @@
 //! their ring.
 use slowfast_backend::cpu::attention::KvSegment;
 
+use crate::policy::dense_segments;
 use crate::policy::{AttnCall, KvPolicy, PolicyStats, StepCounter};
 use crate::pyramid::pyramid_budgets;
-use crate::score::{accumulate_probs, dense_segments, keys_per_head, snap_keep};
+use crate::score::{accumulate_probs, keys_per_head, snap_keep};
 use crate::store::{CacheElem, KvError, KvStore};
 
 /// SnapKV knobs.
