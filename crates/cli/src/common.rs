@@ -113,13 +113,13 @@ pub struct PolicyArgs {
     pub sfi_prior_weight_pos: f64,
     /// SFI Selector: soft-NMS / span-pooling window in tokens (0 turns it off). The paper's
     /// soft-NMS: --sfi-soft-alpha 1 --sfi-nms-window 32.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.nms_window)]
     pub sfi_nms_window: usize,
     /// SFI Selector: soft-NMS strength (0 turns it off; the paper uses 1). Negative values,
     /// down to -1, pool instead (slowfast's default, -1 with an 8-token window): the neighbours
     /// of a peak move up towards it, so spans such as a number are kept whole (-1: each key
     /// scores its window's maximum). See docs/results.md for both measured.
-    #[arg(long, default_value_t = -1.0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.soft_alpha, allow_negative_numbers = true)]
     pub sfi_soft_alpha: f64,
     /// SFI Selector: cross-head exclusivity strength (skipped with <= 2 kv heads; 0 turns it off).
     #[arg(long, default_value_t = 0.85)]
