@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (copied to .bin/ by scripts/gpu_test.sh): the GPU tests, the
 # `slowfast bench --device cuda` sweep and the PyTorch reference, logs under $OUT.
-#   bash .bin/gpu_run.sh [tests] [bench] [torch]      (default: all three)
+#   bash .bin/gpu_run.sh [tests] [bench] [torch] [sfi] ...   (default: tests bench torch)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -33,6 +33,15 @@ for p in $phases; do
     bench4)
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_4:-128k}" \
         --batch 4 --new-tokens "$N" --json "$OUT/bench-b4.json" 2>&1 | tee -a "$OUT/bench.log" ;;
+    sfi)
+      # SFI on the GPU (issue 6): full, sfi, streaming side by side at batch 1 and at the
+      # largest batch that fits at 128K (SB, default 6), budget 2048 tokens a head, a slow
+      # step every 32 steps per sequence (the paper's sweep setting).
+      SFI_ARGS="--policies full,sfi,streaming --kv-budget ${BUDGET:-2048} --sfi-refresh-interval ${RI:-32}"
+      .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "$CTX" --batch 1 \
+        --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b1.json" 2>&1 | tee "$OUT/sfi.log"
+      .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
+        --batch "${SB:-6}" --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b${SB:-6}.json" 2>&1 | tee -a "$OUT/sfi.log" ;;
     torch)
       python3 .bin/torch_reference.py --contexts "$CTX" --new-tokens "$N" --json "$OUT/torch.json" 2>&1 | tee "$OUT/torch.log" ;;
     gen)

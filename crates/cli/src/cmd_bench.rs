@@ -20,7 +20,9 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
     /// Comma-separated KV policies, each timed at every context: full, streaming, h2o, snapkv,
-    /// pyramidkv, quest, fastkv, sfi (see `generate --help`).
+    /// pyramidkv, quest, fastkv, sfi (see `generate --help`). With `--device cuda`: full,
+    /// streaming and sfi; SFI's slow step then comes every `--sfi-refresh-interval` steps per
+    /// sequence (staggered over the batch), and fast and slow steps are also timed alone.
     #[arg(long, default_value = "full")]
     pub policies: String,
     /// Prefill only the last N prompt tokens of each context for real and fill the KV of the
@@ -109,9 +111,12 @@ fn write_json<T: serde::Serialize>(p: &Option<PathBuf>, recs: &T) -> Result<()> 
 
 #[cfg(feature = "cuda")]
 fn run_cuda(a: &Args, o: BenchOptions) -> Result<()> {
-    use slowfast_engine::cuda::{bench, table, GpuBenchOptions};
-    if o.policies.iter().any(|p| p != "full") {
-        bail!("--device cuda: only the full KV policy is on cuda yet (--policies full)");
+    use slowfast_engine::cuda::{bench, gpu_policy, table, GpuBenchOptions};
+    // The policies that run on the GPU (checked before the model load).
+    for &c in &o.contexts {
+        for p in &o.policies {
+            gpu_policy(&a.sparse.spec(p, c)?)?;
+        }
     }
     let m = a.model.load()?;
     let go = GpuBenchOptions {
@@ -119,8 +124,17 @@ fn run_cuda(a: &Args, o: BenchOptions) -> Result<()> {
         new_tokens: o.new_tokens,
         batch: a.batch,
         repeats: o.repeats,
+        policies: o.policies,
     };
-    let recs = bench(&m, &go, &mut |s| eprintln!("{s}"))?;
+    let spec_for = |name: &str,
+                    ctx: usize|
+     -> Result<slowfast_engine::PolicySpec, slowfast_engine::EngineError> {
+        a.sparse
+            .spec(name, ctx)
+            .map(|s| s.with_vocab(&m.tokenizer))
+            .map_err(|e| slowfast_engine::EngineError::BadInput(format!("{e:#}")))
+    };
+    let recs = bench(&m, &go, &spec_for, &mut |s| eprintln!("{s}"))?;
     print!("{}", table(&recs));
     write_json(&a.json, &recs)
 }

@@ -13,13 +13,31 @@
 // the last split up to len.
 // grid (splits, kv_heads * ceil(G / 16), batch), block 128,
 // dynamic smem (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes.
-template <int D, int STAGES>
+// SPARSE (attn_sparse_decode_*): sequence b reads a virtual sequence of vlen = c + (len - rlo)
+// keys: rows [0, c) of its compact buffer (sinks + Selector-chosen keys, [num_slots, kv_heads,
+// ccap, D], c = clen[b]) followed by its cache rows [rlo, len) read in place (rlo = rstart[b],
+// raised to len - rwin when rwin > 0: a sliding recent window). c = 0, rlo = 0 is dense. The
+// chunk is per sequence (vlen over the splits), so a dense and a sparse sequence share a launch.
+// With logits != null and capture[b] != 0 the row attends densely (c = 0, rlo = 0) and the scaled
+// scores (log2 units) of every key go to logits[b, head, j] (row stride lstride) for the Selector.
+struct SparseArgs {
+    const bf16* ck;
+    const bf16* cv;
+    const u32* clen;
+    const u32* rstart;
+    u32 ccap, rwin;
+    float* logits;
+    const u32* capture;
+    u32 lstride;
+};
+
+template <int D, int STAGES, bool SPARSE>
 __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                  const bf16* __restrict__ v_cache, const u32* __restrict__ seq_lens,
                                                  const u32* __restrict__ slots, float* __restrict__ part_o,
                                                  float* __restrict__ part_ml, u32 n_heads, u32 kv_heads,
                                                  u32 capacity, u32 num_slots, u32 window, u32 chunk,
-                                                 float scale_log2) {
+                                                 float scale_log2, SparseArgs sp) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr int CH = D / 8, STR = D + 8, DT = D / 8, BK = DEC_BK;
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [16][STR]
@@ -35,10 +53,31 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
 
     const u32 slot = slots[b];
     int len = slot < num_slots ? (int)min(seq_lens[b], capacity) : 0;
-    const int lo_seq = window ? max(0, len - (int)window) : 0;
-    const int s_lo = lo_seq + split * (int)chunk;
-    // The last split runs to the end, so a max_seq_len below a real length costs balance, not keys.
-    const int s_hi = split == splits - 1 ? len : min(len, s_lo + (int)chunk);
+    // Dense: keys [s_lo, s_hi) are cache rows. Sparse: virtual indices (compact rows, then the
+    // recent rows from rlo); `n_c` compact rows come first.
+    int s_lo, s_hi, n_c = 0, rlo = 0;
+    float* lrow = nullptr;
+    if constexpr (SPARSE) {
+        if (sp.logits != nullptr && sp.capture[b] != 0) {
+            // A capturing row attends densely (a slow step): its scores index positions.
+            lrow = sp.logits + ((u64)b * n_heads + kvh * G + rg * 16) * sp.lstride;
+        } else {
+            n_c = slot < num_slots ? (int)min(sp.clen[b], sp.ccap) : 0;
+            rlo = (int)min(sp.rstart[b], (u32)len);
+            if (sp.rwin) rlo = max(rlo, len - (int)sp.rwin);
+            n_c = min(n_c, rlo);  // compact rows are positions below the recent window
+        }
+        const int vlen = n_c + len - rlo;
+        const int per = (vlen + splits - 1) / splits;
+        const int ch = (per + BK - 1) / BK * BK;
+        s_lo = split * ch;
+        s_hi = min(vlen, s_lo + ch);
+    } else {
+        const int lo_seq = window ? max(0, len - (int)window) : 0;
+        s_lo = lo_seq + split * (int)chunk;
+        // The last split runs to the end, so a max_seq_len below a real length costs balance, not keys.
+        s_hi = split == splits - 1 ? len : min(len, s_lo + (int)chunk);
+    }
 
     if (s_lo >= s_hi) {
         for (int r = threadIdx.x; r < 16; r += DEC_THREADS) {
@@ -52,6 +91,12 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     }
     const bf16* kc = k_cache + ((u64)slot * kv_heads + kvh) * capacity * D;
     const bf16* vc = v_cache + ((u64)slot * kv_heads + kvh) * capacity * D;
+    const bf16* kcc = nullptr;
+    const bf16* vcc = nullptr;
+    if constexpr (SPARSE) {
+        kcc = sp.ck + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
+        vcc = sp.cv + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
+    }
 
     const int n_tiles = (s_hi - s_lo + BK - 1) / BK;
     auto load_tile = [&](int t) {
@@ -61,9 +106,17 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         for (int idx = threadIdx.x; idx < BK * CH; idx += DEC_THREADS) {
             const int r = idx / CH, c = idx % CH, j = j0 + r;
             const bool ok = j < s_hi;
-            const u64 off = (u64)(ok ? j : s_lo) * D + c * 8;
-            cp_async_16(smem_addr(kd + r * STR + c * 8), kc + off, ok ? 16u : 0u);
-            cp_async_16(smem_addr(vd + r * STR + c * 8), vc + off, ok ? 16u : 0u);
+            const int jj = ok ? j : s_lo;
+            if constexpr (SPARSE) {
+                const bool cmp = jj < n_c;
+                const u64 off = (u64)(cmp ? jj : rlo + jj - n_c) * D + c * 8;
+                cp_async_16(smem_addr(kd + r * STR + c * 8), (cmp ? kcc : kc) + off, ok ? 16u : 0u);
+                cp_async_16(smem_addr(vd + r * STR + c * 8), (cmp ? vcc : vc) + off, ok ? 16u : 0u);
+            } else {
+                const u64 off = (u64)jj * D + c * 8;
+                cp_async_16(smem_addr(kd + r * STR + c * 8), kc + off, ok ? 16u : 0u);
+                cp_async_16(smem_addr(vd + r * STR + c * 8), vc + off, ok ? 16u : 0u);
+            }
         }
     };
 #pragma unroll
@@ -111,6 +164,10 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
                 const int j = jw + nt * 8 + 2 * tig + (e & 1);
                 const float v = j < s_hi ? s[nt][e] * scale_log2 : NEG_INF;
                 s[nt][e] = v;
+                if constexpr (SPARSE) {
+                    const int hig = rg * 16 + g + 8 * (e >> 1);
+                    if (lrow != nullptr && j < s_hi && hig < G) lrow[(u64)(g + 8 * (e >> 1)) * sp.lstride + j] = v;
+                }
                 mx[e >> 1] = fmaxf(mx[e >> 1], v);
             }
         }
@@ -224,12 +281,29 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, const u32* seq_lens,               \
              const u32* slots, float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity,    \
              u32 num_slots, u32 window, u32 chunk, float scale_log2) {                                    \
-        attn_decode_impl<D, STAGES>(q, k_cache, v_cache, seq_lens, slots, part_o, part_ml, n_heads,       \
-                                    kv_heads, capacity, num_slots, window, chunk, scale_log2);           \
+        SparseArgs sp = {};                                                                              \
+        attn_decode_impl<D, STAGES, false>(q, k_cache, v_cache, seq_lens, slots, part_o, part_ml,         \
+                                           n_heads, kv_heads, capacity, num_slots, window, chunk,        \
+                                           scale_log2, sp);                                              \
     }
 DECODE_ENTRY(attn_decode_d64, 64, 4)
 DECODE_ENTRY(attn_decode_d128, 128, 3)
 DECODE_ENTRY(attn_decode_d256, 256, 2)
+
+// The sparse / capturing variant (see SparseArgs above); same grid, smem and partials.
+#define SPARSE_DECODE_ENTRY(NAME, D, STAGES)                                                             \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS)                                            \
+        NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, const u32* seq_lens,               \
+             const u32* slots, float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity,    \
+             u32 num_slots, float scale_log2, const bf16* ck, const bf16* cv, const u32* clen,            \
+             const u32* rstart, u32 ccap, u32 rwin, float* logits, const u32* capture, u32 lstride) {      \
+        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride};                    \
+        attn_decode_impl<D, STAGES, true>(q, k_cache, v_cache, seq_lens, slots, part_o, part_ml, n_heads, \
+                                          kv_heads, capacity, num_slots, 0, 0, scale_log2, sp);          \
+    }
+SPARSE_DECODE_ENTRY(attn_sparse_decode_d64, 64, 4)
+SPARSE_DECODE_ENTRY(attn_sparse_decode_d128, 128, 3)
+SPARSE_DECODE_ENTRY(attn_sparse_decode_d256, 256, 2)
 
 // Merges the splits: out [batch, n_heads, D] bf16, lse [batch, n_heads] (natural log) or null.
 // Weights in shared memory; warp w sums splits w, w + 8, ... with float4 loads; then the

@@ -40,7 +40,18 @@ pub struct CudaContext {
     compute_capability: (i32, i32),
     sm_count: u32,
     kernels_from_cache: bool,
+    /// Dynamic shared memory a block may use (bytes).
+    pub(crate) smem_optin: u32,
+    /// `linear` with at most this many rows runs the GEMV kernel instead of cuBLAS
+    /// (`SLOWFAST_GEMV_MAX_ROWS`, 0 = always cuBLAS; at most 8).
+    pub(crate) gemv_max_rows: usize,
 }
+
+/// Rows up to which `linear` can stream the weights with the GEMV kernel.
+pub const GEMV_MAX_ROWS: usize = 8;
+/// The default: at one row the GEMV beat cuBLAS on the H200 (Qwen3-4B step 4.19 vs 4.93 ms),
+/// at six rows it lost (6.23 vs 5.24 ms, its FMAs then bound it); docs/gpu-notes.md run 9.
+pub const GEMV_DEFAULT_ROWS: usize = 2;
 
 impl std::fmt::Debug for CudaContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -61,9 +72,9 @@ pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
         "attn_prefill_d256" => s(64 + 4 * 32, 256),
         "attn_prefill_d64_m2" => s(128 + 4 * 64, 64),
         "attn_prefill_d128_m2" => s(128 + 4 * 32, 128),
-        "attn_decode_d64" => s(16 + 2 * 4 * 64, 64),
-        "attn_decode_d128" => s(16 + 2 * 3 * 64, 128),
-        "attn_decode_d256" => s(16 + 2 * 2 * 64, 256),
+        "attn_decode_d64" | "attn_sparse_decode_d64" => s(16 + 2 * 4 * 64, 64),
+        "attn_decode_d128" | "attn_sparse_decode_d128" => s(16 + 2 * 3 * 64, 128),
+        "attn_decode_d256" | "attn_sparse_decode_d256" => s(16 + 2 * 2 * 64, 256),
         _ => return None,
     })
 }
@@ -109,6 +120,10 @@ impl CudaContext {
         let module = ctx
             .load_module(Ptx::from_binary(image.cubin))
             .map_err(drv("cuModuleLoadData"))?;
+        // Shared memory a block may opt into (the GEMV stages its input rows there).
+        let smem_optin = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(drv("shared memory per block"))? as u32;
         let mut funcs = HashMap::new();
         for &k in KERNEL_NAMES {
             let f = module
@@ -120,6 +135,13 @@ impl CudaContext {
                     bytes as i32,
                 )
                 .map_err(drv("raising the dynamic shared-memory limit"))?;
+            }
+            if k.starts_with("gemv_") {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem_optin as i32,
+                )
+                .map_err(drv("raising the GEMV shared-memory limit"))?;
             }
             funcs.insert(k, f);
         }
@@ -145,6 +167,12 @@ impl CudaContext {
             compute_capability: (major, minor),
             sm_count,
             kernels_from_cache: image.from_cache,
+            smem_optin,
+            gemv_max_rows: std::env::var("SLOWFAST_GEMV_MAX_ROWS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(GEMV_DEFAULT_ROWS)
+                .min(GEMV_MAX_ROWS),
         })
     }
 

@@ -14,6 +14,8 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../kernels/attn_prefill.cu"),
     ),
     ("attn_decode.cu", include_str!("../kernels/attn_decode.cu")),
+    ("sfi.cu", include_str!("../kernels/sfi.cu")),
+    ("gemv.cu", include_str!("../kernels/gemv.cu")),
 ];
 
 /// Every kernel entry point; the context loads each of these at start.
@@ -37,6 +39,24 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attn_decode_d128",
     "attn_decode_d256",
     "attn_decode_reduce",
+    "attn_sparse_decode_d64",
+    "attn_sparse_decode_d128",
+    "attn_sparse_decode_d256",
+    "sfi_key_norms",
+    "sfi_rowstats",
+    "sfi_evidence",
+    "sfi_score",
+    "sfi_cross_head",
+    "sfi_topk",
+    "sfi_gather",
+    "gemv_bf16_n1",
+    "gemv_bf16_n2",
+    "gemv_bf16_n3",
+    "gemv_bf16_n4",
+    "gemv_bf16_n5",
+    "gemv_bf16_n6",
+    "gemv_bf16_n7",
+    "gemv_bf16_n8",
 ];
 
 /// The single translation unit handed to NVRTC: the common header followed by every file.

@@ -17,6 +17,8 @@ mod context;
 pub mod model;
 #[cfg(feature = "cuda")]
 pub mod ops;
+#[cfg(feature = "cuda")]
+pub mod sparse;
 #[cfg(not(feature = "cuda"))]
 mod stub;
 
@@ -39,6 +41,8 @@ pub use ops::elementwise::Glu;
 pub use ops::norm::{RmsNorm, Rope};
 #[cfg(feature = "cuda")]
 pub use ops::KvLayout;
+#[cfg(feature = "cuda")]
+pub use sparse::{GpuKvPolicy, GpuSfiConfig};
 #[cfg(not(feature = "cuda"))]
 pub use stub::CudaContext;
 

@@ -19,6 +19,7 @@ use crate::ops::attention::{AttnWorkspace, DecodeAttn, PrefillAttn};
 use crate::ops::elementwise::Glu;
 use crate::ops::norm::{RmsNorm, Rope};
 use crate::ops::KvLayout;
+use crate::sparse::{GpuKvPolicy, Refresh, SparseState};
 
 /// Architecture of the decoder, resolved from a model config.
 #[derive(Clone, Debug)]
@@ -143,6 +144,13 @@ pub struct GpuDecoder {
     /// The decode step captured as a CUDA graph (for the current `decode_span`).
     graph: Option<cudarc::driver::CudaGraph>,
     weight_bytes: usize,
+    /// The KV policy's device state (None: full KV).
+    sparse: Option<SparseState>,
+    /// Per slot: a refresh (slow step) requested for the next decode step.
+    want_refresh: Vec<bool>,
+    /// Decode steps that ran a refresh / that ran sparse only.
+    slow_steps: usize,
+    fast_steps: usize,
 }
 
 fn bad(what: String) -> CudaError {
@@ -210,6 +218,7 @@ impl Acts {
 }
 
 /// Which attention a forward pass runs.
+#[derive(Clone, Copy)]
 enum Attn {
     /// One sequence's chunk at `pos0` in `slot`.
     Prefill { slot: usize, pos0: usize },
@@ -344,6 +353,10 @@ impl GpuDecoder {
             slot_len: vec![0; num_slots],
             decode_span: 1,
             graph: None,
+            sparse: None,
+            want_refresh: vec![false; num_slots],
+            slow_steps: 0,
+            fast_steps: 0,
             hdk,
             layers,
             caches,
@@ -395,7 +408,76 @@ impl GpuDecoder {
     pub fn reset_slot(&mut self, slot: usize) -> Result<(), CudaError> {
         self.check_slot(slot)?;
         self.slot_len[slot] = 0;
+        self.want_refresh[slot] = false;
+        if let Some(sp) = self.sparse.as_mut() {
+            sp.reset_slot(&self.ctx, slot)?;
+        }
         Ok(())
+    }
+
+    /// Switches the global layers to `policy` (allocates its device state; forgets every
+    /// slot's memory). Full KV drops the state.
+    pub fn set_policy(&mut self, policy: GpuKvPolicy) -> Result<(), CudaError> {
+        self.sparse = None;
+        self.graph = None;
+        self.sparse = SparseState::new(
+            &self.ctx,
+            policy,
+            &self.spec.windows,
+            &self.caches,
+            self.spec.n_heads,
+            self.kv,
+        )?;
+        Ok(())
+    }
+
+    pub fn policy(&self) -> GpuKvPolicy {
+        self.sparse.as_ref().map_or(GpuKvPolicy::Full, |s| s.policy)
+    }
+
+    /// Asks for a slow step (dense attention + memory refresh) of `slot` at the next decode
+    /// step (SFI; ignored by the other policies).
+    pub fn request_refresh(&mut self, slot: usize) -> Result<(), CudaError> {
+        self.check_slot(slot)?;
+        self.want_refresh[slot] = true;
+        Ok(())
+    }
+
+    /// (decode steps that ran a refresh, decode steps that ran sparse only, refreshes).
+    pub fn step_counts(&self) -> (usize, usize, usize) {
+        (
+            self.slow_steps,
+            self.fast_steps,
+            self.sparse.as_ref().map_or(0, |s| s.refreshes),
+        )
+    }
+
+    /// Tokens a fast step of `slot` attends per kv head on a global layer now.
+    pub fn attended(&self, slot: usize) -> usize {
+        let n = self.slot_len[slot];
+        self.sparse.as_ref().map_or(n, |s| s.attended(slot, n))
+    }
+
+    /// Shortens the cached sequence of `slot` to its first `len` tokens (later positions are
+    /// overwritten by what comes next).
+    pub fn truncate(&mut self, slot: usize, len: usize) -> Result<(), CudaError> {
+        self.check_slot(slot)?;
+        if len > self.slot_len[slot] {
+            return Err(bad(format!(
+                "truncate slot {slot} of {} tokens to {len}",
+                self.slot_len[slot]
+            )));
+        }
+        self.slot_len[slot] = len;
+        if let Some(sp) = self.sparse.as_mut() {
+            sp.reset_slot(&self.ctx, slot)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of the policy's compact buffers.
+    pub fn compact_bytes(&self) -> usize {
+        self.sparse.as_ref().map_or(0, |s| s.compact_bytes())
     }
 
     fn check_slot(&self, slot: usize) -> Result<(), CudaError> {
@@ -429,6 +511,9 @@ impl GpuDecoder {
             }
         }
         self.slot_len[to] = self.slot_len[from];
+        if let Some(sp) = self.sparse.as_mut() {
+            sp.copy_slot(&self.ctx, from, to)?;
+        }
         Ok(())
     }
 
@@ -460,15 +545,49 @@ impl GpuDecoder {
         }
         let mut all = all_logits.then(Vec::new);
         let mut scratch: Option<GpuBuffer<f32>> = None;
-        for (ci, c) in tokens.chunks(self.chunk).enumerate() {
-            let pos0 = start + ci * self.chunk;
+        // SFI's bootstrap captures the last rows of the last chunk: that chunk holds at least
+        // `bootstrap_rows` of them (taken from the chunk before when needed).
+        let total = tokens.len();
+        let boot = self.sparse.as_ref().map_or(0, |s| s.bootstrap_rows());
+        let mut bounds: Vec<(usize, usize)> = (0..total)
+            .step_by(self.chunk)
+            .map(|a| (a, (a + self.chunk).min(total)))
+            .collect();
+        if let [.., prev, last] = bounds.as_mut_slice() {
+            let short = boot
+                .saturating_sub(last.1 - last.0)
+                .min(prev.1 - prev.0 - 1);
+            prev.1 -= short;
+            last.0 -= short;
+        }
+        let dense_below = self
+            .sparse
+            .as_ref()
+            .map_or(usize::MAX, |s| s.policy.dense_below());
+        for &(a, b) in &bounds {
+            let c = &tokens[a..b];
+            let pos0 = start + a;
             let n = c.len();
+            let refresh: Vec<Refresh> = if boot > 0 && b == total && start + total > dense_below {
+                let rows = boot.min(n);
+                vec![Refresh {
+                    slot,
+                    len: start + total,
+                    rows,
+                    boot_row0: Some(n - rows),
+                }]
+            } else {
+                Vec::new()
+            };
             let pos: Vec<u32> = (pos0..pos0 + n).map(|p| p as u32).collect();
             self.ctx.upload_into(c, &mut self.pre.ids)?;
             self.ctx.upload_into(&pos, &mut self.pre.pos)?;
             self.ctx
                 .upload_into(&vec![slot as u32; n], &mut self.pre.slots)?;
-            self.forward(n, Attn::Prefill { slot, pos0 })?;
+            self.forward(n, Attn::Prefill { slot, pos0 }, &refresh)?;
+            if let Some(sp) = self.sparse.as_mut() {
+                sp.finish_refresh(&refresh);
+            }
             let h = self.spec.hidden;
             let head = self.lm_head.as_ref().unwrap_or(&self.embed).device_ptr();
             if let Some(all) = all.as_mut() {
@@ -562,9 +681,44 @@ impl GpuDecoder {
                 self.kv.capacity
             )));
         }
-        match &self.graph {
-            Some(g) => g.launch().map_err(crate::context::drv("cuGraphLaunch"))?,
-            None => self.queue_step()?,
+        // SFI: slots that asked for a refresh, or long enough for a memory but without one
+        // (the bridge after a short prompt), run a slow step: dense + capture + refresh.
+        let mut refresh = Vec::new();
+        if let Some(sp) = self.sparse.as_ref().filter(|s| s.sfi().is_some()) {
+            let dense_below = sp.policy.dense_below();
+            for s in 0..self.kv.num_slots {
+                let len = self.slot_len[s] + 1;
+                if len > dense_below && (self.want_refresh[s] || !sp.has_mem[s]) {
+                    refresh.push(Refresh {
+                        slot: s,
+                        len,
+                        rows: 1,
+                        boot_row0: None,
+                    });
+                }
+            }
+        }
+        self.want_refresh.iter_mut().for_each(|w| *w = false);
+        if refresh.is_empty() {
+            match &self.graph {
+                Some(g) => g.launch().map_err(crate::context::drv("cuGraphLaunch"))?,
+                None => self.queue_step(&[])?,
+            }
+            self.fast_steps += self.sparse.is_some() as usize;
+        } else {
+            let mut flags = vec![false; self.kv.num_slots];
+            refresh.iter().for_each(|r| flags[r.slot] = true);
+            if let Some(sp) = self.sparse.as_mut() {
+                sp.set_capture(&self.ctx, &flags)?;
+            }
+            self.queue_step(&refresh)?;
+            if let Some(sp) = self.sparse.as_mut() {
+                sp.finish_refresh(&refresh);
+            }
+            self.slow_steps += 1;
+        }
+        if self.sparse.is_none() {
+            self.slow_steps += 1;
         }
         for l in self.slot_len.iter_mut() {
             *l += 1;
@@ -582,7 +736,7 @@ impl GpuDecoder {
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(crate::context::drv("cuStreamBeginCapture"))?;
-        let queued = self.queue_step();
+        let queued = self.queue_step(&[]);
         let graph = stream
             .end_capture(CUgraphInstantiate_flags(0))
             .map_err(crate::context::drv("cuStreamEndCapture"))?;
@@ -598,10 +752,14 @@ impl GpuDecoder {
         self.graph.is_some()
     }
 
-    fn queue_step(&mut self) -> Result<(), CudaError> {
+    fn queue_step(&mut self, refresh: &[Refresh]) -> Result<(), CudaError> {
         let b = self.kv.num_slots;
         let (h, v) = (self.spec.hidden, self.spec.vocab);
-        self.forward(b, Attn::Decode)?;
+        self.forward(b, Attn::Decode, refresh)?;
+        if let Some(sp) = self.sparse.as_mut().filter(|_| !refresh.is_empty()) {
+            // The Selector for every global layer of each refreshed slot at once.
+            sp.refresh_decode(&self.ctx, refresh, self.spec.n_heads)?;
+        }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed).device_ptr();
         self.ctx.linear_raw(
             self.dec.xb.device_ptr(),
@@ -619,7 +777,7 @@ impl GpuDecoder {
 
     /// The layers over `n` rows of `pre` (prefill) or `dec` (decode); leaves the final-normed
     /// rows in `xb`.
-    fn forward(&mut self, n: usize, mode: Attn) -> Result<(), CudaError> {
+    fn forward(&mut self, n: usize, mode: Attn, refresh: &[Refresh]) -> Result<(), CudaError> {
         let GpuDecoder {
             ctx,
             spec: s,
@@ -638,6 +796,7 @@ impl GpuDecoder {
             next,
             ws,
             decode_span,
+            sparse,
             ..
         } = self;
         let (ctx, hdk, kv) = (&**ctx, *hdk, *kv);
@@ -688,8 +847,9 @@ impl GpuDecoder {
                 Some(freqs),
             )?;
             ctx.kv_append(&a.k, &a.v, kc, vc, &a.pos, &a.slots, n, kv)?;
-            match mode {
-                Attn::Prefill { slot, pos0 } => {
+            let sp = sparse.as_mut().filter(|sp| sp.covers(l));
+            match (mode, sp) {
+                (Attn::Prefill { slot, pos0 }, sp) => {
                     let p = PrefillAttn {
                         n_tokens: n,
                         n_heads: nh,
@@ -699,8 +859,24 @@ impl GpuDecoder {
                         window,
                     };
                     ctx.attn_prefill(&a.q, kc, vc, kv, &mut a.att, None, &p)?;
+                    if let Some(sp) = sp {
+                        for r in refresh {
+                            let q = a.q.device_ptr();
+                            sp.bootstrap_layer(ctx, l, kc, vc, ws, q, r, pos0, nh, s.attn_scale)?;
+                        }
+                    }
                 }
-                Attn::Decode => {
+                (Attn::Decode, Some(sp)) => {
+                    let io = (
+                        a.q.device_ptr(),
+                        a.att.device_ptr(),
+                        dec_lens.device_ptr(),
+                        a.slots.device_ptr(),
+                    );
+                    let capture = !refresh.is_empty();
+                    sp.decode_layer(ctx, l, kc, vc, ws, io, n, nh, s.attn_scale, capture)?;
+                }
+                (Attn::Decode, None) => {
                     let p = DecodeAttn {
                         batch: n,
                         n_heads: nh,

@@ -449,3 +449,50 @@ fn linear_matches_reference() {
         .to_string();
     assert!(err.contains("y [n, out]"), "{err}");
 }
+
+/// The GEMV path `linear` takes for 1..=8 rows, at decode shapes (odd row counts, `in` not a
+/// multiple of the lane stride, a large `in` whose staged rows need opt-in shared memory).
+#[test]
+fn small_batch_linear_matches_reference() {
+    let Some(ctx) = gpu("small_batch_linear") else {
+        return;
+    };
+    let mut rng = Rng::new(7);
+    for &(k, m) in &[(2560usize, 1027usize), (9728, 300), (136, 33)] {
+        for n in 1..=8 {
+            let x = rng.vec_bf16(n * k, 1.0);
+            let w = rng.vec_bf16(m * k, 0.05);
+            let (dx, dw) = (ctx.upload(&x).unwrap(), ctx.upload(&w).unwrap());
+            let want: Vec<f64> = (0..n * m)
+                .map(|i| {
+                    (0..k)
+                        .map(|j| x[(i / m) * k + j].to_f64() * w[(i % m) * k + j].to_f64())
+                        .sum()
+                })
+                .collect();
+            let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
+            ctx.linear(&dx, &dw, &mut y32, n, k, m).unwrap();
+            let got: Vec<f64> = ctx
+                .download(&y32)
+                .unwrap()
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
+            assert_close(
+                &format!("gemv f32 out n {n} in {k} out {m}"),
+                &got,
+                &want,
+                1e-4,
+            );
+            let mut y16 = ctx.upload(&nan_bf16(n * m)).unwrap();
+            ctx.linear(&dx, &dw, &mut y16, n, k, m).unwrap();
+            let got = to_f64(&ctx.download(&y16).unwrap());
+            assert_close(
+                &format!("gemv bf16 out n {n} in {k} out {m}"),
+                &got,
+                &want,
+                1e-2,
+            );
+        }
+    }
+}

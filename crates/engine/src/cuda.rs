@@ -8,7 +8,11 @@ use std::time::Instant;
 use half::bf16;
 use rayon::prelude::*;
 use slowfast_cuda::ops::elementwise::Glu;
-use slowfast_cuda::{CudaContext, DecoderSpec, GpuDecoder, Norm, Tensor, WeightSource};
+use slowfast_cuda::ops::sfi::SelectorParams;
+use slowfast_cuda::{
+    CudaContext, DecoderSpec, GpuDecoder, GpuKvPolicy, GpuSfiConfig, Norm, Tensor, WeightSource,
+};
+use slowfast_kv::sfi::trigger::Trigger;
 use slowfast_kv::PolicyStats;
 use slowfast_model::decoder::rope_inv_freq;
 use slowfast_model::{Activation, Model, RopeScaling, Weight};
@@ -135,30 +139,92 @@ pub fn load_decoder(
     GpuDecoder::new(ctx, spec_of(model), &Dequant(model), slots, capacity, chunk).map_err(gpu_err)
 }
 
+/// The GPU form of a KV policy: full, streaming and SFI run on the GPU; the others answer
+/// that they are CPU-only.
+pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
+    Ok(match spec {
+        PolicySpec::Full => GpuKvPolicy::Full,
+        PolicySpec::Streaming { sinks, recent } => GpuKvPolicy::Streaming {
+            sinks: *sinks,
+            recent: *recent,
+        },
+        PolicySpec::Sfi { cfg, .. } => {
+            let c = &cfg.selector;
+            GpuKvPolicy::Sfi(GpuSfiConfig {
+                sinks: cfg.sinks,
+                recent: cfg.recent,
+                selected: cfg.selected,
+                page: cfg.page,
+                bootstrap_rows: cfg.bootstrap_rows,
+                selector: SelectorParams {
+                    alpha: c.alpha,
+                    gamma: c.gamma,
+                    prior_weight_l2: c.prior_weight_l2,
+                    prior_weight_pos: c.prior_weight_pos,
+                    prior_pos_power: c.prior_pos_power,
+                    prior_pos_eta: c.prior_pos_eta,
+                    prior_beta: c.prior_beta,
+                    nms_window: c.nms_window,
+                    soft_alpha: c.soft_alpha,
+                    cross_head_alpha: c.cross_head_alpha,
+                    cross_head_temperature: c.cross_head_temperature,
+                    lambda_clip_single: c.lambda_clip_single,
+                    lambda_clip_multi: c.lambda_clip_multi,
+                    lambda_soft: c.lambda_soft,
+                    eps: c.eps,
+                },
+            })
+        }
+        other => {
+            return Err(EngineError::BadInput(format!(
+            "--device cuda: the {} KV policy runs on the CPU only (on cuda: full, streaming, sfi)",
+            other.name()
+        )))
+        }
+    })
+}
+
 /// One sequence on the GPU, stepped by the generate loop (logits come back to the host for
-/// the CPU sampler chain, so sampling is the same as on the CPU).
+/// the CPU sampler chain, so sampling is the same as on the CPU). SFI's sentence trigger runs
+/// on the host on the sampled tokens and asks the decoder for a slow step.
 pub struct GpuSession {
     dec: GpuDecoder,
     logits: Vec<f32>,
     decoding: bool,
     steps: usize,
+    trigger: Option<Trigger>,
+    name: &'static str,
+    attended: f64,
+    dense: f64,
 }
 
 impl GpuSession {
     pub fn new(model: &Model, max_tokens: usize, policy: &PolicySpec) -> Result<Self, EngineError> {
-        if *policy != PolicySpec::Full {
-            return Err(EngineError::BadInput(format!(
-                "--device cuda: the {} KV policy is not on cuda yet (use --policy full)",
-                policy.name()
-            )));
-        }
+        let gp = gpu_policy(policy)?;
+        let trigger = match policy {
+            PolicySpec::Sfi {
+                cfg,
+                enders,
+                newlines,
+                vocab_size,
+            } => Some(
+                Trigger::new(cfg.trigger.clone(), enders, newlines, (*vocab_size).max(1))
+                    .map_err(|e| EngineError::BadInput(format!("SFI trigger: {e}")))?,
+            ),
+            _ => None,
+        };
         let ctx = open_context()?;
-        let dec = load_decoder(ctx, model, 1, max_tokens.max(1), GPU_CHUNK)?;
+        let mut dec = load_decoder(ctx, model, 1, max_tokens.max(1), GPU_CHUNK)?;
+        dec.set_policy(gp).map_err(gpu_err)?;
         Ok(GpuSession {
             dec,
             logits: Vec::new(),
             decoding: false,
             steps: 0,
+            trigger,
+            name: policy.name(),
+            attended: 0.0,
+            dense: 0.0,
         })
     }
 
@@ -178,9 +244,15 @@ impl Steps for GpuSession {
                 "empty prompt: nothing to prefill".into(),
             ));
         }
+        let refreshes = self.dec.step_counts().2;
         self.dec.prefill(0, tokens, false).map_err(gpu_err)?;
         self.logits = self.dec.logits().map_err(gpu_err)?;
         self.decoding = false;
+        if let Some(t) = self.trigger.as_mut() {
+            if self.dec.step_counts().2 > refreshes {
+                t.reset_after_refresh(); // the bootstrap
+            }
+        }
         progress(tokens.len(), tokens.len());
         Ok(&self.logits)
     }
@@ -191,7 +263,18 @@ impl Steps for GpuSession {
             self.decoding = true;
         }
         self.dec.set_next(&[token]).map_err(gpu_err)?;
+        let fired = self.trigger.as_mut().is_some_and(|t| t.on_token(token));
+        if fired {
+            self.dec.request_refresh(0).map_err(gpu_err)?;
+        }
+        let (refreshes, len) = (self.dec.step_counts().2, self.dec.slot_len(0) + 1);
         self.dec.decode_step().map_err(gpu_err)?;
+        let slow = self.dec.step_counts().2 > refreshes;
+        if let Some(t) = self.trigger.as_mut().filter(|_| slow && !fired) {
+            t.reset_after_refresh(); // a refresh the trigger did not ask for (the bridge)
+        }
+        self.attended += if slow { len } else { self.dec.attended(0) } as f64;
+        self.dense += len as f64;
         if self.steps == 0 {
             // Later steps replay the step as one CUDA graph (plain launches if capture fails).
             let _ = self.dec.capture_decode();
@@ -208,15 +291,15 @@ impl Steps for GpuSession {
         self.dec.kv_bytes()
     }
     fn policy_name(&self) -> &'static str {
-        "full"
+        self.name
     }
     fn policy_stats(&self) -> PolicyStats {
-        let n = self.dec.slot_len(0) as f64;
+        let (slow, fast, _) = self.dec.step_counts();
         PolicyStats {
-            slow_steps: self.steps,
-            fast_steps: 0,
-            attended_tokens: n * self.steps as f64,
-            dense_tokens: n * self.steps as f64,
+            slow_steps: slow,
+            fast_steps: fast,
+            attended_tokens: self.attended,
+            dense_tokens: self.dense,
         }
     }
 }
@@ -230,6 +313,8 @@ pub struct GpuBenchOptions {
     pub batch: usize,
     /// Timed decode runs per context (the median is reported).
     pub repeats: usize,
+    /// KV policies timed at every context (full, streaming, sfi).
+    pub policies: Vec<String>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -247,14 +332,22 @@ pub struct GpuBenchRecord {
     pub prefill_tflops: f64,
     /// Over the bf16 GEMM rate measured in the same run (8192^3).
     pub prefill_pct_of_gemm: f64,
-    /// Tokens per second summed over the batch.
+    /// Tokens per second summed over the batch (SFI: slow steps included, on their schedule).
     pub decode_tok_s: f64,
     pub decode_ms_per_step: f64,
-    /// Whether the timed steps replayed a CUDA graph of the step.
+    /// Whether the timed (fast) steps replayed a CUDA graph of the step.
     pub cuda_graph: bool,
-    /// The same steps launched kernel by kernel (no graph).
+    /// Full KV: the same steps launched kernel by kernel (no graph); sparse policies: 0.
     pub decode_ms_per_step_no_graph: f64,
-    /// (weights + K/V read per step) / step time.
+    /// Sparse policies: a step with no refresh (graph replay), and a step where every
+    /// sequence refreshes (dense + capture + Selector + gather, plain launches); else 0.
+    pub fast_ms_per_step: f64,
+    pub slow_ms_per_step: f64,
+    /// SFI: each sequence's slow step comes every this many steps (staggered over the batch).
+    pub refresh_interval: usize,
+    /// Tokens a fast step attends per kv head on a global layer (mean over the batch).
+    pub attended_tokens: f64,
+    /// (weights + K/V read per fast step) / fast step time (full KV: per step).
     pub decode_gb_s: f64,
     /// Over the device-to-device copy rate measured in the same run.
     pub decode_pct_of_copy: f64,
@@ -263,6 +356,8 @@ pub struct GpuBenchRecord {
     pub gemm_tflops: f64,
     pub weight_bytes: usize,
     pub kv_bytes: usize,
+    /// Bytes of the sparse policy's compact buffers.
+    pub compact_bytes: usize,
     pub peak_gpu_mem_gib: f64,
     pub device_name: String,
 }
@@ -334,24 +429,33 @@ fn used_gib(ctx: &CudaContext) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// `slowfast bench --device cuda`: per context, prefill one random prompt into slot 0, copy it
-/// to the other slots, then time greedy decode steps of the whole batch (argmax on the
-/// device, no host round trip between steps).
+/// `slowfast bench --device cuda`: per context, prefill one random prompt into slot 0 (full
+/// KV), copy it to the other slots, then for each policy time greedy decode steps of the whole
+/// batch (argmax on the device, no host round trip between steps). A sparse policy starts
+/// from the prefilled cache (SFI: its first step is the bridge, a dense step that builds the
+/// memory) and is timed three ways: fast steps only, slow steps only, and its schedule (SFI:
+/// each sequence refreshes every `refresh_interval` steps, staggered over the batch).
 pub fn bench(
     m: &Loaded,
     o: &GpuBenchOptions,
+    spec_for: &dyn Fn(&str, usize) -> Result<PolicySpec, EngineError>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<GpuBenchRecord>, EngineError> {
     let cfg = &m.model.cfg;
-    if o.contexts.is_empty() || o.new_tokens == 0 || o.batch == 0 {
+    if o.contexts.is_empty() || o.new_tokens == 0 || o.batch == 0 || o.policies.is_empty() {
         return Err(EngineError::BadInput(
-            "bench: need contexts, --new-tokens >= 1 and --batch >= 1".into(),
+            "bench: need contexts, policies, --new-tokens >= 1 and --batch >= 1".into(),
         ));
+    }
+    for &n in &o.contexts {
+        for p in &o.policies {
+            gpu_policy(&spec_for(p, n)?)?;
+        }
     }
     let max_ctx = *o.contexts.iter().max().unwrap_or(&1);
     let repeats = o.repeats.max(1);
-    // Each repeat times new_tokens graph steps and new_tokens plain steps.
-    let capacity = max_ctx + 2 * (o.new_tokens + 1) * repeats + 2;
+    // Per policy and repeat: a warm-up step and at most three timed runs of new_tokens steps.
+    let capacity = max_ctx + (3 * o.new_tokens + 2) * repeats + 2;
     if max_ctx > cfg.max_position_embeddings {
         return Err(EngineError::BadInput(format!(
             "context {max_ctx} exceeds the model's context of {} tokens",
@@ -394,6 +498,7 @@ pub fn bench(
     let mut out = Vec::new();
     for &n in &o.contexts {
         let prompt = crate::bench::random_tokens(n, cfg.vocab_size, 0x5107 + n as u64);
+        dec.set_policy(GpuKvPolicy::Full).map_err(gpu_err)?;
         for s in 0..o.batch {
             dec.reset_slot(s).map_err(gpu_err)?;
         }
@@ -406,107 +511,189 @@ pub fn bench(
         for s in 1..o.batch {
             dec.copy_slot(0, s).map_err(gpu_err)?;
         }
-        dec.argmax_next().map_err(gpu_err)?;
-        dec.begin_decode().map_err(gpu_err)?;
-        dec.decode_step().map_err(gpu_err)?; // warm-up (sizes the attention workspace)
-        ctx.synchronize().map_err(gpu_err)?;
-        let mut peak = used_gib(&ctx);
-        let (mut times, mut plain, mut graph_ok) = (Vec::new(), Vec::new(), true);
-        for r in 0..repeats {
-            progress(&format!(
-                "context {n}: decode {} steps x batch {} (run {}/{repeats})",
-                o.new_tokens,
-                o.batch,
-                r + 1
-            ));
-            let ms = ctx
-                .time_ms(o.new_tokens, || dec.decode_step())
-                .map_err(gpu_err)?;
-            plain.push(ms as f64);
-            if let Err(e) = dec.capture_decode() {
-                graph_ok = false;
-                progress(&format!(
-                    "CUDA graph capture failed ({e}); timing plain steps"
-                ));
-            }
-            let ms = ctx
-                .time_ms(o.new_tokens, || dec.decode_step())
-                .map_err(gpu_err)?;
-            times.push(ms as f64);
-            dec.begin_decode().map_err(gpu_err)?; // drops the graph
-        }
-        peak = peak.max(used_gib(&ctx));
-        times.sort_by(f64::total_cmp);
-        plain.sort_by(f64::total_cmp);
-        let step_ms = times[times.len() / 2];
-        let plain_ms = plain[plain.len() / 2];
-        // K/V bytes read per step: each slot's cached length (mean over the timed steps) on
-        // global layers, the window on sliding ones, at the kernel head dim.
-        let avg = n as f64 + 1.0 + (2 * repeats * o.new_tokens) as f64 / 2.0;
-        let kv_read: f64 = spec
-            .windows
-            .iter()
-            .map(|w| {
-                let span = w.map_or(avg, |w| avg.min(w as f64));
-                2.0 * span * (spec.n_kv_heads * hdk * 2) as f64
-            })
-            .sum::<f64>()
-            * o.batch as f64;
-        let bytes = dec.decode_weight_bytes() as f64 + kv_read;
-        let gbs = bytes / (step_ms * 1e-3) / 1e9;
+        let first = dec.logits().map_err(gpu_err)?;
         let tflops = prefill_flops(&m.model, n) / prefill_s / 1e12;
-        let rec = GpuBenchRecord {
-            model: m.name.clone(),
-            device: "cuda".into(),
-            policy: "full".into(),
-            batch: o.batch,
-            context: n,
-            new_tokens: o.new_tokens,
-            kv_dtype: "bf16".into(),
-            prefill_seconds: prefill_s,
-            prefill_tok_s: n as f64 / prefill_s,
-            prefill_tflops: tflops,
-            prefill_pct_of_gemm: 100.0 * tflops / gemm,
-            decode_tok_s: o.batch as f64 / (step_ms * 1e-3),
-            decode_ms_per_step: step_ms,
-            cuda_graph: graph_ok,
-            decode_ms_per_step_no_graph: plain_ms,
-            decode_gb_s: gbs,
-            decode_pct_of_copy: 100.0 * gbs / copy,
-            decode_bytes_per_step: bytes,
-            copy_gb_s: copy,
-            gemm_tflops: gemm,
-            weight_bytes: dec.weight_bytes(),
-            kv_bytes: dec.kv_bytes(),
-            peak_gpu_mem_gib: peak,
-            device_name: ctx.device_name().to_owned(),
-        };
-        progress(&format!(
-            "context {n}: prefill {:.0} tok/s ({:.0} TFLOP/s), decode {:.3} ms/step (no graph {:.3}), {:.1} tok/s, {:.0} GB/s ({:.1}% of copy)",
-            rec.prefill_tok_s, rec.prefill_tflops, rec.decode_ms_per_step, rec.decode_ms_per_step_no_graph, rec.decode_tok_s, rec.decode_gb_s, rec.decode_pct_of_copy
-        ));
-        out.push(rec);
+        for pname in &o.policies {
+            let pspec = spec_for(pname, n)?;
+            let gp = gpu_policy(&pspec)?;
+            let interval = match &pspec {
+                PolicySpec::Sfi { cfg, .. } => cfg.trigger.refresh_interval.max(1),
+                _ => 0,
+            };
+            for s in 0..o.batch {
+                dec.truncate(s, n).map_err(gpu_err)?;
+            }
+            dec.set_policy(gp).map_err(gpu_err)?;
+            // Every slot restarts from the prompt's first next token.
+            let next = crate::sampler::argmax(&first[..cfg.vocab_size]).unwrap_or(0);
+            dec.set_next(&vec![next; o.batch]).map_err(gpu_err)?;
+            dec.begin_decode().map_err(gpu_err)?;
+            dec.decode_step().map_err(gpu_err)?; // warm-up (workspace; SFI: the bridge refresh)
+            ctx.synchronize().map_err(gpu_err)?;
+            let mut peak = used_gib(&ctx);
+            let sparse = gp != GpuKvPolicy::Full;
+            let (mut times, mut plain, mut fast, mut slow, mut graph_ok) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), true);
+            let mut attended = 0.0;
+            for r in 0..repeats {
+                progress(&format!(
+                    "context {n} {pname}: decode {} steps x batch {} (run {}/{repeats})",
+                    o.new_tokens,
+                    o.batch,
+                    r + 1
+                ));
+                if !sparse {
+                    let ms = ctx
+                        .time_ms(o.new_tokens, || dec.decode_step())
+                        .map_err(gpu_err)?;
+                    plain.push(ms as f64);
+                }
+                if let Err(e) = dec.capture_decode() {
+                    graph_ok = false;
+                    progress(&format!(
+                        "CUDA graph capture failed ({e}); timing plain steps"
+                    ));
+                }
+                let ms = ctx
+                    .time_ms(o.new_tokens, || dec.decode_step())
+                    .map_err(gpu_err)?;
+                attended +=
+                    (0..o.batch).map(|s| dec.attended(s) as f64).sum::<f64>() / o.batch as f64;
+                if !sparse {
+                    times.push(ms as f64);
+                } else {
+                    fast.push(ms as f64);
+                    if interval > 0 {
+                        // Every slot refreshes every step.
+                        let k = o.new_tokens.min(16);
+                        let ms = ctx
+                            .time_ms(k, || {
+                                for s in 0..o.batch {
+                                    dec.request_refresh(s)?;
+                                }
+                                dec.decode_step()
+                            })
+                            .map_err(gpu_err)?;
+                        slow.push(ms as f64);
+                        // The schedule: slot s refreshes when (t + s * interval / batch) % interval == 0.
+                        let mut t = 1usize;
+                        let b = o.batch;
+                        let ms = ctx
+                            .time_ms(o.new_tokens, || {
+                                for s in 0..b {
+                                    if (t + s * interval / b).is_multiple_of(interval) {
+                                        dec.request_refresh(s)?;
+                                    }
+                                }
+                                t += 1;
+                                dec.decode_step()
+                            })
+                            .map_err(gpu_err)?;
+                        times.push(ms as f64);
+                    } else {
+                        times.push(ms as f64);
+                    }
+                }
+                dec.begin_decode().map_err(gpu_err)?; // drops the graph
+            }
+            peak = peak.max(used_gib(&ctx));
+            let med = |v: &mut Vec<f64>| -> f64 {
+                if v.is_empty() {
+                    return 0.0;
+                }
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            let step_ms = med(&mut times);
+            let plain_ms = med(&mut plain);
+            let fast_ms = med(&mut fast);
+            let slow_ms = med(&mut slow);
+            let attended = attended / repeats as f64;
+            // K/V bytes read per (fast) step: global layers the attended tokens, sliding ones
+            // their window, at the kernel head dim.
+            let avg = n as f64 + 1.0 + o.new_tokens as f64;
+            let kv_read: f64 = spec
+                .windows
+                .iter()
+                .map(|w| {
+                    let span = match w {
+                        Some(w) => avg.min(*w as f64),
+                        None if sparse => attended,
+                        None => avg,
+                    };
+                    2.0 * span * (spec.n_kv_heads * hdk * 2) as f64
+                })
+                .sum::<f64>()
+                * o.batch as f64;
+            let bytes = dec.decode_weight_bytes() as f64 + kv_read;
+            let roof_ms = if sparse { fast_ms } else { step_ms };
+            let gbs = bytes / (roof_ms * 1e-3) / 1e9;
+            let rec = GpuBenchRecord {
+                model: m.name.clone(),
+                device: "cuda".into(),
+                policy: pname.clone(),
+                batch: o.batch,
+                context: n,
+                new_tokens: o.new_tokens,
+                kv_dtype: "bf16".into(),
+                prefill_seconds: prefill_s,
+                prefill_tok_s: n as f64 / prefill_s,
+                prefill_tflops: tflops,
+                prefill_pct_of_gemm: 100.0 * tflops / gemm,
+                decode_tok_s: o.batch as f64 / (step_ms * 1e-3),
+                decode_ms_per_step: step_ms,
+                cuda_graph: graph_ok,
+                decode_ms_per_step_no_graph: plain_ms,
+                fast_ms_per_step: fast_ms,
+                slow_ms_per_step: slow_ms,
+                refresh_interval: interval,
+                attended_tokens: attended,
+                decode_gb_s: gbs,
+                decode_pct_of_copy: 100.0 * gbs / copy,
+                decode_bytes_per_step: bytes,
+                copy_gb_s: copy,
+                gemm_tflops: gemm,
+                weight_bytes: dec.weight_bytes(),
+                kv_bytes: dec.kv_bytes(),
+                compact_bytes: dec.compact_bytes(),
+                peak_gpu_mem_gib: peak,
+                device_name: ctx.device_name().to_owned(),
+            };
+            progress(&format!(
+                "context {n} {pname}: decode {:.3} ms/step, {:.1} tok/s (fast {:.3}, slow {:.3}, no graph {:.3}); {:.0} GB/s ({:.1}% of copy) at {:.0} tokens a head",
+                rec.decode_ms_per_step, rec.decode_tok_s, fast_ms, slow_ms, plain_ms, rec.decode_gb_s, rec.decode_pct_of_copy, attended
+            ));
+            out.push(rec);
+        }
     }
     Ok(out)
 }
 
-/// A markdown table of GPU bench records.
+/// A markdown table of GPU bench records, with each sparse policy's speedup over full KV at
+/// the same context and batch.
 pub fn table(rs: &[GpuBenchRecord]) -> String {
     let mut s = String::from(
-        "| model | batch | context | prefill tok/s | prefill TFLOP/s (% GEMM) | decode tok/s | ms/step (no graph) | decode GB/s (% copy) | peak GiB |\n|---|---|---|---|---|---|---|---|---|\n",
+        "| model | policy | batch | context | prefill tok/s (% GEMM) | decode tok/s | vs full | ms/step | fast / slow ms | tokens a head | fast-step GB/s (% copy) | peak GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rs {
+        let full = rs
+            .iter()
+            .find(|f| f.policy == "full" && f.context == r.context && f.batch == r.batch)
+            .map(|f| r.decode_tok_s / f.decode_tok_s);
         s.push_str(&format!(
-            "| {} | {} | {} | {:.0} | {:.0} ({:.0}%) | {:.1} | {:.3} ({:.3}) | {:.0} ({:.1}%) | {:.1} |\n",
+            "| {} | {} | {} | {} | {:.0} ({:.0}%) | {:.1} | {} | {:.3} | {:.3} / {:.3} | {:.0} | {:.0} ({:.1}%) | {:.1} |\n",
             r.model,
+            r.policy,
             r.batch,
             r.context,
             r.prefill_tok_s,
-            r.prefill_tflops,
             r.prefill_pct_of_gemm,
             r.decode_tok_s,
+            full.map_or("-".into(), |x| format!("{x:.2}x")),
             r.decode_ms_per_step,
-            r.decode_ms_per_step_no_graph,
+            r.fast_ms_per_step,
+            r.slow_ms_per_step,
+            r.attended_tokens,
             r.decode_gb_s,
             r.decode_pct_of_copy,
             r.peak_gpu_mem_gib

@@ -67,6 +67,24 @@ impl AttnWorkspace {
     pub fn new() -> Self {
         Self::default()
     }
+
+    /// Device addresses of partial buffers of at least `need_o` / `need_ml` floats.
+    pub(crate) fn ensure(
+        &mut self,
+        ctx: &CudaContext,
+        need_o: usize,
+        need_ml: usize,
+    ) -> Result<(u64, u64), CudaError> {
+        if self.part_o.as_ref().is_none_or(|b| b.len() < need_o) {
+            self.part_o = Some(ctx.alloc::<f32>(need_o)?);
+        }
+        if self.part_ml.as_ref().is_none_or(|b| b.len() < need_ml) {
+            self.part_ml = Some(ctx.alloc::<f32>(need_ml)?);
+        }
+        let o = self.part_o.as_ref().map(|b| b.device_ptr()).unwrap_or(0);
+        let ml = self.part_ml.as_ref().map(|b| b.device_ptr()).unwrap_or(0);
+        Ok((o, ml))
+    }
 }
 
 fn check_heads(
@@ -153,16 +171,7 @@ impl CudaContext {
             None => 0,
         };
         let (splits, chunk) = self.decode_split(p, &kv);
-        let need_o = rows * splits * d;
-        let need_ml = rows * splits * 2;
-        if ws.part_o.as_ref().is_none_or(|b| b.len() < need_o) {
-            ws.part_o = Some(self.alloc::<f32>(need_o)?);
-        }
-        if ws.part_ml.as_ref().is_none_or(|b| b.len() < need_ml) {
-            ws.part_ml = Some(self.alloc::<f32>(need_ml)?);
-        }
-        let part_o = ws.part_o.as_ref().map(|b| b.device_ptr()).unwrap_or(0);
-        let part_ml = ws.part_ml.as_ref().map(|b| b.device_ptr()).unwrap_or(0);
+        let (part_o, part_ml) = ws.ensure(self, rows * splits * d, rows * splits * 2)?;
         let kernel = match d {
             64 => "attn_decode_d64",
             128 => "attn_decode_d128",
@@ -194,18 +203,35 @@ impl CudaContext {
             smem,
             &args,
         )?;
+        self.attn_decode_reduce_raw(part_o, part_ml, po, plse, rows, p.n_heads, splits, d)
+    }
+
+    /// Merges flash-decoding partials of `rows` = batch x n_heads rows into out (bf16) and,
+    /// when `lse` is not 0, the natural log-sum-exp per row.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attn_decode_reduce_raw(
+        &self,
+        part_o: u64,
+        part_ml: u64,
+        out: u64,
+        lse: u64,
+        rows: usize,
+        n_heads: usize,
+        splits: usize,
+        d: usize,
+    ) -> Result<(), CudaError> {
         let rargs = [
             KArg::P(part_o),
             KArg::P(part_ml),
-            KArg::P(po),
-            KArg::P(plse),
-            KArg::U(p.n_heads as u32),
+            KArg::P(out),
+            KArg::P(lse),
+            KArg::U(n_heads as u32),
             KArg::U(splits as u32),
             KArg::U(d as u32),
         ];
         self.launch(
             "attn_decode_reduce",
-            (p.n_heads as u32, p.batch as u32, 1),
+            (n_heads as u32, (rows / n_heads) as u32, 1),
             (256, 1, 1),
             0,
             &rargs,

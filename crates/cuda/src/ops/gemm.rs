@@ -66,6 +66,13 @@ impl CudaContext {
         out_features: usize,
     ) -> Result<(), CudaError> {
         const OP: &str = "linear";
+        if n <= self.gemv_max_rows
+            && (in_features % 8 == 0)
+            && n * in_features * 2 <= self.smem_optin as usize
+            && out_type != cudaDataType::CUDA_R_16F
+        {
+            return self.gemv_raw(px, pw, py, out_type, n, in_features, out_features);
+        }
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Column-major view: Y^T[out, n] = W[out, in] · X^T[in, n], with W read transposed
         // from its column-major [in, out] storage.
@@ -96,5 +103,55 @@ impl CudaContext {
             op: OP,
             reason: format!("cublasGemmEx: {e:?}"),
         })
+    }
+
+    /// The weight-streaming GEMV (kernels/gemv.cu) for `n` <= 8 rows: `y[n, out] = x[n, in] ·
+    /// w[out, in]^T`, f32 accumulation, bf16 or f32 output; `in` a multiple of 8.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemv_raw(
+        &self,
+        px: u64,
+        pw: u64,
+        py: u64,
+        out_type: cudaDataType,
+        n: usize,
+        in_features: usize,
+        out_features: usize,
+    ) -> Result<(), CudaError> {
+        const NAMES: [&str; 8] = [
+            "gemv_bf16_n1",
+            "gemv_bf16_n2",
+            "gemv_bf16_n3",
+            "gemv_bf16_n4",
+            "gemv_bf16_n5",
+            "gemv_bf16_n6",
+            "gemv_bf16_n7",
+            "gemv_bf16_n8",
+        ];
+        if n == 0 || n > 8 || in_features % 8 != 0 {
+            return Err(CudaError::bad(
+                "gemv",
+                format!("{n} rows (1..=8), in = {in_features} (a multiple of 8)"),
+            ));
+        }
+        let smem = (n * in_features * 2) as u32;
+        // Persistent blocks: enough to fill the device twice, never more than the row pairs.
+        let blocks = (self.sm_count() as usize * 2)
+            .min(out_features.div_ceil(16))
+            .max(1);
+        self.launch(
+            NAMES[n - 1],
+            (blocks as u32, 1, 1),
+            (256, 1, 1),
+            smem,
+            &[
+                crate::context::KArg::P(px),
+                crate::context::KArg::P(pw),
+                crate::context::KArg::P(py),
+                crate::context::KArg::U(in_features as u32),
+                crate::context::KArg::U(out_features as u32),
+                crate::context::KArg::U((out_type == cudaDataType::CUDA_R_32F) as u32),
+            ],
+        )
     }
 }

@@ -5,6 +5,7 @@ pub mod elementwise;
 pub mod gemm;
 pub mod norm;
 pub mod sampling;
+pub mod sfi;
 
 use crate::error::CudaError;
 

@@ -1,0 +1,569 @@
+//! SFI on the GPU: the sparse / capturing flash-decoding launch and the Selector pipeline
+//! (kernels/sfi.cu). Pointers are raw device addresses so callers can address one layer's or
+//! one slot's part of a larger buffer; every launch checks the sizes it is told.
+
+use super::{u32_of, KvLayout};
+use crate::buffer::GpuBuffer;
+use crate::context::{attn_smem_bytes, CudaContext, KArg};
+use crate::error::CudaError;
+use crate::ops::attention::AttnWorkspace;
+
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+
+/// Selector knobs (the meaning and defaults of each are those of the CPU Selector,
+/// `slowfast_kv::sfi::selector::SelectorConfig`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SelectorParams {
+    pub alpha: f64,
+    pub gamma: f64,
+    pub prior_weight_l2: f64,
+    pub prior_weight_pos: f64,
+    pub prior_pos_power: f64,
+    pub prior_pos_eta: f64,
+    pub prior_beta: f64,
+    pub nms_window: usize,
+    pub soft_alpha: f64,
+    pub cross_head_alpha: f64,
+    pub cross_head_temperature: f64,
+    pub lambda_clip_single: f64,
+    pub lambda_clip_multi: f64,
+    pub lambda_soft: bool,
+    pub eps: f64,
+}
+
+impl SelectorParams {
+    /// The layout `sfi_cfg` in kernels/sfi.cu reads (16 doubles).
+    fn to_array(self) -> [f64; 16] {
+        [
+            self.alpha,
+            self.gamma,
+            self.prior_weight_l2,
+            self.prior_weight_pos,
+            self.prior_pos_power,
+            self.prior_pos_eta,
+            self.prior_beta,
+            self.soft_alpha,
+            self.lambda_clip_single,
+            self.lambda_clip_multi,
+            self.eps,
+            (self.nms_window / 2) as f64,
+            if self.lambda_soft { 1.0 } else { 0.0 },
+            self.cross_head_alpha,
+            1.0 / self.cross_head_temperature,
+            0.0,
+        ]
+    }
+
+    /// Geometric mean over rows (alpha ~ 0), as the CPU Selector decides it.
+    fn geometric(&self) -> bool {
+        self.alpha.abs() < 1e-6
+    }
+}
+
+/// Device scratch of the Selector for up to `layers` layers x `kv_heads` heads x `rows`
+/// captured rows over a domain of up to `max_n` tokens, choosing up to `k` per head.
+pub struct SelectorScratch {
+    cfg: GpuBuffer<f64>,
+    params: SelectorParams,
+    layers: usize,
+    kv_heads: usize,
+    rows: usize,
+    max_n: usize,
+    k: usize,
+    stats: GpuBuffer<f32>, // [kv_heads, rows] (m, c) pairs
+    ev: GpuBuffer<f64>,    // [kv_heads, n]
+    fa: GpuBuffer<f64>,
+    fb: GpuBuffer<f64>,
+    scores: GpuBuffer<f64>,
+    cnt: GpuBuffer<u32>,    // [kv_heads]
+    sel: GpuBuffer<u32>,    // [kv_heads, k]
+    mcount: GpuBuffer<u32>, // [1]
+}
+
+impl SelectorScratch {
+    pub fn new(
+        ctx: &CudaContext,
+        params: SelectorParams,
+        layers: usize,
+        kv_heads: usize,
+        rows: usize,
+        max_n: usize,
+        k: usize,
+    ) -> Result<Self, CudaError> {
+        const OP: &str = "sfi selector";
+        let t = params.cross_head_temperature;
+        if !(t.is_finite() && t > 0.0 && params.eps > 0.0 && params.eps < 1e-3) {
+            return Err(CudaError::bad(
+                OP,
+                format!(
+                    "cross_head_temperature {t} (> 0) / eps {} (0..1e-3)",
+                    params.eps
+                ),
+            ));
+        }
+        if layers == 0 || kv_heads == 0 || rows == 0 || k == 0 {
+            return Err(CudaError::bad(
+                OP,
+                format!(
+                    "{layers} layers, {kv_heads} kv heads, {rows} rows, k = {k}: all must be >= 1"
+                ),
+            ));
+        }
+        let n = max_n.max(1);
+        let lh = layers * kv_heads;
+        Ok(SelectorScratch {
+            cfg: ctx.upload(&params.to_array())?,
+            params,
+            layers,
+            kv_heads,
+            rows,
+            max_n: n,
+            k,
+            stats: ctx.alloc(lh * rows * 2)?,
+            ev: ctx.alloc(lh * n)?,
+            fa: ctx.alloc(lh * n)?,
+            fb: ctx.alloc(lh * n)?,
+            scores: ctx.alloc(lh * n)?,
+            cnt: ctx.alloc(lh)?,
+            sel: ctx.alloc(lh * k)?,
+            mcount: ctx.alloc(layers)?,
+        })
+    }
+
+    /// Chosen positions `[layers, kv_heads, k]` (the first `m[layer]` of each head valid) and
+    /// the per-layer counts m (downloads; for tests).
+    pub fn download(&self, ctx: &CudaContext) -> Result<(Vec<u32>, Vec<usize>), CudaError> {
+        let sel = ctx.download(&self.sel)?;
+        let m = ctx
+            .download(&self.mcount)?
+            .iter()
+            .map(|&m| m as usize)
+            .collect();
+        Ok((sel, m))
+    }
+
+    pub fn k(&self) -> usize {
+        self.k
+    }
+}
+
+/// One Selector run over the captured logits of `layers` layers of one sequence.
+#[derive(Clone, Copy, Debug)]
+pub struct SelectArgs {
+    pub layers: usize,
+    /// Captured scores (log2 units): row r of query head hq of layer z at `logits + (z *
+    /// logit_layer_stride + (r * n_heads + hq) * lstride + j) * 4` for key j.
+    pub logits: u64,
+    pub lstride: usize,
+    pub logit_layer_stride: usize,
+    pub n_heads: usize,
+    pub kv_heads: usize,
+    /// Captured query rows per query head (the rows per kv head are G x this).
+    pub rows: usize,
+    /// Domain [sinks, recent_start).
+    pub sinks: usize,
+    pub recent_start: usize,
+    /// Key norms of this sequence `[kv_heads, norm_stride]` (f32), layer z at
+    /// `norms + z * norm_layer_stride * 4`.
+    pub norms: u64,
+    pub norm_stride: usize,
+    pub norm_layer_stride: usize,
+}
+
+/// The compact-memory gather of `layers` layers of one slot.
+#[derive(Clone, Copy, Debug)]
+pub struct GatherArgs {
+    pub layers: usize,
+    /// Device arrays of `layers` u64: each layer's K and V cache (`[num_slots, kv_heads,
+    /// capacity, head_dim]` bf16, the layout of the launch's `KvLayout`).
+    pub kptrs: u64,
+    pub vptrs: u64,
+    pub slot: usize,
+    pub sinks: usize,
+    pub recent_start: usize,
+    /// Compact K and V `[num_slots, kv_heads, ccap, head_dim]` of the first layer; the next
+    /// layer's start `compact_layer_stride` elements later.
+    pub ck: u64,
+    pub cv: u64,
+    pub ccap: usize,
+    pub compact_layer_stride: usize,
+    /// `[layers, num_slots]` compact length and recent-window start (written).
+    pub clen: u64,
+    pub rstart: u64,
+}
+
+/// A sparse / capturing decode launch (`attn_sparse_decode_*`), see kernels/attn_decode.cu.
+#[derive(Clone, Copy, Debug)]
+pub struct SparseDecode {
+    pub batch: usize,
+    pub n_heads: usize,
+    pub scale: f32,
+    /// Splits over each sequence's virtual length (the chunk is per sequence).
+    pub splits: usize,
+    /// q and out `[batch, n_heads, head_dim]` (bf16).
+    pub q: u64,
+    pub out: u64,
+    /// `[batch]` lengths and cache slots.
+    pub seq_lens: u64,
+    pub slots: u64,
+    /// Compact K/V `[num_slots, kv_heads, ccap, head_dim]` (may be the cache itself with
+    /// ccap = capacity: StreamingLLM's sinks), `[batch]` compact lengths and recent starts.
+    pub ck: u64,
+    pub cv: u64,
+    pub ccap: usize,
+    pub clen: u64,
+    pub rstart: u64,
+    /// Sliding recent window (0: the recent part runs from rstart).
+    pub rwin: usize,
+    /// Capture: `[batch, n_heads, lstride]` f32 scores for rows with `capture[b] != 0` (those
+    /// rows attend densely); 0 = no capture.
+    pub logits: u64,
+    pub capture: u64,
+    pub lstride: usize,
+}
+
+impl CudaContext {
+    /// Splits a sparse decode of `batch` sequences uses: one wave of blocks.
+    pub fn sparse_splits(&self, batch: usize, n_heads: usize, kv: &KvLayout) -> usize {
+        let row_groups = (n_heads / kv.kv_heads.max(1)).div_ceil(16);
+        let groups = (batch * kv.kv_heads * row_groups).max(1);
+        let resident = self.sm_count() as usize * if kv.head_dim == 256 { 1 } else { 2 };
+        (resident / groups).clamp(1, 1024)
+    }
+
+    /// Sparse flash-decoding (see [`SparseDecode`]) over one layer's cache.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_sparse_decode(
+        &self,
+        k_cache: &GpuBuffer<half::bf16>,
+        v_cache: &GpuBuffer<half::bf16>,
+        kv: KvLayout,
+        ws: &mut AttnWorkspace,
+        p: &SparseDecode,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "attn_sparse_decode";
+        kv.check(OP)?;
+        if p.batch == 0 || p.batch > 65535 || p.n_heads % kv.kv_heads != 0 {
+            return Err(CudaError::bad(
+                OP,
+                format!("batch {} / n_heads {}", p.batch, p.n_heads),
+            ));
+        }
+        for (what, v) in [
+            ("q", p.q),
+            ("out", p.out),
+            ("seq_lens", p.seq_lens),
+            ("slots", p.slots),
+            ("clen", p.clen),
+            ("rstart", p.rstart),
+            ("ck", p.ck),
+            ("cv", p.cv),
+        ] {
+            if v == 0 {
+                return Err(CudaError::bad(OP, format!("{what} is null")));
+            }
+        }
+        if p.logits != 0 && (p.capture == 0 || p.lstride < kv.capacity) {
+            return Err(CudaError::bad(
+                OP,
+                "capture needs capture flags and lstride >= capacity",
+            ));
+        }
+        let d = kv.head_dim;
+        let rows = p.batch * p.n_heads;
+        let splits = p.splits.clamp(1, 1024);
+        let (part_o, part_ml) = ws.ensure(self, rows * splits * d, rows * splits * 2)?;
+        let kernel = match d {
+            64 => "attn_sparse_decode_d64",
+            128 => "attn_sparse_decode_d128",
+            _ => "attn_sparse_decode_d256",
+        };
+        let row_groups = (p.n_heads / kv.kv_heads).div_ceil(16);
+        let args = [
+            KArg::P(p.q),
+            KArg::P(k_cache.ptr_min(OP, "k_cache", kv.elems())?),
+            KArg::P(v_cache.ptr_min(OP, "v_cache", kv.elems())?),
+            KArg::P(p.seq_lens),
+            KArg::P(p.slots),
+            KArg::P(part_o),
+            KArg::P(part_ml),
+            KArg::U(p.n_heads as u32),
+            KArg::U(kv.kv_heads as u32),
+            KArg::U(kv.capacity as u32),
+            KArg::U(u32_of(OP, "num_slots", kv.num_slots)?),
+            KArg::F(p.scale * LOG2E),
+            KArg::P(p.ck),
+            KArg::P(p.cv),
+            KArg::P(p.clen),
+            KArg::P(p.rstart),
+            KArg::U(u32_of(OP, "ccap", p.ccap)?),
+            KArg::U(u32_of(OP, "rwin", p.rwin)?),
+            KArg::P(p.logits),
+            KArg::P(p.capture),
+            KArg::U(u32_of(OP, "lstride", p.lstride)?),
+        ];
+        self.launch(
+            kernel,
+            (
+                splits as u32,
+                u32_of(OP, "kv_heads * row groups", kv.kv_heads * row_groups)?,
+                p.batch as u32,
+            ),
+            (128, 1, 1),
+            attn_smem_bytes(kernel).unwrap_or(0),
+            &args,
+        )?;
+        self.attn_decode_reduce_raw(part_o, part_ml, p.out, 0, rows, p.n_heads, splits, d)
+    }
+
+    /// Key norms of positions [p0, p1) of `slot` for `layers` layers: K caches from the device
+    /// array `kptrs` (u64 each, layout `kv`), norms into `norms` (`[kv_heads, capacity]` f32 of
+    /// that slot, layer z at `norms + z * layer_stride * 4`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn sfi_key_norms(
+        &self,
+        kptrs: u64,
+        layers: usize,
+        kv: KvLayout,
+        slot: usize,
+        p0: usize,
+        p1: usize,
+        norms: u64,
+        layer_stride: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "sfi_key_norms";
+        if p1 <= p0 || layers == 0 {
+            return Ok(());
+        }
+        if slot >= kv.num_slots || p1 > kv.capacity || norms == 0 || kptrs == 0 {
+            return Err(CudaError::bad(
+                OP,
+                format!(
+                    "slot {slot}, positions {p0}..{p1}, capacity {}",
+                    kv.capacity
+                ),
+            ));
+        }
+        let args = [
+            KArg::P(kptrs),
+            KArg::P(norms),
+            KArg::U(u32_of(OP, "layer stride", layer_stride)?),
+            KArg::U(slot as u32),
+            KArg::U(kv.kv_heads as u32),
+            KArg::U(kv.capacity as u32),
+            KArg::U(kv.head_dim as u32),
+            KArg::U(p0 as u32),
+            KArg::U(p1 as u32),
+        ];
+        self.launch(
+            "sfi_key_norms",
+            (
+                (p1 - p0).div_ceil(8) as u32,
+                kv.kv_heads as u32,
+                layers as u32,
+            ),
+            (256, 1, 1),
+            0,
+            &args,
+        )
+    }
+
+    /// Runs the Selector (rowstats, evidence, score, cross-head, top-k) over `a`; the chosen
+    /// positions stay in `sc` for [`CudaContext::sfi_gather`].
+    pub fn sfi_select(&self, a: &SelectArgs, sc: &mut SelectorScratch) -> Result<(), CudaError> {
+        const OP: &str = "sfi_select";
+        let g = a.n_heads / a.kv_heads.max(1);
+        let rows = g * a.rows;
+        let (lo, hi) = (a.sinks, a.recent_start);
+        let n = hi.saturating_sub(lo);
+        if a.layers == 0
+            || a.layers > sc.layers
+            || a.kv_heads != sc.kv_heads
+            || rows > sc.rows
+            || n > sc.max_n
+            || hi > a.lstride
+        {
+            return Err(CudaError::bad(
+                OP,
+                format!(
+                    "{} kv heads x {rows} rows over [{lo}, {hi}) (scratch: {} x {} over {}; lstride {})",
+                    a.kv_heads, sc.kv_heads, sc.rows, sc.max_n, a.lstride
+                ),
+            ));
+        }
+        if a.logits == 0 || a.norms == 0 || a.norm_stride < hi {
+            return Err(CudaError::bad(
+                OP,
+                "null logits / norms or short norm stride",
+            ));
+        }
+        if n == 0 {
+            return self.launch(
+                "sfi_topk",
+                (1, a.layers as u32, 1),
+                (32, 1, 1),
+                0,
+                &[
+                    KArg::P(sc.scores.device_ptr()),
+                    KArg::P(sc.cnt.device_ptr()),
+                    KArg::P(sc.sel.device_ptr()),
+                    KArg::P(sc.mcount.device_ptr()),
+                    KArg::U(0),
+                    KArg::U(0),
+                    KArg::U(0),
+                    KArg::U(0),
+                ],
+            );
+        }
+        let geo = sc.params.geometric() as u32;
+        let alpha = sc.params.alpha as f32;
+        let (nh, kvh, nl) = (a.n_heads as u32, a.kv_heads as u32, a.layers as u32);
+        let ls = u32_of(OP, "logit layer stride", a.logit_layer_stride)?;
+        self.launch(
+            "sfi_rowstats",
+            (rows as u32, kvh, nl),
+            (256, 1, 1),
+            0,
+            &[
+                KArg::P(a.logits),
+                KArg::P(sc.stats.device_ptr()),
+                KArg::U(nh),
+                KArg::U(g as u32),
+                KArg::U(u32_of(OP, "lstride", a.lstride)?),
+                KArg::U(lo as u32),
+                KArg::U(hi as u32),
+                KArg::F(alpha),
+                KArg::U(geo),
+                KArg::U(ls),
+            ],
+        )?;
+        self.launch(
+            "sfi_evidence",
+            (n.div_ceil(256) as u32, kvh, nl),
+            (256, 1, 1),
+            0,
+            &[
+                KArg::P(a.logits),
+                KArg::P(sc.stats.device_ptr()),
+                KArg::P(sc.ev.device_ptr()),
+                KArg::U(nh),
+                KArg::U(g as u32),
+                KArg::U(rows as u32),
+                KArg::U(a.lstride as u32),
+                KArg::U(lo as u32),
+                KArg::U(hi as u32),
+                KArg::F(alpha),
+                KArg::U(geo),
+                KArg::U(ls),
+            ],
+        )?;
+        self.launch(
+            "sfi_score",
+            (kvh, nl, 1),
+            (1024, 1, 1),
+            0,
+            &[
+                KArg::P(sc.ev.device_ptr()),
+                KArg::P(sc.stats.device_ptr()),
+                KArg::P(a.norms),
+                KArg::P(sc.fa.device_ptr()),
+                KArg::P(sc.fb.device_ptr()),
+                KArg::P(sc.scores.device_ptr()),
+                KArg::P(sc.cnt.device_ptr()),
+                KArg::U(rows as u32),
+                KArg::U(u32_of(OP, "norm_stride", a.norm_stride)?),
+                KArg::U(lo as u32),
+                KArg::U(hi as u32),
+                KArg::P(sc.cfg.device_ptr()),
+                KArg::U(geo),
+                KArg::U(u32_of(OP, "norm layer stride", a.norm_layer_stride)?),
+            ],
+        )?;
+        if a.kv_heads > 2 {
+            self.launch(
+                "sfi_cross_head",
+                (n.div_ceil(256) as u32, 1, nl),
+                (256, 1, 1),
+                0,
+                &[
+                    KArg::P(sc.scores.device_ptr()),
+                    KArg::U(kvh),
+                    KArg::U(n as u32),
+                    KArg::P(sc.cfg.device_ptr()),
+                ],
+            )?;
+        }
+        self.launch(
+            "sfi_topk",
+            (kvh, nl, 1),
+            (1024, 1, 1),
+            0,
+            &[
+                KArg::P(sc.scores.device_ptr()),
+                KArg::P(sc.cnt.device_ptr()),
+                KArg::P(sc.sel.device_ptr()),
+                KArg::P(sc.mcount.device_ptr()),
+                KArg::U(kvh),
+                KArg::U(n as u32),
+                KArg::U(sc.k as u32),
+                KArg::U(lo as u32),
+            ],
+        )
+    }
+
+    /// Gathers sinks + the positions `sc` chose into the compact buffers and publishes their
+    /// length and recent start for `g.slot`, for `g.layers` layers of caches with layout `kv`.
+    pub fn sfi_gather(
+        &self,
+        kv: KvLayout,
+        sc: &SelectorScratch,
+        g: &GatherArgs,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "sfi_gather";
+        if g.slot >= kv.num_slots
+            || g.ccap < g.sinks
+            || g.layers == 0
+            || g.layers > sc.layers
+            || [g.ck, g.cv, g.kptrs, g.vptrs, g.clen, g.rstart].contains(&0)
+        {
+            return Err(CudaError::bad(
+                OP,
+                format!(
+                    "slot {} / ccap {} / sinks {} / {} layers (or a null pointer)",
+                    g.slot, g.ccap, g.sinks, g.layers
+                ),
+            ));
+        }
+        let args = [
+            KArg::P(g.kptrs),
+            KArg::P(g.vptrs),
+            KArg::P(g.ck),
+            KArg::P(g.cv),
+            KArg::P(sc.sel.device_ptr()),
+            KArg::P(sc.mcount.device_ptr()),
+            KArg::P(g.clen),
+            KArg::P(g.rstart),
+            KArg::U(g.slot as u32),
+            KArg::U(kv.kv_heads as u32),
+            KArg::U(kv.capacity as u32),
+            KArg::U(g.ccap as u32),
+            KArg::U(kv.head_dim as u32),
+            KArg::U(g.sinks as u32),
+            KArg::U(sc.k as u32),
+            KArg::U(u32_of(OP, "recent_start", g.recent_start)?),
+            KArg::U(kv.num_slots as u32),
+            KArg::U(u32_of(OP, "compact layer stride", g.compact_layer_stride)?),
+        ];
+        self.launch(
+            "sfi_gather",
+            (
+                g.ccap.div_ceil(8) as u32,
+                kv.kv_heads as u32,
+                g.layers as u32,
+            ),
+            (256, 1, 1),
+            0,
+            &args,
+        )
+    }
+}

@@ -1,0 +1,541 @@
+//! KV policies of the GPU decoder: full KV, StreamingLLM and SFI (methods.md §1). The global
+//! layers of a sparse policy decode through `attn_sparse_decode_*`: per (layer, slot) a compact
+//! length and a recent-window start on the device, so a fast step needs no host work and
+//! replays as one CUDA graph; sliding layers keep their window.
+//!
+//! SFI per (global layer, slot): a compact buffer of the sinks and the Selector's choice
+//! (`[slot, kv_head, ccap, head_dim]`), rebuilt at each refresh, and the recent window read in
+//! place from `rstart`. A slow step attends densely and captures the scores of its query (one
+//! row per query head); the prefill bootstrap captures the last `bootstrap_rows` prompt rows.
+//! The Selector then runs on the device (ops/sfi.rs) and the gather publishes the new memory:
+//! after a slow decode step for all global layers of a sequence at once (one launch per stage,
+//! layers x kv heads blocks), at the bootstrap layer by layer (its 16 captured rows per layer
+//! would not all fit). Refreshes run on the decode stream, in order (the paper overlaps them
+//! with the following fast steps on a second stream; not done here).
+
+use half::bf16;
+
+use crate::buffer::GpuBuffer;
+use crate::context::CudaContext;
+use crate::error::CudaError;
+use crate::ops::attention::AttnWorkspace;
+use crate::ops::sfi::{GatherArgs, SelectArgs, SelectorParams, SelectorScratch, SparseDecode};
+use crate::ops::KvLayout;
+
+/// SFI on the GPU: S sinks + k Selector-chosen tokens + a recent window (page-aligned start).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GpuSfiConfig {
+    pub sinks: usize,
+    pub recent: usize,
+    pub selected: usize,
+    pub page: usize,
+    pub bootstrap_rows: usize,
+    pub selector: SelectorParams,
+}
+
+/// Which KV policy the decoder's global layers run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GpuKvPolicy {
+    Full,
+    /// StreamingLLM: the first `sinks` and the last `recent` tokens.
+    Streaming {
+        sinks: usize,
+        recent: usize,
+    },
+    Sfi(GpuSfiConfig),
+}
+
+impl GpuKvPolicy {
+    pub fn name(&self) -> &'static str {
+        match self {
+            GpuKvPolicy::Full => "full",
+            GpuKvPolicy::Streaming { .. } => "streaming",
+            GpuKvPolicy::Sfi(_) => "sfi",
+        }
+    }
+
+    /// Sequences up to this length attend densely (a sparse memory would not be smaller).
+    pub fn dense_below(&self) -> usize {
+        match *self {
+            GpuKvPolicy::Full => usize::MAX,
+            GpuKvPolicy::Streaming { sinks, recent } => sinks + recent,
+            GpuKvPolicy::Sfi(c) => c.sinks + c.selected + c.recent,
+        }
+    }
+}
+
+/// One (slot) refresh during a forward: the sequence length after the forward's tokens, the
+/// captured rows per query head and, for the prefill bootstrap, the first captured row.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Refresh {
+    pub slot: usize,
+    pub len: usize,
+    pub rows: usize,
+    /// Bootstrap: index in the prefill chunk of the first captured row.
+    pub boot_row0: Option<usize>,
+}
+
+/// Device state of a sparse policy. Per-layer arrays cover the global layers only (index
+/// `gi`, see `gidx`).
+pub(crate) struct SparseState {
+    pub policy: GpuKvPolicy,
+    num_slots: usize,
+    kv: KvLayout,
+    /// Layer -> index among the global layers (None for a sliding layer).
+    gidx: Vec<Option<usize>>,
+    ng: usize,
+    /// SFI: compact K and V `[ng, num_slots, kv_heads, ccap, head_dim]`.
+    compact: Option<(GpuBuffer<bf16>, GpuBuffer<bf16>)>,
+    ccap: usize,
+    /// SFI: key norms `[ng, num_slots, kv_heads, capacity]`.
+    norms: Option<GpuBuffer<f32>>,
+    /// The global layers' K and V caches (device addresses).
+    kptrs: GpuBuffer<u64>,
+    vptrs: GpuBuffer<u64>,
+    clen: GpuBuffer<u32>,    // [ng, num_slots]
+    rstart: GpuBuffer<u32>,  // [ng, num_slots]
+    capture: GpuBuffer<u32>, // [num_slots] capture flags
+    ones: GpuBuffer<u32>,    // [bootstrap rows]
+    zeros: GpuBuffer<u32>,   // [bootstrap rows]
+    boot_lens: GpuBuffer<u32>,
+    boot_slots: GpuBuffer<u32>,
+    boot_out: GpuBuffer<bf16>, // [bootstrap rows, n_heads, hdk]
+    /// SFI: captured scores, decode `[ng, num_slots, n_heads, capacity]`; the bootstrap uses
+    /// the first `bootstrap rows x n_heads` rows.
+    logits: GpuBuffer<f32>,
+    /// Per slot: key norms are computed for positions below this.
+    norm_len: Vec<usize>,
+    /// Per slot: whether the global layers hold a memory (else a step is dense).
+    pub has_mem: Vec<bool>,
+    /// Per slot: the sequence length at its last refresh.
+    refreshed_len: Vec<usize>,
+    sel: Option<SelectorScratch>,
+    pub splits: usize,
+    /// Memory refreshes so far (one per slot and forward, all layers together).
+    pub refreshes: usize,
+}
+
+impl SparseState {
+    pub fn new(
+        ctx: &CudaContext,
+        policy: GpuKvPolicy,
+        windows: &[Option<usize>],
+        caches: &[(GpuBuffer<bf16>, GpuBuffer<bf16>)],
+        n_heads: usize,
+        kv: KvLayout,
+    ) -> Result<Option<Self>, CudaError> {
+        let bad = |w: String| CudaError::bad("gpu kv policy", w);
+        let (sfi, boot) = match policy {
+            GpuKvPolicy::Full => return Ok(None),
+            GpuKvPolicy::Streaming { recent, .. } => {
+                if recent == 0 {
+                    return Err(bad("streaming: recent window 0".into()));
+                }
+                (None, 1)
+            }
+            GpuKvPolicy::Sfi(c) => {
+                if c.selected == 0 || c.recent == 0 || c.bootstrap_rows == 0 || c.page == 0 {
+                    return Err(bad(format!(
+                        "SFI: {c:?} (selected, recent, bootstrap rows and page must be >= 1)"
+                    )));
+                }
+                (Some(c), c.bootstrap_rows)
+            }
+        };
+        let ns = kv.num_slots;
+        let mut gidx = Vec::with_capacity(windows.len());
+        let (mut kp, mut vp) = (Vec::new(), Vec::new());
+        for (w, (k, v)) in windows.iter().zip(caches) {
+            gidx.push(w.is_none().then_some(kp.len()));
+            if w.is_none() {
+                kp.push(k.device_ptr());
+                vp.push(v.device_ptr());
+            }
+        }
+        let ng = kp.len();
+        if ng == 0 {
+            return Ok(None); // every layer slides: the policy has nothing to act on
+        }
+        let ccap = sfi.map_or(0, |c| c.sinks + c.selected);
+        let compact = match sfi {
+            Some(_) => {
+                let el = ng * ns * kv.kv_heads * ccap * kv.head_dim;
+                Some((ctx.alloc(el)?, ctx.alloc(el)?))
+            }
+            None => None,
+        };
+        let norms = match sfi {
+            Some(_) => Some(ctx.alloc(ng * ns * kv.kv_heads * kv.capacity)?),
+            None => None,
+        };
+        let (init_clen, init_rstart) = match policy {
+            GpuKvPolicy::Streaming { sinks, .. } => (sinks as u32, sinks as u32),
+            _ => (0, 0),
+        };
+        let g = n_heads / kv.kv_heads;
+        let sel = match sfi {
+            Some(c) => Some(SelectorScratch::new(
+                ctx,
+                c.selector,
+                ng,
+                kv.kv_heads,
+                g * c.bootstrap_rows,
+                kv.capacity,
+                c.selected,
+            )?),
+            None => None,
+        };
+        let logits_rows = if sfi.is_some() {
+            (ng * ns).max(boot)
+        } else {
+            1
+        };
+        Ok(Some(SparseState {
+            policy,
+            num_slots: ns,
+            kv,
+            gidx,
+            ng,
+            compact,
+            ccap,
+            norms,
+            kptrs: ctx.upload(&kp)?,
+            vptrs: ctx.upload(&vp)?,
+            clen: ctx.upload(&vec![init_clen; ng * ns])?,
+            rstart: ctx.upload(&vec![init_rstart; ng * ns])?,
+            capture: ctx.alloc(ns)?,
+            ones: ctx.upload(&vec![1u32; boot])?,
+            zeros: ctx.alloc(boot)?,
+            boot_lens: ctx.alloc(boot)?,
+            boot_slots: ctx.alloc(boot)?,
+            boot_out: ctx.alloc(boot * n_heads * kv.head_dim)?,
+            logits: ctx.alloc(logits_rows * n_heads * kv.capacity)?,
+            norm_len: vec![0; ns],
+            has_mem: vec![false; ns],
+            refreshed_len: vec![0; ns],
+            sel,
+            splits: ctx.sparse_splits(ns, n_heads, &kv),
+            refreshes: 0,
+        }))
+    }
+
+    pub fn sfi(&self) -> Option<GpuSfiConfig> {
+        match self.policy {
+            GpuKvPolicy::Sfi(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// Whether layer `l` runs the policy (a global layer).
+    pub fn covers(&self, l: usize) -> bool {
+        self.gidx.get(l).is_some_and(|g| g.is_some())
+    }
+
+    /// Bootstrap rows the last prefill chunk must hold (SFI), else 0.
+    pub fn bootstrap_rows(&self) -> usize {
+        self.sfi().map_or(0, |c| c.bootstrap_rows)
+    }
+
+    /// Start of the recent window of a sequence of `len` tokens.
+    pub fn recent_start(&self, len: usize) -> usize {
+        match self.policy {
+            GpuKvPolicy::Sfi(c) => (len - c.recent.min(len)) / c.page * c.page,
+            GpuKvPolicy::Streaming { recent, .. } => len.saturating_sub(recent),
+            GpuKvPolicy::Full => 0,
+        }
+    }
+
+    /// Sets which slots capture (attend densely and refresh) in the next plain decode step.
+    pub fn set_capture(&mut self, ctx: &CudaContext, flags: &[bool]) -> Result<(), CudaError> {
+        let v: Vec<u32> = flags.iter().map(|&f| f as u32).collect();
+        ctx.upload_into(&v, &mut self.capture)
+    }
+
+    fn copy_raw(ctx: &CudaContext, src: u64, dst: u64, bytes: usize) -> Result<(), CudaError> {
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, ctx.stream().cu_stream())
+        }
+        .map_err(crate::context::drv("cuMemcpyDtoDAsync (sparse state)"))
+    }
+
+    /// Forgets slot `s`'s memory (a new sequence): dense until its next refresh.
+    pub fn reset_slot(&mut self, ctx: &CudaContext, s: usize) -> Result<(), CudaError> {
+        self.norm_len[s] = 0;
+        self.has_mem[s] = false;
+        self.refreshed_len[s] = 0;
+        if self.sfi().is_some() {
+            let zero = ctx.alloc::<u32>(1)?;
+            for gi in 0..self.ng {
+                for buf in [&self.clen, &self.rstart] {
+                    let dst = buf.device_ptr() + ((gi * self.num_slots + s) * 4) as u64;
+                    Self::copy_raw(ctx, zero.device_ptr(), dst, 4)?;
+                }
+            }
+            ctx.synchronize()?; // `zero` is freed on return
+        }
+        Ok(())
+    }
+
+    /// Copies slot `from`'s memory to slot `to` (after the KV itself was copied).
+    pub fn copy_slot(
+        &mut self,
+        ctx: &CudaContext,
+        from: usize,
+        to: usize,
+    ) -> Result<(), CudaError> {
+        let (ns, kv) = (self.num_slots, self.kv);
+        for gi in 0..self.ng {
+            for buf in [&self.clen, &self.rstart] {
+                let b = buf.device_ptr();
+                let (f, t) = ((gi * ns + from) * 4, (gi * ns + to) * 4);
+                Self::copy_raw(ctx, b + f as u64, b + t as u64, 4)?;
+            }
+            let el = kv.kv_heads * self.ccap * kv.head_dim * 2;
+            if let Some((ck, cv)) = &self.compact {
+                for c in [ck, cv] {
+                    let b = c.device_ptr();
+                    let (f, t) = ((gi * ns + from) * el, (gi * ns + to) * el);
+                    Self::copy_raw(ctx, b + f as u64, b + t as u64, el)?;
+                }
+            }
+            if let Some(nb) = &self.norms {
+                let el = kv.kv_heads * kv.capacity * 4;
+                let b = nb.device_ptr();
+                let (f, t) = ((gi * ns + from) * el, (gi * ns + to) * el);
+                Self::copy_raw(ctx, b + f as u64, b + t as u64, el)?;
+            }
+        }
+        self.norm_len[to] = self.norm_len[from];
+        self.has_mem[to] = self.has_mem[from];
+        self.refreshed_len[to] = self.refreshed_len[from];
+        Ok(())
+    }
+
+    /// Decode attention of global layer `l` for `batch` slots (row b = slot b); with
+    /// `capture` the capturing slots attend densely and leave their scores for the Selector.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_layer(
+        &self,
+        ctx: &CudaContext,
+        l: usize,
+        kc: &GpuBuffer<bf16>,
+        vc: &GpuBuffer<bf16>,
+        ws: &mut AttnWorkspace,
+        io: (u64, u64, u64, u64),
+        batch: usize,
+        n_heads: usize,
+        scale: f32,
+        capture: bool,
+    ) -> Result<(), CudaError> {
+        let (q, out, seq_lens, slots) = io;
+        let (kv, ns) = (self.kv, self.num_slots);
+        let gi = self.gidx[l].ok_or_else(|| {
+            CudaError::bad("sparse decode", format!("layer {l} is a sliding layer"))
+        })?;
+        let el = ns * kv.kv_heads * self.ccap * kv.head_dim * 2;
+        let (ck, cv, ccap, rwin) = match (&self.compact, self.policy) {
+            (Some((ck, cv)), _) => (
+                ck.device_ptr() + (gi * el) as u64,
+                cv.device_ptr() + (gi * el) as u64,
+                self.ccap,
+                0,
+            ),
+            (None, GpuKvPolicy::Streaming { recent, .. }) => {
+                (kc.device_ptr(), vc.device_ptr(), kv.capacity, recent)
+            }
+            _ => (kc.device_ptr(), vc.device_ptr(), kv.capacity, 0),
+        };
+        let off = (gi * ns * 4) as u64;
+        let ls = ns * n_heads * kv.capacity * 4;
+        let p = SparseDecode {
+            batch,
+            n_heads,
+            scale,
+            splits: self.splits,
+            q,
+            out,
+            seq_lens,
+            slots,
+            ck,
+            cv,
+            ccap,
+            clen: self.clen.device_ptr() + off,
+            rstart: self.rstart.device_ptr() + off,
+            rwin,
+            logits: if capture {
+                self.logits.device_ptr() + (gi * ls) as u64
+            } else {
+                0
+            },
+            capture: self.capture.device_ptr(),
+            lstride: kv.capacity,
+        };
+        ctx.attn_sparse_decode(kc, vc, kv, ws, &p)
+    }
+
+    /// The prefill bootstrap of global layer `l`: the rows [row0, row0 + rows) of a chunk at
+    /// `pos0` of `slot` (q rows `[n, n_heads, hdk]`) attend densely and leave their scores, then
+    /// the Selector and the gather build this layer's memory.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bootstrap_layer(
+        &mut self,
+        ctx: &CudaContext,
+        l: usize,
+        kc: &GpuBuffer<bf16>,
+        vc: &GpuBuffer<bf16>,
+        ws: &mut AttnWorkspace,
+        q: u64,
+        r: &Refresh,
+        pos0: usize,
+        n_heads: usize,
+        scale: f32,
+    ) -> Result<(), CudaError> {
+        let Some(gi) = self.gidx[l] else {
+            return Ok(());
+        };
+        let kv = self.kv;
+        let row0 = r.boot_row0.unwrap_or(0);
+        let lens: Vec<u32> = (0..r.rows).map(|i| (pos0 + row0 + i + 1) as u32).collect();
+        ctx.upload_into(&lens, &mut self.boot_lens)?;
+        ctx.upload_into(&vec![r.slot as u32; r.rows], &mut self.boot_slots)?;
+        let p = SparseDecode {
+            batch: r.rows,
+            n_heads,
+            scale,
+            splits: ctx.sparse_splits(r.rows, n_heads, &kv),
+            q: q + (row0 * n_heads * kv.head_dim * 2) as u64,
+            out: self.boot_out.device_ptr(),
+            seq_lens: self.boot_lens.device_ptr(),
+            slots: self.boot_slots.device_ptr(),
+            ck: kc.device_ptr(),
+            cv: vc.device_ptr(),
+            ccap: kv.capacity,
+            clen: self.zeros.device_ptr(),
+            rstart: self.zeros.device_ptr(),
+            rwin: 0,
+            logits: self.logits.device_ptr(),
+            capture: self.ones.device_ptr(),
+            lstride: kv.capacity,
+        };
+        ctx.attn_sparse_decode(kc, vc, kv, ws, &p)?;
+        self.select_gather(ctx, gi, 1, r, self.logits.device_ptr(), 0, n_heads)
+    }
+
+    /// The refreshes of a slow decode step, all global layers of each refreshed slot at once
+    /// (their scores were captured by `decode_layer`).
+    pub fn refresh_decode(
+        &mut self,
+        ctx: &CudaContext,
+        refresh: &[Refresh],
+        n_heads: usize,
+    ) -> Result<(), CudaError> {
+        let ls = self.num_slots * n_heads * self.kv.capacity;
+        for r in refresh {
+            let logits =
+                self.logits.device_ptr() + (r.slot * n_heads * self.kv.capacity * 4) as u64;
+            self.select_gather(ctx, 0, self.ng, r, logits, ls, n_heads)?;
+        }
+        Ok(())
+    }
+
+    /// Key norms, Selector and gather for global layers [gi0, gi0 + layers) of `r.slot`.
+    #[allow(clippy::too_many_arguments)]
+    fn select_gather(
+        &mut self,
+        ctx: &CudaContext,
+        gi0: usize,
+        layers: usize,
+        r: &Refresh,
+        logits: u64,
+        logit_layer_stride: usize,
+        n_heads: usize,
+    ) -> Result<(), CudaError> {
+        let (Some(c), Some((ck, cv)), Some(norms), Some(sel)) =
+            (self.sfi(), &self.compact, &self.norms, self.sel.as_mut())
+        else {
+            return Ok(());
+        };
+        let (kv, ns) = (self.kv, self.num_slots);
+        let nls = ns * kv.kv_heads * kv.capacity; // norms per layer
+        let slot_norms =
+            norms.device_ptr() + ((gi0 * nls + r.slot * kv.kv_heads * kv.capacity) * 4) as u64;
+        let kptrs = self.kptrs.device_ptr() + (gi0 * 8) as u64;
+        let vptrs = self.vptrs.device_ptr() + (gi0 * 8) as u64;
+        ctx.sfi_key_norms(
+            kptrs,
+            layers,
+            kv,
+            r.slot,
+            self.norm_len[r.slot].min(r.len),
+            r.len,
+            slot_norms,
+            nls,
+        )?;
+        let recent_start = (r.len - c.recent.min(r.len)) / c.page * c.page;
+        let a = SelectArgs {
+            layers,
+            logits,
+            lstride: kv.capacity,
+            logit_layer_stride,
+            n_heads,
+            kv_heads: kv.kv_heads,
+            rows: r.rows,
+            sinks: c.sinks,
+            recent_start,
+            norms: slot_norms,
+            norm_stride: kv.capacity,
+            norm_layer_stride: nls,
+        };
+        ctx.sfi_select(&a, sel)?;
+        let cs = ns * kv.kv_heads * self.ccap * kv.head_dim;
+        let g = GatherArgs {
+            layers,
+            kptrs,
+            vptrs,
+            slot: r.slot,
+            sinks: c.sinks,
+            recent_start,
+            ck: ck.device_ptr() + (gi0 * cs * 2) as u64,
+            cv: cv.device_ptr() + (gi0 * cs * 2) as u64,
+            ccap: self.ccap,
+            compact_layer_stride: cs,
+            clen: self.clen.device_ptr() + (gi0 * ns * 4) as u64,
+            rstart: self.rstart.device_ptr() + (gi0 * ns * 4) as u64,
+        };
+        ctx.sfi_gather(kv, sel, &g)
+    }
+
+    /// After a forward that refreshed `refreshed` slots (the bootstrap: after its last layer).
+    pub fn finish_refresh(&mut self, refreshed: &[Refresh]) {
+        for r in refreshed {
+            self.norm_len[r.slot] = r.len;
+            self.has_mem[r.slot] = true;
+            self.refreshed_len[r.slot] = r.len;
+            self.refreshes += 1;
+        }
+    }
+
+    /// Bytes of the compact buffers (all layers and slots).
+    pub fn compact_bytes(&self) -> usize {
+        self.compact
+            .as_ref()
+            .map_or(0, |(k, v)| (k.len() + v.len()) * 2)
+    }
+
+    /// Tokens a fast step of `slot` at length `len` attends per kv head on a global layer
+    /// (SFI: sinks + chosen + the recent window from its start at the last refresh).
+    pub fn attended(&self, slot: usize, len: usize) -> usize {
+        match self.policy {
+            GpuKvPolicy::Full => len,
+            _ if len <= self.policy.dense_below() => len,
+            GpuKvPolicy::Streaming { sinks, recent } => sinks + recent.min(len - sinks),
+            GpuKvPolicy::Sfi(c) => {
+                if !self.has_mem[slot] {
+                    return len;
+                }
+                let rs = self.recent_start(self.refreshed_len[slot]);
+                c.sinks + c.selected.min(rs.saturating_sub(c.sinks)) + len.saturating_sub(rs)
+            }
+        }
+    }
+}

@@ -1,0 +1,502 @@
+//! SFI on the GPU against the CPU: the sparse / capturing flash-decoding kernel against an f64
+//! reference over the same virtual key set, and the GPU Selector against the CPU Selector
+//! (`slowfast_kv::sfi::selector::select`) on fresh random logits and key norms, then the gather.
+#![cfg(feature = "cuda")]
+#![allow(clippy::needless_range_loop)]
+
+mod common;
+
+use common::*;
+use slowfast_cuda::ops::sfi::{
+    GatherArgs, SelectArgs, SelectorParams, SelectorScratch, SparseDecode,
+};
+use slowfast_cuda::{bf16, AttnWorkspace, KvLayout};
+use slowfast_kv::sfi::selector::{self, SelectorConfig, SelectorInput};
+
+fn params(c: &SelectorConfig) -> SelectorParams {
+    SelectorParams {
+        alpha: c.alpha,
+        gamma: c.gamma,
+        prior_weight_l2: c.prior_weight_l2,
+        prior_weight_pos: c.prior_weight_pos,
+        prior_pos_power: c.prior_pos_power,
+        prior_pos_eta: c.prior_pos_eta,
+        prior_beta: c.prior_beta,
+        nms_window: c.nms_window,
+        soft_alpha: c.soft_alpha,
+        cross_head_alpha: c.cross_head_alpha,
+        cross_head_temperature: c.cross_head_temperature,
+        lambda_clip_single: c.lambda_clip_single,
+        lambda_clip_multi: c.lambda_clip_multi,
+        lambda_soft: c.lambda_soft,
+        eps: c.eps,
+    }
+}
+
+/// One sequence's sparse view: compact rows (positions), recent start, sliding recent window.
+struct View {
+    len: usize,
+    compact: Vec<Vec<usize>>, // per kv head
+    rstart: usize,
+    capture: bool,
+}
+
+#[test]
+fn sparse_decode_matches_reference() {
+    let Some(ctx) = gpu("sparse_decode_matches_reference") else {
+        return;
+    };
+    let mut rng = Rng::new(61);
+    for &(d, nh, nkv, rwin) in &[(128, 32, 8, 0usize), (256, 4, 1, 0), (64, 16, 2, 300)] {
+        let batch = 5;
+        let cap = 3000;
+        let ccap = 400;
+        let kv = KvLayout {
+            num_slots: batch,
+            kv_heads: nkv,
+            capacity: cap,
+            head_dim: d,
+        };
+        let mut views = Vec::new();
+        for b in 0..batch {
+            let len = 500 + rng.below(cap - 600);
+            let c = if b == 1 { 0 } else { 4 + rng.below(ccap - 4) };
+            let compact = (0..nkv)
+                .map(|_| {
+                    let mut v: Vec<usize> = (0..c).map(|_| rng.below(len / 2)).collect();
+                    v.sort_unstable();
+                    v
+                })
+                .collect();
+            let rstart = if b == 1 {
+                0
+            } else {
+                len / 2 + rng.below(len / 2)
+            };
+            views.push(View {
+                len,
+                compact,
+                rstart,
+                capture: b == 3,
+            });
+        }
+        let lens: Vec<(usize, usize)> = (0..batch).map(|b| (b, views[b].len)).collect();
+        let kc = fill(&mut rng, &kv, &lens);
+        let vc = fill(&mut rng, &kv, &lens);
+        // Compact buffers gathered on the host; unused rows NaN.
+        let mut ck = vec![bf16::NAN; batch * nkv * ccap * d];
+        let mut cv = ck.clone();
+        for (b, v) in views.iter().enumerate() {
+            for h in 0..nkv {
+                for (i, &p) in v.compact[h].iter().enumerate() {
+                    let src = ((b * nkv + h) * cap + p) * d;
+                    let dst = ((b * nkv + h) * ccap + i) * d;
+                    ck[dst..dst + d].copy_from_slice(&kc[src..src + d]);
+                    cv[dst..dst + d].copy_from_slice(&vc[src..src + d]);
+                }
+            }
+        }
+        let q = rng.vec_bf16(batch * nh * d, 1.0);
+        let scale = 1.3 / (d as f64).sqrt();
+        let u32s = |f: &dyn Fn(&View) -> usize| -> Vec<u32> {
+            views.iter().map(|v| f(v) as u32).collect()
+        };
+        let dl = ctx.upload(&u32s(&|v| v.len)).unwrap();
+        let dclen = ctx.upload(&u32s(&|v| v.compact[0].len())).unwrap();
+        let drs = ctx.upload(&u32s(&|v| v.rstart)).unwrap();
+        let dcap = ctx.upload(&u32s(&|v| v.capture as usize)).unwrap();
+        let slots: Vec<u32> = (0..batch as u32).collect();
+        let dslots = ctx.upload(&slots).unwrap();
+        let (dq, dk, dv) = (
+            ctx.upload(&q).unwrap(),
+            ctx.upload(&kc).unwrap(),
+            ctx.upload(&vc).unwrap(),
+        );
+        let (dck, dcv) = (ctx.upload(&ck).unwrap(), ctx.upload(&cv).unwrap());
+        let out = ctx.upload(&nan_bf16(batch * nh * d)).unwrap();
+        let logits = ctx.upload(&vec![f32::NAN; batch * nh * cap]).unwrap();
+        let mut ws = AttnWorkspace::new();
+        for splits in [ctx.sparse_splits(batch, nh, &kv), 1, 7] {
+            let p = SparseDecode {
+                batch,
+                n_heads: nh,
+                scale: scale as f32,
+                splits,
+                q: dq.device_ptr(),
+                out: out.device_ptr(),
+                seq_lens: dl.device_ptr(),
+                slots: dslots.device_ptr(),
+                ck: dck.device_ptr(),
+                cv: dcv.device_ptr(),
+                ccap,
+                clen: dclen.device_ptr(),
+                rstart: drs.device_ptr(),
+                rwin,
+                logits: logits.device_ptr(),
+                capture: dcap.device_ptr(),
+                lstride: cap,
+            };
+            ctx.attn_sparse_decode(&dk, &dv, kv, &mut ws, &p).unwrap();
+            let got = to_f64(&ctx.download(&out).unwrap());
+            let got_logits = ctx.download(&logits).unwrap();
+            let g = nh / nkv;
+            let mut want = Vec::new();
+            for (b, v) in views.iter().enumerate() {
+                for hq in 0..nh {
+                    let h = hq / g;
+                    // Key rows: (buffer, row) pairs of the virtual sequence.
+                    let keys: Vec<(bool, usize)> = if v.capture {
+                        (0..v.len).map(|p| (false, p)).collect()
+                    } else {
+                        let rlo = if rwin > 0 {
+                            v.rstart.max(v.len.saturating_sub(rwin))
+                        } else {
+                            v.rstart
+                        };
+                        (0..v.compact[h].len())
+                            .map(|i| (true, i))
+                            .chain((rlo.min(v.len)..v.len).map(|p| (false, p)))
+                            .collect()
+                    };
+                    let qo = (b * nh + hq) * d;
+                    let row = |c: bool, r: usize, m: &[bf16]| -> Vec<f64> {
+                        let base = if c {
+                            ((b * nkv + h) * ccap + r) * d
+                        } else {
+                            ((b * nkv + h) * cap + r) * d
+                        };
+                        m[base..base + d].iter().map(|x| x.to_f64()).collect()
+                    };
+                    let s: Vec<f64> = keys
+                        .iter()
+                        .map(|&(c, r)| {
+                            let k = row(c, r, if c { &ck } else { &kc });
+                            (0..d).map(|i| q[qo + i].to_f64() * k[i]).sum::<f64>() * scale
+                        })
+                        .collect();
+                    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let w: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+                    let z: f64 = w.iter().sum();
+                    let mut o = vec![0.0; d];
+                    for (t, &(c, r)) in keys.iter().enumerate() {
+                        let vv = row(c, r, if c { &cv } else { &vc });
+                        for i in 0..d {
+                            o[i] += w[t] / z * vv[i];
+                        }
+                    }
+                    want.extend(o);
+                    if v.capture {
+                        for (p, &sv) in s.iter().enumerate() {
+                            let gl = got_logits[(b * nh + hq) * cap + p] as f64;
+                            let wl = sv * std::f64::consts::LOG2_E;
+                            assert!(
+                                (gl - wl).abs() < 2e-3 * (1.0 + wl.abs()),
+                                "logit b{b} h{hq} p{p}: {gl} vs {wl}"
+                            );
+                        }
+                    }
+                }
+            }
+            assert_close(
+                &format!("sparse decode d{d} {nh}/{nkv} rwin {rwin} splits {splits}"),
+                &got,
+                &want,
+                2e-2,
+            );
+        }
+    }
+}
+
+fn fill(rng: &mut Rng, kv: &KvLayout, lens: &[(usize, usize)]) -> Vec<bf16> {
+    let mut c = vec![bf16::NAN; kv.elems()];
+    for &(slot, len) in lens {
+        for h in 0..kv.kv_heads {
+            let b = (slot * kv.kv_heads + h) * kv.capacity * kv.head_dim;
+            for x in &mut c[b..b + len * kv.head_dim] {
+                *x = bf16::from_f32(rng.normal(1.0));
+            }
+        }
+    }
+    c
+}
+
+/// GPU and CPU selections of one head agree up to near-ties: the symmetric difference is small.
+fn check_sets(what: &str, gpu: &[u32], cpu: &[u32]) {
+    let a: std::collections::BTreeSet<u32> = gpu.iter().copied().collect();
+    let b: std::collections::BTreeSet<u32> = cpu.iter().copied().collect();
+    assert_eq!(
+        a.len(),
+        gpu.len(),
+        "{what}: duplicate positions from the GPU"
+    );
+    let diff = a.symmetric_difference(&b).count();
+    println!("{what}: {} chosen, {} differ", cpu.len(), diff);
+    assert!(
+        diff <= 2 + cpu.len() / 200,
+        "{what}: {diff} of {} positions differ",
+        cpu.len()
+    );
+    assert!(
+        gpu.windows(2).all(|w| w[0] < w[1]),
+        "{what}: GPU positions not ascending"
+    );
+}
+
+#[test]
+fn selector_matches_cpu() {
+    let Some(ctx) = gpu("selector_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(62);
+    let paper = SelectorConfig::default();
+    let pooled = SelectorConfig {
+        soft_alpha: -1.0,
+        nms_window: 8,
+        ..SelectorConfig::default()
+    };
+    let geo = SelectorConfig {
+        alpha: 0.0,
+        ..SelectorConfig::default()
+    };
+    let alpha07 = SelectorConfig {
+        alpha: 0.7,
+        lambda_soft: true,
+        ..SelectorConfig::default()
+    };
+    // (config, n_heads, kv_heads, rows per query head, len, sinks, recent, k)
+    let cases = [
+        (paper, 32, 8, 1, 5000, 4, 256, 700),
+        (pooled, 32, 8, 1, 9000, 4, 256, 1500),
+        (pooled, 4, 1, 16, 3000, 4, 256, 500),
+        (geo, 16, 2, 4, 2000, 4, 100, 300),
+        (alpha07, 12, 4, 2, 4000, 8, 128, 900),
+        (paper, 8, 8, 1, 1200, 4, 256, 5000), // k above the domain: everything
+    ];
+    for (ci, &(cfg, nh, nkv, r, len, sinks, recent, k)) in cases.iter().enumerate() {
+        let g = nh / nkv;
+        let rows = g * r;
+        let layers = 2; // two layers in one launch, each checked against its own CPU run
+        let recent_start = (len - recent) / 16 * 16;
+        let lstride = len + 7;
+        let ls = r * nh * lstride; // logits per layer
+        let mut gl = vec![f32::NAN; layers * ls];
+        let mut norms_all = Vec::new();
+        let mut cpu_sel = Vec::new();
+        for z in 0..layers {
+            // CPU layout [nkv, rows, len] (natural units); peaky rows so the choice is not flat.
+            let mut logits = vec![0.0f32; nkv * rows * len];
+            for x in logits.iter_mut() {
+                let u = rng.uniform();
+                *x = rng.normal(1.5) + if u > 0.995 { 6.0 } else { 0.0 };
+            }
+            let norms: Vec<f32> = (0..nkv * len).map(|_| 5.0 + 3.0 * rng.uniform()).collect();
+            let inp = SelectorInput {
+                n_kv_heads: nkv,
+                rows,
+                seq_len: len,
+                logits: &logits,
+                key_norms: &norms,
+                sinks,
+                recent_start,
+                k,
+            };
+            let mut sc = selector::SelectorScratch::default();
+            cpu_sel.push(selector::select(&cfg, &inp, &mut sc).unwrap());
+            // GPU capture layout [r, n_heads, lstride], log2 units; row (kvh, rr = r_i * G + gi).
+            for h in 0..nkv {
+                for rr in 0..rows {
+                    let (ri, gi) = (rr / g, rr % g);
+                    for j in 0..len {
+                        gl[z * ls + (ri * nh + h * g + gi) * lstride + j] =
+                            logits[(h * rows + rr) * len + j] * std::f32::consts::LOG2_E;
+                    }
+                }
+            }
+            norms_all.extend(norms);
+        }
+        let dl = ctx.upload(&gl).unwrap();
+        let dn = ctx.upload(&norms_all).unwrap();
+        let mut gsc = SelectorScratch::new(&ctx, params(&cfg), layers, nkv, rows, len, k).unwrap();
+        let a = SelectArgs {
+            layers,
+            logits: dl.device_ptr(),
+            lstride,
+            logit_layer_stride: ls,
+            n_heads: nh,
+            kv_heads: nkv,
+            rows: r,
+            sinks,
+            recent_start,
+            norms: dn.device_ptr(),
+            norm_stride: len,
+            norm_layer_stride: nkv * len,
+        };
+        ctx.sfi_select(&a, &mut gsc).unwrap();
+        let (sel, ms) = gsc.download(&ctx).unwrap();
+        for z in 0..layers {
+            let m = ms[z];
+            assert_eq!(
+                m,
+                cpu_sel[z].per_head[0].len(),
+                "case {ci} layer {z}: equalised count"
+            );
+            for h in 0..nkv {
+                let o = (z * nkv + h) * k;
+                check_sets(
+                    &format!("case {ci} layer {z} head {h}"),
+                    &sel[o..o + m],
+                    &cpu_sel[z].per_head[h],
+                );
+            }
+        }
+        // The gather: sinks then the chosen rows of both layers; clen / rstart published.
+        let d = 64;
+        let kv = KvLayout {
+            num_slots: 2,
+            kv_heads: nkv,
+            capacity: len,
+            head_dim: d,
+        };
+        let caches: Vec<(Vec<bf16>, Vec<bf16>)> = (0..layers)
+            .map(|_| (rng.vec_bf16(kv.elems(), 1.0), rng.vec_bf16(kv.elems(), 1.0)))
+            .collect();
+        let dev: Vec<_> = caches
+            .iter()
+            .map(|(k, v)| (ctx.upload(k).unwrap(), ctx.upload(v).unwrap()))
+            .collect();
+        let kptrs = ctx
+            .upload(
+                &dev.iter()
+                    .map(|(k, _)| k.device_ptr())
+                    .collect::<Vec<u64>>(),
+            )
+            .unwrap();
+        let vptrs = ctx
+            .upload(
+                &dev.iter()
+                    .map(|(_, v)| v.device_ptr())
+                    .collect::<Vec<u64>>(),
+            )
+            .unwrap();
+        let ccap = sinks + k;
+        let cs = 2 * nkv * ccap * d;
+        let dck = ctx.upload(&nan_bf16(layers * cs)).unwrap();
+        let dcv = ctx.upload(&nan_bf16(layers * cs)).unwrap();
+        let dclen = ctx.upload(&vec![7u32; 2 * layers]).unwrap();
+        let drs = ctx.upload(&vec![7u32; 2 * layers]).unwrap();
+        let ga = GatherArgs {
+            layers,
+            kptrs: kptrs.device_ptr(),
+            vptrs: vptrs.device_ptr(),
+            slot: 1,
+            sinks,
+            recent_start,
+            ck: dck.device_ptr(),
+            cv: dcv.device_ptr(),
+            ccap,
+            compact_layer_stride: cs,
+            clen: dclen.device_ptr(),
+            rstart: drs.device_ptr(),
+        };
+        ctx.sfi_gather(kv, &gsc, &ga).unwrap();
+        let (gk, gv) = (ctx.download(&dck).unwrap(), ctx.download(&dcv).unwrap());
+        let (clen, rs) = (ctx.download(&dclen).unwrap(), ctx.download(&drs).unwrap());
+        for z in 0..layers {
+            assert_eq!(
+                clen[2 * z..2 * z + 2],
+                [7, (sinks + ms[z]) as u32],
+                "case {ci} layer {z}: clen"
+            );
+            assert_eq!(
+                rs[2 * z..2 * z + 2],
+                [7, recent_start as u32],
+                "case {ci} layer {z}: rstart"
+            );
+            let (kc, vc) = &caches[z];
+            for h in 0..nkv {
+                let o = (z * nkv + h) * k;
+                let pos: Vec<usize> = (0..sinks)
+                    .chain(sel[o..o + ms[z]].iter().map(|&p| p as usize))
+                    .collect();
+                for (i, &p) in pos.iter().enumerate() {
+                    let src = ((nkv + h) * len + p) * d;
+                    let dst = z * cs + ((nkv + h) * ccap + i) * d;
+                    assert!(
+                        gk[dst..dst + d]
+                            .iter()
+                            .zip(&kc[src..src + d])
+                            .all(|(a, b)| a.to_bits() == b.to_bits())
+                            && gv[dst..dst + d]
+                                .iter()
+                                .zip(&vc[src..src + d])
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "case {ci} layer {z}: gathered row {i} of head {h} is not position {p}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn key_norms_match_cpu() {
+    let Some(ctx) = gpu("key_norms_match_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(63);
+    let kv = KvLayout {
+        num_slots: 3,
+        kv_heads: 4,
+        capacity: 1000,
+        head_dim: 128,
+    };
+    let kc = rng.vec_bf16(kv.elems(), 1.0);
+    let dk = ctx.upload(&kc).unwrap();
+    let kptrs = ctx.upload(&[dk.device_ptr()]).unwrap();
+    let norms = ctx
+        .upload(&vec![-1.0f32; kv.kv_heads * kv.capacity])
+        .unwrap();
+    let stride = kv.kv_heads * kv.capacity;
+    ctx.sfi_key_norms(
+        kptrs.device_ptr(),
+        1,
+        kv,
+        2,
+        10,
+        700,
+        norms.device_ptr(),
+        stride,
+    )
+    .unwrap();
+    ctx.sfi_key_norms(
+        kptrs.device_ptr(),
+        1,
+        kv,
+        2,
+        700,
+        1000,
+        norms.device_ptr(),
+        stride,
+    )
+    .unwrap();
+    let got = ctx.download(&norms).unwrap();
+    for h in 0..kv.kv_heads {
+        for p in 0..kv.capacity {
+            let g = got[h * kv.capacity + p];
+            if p < 10 {
+                assert_eq!(g, -1.0, "position {p} outside the range was written");
+                continue;
+            }
+            let b = ((2 * kv.kv_heads + h) * kv.capacity + p) * 128;
+            let w: f64 = kc[b..b + 128]
+                .iter()
+                .map(|x| x.to_f64() * x.to_f64())
+                .sum::<f64>()
+                .sqrt();
+            assert!(
+                (g as f64 - w).abs() < 1e-4 * w,
+                "norm h{h} p{p}: {g} vs {w}"
+            );
+        }
+    }
+}
