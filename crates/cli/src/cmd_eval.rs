@@ -4,9 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use slowfast_engine::eval::agree::{eval_agree, AgreeOptions};
-use slowfast_engine::eval::passkey::{eval_passkey, PasskeyOptions};
+use slowfast_engine::eval::passkey::{eval_passkey_on, PasskeyOptions};
 use slowfast_engine::eval::stability::{eval_stability, StabilityOptions};
-use slowfast_engine::eval::{eval_nll, EvalRecord, Metrics, NllOptions};
+use slowfast_engine::eval::{eval_nll_on, EvalRecord, Metrics, NllOptions};
 use slowfast_engine::PolicySpec;
 
 use crate::common::{read_text, ModelArgs, PolicyArgs};
@@ -260,7 +260,13 @@ pub fn run(a: Args) -> Result<()> {
         .iter()
         .map(|p| a.sparse.spec(p, a.context))
         .collect::<Result<Vec<_>, _>>()?;
-    a.model.require_cpu("eval")?;
+    let device = a.model.device();
+    if device == slowfast_engine::Device::Cuda && !matches!(a.task.as_str(), "nll" | "passkey") {
+        bail!(
+            "--device cuda: `eval --task {}` is not on cuda yet (nll and passkey are; use --device cpu)",
+            a.task
+        );
+    }
     let depths: Vec<f64> = parse_list("--passkey-depths", &a.passkey_depths)?;
     let distances: Vec<usize> = parse_list("--stability-distances", &a.stability_distances)?;
     if let Some(d) = distances.iter().find(|&&d| d == 0) {
@@ -315,7 +321,7 @@ pub fn run(a: Args) -> Result<()> {
             };
             for spec in &specs {
                 eprintln!("== policy {}", spec.name());
-                recs.push(eval_nll(&m, &ids, &o, spec, &mut progress)?);
+                recs.push(eval_nll_on(device, &m, &ids, &o, spec, &mut progress)?);
             }
             if let Some(full) =
                 recs.iter()
@@ -359,7 +365,7 @@ pub fn run(a: Args) -> Result<()> {
                     None
                 }
             };
-            recs = eval_passkey(&m, hay, &pk, &specs, &mut progress)?;
+            recs = eval_passkey_on(device, &m, hay, &pk, &specs, &mut progress)?;
         }
         "stability" => {
             let ids = encode(true)?;

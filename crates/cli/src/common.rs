@@ -8,7 +8,8 @@ pub struct ModelArgs {
     /// Model: a .gguf file, an HF directory, random:<preset>[@dtype], hf:<org>/<repo>, or gemma3-270m.
     #[arg(long, short = 'm', default_value = slowfast_engine::DEFAULT_MODEL)]
     pub model: String,
-    /// Compute device. `cuda` needs a build with `--features cuda` and an NVIDIA GPU.
+    /// Compute device. `cuda` needs a build with `--features cuda` and an NVIDIA GPU; it runs
+    /// generate, bench and eval (tasks nll and passkey) with the policies full, streaming and sfi.
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
     /// Element type of the KV cache.
@@ -26,14 +27,6 @@ impl ModelArgs {
 
     pub fn device(&self) -> slowfast_engine::Device {
         self.device.parse().expect("clap restricts the values")
-    }
-
-    /// `--device cuda` for a command that runs on the CPU only.
-    pub fn require_cpu(&self, command: &str) -> Result<()> {
-        if self.device() != slowfast_engine::Device::Cpu {
-            bail!("--device cuda: `{command}` is not on cuda yet (generate and bench are; use --device cpu)");
-        }
-        Ok(())
     }
 
     /// Check the device and load the model (fetching the default model on first use).

@@ -152,7 +152,7 @@ pub(crate) fn prefilled_sessions<'m>(
 
 /// Prefill `tokens`, reporting progress at most every 2 s; returns the seconds it took.
 pub(crate) fn prefill_reporting(
-    sess: &mut Session,
+    sess: &mut dyn crate::device::Steps,
     tokens: &[u32],
     progress: &mut dyn FnMut(&str),
 ) -> Result<f64, EngineError> {
@@ -192,6 +192,18 @@ pub fn eval_nll(
     policy: &PolicySpec,
     progress: &mut dyn FnMut(&str),
 ) -> Result<EvalRecord, EngineError> {
+    eval_nll_on(crate::Device::Cpu, m, tokens, o, policy, progress)
+}
+
+/// [`eval_nll`] on `device` (`--device cuda`: full, streaming and sfi).
+pub fn eval_nll_on(
+    device: crate::Device,
+    m: &Loaded,
+    tokens: &[u32],
+    o: &NllOptions,
+    policy: &PolicySpec,
+    progress: &mut dyn FnMut(&str),
+) -> Result<EvalRecord, EngineError> {
     let NllOptions {
         context,
         eval_tokens,
@@ -206,8 +218,8 @@ pub fn eval_nll(
     check_input_len(tokens.len(), context + 1, context)?;
     check_model_context(m, context)?;
     let n_prefill = context - eval_tokens;
-    let mut sess = Session::try_with_policy(&m.model, context, kv, chunk, policy)?;
-    let prefill_seconds = prefill_reporting(&mut sess, &tokens[..n_prefill], progress)?;
+    let mut sess = crate::device::session(device, &m.model, context, kv, chunk, policy)?;
+    let prefill_seconds = prefill_reporting(&mut *sess, &tokens[..n_prefill], progress)?;
     let kv_bytes_after_prefill = sess.kv_bytes();
     let t1 = Instant::now();
     let mut last_report = Instant::now();

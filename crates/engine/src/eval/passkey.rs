@@ -6,8 +6,9 @@
 use std::time::Instant;
 
 use super::{argmax, check_model_context, prefilled_sessions, EvalRecord, Metrics};
+use crate::device::{Device, Steps};
 use crate::load::Loaded;
-use crate::session::{KvDtype, PolicySpec, Session};
+use crate::session::{KvDtype, PolicySpec};
 use crate::EngineError;
 use slowfast_kv::PolicyStats;
 use slowfast_tokenizer::Tokenizer;
@@ -346,7 +347,7 @@ pub struct PasskeyMetrics {
 /// greedily decode `o.answer_tokens` tokens; returns the decoded answer.
 fn answer(
     m: &Loaded,
-    sess: &mut Session,
+    sess: &mut dyn Steps,
     rest: &[u32],
     o: &PasskeyOptions,
 ) -> Result<String, EngineError> {
@@ -372,6 +373,47 @@ pub fn eval_passkey(
     policies: &[PolicySpec],
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<EvalRecord>, EngineError> {
+    eval_passkey_on(Device::Cpu, m, haystack, o, policies, progress)
+}
+
+/// One session per policy with `tokens` prefilled on `device` (the CPU shares one dense
+/// prefill among the policies that allow it; the GPU prefills each).
+#[allow(clippy::too_many_arguments)]
+fn prefilled_on<'m>(
+    device: Device,
+    m: &'m Loaded,
+    cap: usize,
+    o: &PasskeyOptions,
+    policies: &[PolicySpec],
+    tokens: &[u32],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<(Box<dyn Steps + 'm>, f64)>, EngineError> {
+    if device == Device::Cpu {
+        let s = prefilled_sessions(m, cap, o.kv, o.chunk, policies, tokens, progress)?;
+        return Ok(s
+            .into_iter()
+            .map(|(s, t)| (Box::new(s) as Box<dyn Steps + 'm>, t))
+            .collect());
+    }
+    let mut out = Vec::with_capacity(policies.len());
+    for p in policies {
+        progress(&format!("prefill under {} on {device:?}", p.name()));
+        let mut sess = crate::device::session(device, &m.model, cap, o.kv, o.chunk, p)?;
+        let secs = super::prefill_reporting(&mut *sess, tokens, progress)?;
+        out.push((sess, secs));
+    }
+    Ok(out)
+}
+
+/// [`eval_passkey`] on `device` (`--device cuda`: full, streaming and sfi).
+pub fn eval_passkey_on(
+    device: Device,
+    m: &Loaded,
+    haystack: Option<Vec<u32>>,
+    o: &PasskeyOptions,
+    policies: &[PolicySpec],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<EvalRecord>, EngineError> {
     o.validate()?;
     check_model_context(m, o.context + o.answer_tokens)?;
     let gen = PasskeyGen::new(&m.tokenizer, haystack)?;
@@ -388,19 +430,11 @@ pub fn eval_passkey(
             t.question_start
         };
         let cap = o.context + o.answer_tokens;
-        let sessions = prefilled_sessions(
-            m,
-            cap,
-            o.kv,
-            o.chunk,
-            policies,
-            &t.tokens[..split],
-            progress,
-        )?;
+        let sessions = prefilled_on(device, m, cap, o, policies, &t.tokens[..split], progress)?;
         for (pi, ((mut sess, pf), p)) in sessions.into_iter().zip(policies).enumerate() {
             kv_after_prefill[pi] = sess.kv_bytes();
             let t1 = Instant::now();
-            let text = answer(m, &mut sess, &t.tokens[split..], o)?;
+            let text = answer(m, &mut *sess, &t.tokens[split..], o)?;
             let dec = t1.elapsed().as_secs_f64();
             let got = parse_answer(&text).unwrap_or("").to_string();
             let correct = got == t.answer;
