@@ -376,6 +376,9 @@ pub fn eval_passkey(
     eval_passkey_on(Device::Cpu, m, haystack, o, policies, progress)
 }
 
+/// A prefilled session and its prefill's seconds.
+type Prefilled<'m> = (Box<dyn Steps + 'm>, f64);
+
 /// One session per policy with `tokens` prefilled on `device` (the CPU shares one dense
 /// prefill among the policies that allow it; the GPU prefills each).
 #[allow(clippy::too_many_arguments)]
@@ -387,7 +390,7 @@ fn prefilled_on<'m>(
     policies: &[PolicySpec],
     tokens: &[u32],
     progress: &mut dyn FnMut(&str),
-) -> Result<Vec<(Box<dyn Steps + 'm>, f64)>, EngineError> {
+) -> Result<Vec<Prefilled<'m>>, EngineError> {
     if device == Device::Cpu {
         let s = prefilled_sessions(m, cap, o.kv, o.chunk, policies, tokens, progress)?;
         return Ok(s
