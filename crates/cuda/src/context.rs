@@ -40,8 +40,7 @@ pub struct CudaContext {
     compute_capability: (i32, i32),
     sm_count: u32,
     kernels_from_cache: bool,
-    /// Dynamic shared memory a block may use (bytes).
-    pub(crate) smem_optin: u32,
+
     /// `linear` with at most this many rows runs the GEMV kernel instead of cuBLAS
     /// (`SLOWFAST_GEMV_MAX_ROWS`, 0 = always cuBLAS; at most 8).
     pub(crate) gemv_max_rows: usize,
@@ -49,8 +48,9 @@ pub struct CudaContext {
 
 /// Rows up to which `linear` can stream the weights with the GEMV kernel.
 pub const GEMV_MAX_ROWS: usize = 8;
-/// The default: at one row the GEMV beat cuBLAS on the H200 (Qwen3-4B step 4.19 vs 4.93 ms),
-/// at six rows it lost (6.23 vs 5.24 ms, its FMAs then bound it); docs/gpu-notes.md run 9.
+/// The default: on the H200 (Qwen3-4B decode at 8K, docs/gpu-notes.md run 15) the GEMV beat
+/// cuBLAS at 1 and 2 rows (4.14 vs 5.10 ms a step, 4.41 vs 5.04) and lost from 4 rows on
+/// (5.87 vs 5.61 at 4, 8.27 vs 6.61 at 8: its FMAs then bound it).
 pub const GEMV_DEFAULT_ROWS: usize = 2;
 
 impl std::fmt::Debug for CudaContext {
@@ -120,10 +120,7 @@ impl CudaContext {
         let module = ctx
             .load_module(Ptx::from_binary(image.cubin))
             .map_err(drv("cuModuleLoadData"))?;
-        // Shared memory a block may opt into (the GEMV stages its input rows there).
-        let smem_optin = ctx
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(drv("shared memory per block"))? as u32;
+
         let mut funcs = HashMap::new();
         for &k in KERNEL_NAMES {
             let f = module
@@ -136,13 +133,7 @@ impl CudaContext {
                 )
                 .map_err(drv("raising the dynamic shared-memory limit"))?;
             }
-            if k.starts_with("gemv_") {
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem_optin as i32,
-                )
-                .map_err(drv("raising the GEMV shared-memory limit"))?;
-            }
+
             funcs.insert(k, f);
         }
         let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
@@ -167,7 +158,7 @@ impl CudaContext {
             compute_capability: (major, minor),
             sm_count,
             kernels_from_cache: image.from_cache,
-            smem_optin,
+
             gemv_max_rows: std::env::var("SLOWFAST_GEMV_MAX_ROWS")
                 .ok()
                 .and_then(|v| v.parse().ok())

@@ -475,6 +475,12 @@ impl GpuDecoder {
         Ok(())
     }
 
+    /// SFI with `SLOWFAST_SFI_PROFILE=1`: milliseconds per Selector stage
+    /// (`ops::sfi::SFI_STAGES`) summed over the refreshes so far.
+    pub fn sfi_profile(&self) -> Option<[f64; 7]> {
+        self.sparse.as_ref().and_then(|s| s.profile())
+    }
+
     /// Bytes of the policy's compact buffers.
     pub fn compact_bytes(&self) -> usize {
         self.sparse.as_ref().map_or(0, |s| s.compact_bytes())

@@ -461,16 +461,10 @@ impl SparseState {
             norms.device_ptr() + ((gi0 * nls + r.slot * kv.kv_heads * kv.capacity) * 4) as u64;
         let kptrs = self.kptrs.device_ptr() + (gi0 * 8) as u64;
         let vptrs = self.vptrs.device_ptr() + (gi0 * 8) as u64;
-        ctx.sfi_key_norms(
-            kptrs,
-            layers,
-            kv,
-            r.slot,
-            self.norm_len[r.slot].min(r.len),
-            r.len,
-            slot_norms,
-            nls,
-        )?;
+        let p0 = self.norm_len[r.slot].min(r.len);
+        ctx.sfi_stage(sel, 0, || {
+            ctx.sfi_key_norms(kptrs, layers, kv, r.slot, p0, r.len, slot_norms, nls)
+        })?;
         let recent_start = (r.len - c.recent.min(r.len)) / c.page * c.page;
         let a = SelectArgs {
             layers,
@@ -502,7 +496,12 @@ impl SparseState {
             clen: self.clen.device_ptr() + (gi0 * ns * 4) as u64,
             rstart: self.rstart.device_ptr() + (gi0 * ns * 4) as u64,
         };
-        ctx.sfi_gather(kv, sel, &g)
+        ctx.sfi_stage(sel, 6, || ctx.sfi_gather(kv, sel, &g))
+    }
+
+    /// Per-stage Selector milliseconds summed so far (`SLOWFAST_SFI_PROFILE=1`).
+    pub fn profile(&self) -> Option<[f64; 7]> {
+        self.sel.as_ref().and_then(|s| s.profile())
     }
 
     /// After a forward that refreshed `refreshed` slots (the bootstrap: after its last layer).

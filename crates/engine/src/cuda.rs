@@ -659,6 +659,18 @@ pub fn bench(
                 peak_gpu_mem_gib: peak,
                 device_name: ctx.device_name().to_owned(),
             };
+            if let Some(prof) = dec.sfi_profile() {
+                let refreshes = dec.step_counts().2.max(1) as f64;
+                let parts: Vec<String> = slowfast_cuda::ops::sfi::SFI_STAGES
+                    .iter()
+                    .zip(prof)
+                    .map(|(s, ms)| format!("{s} {:.3}", ms / refreshes))
+                    .collect();
+                progress(&format!(
+                    "context {n} {pname}: Selector ms per refresh (all layers, profiled alone): {}",
+                    parts.join(", ")
+                ));
+            }
             progress(&format!(
                 "context {n} {pname}: decode {:.3} ms/step, {:.1} tok/s (fast {:.3}, slow {:.3}, no graph {:.3}); {:.0} GB/s ({:.1}% of copy) at {:.0} tokens a head",
                 rec.decode_ms_per_step, rec.decode_tok_s, fast_ms, slow_ms, plain_ms, rec.decode_gb_s, rec.decode_pct_of_copy, attended

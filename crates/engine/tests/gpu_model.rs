@@ -125,9 +125,23 @@ fn compare(gpu: &[f32], cpu: &[f32], vocab: usize) -> (f64, f64, f64) {
 /// Prefill logits (every row, chunk `chunk`) and 32 greedy GPU decode steps against the CPU
 /// teacher-forced on the GPU's tokens. Returns exact greedy matches.
 fn check_model(ctx: &Arc<CudaContext>, name: &str, model: &Model, n: usize, chunk: usize) -> usize {
+    let prompt = tokens(n, model.cfg.vocab_size, 0xC0DE + n as u64);
+    check_prompt(ctx, name, model, &prompt, chunk, 0.35)
+}
+
+/// [`check_model`] on a given prompt.
+fn check_prompt(
+    ctx: &Arc<CudaContext>,
+    name: &str,
+    model: &Model,
+    prompt: &[u32],
+    chunk: usize,
+    tol: f64,
+) -> usize {
     let r = bf16_reference(model);
     let v = r.cfg.vocab_size;
-    let prompt = tokens(n, v, 0xC0DE + n as u64);
+    let n = prompt.len();
+    let prompt = prompt.to_vec();
     let steps = 32;
     let cap = n + steps + 1;
     let mut dec = load_decoder(ctx.clone(), model, 1, cap, chunk).unwrap();
@@ -144,7 +158,7 @@ fn check_model(ctx: &Arc<CudaContext>, name: &str, model: &Model, n: usize, chun
     );
     // Tolerances from bf16 activations / KV (measured 0.03-0.09 mean, <= 0.23 max on the
     // first H200 run); a wrong mask, RoPE or norm gives errors of order 1.
-    assert!(mx < 0.35 && mean < 0.15, "{name}: prefill logits off");
+    assert!(mx < tol && mean < 0.15, "{name}: prefill logits off");
     assert!(agree >= 0.9, "{name}: top-1 agreement {agree}");
     // The last-row logits the decoder keeps equal the all-rows path (one row goes through the
     // GEMV kernel, the rows through cuBLAS: f32 outputs equal up to the order of the sums).
@@ -175,7 +189,7 @@ fn check_model(ctx: &Arc<CudaContext>, name: &str, model: &Model, n: usize, chun
                 "{name}: step {i}: GPU chose {tok}, CPU {} (CPU margin {gap:.4}, row error {e:.4})",
                 argmax(&cpu_last)
             );
-            assert!(e < 0.35, "{name}: step {i}: GPU logits off");
+            assert!(e < tol, "{name}: step {i}: GPU logits off");
         }
         dec.decode_step().unwrap();
         r.forward(
@@ -191,7 +205,7 @@ fn check_model(ctx: &Arc<CudaContext>, name: &str, model: &Model, n: usize, chun
         worst = worst.max(row_err(&g, &cpu_last));
     }
     eprintln!("{name}: greedy decode {steps} steps: {exact}/{steps} tokens equal to the CPU's argmax, worst step logits error {worst:.4}");
-    assert!(worst < 0.35, "{name}: decode logits off");
+    assert!(worst < tol, "{name}: decode logits off");
     exact
 }
 
@@ -447,5 +461,37 @@ fn streaming_matches_cpu_streaming() {
     assert!(
         worst < 0.35,
         "GPU streaming differs from CPU streaming: {worst}"
+    );
+}
+
+/// The default model (Gemma 3 270M, Q4_K_M GGUF) when `SLOWFAST_DEFAULT_MODEL` names its file
+/// (the GPU machine has no network; scripts/gpu_default_model.sh carries it there in parts):
+/// prefill logits and 32 greedy tokens on the GPU against the CPU on the same bf16-rounded
+/// weights, on an English prompt.
+#[test]
+fn default_model_matches_cpu() {
+    let Ok(path) = std::env::var("SLOWFAST_DEFAULT_MODEL") else {
+        eprintln!("default_model_matches_cpu: skipped (set SLOWFAST_DEFAULT_MODEL to the gguf)");
+        return;
+    };
+    let Some(ctx) = gpu("default_model_matches_cpu") else {
+        return;
+    };
+    let m = slowfast_engine::load(&path, &mut |_| {}).unwrap();
+    let text = "It is a truth universally acknowledged, that a single man in possession of a good \
+                fortune, must be in want of a wife. However little known the feelings or views of \
+                such a man may be on his first entering a neighbourhood, this truth is so well \
+                fixed in the minds of the surrounding families, that he is considered the \
+                rightful property of some one or other of their daughters.";
+    let prompt = m.tokenizer.encode(text, true).unwrap();
+    // The real model's rows reach larger errors than the random ones (run 13: one prefill
+    // row of 77 at 0.55 of the row's std, mean 0.085 as elsewhere, top-1 97.4%): the bound on
+    // the worst row is 1.0 here, the mean bound stays 0.15 (a wrong mask or RoPE moves the mean
+    // to order 1).
+    let exact = check_prompt(&ctx, "gemma3-270m q4_k_m", &m.model, &prompt, 32, 1.0);
+    // Every miss is a near-tie (check_prompt bounds the logits error at each step).
+    assert!(
+        exact >= 30,
+        "default model: only {exact}/32 greedy tokens equal to the CPU's"
     );
 }

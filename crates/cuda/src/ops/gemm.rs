@@ -67,9 +67,11 @@ impl CudaContext {
     ) -> Result<(), CudaError> {
         const OP: &str = "linear";
         if n <= self.gemv_max_rows
-            && (in_features % 8 == 0)
-            && n * in_features * 2 <= self.smem_optin as usize
-            && out_type != cudaDataType::CUDA_R_16F
+            && in_features % 8 == 0
+            && matches!(
+                out_type,
+                cudaDataType::CUDA_R_16BF | cudaDataType::CUDA_R_32F
+            )
         {
             return self.gemv_raw(px, pw, py, out_type, n, in_features, out_features);
         }
@@ -134,23 +136,22 @@ impl CudaContext {
                 format!("{n} rows (1..=8), in = {in_features} (a multiple of 8)"),
             ));
         }
-        let smem = (n * in_features * 2) as u32;
-        // Persistent blocks: enough to fill the device twice, never more than the row pairs.
-        let blocks = (self.sm_count() as usize * 2)
-            .min(out_features.div_ceil(16))
-            .max(1);
+        let f32_out = (out_type == cudaDataType::CUDA_R_32F) as u32;
+        // Four output rows a block (GEMV_GR in kernels/gemv.cu).
+        let blocks = u32::try_from(out_features.div_ceil(4))
+            .map_err(|_| CudaError::bad("gemv", format!("{out_features} output rows")))?;
         self.launch(
             NAMES[n - 1],
-            (blocks as u32, 1, 1),
+            (blocks, 1, 1),
             (256, 1, 1),
-            smem,
+            0,
             &[
                 crate::context::KArg::P(px),
                 crate::context::KArg::P(pw),
                 crate::context::KArg::P(py),
                 crate::context::KArg::U(in_features as u32),
                 crate::context::KArg::U(out_features as u32),
-                crate::context::KArg::U((out_type == cudaDataType::CUDA_R_32F) as u32),
+                crate::context::KArg::U(f32_out),
             ],
         )
     }

@@ -78,7 +78,21 @@ pub struct SelectorScratch {
     cnt: GpuBuffer<u32>,    // [kv_heads]
     sel: GpuBuffer<u32>,    // [kv_heads, k]
     mcount: GpuBuffer<u32>, // [1]
+    /// With `SLOWFAST_SFI_PROFILE=1`: milliseconds per stage (see [`SFI_STAGES`]), summed
+    /// over runs, each stage timed alone between events (synchronising).
+    pub(crate) profile: std::cell::RefCell<Option<[f64; 7]>>,
 }
+
+/// The stages [`SelectorScratch`] profiles.
+pub const SFI_STAGES: [&str; 7] = [
+    "key norms",
+    "row stats",
+    "evidence",
+    "score",
+    "cross-head",
+    "top-k",
+    "gather",
+];
 
 impl SelectorScratch {
     pub fn new(
@@ -127,6 +141,9 @@ impl SelectorScratch {
             cnt: ctx.alloc(lh)?,
             sel: ctx.alloc(lh * k)?,
             mcount: ctx.alloc(layers)?,
+            profile: std::cell::RefCell::new(
+                (std::env::var("SLOWFAST_SFI_PROFILE").as_deref() == Ok("1")).then_some([0.0; 7]),
+            ),
         })
     }
 
@@ -144,6 +161,11 @@ impl SelectorScratch {
 
     pub fn k(&self) -> usize {
         self.k
+    }
+
+    /// The per-stage milliseconds summed so far, when profiling.
+    pub fn profile(&self) -> Option<[f64; 7]> {
+        *self.profile.borrow()
     }
 }
 
@@ -223,6 +245,23 @@ pub struct SparseDecode {
 }
 
 impl CudaContext {
+    /// Runs `f`; when `sc` profiles, times it alone (synchronising) into stage `i`.
+    pub(crate) fn sfi_stage(
+        &self,
+        sc: &SelectorScratch,
+        i: usize,
+        mut f: impl FnMut() -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        if sc.profile.borrow().is_none() {
+            return f();
+        }
+        let ms = self.time_ms(1, &mut f)?;
+        if let Some(p) = sc.profile.borrow_mut().as_mut() {
+            p[i] += ms as f64;
+        }
+        Ok(())
+    }
+
     /// Splits a sparse decode of `batch` sequences uses: one wave of blocks.
     pub fn sparse_splits(&self, batch: usize, n_heads: usize, kv: &KvLayout) -> usize {
         let row_groups = (n_heads / kv.kv_heads.max(1)).div_ceil(16);
@@ -419,96 +458,106 @@ impl CudaContext {
         let alpha = sc.params.alpha as f32;
         let (nh, kvh, nl) = (a.n_heads as u32, a.kv_heads as u32, a.layers as u32);
         let ls = u32_of(OP, "logit layer stride", a.logit_layer_stride)?;
-        self.launch(
-            "sfi_rowstats",
-            (rows as u32, kvh, nl),
-            (256, 1, 1),
-            0,
-            &[
-                KArg::P(a.logits),
-                KArg::P(sc.stats.device_ptr()),
-                KArg::U(nh),
-                KArg::U(g as u32),
-                KArg::U(u32_of(OP, "lstride", a.lstride)?),
-                KArg::U(lo as u32),
-                KArg::U(hi as u32),
-                KArg::F(alpha),
-                KArg::U(geo),
-                KArg::U(ls),
-            ],
-        )?;
-        self.launch(
-            "sfi_evidence",
-            (n.div_ceil(256) as u32, kvh, nl),
-            (256, 1, 1),
-            0,
-            &[
-                KArg::P(a.logits),
-                KArg::P(sc.stats.device_ptr()),
-                KArg::P(sc.ev.device_ptr()),
-                KArg::U(nh),
-                KArg::U(g as u32),
-                KArg::U(rows as u32),
-                KArg::U(a.lstride as u32),
-                KArg::U(lo as u32),
-                KArg::U(hi as u32),
-                KArg::F(alpha),
-                KArg::U(geo),
-                KArg::U(ls),
-            ],
-        )?;
-        self.launch(
-            "sfi_score",
-            (kvh, nl, 1),
-            (1024, 1, 1),
-            0,
-            &[
-                KArg::P(sc.ev.device_ptr()),
-                KArg::P(sc.stats.device_ptr()),
-                KArg::P(a.norms),
-                KArg::P(sc.fa.device_ptr()),
-                KArg::P(sc.fb.device_ptr()),
-                KArg::P(sc.scores.device_ptr()),
-                KArg::P(sc.cnt.device_ptr()),
-                KArg::U(rows as u32),
-                KArg::U(u32_of(OP, "norm_stride", a.norm_stride)?),
-                KArg::U(lo as u32),
-                KArg::U(hi as u32),
-                KArg::P(sc.cfg.device_ptr()),
-                KArg::U(geo),
-                KArg::U(u32_of(OP, "norm layer stride", a.norm_layer_stride)?),
-            ],
-        )?;
-        if a.kv_heads > 2 {
+        self.sfi_stage(sc, 1, || {
             self.launch(
-                "sfi_cross_head",
-                (n.div_ceil(256) as u32, 1, nl),
+                "sfi_rowstats",
+                (rows as u32, kvh, nl),
                 (256, 1, 1),
                 0,
                 &[
+                    KArg::P(a.logits),
+                    KArg::P(sc.stats.device_ptr()),
+                    KArg::U(nh),
+                    KArg::U(g as u32),
+                    KArg::U(u32_of(OP, "lstride", a.lstride)?),
+                    KArg::U(lo as u32),
+                    KArg::U(hi as u32),
+                    KArg::F(alpha),
+                    KArg::U(geo),
+                    KArg::U(ls),
+                ],
+            )
+        })?;
+        self.sfi_stage(sc, 2, || {
+            self.launch(
+                "sfi_evidence",
+                (n.div_ceil(256) as u32, kvh, nl),
+                (256, 1, 1),
+                0,
+                &[
+                    KArg::P(a.logits),
+                    KArg::P(sc.stats.device_ptr()),
+                    KArg::P(sc.ev.device_ptr()),
+                    KArg::U(nh),
+                    KArg::U(g as u32),
+                    KArg::U(rows as u32),
+                    KArg::U(a.lstride as u32),
+                    KArg::U(lo as u32),
+                    KArg::U(hi as u32),
+                    KArg::F(alpha),
+                    KArg::U(geo),
+                    KArg::U(ls),
+                ],
+            )
+        })?;
+        self.sfi_stage(sc, 3, || {
+            self.launch(
+                "sfi_score",
+                (kvh, nl, 1),
+                (1024, 1, 1),
+                0,
+                &[
+                    KArg::P(sc.ev.device_ptr()),
+                    KArg::P(sc.stats.device_ptr()),
+                    KArg::P(a.norms),
+                    KArg::P(sc.fa.device_ptr()),
+                    KArg::P(sc.fb.device_ptr()),
                     KArg::P(sc.scores.device_ptr()),
+                    KArg::P(sc.cnt.device_ptr()),
+                    KArg::U(rows as u32),
+                    KArg::U(u32_of(OP, "norm_stride", a.norm_stride)?),
+                    KArg::U(lo as u32),
+                    KArg::U(hi as u32),
+                    KArg::P(sc.cfg.device_ptr()),
+                    KArg::U(geo),
+                    KArg::U(u32_of(OP, "norm layer stride", a.norm_layer_stride)?),
+                ],
+            )
+        })?;
+        if a.kv_heads > 2 {
+            self.sfi_stage(sc, 4, || {
+                self.launch(
+                    "sfi_cross_head",
+                    (n.div_ceil(256) as u32, 1, nl),
+                    (256, 1, 1),
+                    0,
+                    &[
+                        KArg::P(sc.scores.device_ptr()),
+                        KArg::U(kvh),
+                        KArg::U(n as u32),
+                        KArg::P(sc.cfg.device_ptr()),
+                    ],
+                )
+            })?;
+        }
+        self.sfi_stage(sc, 5, || {
+            self.launch(
+                "sfi_topk",
+                (kvh, nl, 1),
+                (1024, 1, 1),
+                0,
+                &[
+                    KArg::P(sc.scores.device_ptr()),
+                    KArg::P(sc.cnt.device_ptr()),
+                    KArg::P(sc.sel.device_ptr()),
+                    KArg::P(sc.mcount.device_ptr()),
                     KArg::U(kvh),
                     KArg::U(n as u32),
-                    KArg::P(sc.cfg.device_ptr()),
+                    KArg::U(sc.k as u32),
+                    KArg::U(lo as u32),
                 ],
-            )?;
-        }
-        self.launch(
-            "sfi_topk",
-            (kvh, nl, 1),
-            (1024, 1, 1),
-            0,
-            &[
-                KArg::P(sc.scores.device_ptr()),
-                KArg::P(sc.cnt.device_ptr()),
-                KArg::P(sc.sel.device_ptr()),
-                KArg::P(sc.mcount.device_ptr()),
-                KArg::U(kvh),
-                KArg::U(n as u32),
-                KArg::U(sc.k as u32),
-                KArg::U(lo as u32),
-            ],
-        )
+            )
+        })
     }
 
     /// Gathers sinks + the positions `sc` chose into the compact buffers and publishes their
