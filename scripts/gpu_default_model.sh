@@ -1,27 +1,63 @@
 #!/usr/bin/env bash
-# The default model (Gemma 3 270M Q4_K_M, carried in parts .m1-.m5) on the GPU: greedy tokens
-# against the CPU, and eval nll / passkey with --device cuda (issues 5 and 6).
+# The default model (Gemma 3 270M Q4_K_M, 253 MB) on the GPU machine, which has no network and
+# receives at most 64 MiB per call: the GGUF travels in parts, one per call, each copied to
+# /tmp/carry there (carried paths do not outlive their call; /tmp does while the machine stays
+# warm, 30 s after a call), then joined and checked against its sha256.
+#
+#   scripts/gpu_default_model.sh stage   # here: .gpu/ (CLI built with --features cuda, the text,
+#                                        # the checksum, this script) and .m1/ ... .m6/ (the parts);
+#                                        # prints the run-tool calls to make, back to back
+#   bash .gpu/gpu_default_model.sh run   # there, after the parts arrived: greedy tokens on the
+#                                        # GPU and the CPU, eval nll and passkey with --device cuda
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export SLOWFAST_HOME=/tmp/slowfast-home
-OUT="${OUT:-/tmp/out}"
-mkdir -p "$OUT"
-M=/tmp/gemma-3-270m-q4_k_m.gguf
-cat .m1/p .m2/p .m3/p .m4/p .m5/p > $M
-echo "$(cat .gpu/model.sha256)  $M" | sha256sum -c - || exit 3
-B=.gpu/slowfast
-T=.gpu/austen_prideprejudice.txt
-P="It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a"
-{
-  echo "== cuda"; $B generate --device cuda -m $M -p "$P" -n 32 --temperature 0 --ignore-eos
-  echo; echo "== cpu f32 KV"; $B generate --device cpu -m $M -p "$P" -n 32 --temperature 0 --ignore-eos --kv-dtype f32
-  echo; echo "== cpu f16 KV"; $B generate --device cpu -m $M -p "$P" -n 32 --temperature 0 --ignore-eos
-} > "$OUT/greedy.log" 2>&1
-for d in cuda ${CPU_TOO:-}; do
-  $B eval --device $d -m $M --task nll -i $T --context 8192 --policies full,sfi,streaming --kv-budget 0.2 \
-    --json "$OUT/nll-$d.json" > "$OUT/nll-$d.md" 2> "$OUT/nll-$d.err"
-  $B eval --device $d -m $M --task passkey -i $T --context 8192 --passkey-trials 10 --seed 1 \
-    --policies full,sfi,streaming --kv-budget 0.2 --json "$OUT/pk-$d.json" > "$OUT/pk-$d.md" 2> "$OUT/pk-$d.err"
-done
-cat "$OUT/greedy.log"; cat "$OUT"/nll-*.md "$OUT"/pk-*.md; tail -3 "$OUT"/*.err
+case "${1:-}" in
+  stage)
+    set -e
+    M="${SLOWFAST_HOME:-$HOME/.cache/slowfast}/models/gemma-3-270m-q4_k_m.gguf"
+    [ -f "$M" ] || { echo "no $M: run \`slowfast fetch\` first" >&2; exit 2; }
+    [ -f data/texts/austen_prideprejudice.txt ] || scripts/get_texts.sh
+    cargo build --release -p slowfast --features cuda
+    for d in .gpu .m1 .m2 .m3 .m4 .m5 .m6; do
+      grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
+    done
+    rm -rf .gpu .m1 .m2 .m3 .m4 .m5 .m6 && mkdir -p .gpu
+    cp target/release/slowfast .gpu/ && strip --strip-debug .gpu/slowfast
+    cp data/texts/austen_prideprejudice.txt scripts/gpu_default_model.sh .gpu/
+    sha256sum "$M" | cut -c1-64 > .gpu/model.sha256
+    split -b 42200000 -d -a 1 "$M" /tmp/slowfast-part.
+    for i in 0 1 2 3 4 5; do mkdir -p ".m$((i + 1))" && mv "/tmp/slowfast-part.$i" ".m$((i + 1))/p"; done
+    cat <<'CALLS'
+# run tool, one call after the other (each within 30 s of the last):
+#   carry [".gpu"]: mkdir -p /tmp/carry && cp -r .gpu /tmp/carry/
+#   carry [".m1"]:  cp .m1/p /tmp/carry/m1        (and so on for .m2 ... .m6)
+#   then:           bash /tmp/carry/.gpu/gpu_default_model.sh run
+CALLS
+    ;;
+  run)
+    export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export SLOWFAST_HOME=/tmp/slowfast-home
+    OUT="${OUT:-/tmp/out}"
+    mkdir -p "$OUT"
+    C=/tmp/carry
+    M=/tmp/gemma-3-270m-q4_k_m.gguf
+    cat $C/m1 $C/m2 $C/m3 $C/m4 $C/m5 $C/m6 > $M
+    echo "$(cat $C/.gpu/model.sha256)  $M" | sha256sum -c - || exit 3
+    B=$C/.gpu/slowfast
+    T=$C/.gpu/austen_prideprejudice.txt
+    P="It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a"
+    {
+      echo "== cuda"; $B generate --device cuda -m $M -p "$P" -n 32 --temperature 0 --ignore-eos
+      echo; echo "== cpu f32 KV"; $B generate --device cpu -m $M -p "$P" -n 32 --temperature 0 --ignore-eos --kv-dtype f32
+    } > "$OUT/greedy.log" 2>&1
+    $B eval --device cuda -m $M --task nll -i $T --context 8192 --policies full,sfi,streaming --kv-budget 0.2 \
+      --json "$OUT/nll-cuda.json" > "$OUT/nll-cuda.md" 2> "$OUT/nll-cuda.err"
+    $B eval --device cuda -m $M --task passkey -i $T --context 8192 --passkey-trials 10 --seed 1 \
+      --policies full,sfi,streaming --kv-budget 0.2 --json "$OUT/pk-cuda.json" > "$OUT/pk-cuda.md" 2> "$OUT/pk-cuda.err"
+    cat "$OUT/greedy.log" "$OUT/nll-cuda.md" "$OUT/pk-cuda.md"
+    ;;
+  *)
+    echo "usage: scripts/gpu_default_model.sh stage | run" >&2
+    exit 2
+    ;;
+esac
