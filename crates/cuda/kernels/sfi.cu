@@ -14,6 +14,8 @@
 // blockIdx.y) is the layer, and each per-layer array advances by its layer stride.
 
 #define D_INF __longlong_as_double(0x7ff0000000000000ll)
+#define TOPK_BINS 4096
+#define TOPK_CAP 2048
 #define D_NAN __longlong_as_double(0x7ff8000000000000ll)
 
 // Double-precision block reductions (every thread gets the result; scratch >= 32 doubles).
@@ -81,10 +83,12 @@ extern "C" __global__ void sfi_rowstats(const float* __restrict__ logits, float2
     stats += (u64)blockIdx.z * gridDim.y * rows;
     const float* z = sfi_row(logits, kvh, rr, G, n_heads, lstride);
     float m = NEG_INF;
+    #pragma unroll 4
     for (u32 j = lo + threadIdx.x; j < hi; j += blockDim.x) m = fmaxf(m, z[j]);
     m = block_max(m, scratch);
     double s = 0.0;
     if (m != NEG_INF)
+        #pragma unroll 4
         for (u32 j = lo + threadIdx.x; j < hi; j += blockDim.x) s += (double)exp2f(z[j] - m);
     s = block_sum_d(s, dscratch);
     if (threadIdx.x == 0) {
@@ -183,6 +187,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     u32 valid = 0;
     for (u32 rr = 0; rr < rows; ++rr) valid += stats[(u64)h * rows + rr].x != NEG_INF;
     if (valid == 0) {
+        #pragma unroll 4
         for (u32 i = threadIdx.x; i < n; i += T) s[i] = -D_INF;
         if (threadIdx.x == 0) cnt[h] = 0;
         return;
@@ -191,6 +196,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     const double span = n > 1 ? (double)(n - 1) : 1.0;
     const double p = fmax(cfg.pos_power, 1.0);
     double fmx = -D_INF, rmx = -D_INF;
+    #pragma unroll 4
     for (u32 i = threadIdx.x; i < n; i += T) {
         const double a = e[i];
         const bool hid = (a != a);
@@ -213,6 +219,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     if (!sq) fmx = block_max_d(fmx, ds);
     rmx = block_max_d(rmx, ds);
     double zf = 0.0, zr = 0.0;
+    #pragma unroll 4
     for (u32 i = threadIdx.x; i < n; i += T) {
         double fv = f[i];
         if (!sq) fv = fmx == -D_INF ? 0.0 : exp(fv - fmx);
@@ -226,6 +233,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     zr = block_sum_d(zr, ds);
     const double inv_f = zf > 0.0 ? 1.0 / zf : 0.0, inv_r = 1.0 / zr;
     double ff = 0.0, rr2 = 0.0, fr = 0.0;
+    #pragma unroll 4
     for (u32 i = threadIdx.x; i < n; i += T) {
         const double fv = f[i] * inv_f, rv = r[i] * inv_r;
         f[i] = fv;
@@ -244,6 +252,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     lam = fmin(lam, 1.0 - cfg.eps);
     const double wf = 1.0 - lam, wr = lam + cfg.eps;
     double zs = 0.0;
+    #pragma unroll 4
     for (u32 i = threadIdx.x; i < n; i += T) {
         const double v = wf * f[i] + wr * r[i];
         f[i] = v;
@@ -251,10 +260,12 @@ extern "C" __global__ void __launch_bounds__(1024)
     }
     zs = block_sum_d(zs, ds);
     const double inv_s = 1.0 / zs;
+    #pragma unroll 4
     for (u32 i = threadIdx.x; i < n; i += T) s[i] = (e[i] != e[i]) ? -D_INF : log(f[i] * inv_s);
     __syncthreads();
     u32 c = 0;
     const bool nms = cfg.half > 0 && cfg.soft_alpha != 0.0;
+    #pragma unroll 4
     for (u32 i = threadIdx.x; i < n; i += T) {
         double v = s[i];
         if (nms && v != -D_INF) {
@@ -267,6 +278,7 @@ extern "C" __global__ void __launch_bounds__(1024)
         c += v != -D_INF;
     }
     __syncthreads();
+    #pragma unroll 4
     for (u32 i = threadIdx.x; i < n; i += T) s[i] = r[i];
     __shared__ u32 cs[32];
     for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
@@ -328,11 +340,85 @@ extern "C" __global__ void __launch_bounds__(1024)
     for (u32 t = 0; t < kv_heads; ++t) m = min(m, cnt[t]);
     if (h == 0 && threadIdx.x == 0) mcount[0] = m;
     if (m == 0) return;
-    const double* s = scores + (u64)h * n;
-    // Radix select of the m-th largest key, 8 bits at a time from the top.
+        const double* s = scores + (u64)h * n;
     u64 prefix = 0, mask = 0;
     u32 rem = m;
-    for (int shift = 56; shift >= 0; shift -= 8) {
+    // Bucket pass: 4096 equal-width bins over the finite scores locate the bin holding the
+    // m-th largest; when that bin has at most TOPK_CAP members they are ranked in shared memory,
+    // which gives the exact threshold (key and how many of its ties to take) in four passes
+    // over the scores instead of nine. Otherwise the radix select below finds it.
+    __shared__ u32 bins[TOPK_BINS];
+    __shared__ u64 cand[TOPK_CAP];
+    __shared__ u32 sh_bstar, sh_above, sh_cnum, sh_ok;
+    __shared__ u64 sh_key;
+    __shared__ double dred[32];
+    double mn = D_INF, mx = -D_INF;
+#pragma unroll 4
+    for (u32 i = threadIdx.x; i < n; i += T) {
+        const double v = s[i];
+        if (v != -D_INF) {
+            mn = fmin(mn, v);
+            mx = fmax(mx, v);
+        }
+    }
+    mn = -block_max_d(-mn, dred);
+    mx = block_max_d(mx, dred);
+    bool bucketed = false;
+    if (mx > mn) {
+        const double scale = (double)TOPK_BINS / (mx - mn);
+        auto bin_of = [&](double v) { return min(TOPK_BINS - 1, (int)((v - mn) * scale)); };
+        for (u32 b = threadIdx.x; b < TOPK_BINS; b += T) bins[b] = 0;
+        if (threadIdx.x == 0) sh_cnum = 0;
+        __syncthreads();
+#pragma unroll 4
+        for (u32 i = threadIdx.x; i < n; i += T) {
+            const double v = s[i];
+            if (v != -D_INF) atomicAdd(&bins[bin_of(v)], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 acc = 0;
+            int b = TOPK_BINS - 1;
+            for (; b > 0; --b) {
+                if (acc + bins[b] >= m) break;
+                acc += bins[b];
+            }
+            sh_bstar = (u32)b;
+            sh_above = acc;
+            sh_ok = bins[b] <= TOPK_CAP;
+        }
+        __syncthreads();
+        if (sh_ok) {
+            const int bstar = (int)sh_bstar;
+            for (u32 i = threadIdx.x; i < n; i += T) {
+                const double v = s[i];
+                if (v != -D_INF && bin_of(v) == bstar) cand[atomicAdd(&sh_cnum, 1u)] = sfi_key(v);
+            }
+            __syncthreads();
+            // The r-th largest candidate (r = m - keys in higher bins) is the threshold key; of
+            // the keys equal to it, take r - (candidates above it), lowest positions first.
+            const u32 c = sh_cnum, r = m - sh_above;
+            for (u32 t = threadIdx.x; t < c; t += T) {
+                const u64 kt = cand[t];
+                u32 g = 0, e = 0;
+                for (u32 j = 0; j < c; ++j) {
+                    g += cand[j] > kt;
+                    e += cand[j] == kt;
+                }
+                if (g < r && r <= g + e) {
+                    sh_key = kt;
+                    sh_rem = r - g;
+                }
+            }
+            __syncthreads();
+            prefix = sh_key;
+            rem = sh_rem;
+            bucketed = true;
+            __syncthreads();
+        }
+    }
+    // Radix select of the m-th largest key, 8 bits at a time from the top.
+    for (int shift = 56; !bucketed && shift >= 0; shift -= 8) {
         for (u32 b = threadIdx.x; b < 256; b += T) hist[b] = 0;
         __syncthreads();
         for (u32 i = threadIdx.x; i < n; i += T) {
