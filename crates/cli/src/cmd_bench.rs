@@ -88,17 +88,23 @@ pub fn run(a: Args) -> Result<()> {
         bail!("--batch: batched decode runs on --device cuda only");
     }
     let m = a.model.load()?;
-    let spec_for = |name: &str,
-                    ctx: usize|
-     -> Result<slowfast_engine::PolicySpec, slowfast_engine::EngineError> {
-        a.sparse
-            .spec(name, ctx)
-            .map(|s| s.with_vocab(&m.tokenizer))
-            .map_err(|e| slowfast_engine::EngineError::BadInput(format!("{e:#}")))
-    };
+    let spec_for = |name: &str, ctx: usize| policy_for(&a, &m, name, ctx);
     let recs = run_bench(&m, &o, &spec_for, &mut |s| eprintln!("{s}"))?;
     print!("{}", table(&recs));
     write_json(&a.json, &recs)
+}
+
+/// The policy `name` at context `ctx` from the command line, with the model's vocabulary.
+fn policy_for(
+    a: &Args,
+    m: &slowfast_engine::Loaded,
+    name: &str,
+    ctx: usize,
+) -> Result<slowfast_engine::PolicySpec, slowfast_engine::EngineError> {
+    a.sparse
+        .spec(name, ctx)
+        .map(|s| s.with_vocab(&m.tokenizer))
+        .map_err(|e| slowfast_engine::EngineError::BadInput(format!("{e:#}")))
 }
 
 fn write_json<T: serde::Serialize>(p: &Option<PathBuf>, recs: &T) -> Result<()> {
@@ -126,14 +132,7 @@ fn run_cuda(a: &Args, o: BenchOptions) -> Result<()> {
         repeats: o.repeats,
         policies: o.policies,
     };
-    let spec_for = |name: &str,
-                    ctx: usize|
-     -> Result<slowfast_engine::PolicySpec, slowfast_engine::EngineError> {
-        a.sparse
-            .spec(name, ctx)
-            .map(|s| s.with_vocab(&m.tokenizer))
-            .map_err(|e| slowfast_engine::EngineError::BadInput(format!("{e:#}")))
-    };
+    let spec_for = |name: &str, ctx: usize| policy_for(a, &m, name, ctx);
     let recs = bench(&m, &go, &spec_for, &mut |s| eprintln!("{s}"))?;
     print!("{}", table(&recs));
     write_json(&a.json, &recs)

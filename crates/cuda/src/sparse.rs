@@ -19,7 +19,7 @@ use crate::buffer::GpuBuffer;
 use crate::context::CudaContext;
 use crate::error::CudaError;
 use crate::ops::attention::AttnWorkspace;
-use crate::ops::sfi::{GatherArgs, SelectArgs, SelectorParams, SelectorScratch, SparseDecode};
+use crate::ops::sfi::{GatherArgs, SelectArgs, SelectorConfig, SelectorScratch, SparseDecode};
 use crate::ops::KvLayout;
 
 /// SFI on the GPU: S sinks + k Selector-chosen tokens + a recent window (page-aligned start).
@@ -30,7 +30,7 @@ pub struct GpuSfiConfig {
     pub selected: usize,
     pub page: usize,
     pub bootstrap_rows: usize,
-    pub selector: SelectorParams,
+    pub selector: SelectorConfig,
 }
 
 /// Which KV policy the decoder's global layers run.

@@ -409,6 +409,17 @@ fn argmax_and_top_p() {
     }
 }
 
+/// `x[n, k] · w[m, k]^T` in f64.
+fn linear_ref(x: &[bf16], w: &[bf16], n: usize, k: usize, m: usize) -> Vec<f64> {
+    (0..n * m)
+        .map(|i| {
+            (0..k)
+                .map(|j| x[(i / m) * k + j].to_f64() * w[(i % m) * k + j].to_f64())
+                .sum()
+        })
+        .collect()
+}
+
 #[test]
 fn linear_matches_reference() {
     let Some(ctx) = gpu("linear") else { return };
@@ -417,13 +428,7 @@ fn linear_matches_reference() {
     let x = rng.vec_bf16(n * k, 1.0);
     let w = rng.vec_bf16(m * k, 0.05);
     let (dx, dw) = (ctx.upload(&x).unwrap(), ctx.upload(&w).unwrap());
-    let want: Vec<f64> = (0..n * m)
-        .map(|i| {
-            (0..k)
-                .map(|j| x[(i / m) * k + j].to_f64() * w[(i % m) * k + j].to_f64())
-                .sum()
-        })
-        .collect();
+    let want = linear_ref(&x, &w, n, k, m);
     let mut y16 = ctx.upload(&nan_bf16(n * m)).unwrap();
     ctx.linear(&dx, &dw, &mut y16, n, k, m).unwrap();
     assert_close(
@@ -463,13 +468,7 @@ fn small_batch_linear_matches_reference() {
             let x = rng.vec_bf16(n * k, 1.0);
             let w = rng.vec_bf16(m * k, 0.05);
             let (dx, dw) = (ctx.upload(&x).unwrap(), ctx.upload(&w).unwrap());
-            let want: Vec<f64> = (0..n * m)
-                .map(|i| {
-                    (0..k)
-                        .map(|j| x[(i / m) * k + j].to_f64() * w[(i % m) * k + j].to_f64())
-                        .sum()
-                })
-                .collect();
+            let want = linear_ref(&x, &w, n, k, m);
             let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
             ctx.linear(&dx, &dw, &mut y32, n, k, m).unwrap();
             let got: Vec<f64> = ctx

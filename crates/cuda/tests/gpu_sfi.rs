@@ -7,31 +7,9 @@
 mod common;
 
 use common::*;
-use slowfast_cuda::ops::sfi::{
-    GatherArgs, SelectArgs, SelectorParams, SelectorScratch, SparseDecode,
-};
+use slowfast_cuda::ops::sfi::{GatherArgs, SelectArgs, SelectorScratch, SparseDecode};
 use slowfast_cuda::{bf16, AttnWorkspace, KvLayout};
 use slowfast_kv::sfi::selector::{self, SelectorConfig, SelectorInput};
-
-fn params(c: &SelectorConfig) -> SelectorParams {
-    SelectorParams {
-        alpha: c.alpha,
-        gamma: c.gamma,
-        prior_weight_l2: c.prior_weight_l2,
-        prior_weight_pos: c.prior_weight_pos,
-        prior_pos_power: c.prior_pos_power,
-        prior_pos_eta: c.prior_pos_eta,
-        prior_beta: c.prior_beta,
-        nms_window: c.nms_window,
-        soft_alpha: c.soft_alpha,
-        cross_head_alpha: c.cross_head_alpha,
-        cross_head_temperature: c.cross_head_temperature,
-        lambda_clip_single: c.lambda_clip_single,
-        lambda_clip_multi: c.lambda_clip_multi,
-        lambda_soft: c.lambda_soft,
-        eps: c.eps,
-    }
-}
 
 /// One sequence's sparse view: compact rows (positions), recent start, sliding recent window.
 struct View {
@@ -316,7 +294,7 @@ fn selector_matches_cpu() {
         }
         let dl = ctx.upload(&gl).unwrap();
         let dn = ctx.upload(&norms_all).unwrap();
-        let mut gsc = SelectorScratch::new(&ctx, params(&cfg), layers, nkv, rows, len, k).unwrap();
+        let mut gsc = SelectorScratch::new(&ctx, cfg, layers, nkv, rows, len, k).unwrap();
         let a = SelectArgs {
             layers,
             logits: dl.device_ptr(),

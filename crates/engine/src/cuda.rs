@@ -8,7 +8,6 @@ use std::time::Instant;
 use half::bf16;
 use rayon::prelude::*;
 use slowfast_cuda::ops::elementwise::Glu;
-use slowfast_cuda::ops::sfi::SelectorParams;
 use slowfast_cuda::{
     CudaContext, DecoderSpec, GpuDecoder, GpuKvPolicy, GpuSfiConfig, Norm, Tensor, WeightSource,
 };
@@ -148,33 +147,14 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
             sinks: *sinks,
             recent: *recent,
         },
-        PolicySpec::Sfi { cfg, .. } => {
-            let c = &cfg.selector;
-            GpuKvPolicy::Sfi(GpuSfiConfig {
-                sinks: cfg.sinks,
-                recent: cfg.recent,
-                selected: cfg.selected,
-                page: cfg.page,
-                bootstrap_rows: cfg.bootstrap_rows,
-                selector: SelectorParams {
-                    alpha: c.alpha,
-                    gamma: c.gamma,
-                    prior_weight_l2: c.prior_weight_l2,
-                    prior_weight_pos: c.prior_weight_pos,
-                    prior_pos_power: c.prior_pos_power,
-                    prior_pos_eta: c.prior_pos_eta,
-                    prior_beta: c.prior_beta,
-                    nms_window: c.nms_window,
-                    soft_alpha: c.soft_alpha,
-                    cross_head_alpha: c.cross_head_alpha,
-                    cross_head_temperature: c.cross_head_temperature,
-                    lambda_clip_single: c.lambda_clip_single,
-                    lambda_clip_multi: c.lambda_clip_multi,
-                    lambda_soft: c.lambda_soft,
-                    eps: c.eps,
-                },
-            })
-        }
+        PolicySpec::Sfi { cfg, .. } => GpuKvPolicy::Sfi(GpuSfiConfig {
+            sinks: cfg.sinks,
+            recent: cfg.recent,
+            selected: cfg.selected,
+            page: cfg.page,
+            bootstrap_rows: cfg.bootstrap_rows,
+            selector: cfg.selector,
+        }),
         other => {
             return Err(EngineError::BadInput(format!(
             "--device cuda: the {} KV policy runs on the CPU only (on cuda: full, streaming, sfi)",

@@ -7,64 +7,37 @@ use crate::buffer::GpuBuffer;
 use crate::context::{attn_smem_bytes, CudaContext, KArg};
 use crate::error::CudaError;
 use crate::ops::attention::AttnWorkspace;
+pub use slowfast_kv::sfi::selector::SelectorConfig;
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 
-/// Selector knobs (the meaning and defaults of each are those of the CPU Selector,
-/// `slowfast_kv::sfi::selector::SelectorConfig`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SelectorParams {
-    pub alpha: f64,
-    pub gamma: f64,
-    pub prior_weight_l2: f64,
-    pub prior_weight_pos: f64,
-    pub prior_pos_power: f64,
-    pub prior_pos_eta: f64,
-    pub prior_beta: f64,
-    pub nms_window: usize,
-    pub soft_alpha: f64,
-    pub cross_head_alpha: f64,
-    pub cross_head_temperature: f64,
-    pub lambda_clip_single: f64,
-    pub lambda_clip_multi: f64,
-    pub lambda_soft: bool,
-    pub eps: f64,
-}
-
-impl SelectorParams {
-    /// The layout `sfi_cfg` in kernels/sfi.cu reads (16 doubles).
-    fn to_array(self) -> [f64; 16] {
-        [
-            self.alpha,
-            self.gamma,
-            self.prior_weight_l2,
-            self.prior_weight_pos,
-            self.prior_pos_power,
-            self.prior_pos_eta,
-            self.prior_beta,
-            self.soft_alpha,
-            self.lambda_clip_single,
-            self.lambda_clip_multi,
-            self.eps,
-            (self.nms_window / 2) as f64,
-            if self.lambda_soft { 1.0 } else { 0.0 },
-            self.cross_head_alpha,
-            1.0 / self.cross_head_temperature,
-            0.0,
-        ]
-    }
-
-    /// Geometric mean over rows (alpha ~ 0), as the CPU Selector decides it.
-    fn geometric(&self) -> bool {
-        self.alpha.abs() < 1e-6
-    }
+/// The layout `sfi_cfg` in kernels/sfi.cu reads: the Selector's knobs as 16 doubles.
+fn cfg_array(c: &SelectorConfig) -> [f64; 16] {
+    [
+        c.alpha,
+        c.gamma,
+        c.prior_weight_l2,
+        c.prior_weight_pos,
+        c.prior_pos_power,
+        c.prior_pos_eta,
+        c.prior_beta,
+        c.soft_alpha,
+        c.lambda_clip_single,
+        c.lambda_clip_multi,
+        c.eps,
+        (c.nms_window / 2) as f64,
+        if c.lambda_soft { 1.0 } else { 0.0 },
+        c.cross_head_alpha,
+        1.0 / c.cross_head_temperature,
+        0.0,
+    ]
 }
 
 /// Device scratch of the Selector for up to `layers` layers x `kv_heads` heads x `rows`
 /// captured rows over a domain of up to `max_n` tokens, choosing up to `k` per head.
 pub struct SelectorScratch {
     cfg: GpuBuffer<f64>,
-    params: SelectorParams,
+    params: SelectorConfig,
     layers: usize,
     kv_heads: usize,
     rows: usize,
@@ -97,7 +70,7 @@ pub const SFI_STAGES: [&str; 7] = [
 impl SelectorScratch {
     pub fn new(
         ctx: &CudaContext,
-        params: SelectorParams,
+        params: SelectorConfig,
         layers: usize,
         kv_heads: usize,
         rows: usize,
@@ -105,16 +78,9 @@ impl SelectorScratch {
         k: usize,
     ) -> Result<Self, CudaError> {
         const OP: &str = "sfi selector";
-        let t = params.cross_head_temperature;
-        if !(t.is_finite() && t > 0.0 && params.eps > 0.0 && params.eps < 1e-3) {
-            return Err(CudaError::bad(
-                OP,
-                format!(
-                    "cross_head_temperature {t} (> 0) / eps {} (0..1e-3)",
-                    params.eps
-                ),
-            ));
-        }
+        params
+            .validate()
+            .map_err(|e| CudaError::bad(OP, e.to_string()))?;
         if layers == 0 || kv_heads == 0 || rows == 0 || k == 0 {
             return Err(CudaError::bad(
                 OP,
@@ -126,7 +92,7 @@ impl SelectorScratch {
         let n = max_n.max(1);
         let lh = layers * kv_heads;
         Ok(SelectorScratch {
-            cfg: ctx.upload(&params.to_array())?,
+            cfg: ctx.upload(&cfg_array(&params))?,
             params,
             layers,
             kv_heads,
@@ -454,7 +420,8 @@ impl CudaContext {
                 ],
             );
         }
-        let geo = sc.params.geometric() as u32;
+        // The CPU Selector's test for the geometric mean.
+        let geo = (sc.params.alpha.abs() < 1e-6) as u32;
         let alpha = sc.params.alpha as f32;
         let (nh, kvh, nl) = (a.n_heads as u32, a.kv_heads as u32, a.layers as u32);
         let ls = u32_of(OP, "logit layer stride", a.logit_layer_stride)?;
