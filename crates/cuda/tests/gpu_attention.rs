@@ -44,20 +44,6 @@ fn attend(
     (o.iter().map(|x| x / z).collect(), m + z.ln())
 }
 
-fn fill_cache(rng: &mut Rng, kv: &KvLayout, lens: &[(usize, usize)]) -> Vec<bf16> {
-    // random where (slot, pos) < len, NaN elsewhere (must never be read)
-    let mut c = vec![bf16::NAN; kv.elems()];
-    for &(slot, len) in lens {
-        for h in 0..kv.kv_heads {
-            let b = (slot * kv.kv_heads + h) * kv.capacity * kv.head_dim;
-            for x in &mut c[b..b + len * kv.head_dim] {
-                *x = bf16::from_f32(rng.normal(1.0));
-            }
-        }
-    }
-    c
-}
-
 fn check_lse(what: &str, got: &[f32], want: &[f64]) {
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         if w == f64::NEG_INFINITY {

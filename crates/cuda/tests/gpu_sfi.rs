@@ -59,8 +59,8 @@ fn sparse_decode_matches_reference() {
             });
         }
         let lens: Vec<(usize, usize)> = (0..batch).map(|b| (b, views[b].len)).collect();
-        let kc = fill(&mut rng, &kv, &lens);
-        let vc = fill(&mut rng, &kv, &lens);
+        let kc = fill_cache(&mut rng, &kv, &lens);
+        let vc = fill_cache(&mut rng, &kv, &lens);
         // Compact buffers gathered on the host; unused rows NaN.
         let mut ck = vec![bf16::NAN; batch * nkv * ccap * d];
         let mut cv = ck.clone();
@@ -183,19 +183,6 @@ fn sparse_decode_matches_reference() {
             );
         }
     }
-}
-
-fn fill(rng: &mut Rng, kv: &KvLayout, lens: &[(usize, usize)]) -> Vec<bf16> {
-    let mut c = vec![bf16::NAN; kv.elems()];
-    for &(slot, len) in lens {
-        for h in 0..kv.kv_heads {
-            let b = (slot * kv.kv_heads + h) * kv.capacity * kv.head_dim;
-            for x in &mut c[b..b + len * kv.head_dim] {
-                *x = bf16::from_f32(rng.normal(1.0));
-            }
-        }
-    }
-    c
 }
 
 /// GPU and CPU selections of one head agree up to near-ties: the symmetric difference is small.

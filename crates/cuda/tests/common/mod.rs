@@ -1,7 +1,7 @@
 //! Shared helpers of the GPU tests: the context (or a printed skip), random inputs, error norms.
 #![allow(dead_code)]
 
-use slowfast_cuda::{bf16, CudaContext};
+use slowfast_cuda::{bf16, CudaContext, KvLayout};
 
 /// The device-0 context, or None after printing why the test is skipped.
 /// With SLOWFAST_REQUIRE_GPU=1 a missing GPU fails the test instead.
@@ -88,4 +88,20 @@ pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
 
 pub fn bf(x: f64) -> f64 {
     bf16::from_f64(x).to_f64()
+}
+
+/// A cache with random rows where (slot, position) < that slot's length and NaN elsewhere
+/// (rows a kernel must never read).
+pub fn fill_cache(rng: &mut Rng, kv: &KvLayout, lens: &[(usize, usize)]) -> Vec<bf16> {
+    // random where (slot, pos) < len, NaN elsewhere (must never be read)
+    let mut c = vec![bf16::NAN; kv.elems()];
+    for &(slot, len) in lens {
+        for h in 0..kv.kv_heads {
+            let b = (slot * kv.kv_heads + h) * kv.capacity * kv.head_dim;
+            for x in &mut c[b..b + len * kv.head_dim] {
+                *x = bf16::from_f32(rng.normal(1.0));
+            }
+        }
+    }
+    c
 }
