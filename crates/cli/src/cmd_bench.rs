@@ -20,7 +20,8 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
     /// Comma-separated KV policies, each timed at every context: full, streaming, h2o, snapkv,
-    /// pyramidkv, quest, fastkv, sfi (see `generate --help`).
+    /// pyramidkv, quest, fastkv, sfi, sfi+fastkv (SFI's decode after FastKV's prefill, see
+    /// --prefill; the others: `generate --help`).
     #[arg(long, default_value = "full")]
     pub policies: String,
     /// Prefill only the last N prompt tokens of each context for real and fill the KV of the
