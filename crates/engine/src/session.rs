@@ -324,8 +324,8 @@ impl<'m> Session<'m> {
             };
             let (m, s, l) = (self.model, &mut self.scratch, &mut self.logits);
             match &mut self.cache {
-                Cache::F32(c, p) => m.prefill_fastkv(tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
-                Cache::F16(c, p) => m.prefill_fastkv(tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
+                Cache::F32(c, p) => fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
+                Cache::F16(c, p) => fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
             };
             progress(n, n);
         } else {
@@ -380,6 +380,32 @@ impl<'m> Session<'m> {
     pub fn logits(&self) -> &[f32] {
         &self.logits
     }
+}
+
+/// FastKV's token-selective prefill into an empty `c`, then the layers it left holding only
+/// the propagated tokens (compacted, in a full-size allocation) shrunk to what they hold plus
+/// the room decoding can still use, so a policy without a retention step (`sfi+fastkv`) frees
+/// the dropped rows too. (FastKV's own retention compacts every layer again at end_prefill.)
+#[allow(clippy::too_many_arguments)]
+fn fastkv_prefill<T: CacheElem>(
+    m: &Model,
+    tokens: &[u32],
+    c: &mut KvStore<T>,
+    p: &mut dyn KvPolicy<T>,
+    s: &mut Scratch,
+    bounds: &[(usize, usize)],
+    tsp: &TspConfig,
+    logits: &mut Vec<f32>,
+) -> Result<(), EngineError> {
+    let room = c.capacity().saturating_sub(tokens.len());
+    m.prefill_fastkv(tokens, c, p, s, bounds, tsp, logits)?;
+    for layer in 0..c.n_layers() {
+        if c.layer(layer).is_compact() && !c.layer(layer).spec.ring {
+            c.shrink(layer, room)
+                .map_err(|e| EngineError::BadInput(format!("FastKV prefill: {e}")))?;
+        }
+    }
+    Ok(())
 }
 
 fn fill_store<T: CacheElem>(c: &mut KvStore<T>, n: usize, seed: u64) -> Result<(), EngineError> {

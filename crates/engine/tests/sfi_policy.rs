@@ -124,6 +124,17 @@ fn sfi_fastkv_with_budget_at_least_the_context_equals_fastkv_prefill_and_full_de
     );
     assert_eq!(got, reference);
     assert_eq!(stats.fast_steps, 0);
+    // Layer 2 (after the TSP layer) keeps only the 48 propagated rows plus room for decoding.
+    let bytes = |spec: &PolicySpec| {
+        let mut s = Session::try_with_policy(&m, 131, KvDtype::F32, 16, spec).unwrap();
+        s.prefill(prompt, &mut |_, _| {}).unwrap();
+        s.kv_bytes()
+    };
+    let per_slot = 2 * m.cfg.num_key_value_heads * m.cfg.head_dim * 4;
+    assert_eq!(
+        bytes(&sfi_fastkv(PolicySpec::Full, 0.5)),
+        (2 * 131 + 48 + (131 - 96)) * per_slot
+    );
     // FastKV with a retention budget covering everything decodes the same way.
     let fastkv = PolicySpec::FastKv {
         cfg: slowfast_kv::SnapKvConfig::fastkv(131),
