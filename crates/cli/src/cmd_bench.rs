@@ -20,9 +20,10 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
     /// Comma-separated KV policies, each timed at every context: full, streaming, h2o, snapkv,
-    /// pyramidkv, quest, fastkv, sfi (see `generate --help`). With `--device cuda`: full,
-    /// streaming and sfi; SFI's slow step then comes every `--sfi-refresh-interval` steps per
-    /// sequence (staggered over the batch), and fast and slow steps are also timed alone.
+    /// pyramidkv, quest, fastkv, sfi, sfi+fastkv (SFI's decode after FastKV's prefill, see
+    /// --prefill; the others: `generate --help`). With `--device cuda`: full, streaming and sfi;
+    /// SFI's slow step then comes every `--sfi-refresh-interval` steps per sequence (staggered
+    /// over the batch), and fast and slow steps are also timed alone.
     #[arg(long, default_value = "full")]
     pub policies: String,
     /// Prefill only the last N prompt tokens of each context for real and fill the KV of the

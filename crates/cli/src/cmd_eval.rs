@@ -47,7 +47,8 @@ pub struct Args {
     #[arg(long)]
     pub eval_tokens: Option<usize>,
     /// Comma-separated KV policies to compare in one run: full, streaming, h2o, snapkv,
-    /// pyramidkv, quest, fastkv, sfi (see `generate --help`).
+    /// pyramidkv, quest, fastkv, sfi, sfi+fastkv (SFI's decode after FastKV's prefill, see
+    /// --prefill; the others: `generate --help`).
     #[arg(long, default_value = "full")]
     pub policies: String,
     #[command(flatten)]

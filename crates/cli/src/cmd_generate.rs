@@ -69,7 +69,8 @@ pub struct Args {
     /// hitters + recent, evicting while decoding), snapkv (compress once after prefill),
     /// pyramidkv (snapkv with per-layer budgets shrinking with depth), quest (query-aware
     /// top pages, nothing evicted), fastkv (token-selective propagation in prefill, see
-    /// --fastkv-*, then snapkv-style retention) or sfi (Slow-Fast). All but full need
+    /// --fastkv-*, then snapkv-style retention), sfi (Slow-Fast) or sfi+fastkv (SFI's decode
+    /// after FastKV's prefill; same as `--policy sfi --prefill fastkv`). All but full need
     /// --kv-budget.
     #[arg(long, default_value = "full")]
     pub policy: String,

@@ -134,11 +134,25 @@ pub struct PolicyArgs {
     /// layer; default: the global layer nearest the middle of the model).
     #[arg(long)]
     pub fastkv_tsp_layer: Option<usize>,
+    /// Prefill of the sfi policy: full (every prompt token through every layer) or fastkv
+    /// (FastKV's token-selective propagation, --fastkv-tsp-rate of the prompt past
+    /// --fastkv-tsp-layer; SFI then decodes over what that leaves, no retention step). `--policy
+    /// sfi --prefill fastkv` is the policy `sfi+fastkv`. Only sfi takes it (fastkv always
+    /// prefills this way; full, the reference, is left dense); other policies refuse it.
+    #[arg(long, default_value = "full", value_parser = ["full", "fastkv"])]
+    pub prefill: String,
 }
 
 impl PolicyArgs {
     /// The policy `name` for sequences of `context` tokens, validated.
     pub fn spec(&self, name: &str, context: usize) -> Result<slowfast_engine::PolicySpec> {
+        let name = match (self.prefill.as_str(), name) {
+            ("full", _) | ("fastkv", "full" | "fastkv" | "sfi+fastkv") => name,
+            ("fastkv", "sfi") => "sfi+fastkv",
+            (p, other) => bail!(
+                "--prefill {p} works with --policy sfi only (got --policy {other}; fastkv always prefills this way)"
+            ),
+        };
         let knobs = slowfast_engine::session::SfiKnobs {
             recent: self.sfi_recent,
             refresh_interval: self.sfi_refresh_interval,

@@ -261,9 +261,10 @@ fn selector_matches_cpu() {
                 seq_len: len,
                 logits: &logits,
                 key_norms: &norms,
-                sinks,
+                                sinks,
                 recent_start,
                 k,
+                positions: None,
             };
             let mut sc = selector::SelectorScratch::default();
             cpu_sel.push(selector::select(&cfg, &inp, &mut sc).unwrap());

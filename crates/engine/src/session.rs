@@ -52,6 +52,18 @@ pub enum PolicySpec {
     },
     /// Quest: query-aware top pages per decode step over the full cache.
     Quest { budget: usize },
+    /// FastKV's token-selective prefill (`tsp_rate` of the prompt goes past `tsp_layer`,
+    /// chosen by the last `window` rows' attention max-pooled with `kernel`), then `decode`'s
+    /// policy over the KV it leaves, with no retention step: layers up to the TSP layer hold
+    /// the whole prompt, later ones only the propagated tokens, at their positions. With
+    /// `decode` = SFI this is `sfi+fastkv`.
+    FastKvPrefill {
+        decode: Box<PolicySpec>,
+        tsp_rate: f64,
+        tsp_layer: Option<usize>,
+        window: usize,
+        kernel: usize,
+    },
     /// Slow-Fast Inference; `enders`/`newlines` (the trigger's token classes) come from the
     /// tokenizer via `with_vocab`.
     Sfi {
@@ -72,6 +84,11 @@ impl PolicySpec {
             PolicySpec::FastKv { .. } => "fastkv",
             PolicySpec::Quest { .. } => "quest",
             PolicySpec::Sfi { .. } => "sfi",
+            PolicySpec::FastKvPrefill { decode, .. } => match **decode {
+                PolicySpec::Sfi { .. } => "sfi+fastkv",
+                PolicySpec::Full => "full+fastkv",
+                _ => "fastkv-prefill",
+            },
         }
     }
 
@@ -84,11 +101,17 @@ impl PolicySpec {
             PolicySpec::SnapKv(c) | PolicySpec::FastKv { cfg: c, .. } => Some(c.capacity),
             PolicySpec::Quest { budget } => Some(*budget),
             PolicySpec::Sfi { cfg, .. } => Some(cfg.sinks + cfg.selected + cfg.recent),
+            PolicySpec::FastKvPrefill { decode, .. } => decode.budget(),
         }
     }
 
     /// Attach the tokenizer's sentence-ender and newline tokens (SFI's trigger).
     pub fn with_vocab(mut self, tok: &slowfast_tokenizer::Tokenizer) -> Self {
+        if let PolicySpec::FastKvPrefill { decode, .. } = &mut self {
+            let d = std::mem::replace(&mut **decode, PolicySpec::Full);
+            **decode = d.with_vocab(tok);
+            return self;
+        }
         if let PolicySpec::Sfi {
             enders,
             newlines,
@@ -127,6 +150,7 @@ impl PolicySpec {
                 SfiPolicy::<T>::new((**cfg).clone(), enders, newlines, (*vocab_size).max(1))
                     .map_err(|e| EngineError::BadInput(format!("SFI trigger: {e}")))?,
             ),
+            PolicySpec::FastKvPrefill { decode, .. } => decode.build()?,
         })
     }
 }
@@ -180,6 +204,18 @@ impl<'m> Session<'m> {
                 tsp_layer.unwrap_or_else(|| model.default_tsp_layer()),
                 cfg.window,
                 cfg.kernel,
+            )),
+            PolicySpec::FastKvPrefill {
+                tsp_rate,
+                tsp_layer,
+                window,
+                kernel,
+                ..
+            } => Some((
+                *tsp_rate,
+                tsp_layer.unwrap_or_else(|| model.default_tsp_layer()),
+                *window,
+                *kernel,
             )),
             _ => None,
         };
@@ -288,8 +324,8 @@ impl<'m> Session<'m> {
             };
             let (m, s, l) = (self.model, &mut self.scratch, &mut self.logits);
             match &mut self.cache {
-                Cache::F32(c, p) => m.prefill_fastkv(tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
-                Cache::F16(c, p) => m.prefill_fastkv(tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
+                Cache::F32(c, p) => fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
+                Cache::F16(c, p) => fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
             };
             progress(n, n);
         } else {
@@ -344,6 +380,32 @@ impl<'m> Session<'m> {
     pub fn logits(&self) -> &[f32] {
         &self.logits
     }
+}
+
+/// FastKV's token-selective prefill into an empty `c`, then the layers it left holding only
+/// the propagated tokens (compacted, in a full-size allocation) shrunk to what they hold plus
+/// the room decoding can still use, so a policy without a retention step (`sfi+fastkv`) frees
+/// the dropped rows too. (FastKV's own retention compacts every layer again at end_prefill.)
+#[allow(clippy::too_many_arguments)]
+fn fastkv_prefill<T: CacheElem>(
+    m: &Model,
+    tokens: &[u32],
+    c: &mut KvStore<T>,
+    p: &mut dyn KvPolicy<T>,
+    s: &mut Scratch,
+    bounds: &[(usize, usize)],
+    tsp: &TspConfig,
+    logits: &mut Vec<f32>,
+) -> Result<(), EngineError> {
+    let room = c.capacity().saturating_sub(tokens.len());
+    m.prefill_fastkv(tokens, c, p, s, bounds, tsp, logits)?;
+    for layer in 0..c.n_layers() {
+        if c.layer(layer).is_compact() && !c.layer(layer).spec.ring {
+            c.shrink(layer, room)
+                .map_err(|e| EngineError::BadInput(format!("FastKV prefill: {e}")))?;
+        }
+    }
+    Ok(())
 }
 
 fn fill_store<T: CacheElem>(c: &mut KvStore<T>, n: usize, seed: u64) -> Result<(), EngineError> {
@@ -454,7 +516,8 @@ impl Default for SfiKnobs {
 }
 
 /// Names accepted by `--policy` / `--policies`.
-pub const POLICIES: &str = "full, streaming, h2o, snapkv, pyramidkv, quest, fastkv, sfi";
+pub const POLICIES: &str =
+    "full, streaming, h2o, snapkv, pyramidkv, quest, fastkv, sfi, sfi+fastkv";
 
 /// Build the policy named `name` for a sequence of `context` tokens (SFI with default knobs).
 pub fn policy_spec(
@@ -528,6 +591,16 @@ impl Default for FastKvKnobs {
     }
 }
 
+fn check_tsp_rate(r: f64) -> Result<f64, EngineError> {
+    if r > 0.0 && r <= 1.0 {
+        Ok(r)
+    } else {
+        Err(EngineError::BadInput(format!(
+            "--fastkv-tsp-rate must be in (0, 1], got {r}"
+        )))
+    }
+}
+
 /// `policy_spec` with explicit SFI knobs (FastKV at its defaults).
 pub fn policy_spec_with(
     name: &str,
@@ -554,6 +627,18 @@ pub fn policy_spec_knobs(
     match name {
         "full" => Ok(PolicySpec::Full),
         "sfi" => sfi_spec(budget_tokens(need_budget("sfi")?, context)?, sinks, sfi),
+        "sfi+fastkv" => {
+            let b = budget_tokens(need_budget("sfi+fastkv")?, context)?;
+            let decode = sfi_spec(b, sinks, sfi)?;
+            let tsp = SnapKvConfig::fastkv(b);
+            Ok(PolicySpec::FastKvPrefill {
+                decode: Box::new(decode),
+                tsp_rate: check_tsp_rate(fastkv.tsp_rate)?,
+                tsp_layer: fastkv.tsp_layer,
+                window: tsp.window,
+                kernel: tsp.kernel,
+            })
+        }
         "streaming" => {
             let b = budget_tokens(need_budget("streaming")?, context)?;
             if b <= sinks {
@@ -602,15 +687,9 @@ pub fn policy_spec_knobs(
                     cfg.window
                 )));
             }
-            let r = fastkv.tsp_rate;
-            if !(r > 0.0 && r <= 1.0) {
-                return Err(EngineError::BadInput(format!(
-                    "--fastkv-tsp-rate must be in (0, 1], got {r}"
-                )));
-            }
             Ok(PolicySpec::FastKv {
                 cfg,
-                tsp_rate: r,
+                tsp_rate: check_tsp_rate(fastkv.tsp_rate)?,
                 tsp_layer: fastkv.tsp_layer,
             })
         }

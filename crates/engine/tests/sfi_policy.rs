@@ -95,3 +95,89 @@ fn fast_steps_attend_to_the_sparse_memory_only() {
         .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
     assert!(max_diff.is_finite() && max_diff < 10.0, "{max_diff}");
 }
+
+/// SFI's decode after FastKV's token-selective prefill (`sfi+fastkv`): half the prompt goes
+/// past the TSP layer (layer 1 of 3), so layer 2 holds only the propagated tokens, in a
+/// compacted layer whose slots carry their positions.
+fn sfi_fastkv(decode: PolicySpec, rate: f64) -> PolicySpec {
+    let tsp = slowfast_kv::SnapKvConfig::fastkv(64);
+    PolicySpec::FastKvPrefill {
+        decode: Box::new(decode),
+        tsp_rate: rate,
+        tsp_layer: None,
+        window: tsp.window,
+        kernel: tsp.kernel,
+    }
+}
+
+#[test]
+fn sfi_fastkv_with_budget_at_least_the_context_equals_fastkv_prefill_and_full_decode() {
+    let m = model();
+    let t = tokens(130);
+    let (prompt, rest) = (&t[..96], &t[96..]);
+    let (reference, _) = run(&m, &sfi_fastkv(PolicySpec::Full, 0.5), prompt, rest);
+    let (got, stats) = run(
+        &m,
+        &sfi_fastkv(sfi(SfiConfig::new(4, 256, 2000)), 0.5),
+        prompt,
+        rest,
+    );
+    assert_eq!(got, reference);
+    assert_eq!(stats.fast_steps, 0);
+    // Layer 2 (after the TSP layer) keeps only the 48 propagated rows plus room for decoding.
+    let bytes = |spec: &PolicySpec| {
+        let mut s = Session::try_with_policy(&m, 131, KvDtype::F32, 16, spec).unwrap();
+        s.prefill(prompt, &mut |_, _| {}).unwrap();
+        s.kv_bytes()
+    };
+    let per_slot = 2 * m.cfg.num_key_value_heads * m.cfg.head_dim * 4;
+    assert_eq!(
+        bytes(&sfi_fastkv(PolicySpec::Full, 0.5)),
+        (2 * 131 + 48 + (131 - 96)) * per_slot
+    );
+    // FastKV with a retention budget covering everything decodes the same way.
+    let fastkv = PolicySpec::FastKv {
+        cfg: slowfast_kv::SnapKvConfig::fastkv(131),
+        tsp_rate: 0.5,
+        tsp_layer: None,
+    };
+    let (fk, _) = run(&m, &fastkv, prompt, rest);
+    assert_eq!(fk, reference);
+    // The prefill did propagate only half the prompt: not full KV's logits.
+    let (full, _) = run(&m, &PolicySpec::Full, prompt, rest);
+    assert_ne!(full, reference);
+    // The CLI name resolves to this composition.
+    let spec = slowfast_engine::session::policy_spec("sfi+fastkv", Some(0.5), 4, 1024).unwrap();
+    assert_eq!(spec.name(), "sfi+fastkv");
+    assert_eq!(spec.budget(), Some(512));
+    assert!(matches!(
+        spec,
+        PolicySpec::FastKvPrefill { ref decode, .. } if decode.name() == "sfi"
+    ));
+}
+
+#[test]
+fn sfi_fastkv_with_a_small_budget_reads_the_sparse_memory_of_the_compacted_layer() {
+    let m = model();
+    let t = tokens(130);
+    let (prompt, rest) = (&t[..96], &t[96..]);
+    let mut cfg = SfiConfig::new(2, 8, 6);
+    cfg.trigger.kind = TriggerKind::Off; // bootstrap at the end of prefill only
+    let (reference, _) = run(&m, &sfi_fastkv(PolicySpec::Full, 0.5), prompt, rest);
+    let (got, stats) = run(&m, &sfi_fastkv(sfi(cfg), 0.5), prompt, rest);
+    assert_eq!((stats.slow_steps, stats.fast_steps), (0, rest.len()));
+    // Layers 0 and 1 read sinks + selected + the recent window from the page-aligned start
+    // chosen at the bootstrap ((96 - 8) / 16 * 16 = 80) to the newest position; layer 2 reads
+    // fewer, as it holds only the propagated half of the positions before 96.
+    let dense_01: f64 = (0..rest.len()).map(|i| (2 + 6 + 97 + i - 80) as f64).sum();
+    let mean = stats.attended_tokens * 3.0;
+    assert!(mean < 3.0 * dense_01 && mean > 2.0 * dense_01, "{stats:?}");
+    assert!(stats.retained_fraction() < 0.5, "{stats:?}");
+    assert_ne!(got[0], reference[0]);
+    let max_diff = got
+        .iter()
+        .flatten()
+        .zip(reference.iter().flatten())
+        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    assert!(max_diff.is_finite() && max_diff < 10.0, "{max_diff}");
+}

@@ -38,6 +38,7 @@ fn main() {
                 sinks: 4,
                 recent_start: (seq_len - 256) / 16 * 16,
                 k: seq_len / 5,
+                positions: None,
             };
             let mut scratch = SelectorScratch::default();
             let mut out = Selection::default();

@@ -58,7 +58,9 @@ impl SfiConfig {
 struct Pending {
     rows: usize,
     n_heads: usize,
-    len: usize,
+    /// Key slots the capture covered, and one past the newest position then.
+    keys: usize,
+    hi: usize,
     logits: Vec<f32>,
 }
 
@@ -135,7 +137,13 @@ impl<T: CacheElem> SfiPolicy<T> {
         self.layers.get(layer).and_then(|m| m.as_ref())
     }
 
-    /// Select and gather the memory of `layer` from captured logits over keys `[0, len)`.
+    /// Select and gather the memory of `layer` from captured logits over the `keys` slots the
+    /// capture saw (`[0, keys)`), the newest at position `hi - 1`. On a plain global layer
+    /// slot j holds position j (`keys == hi`); on a compacted one (FastKV's token-selective
+    /// prefill writes only the propagated tokens after its TSP layer) the slots carry explicit
+    /// positions, which the sinks, the recent window, the Selector's position prior and the
+    /// memory's key positions all use.
+    #[allow(clippy::too_many_arguments)]
     fn refresh(
         &mut self,
         layer: usize,
@@ -143,21 +151,54 @@ impl<T: CacheElem> SfiPolicy<T> {
         logits: &[f32],
         store: &KvStore<T>,
         n_heads: usize,
-        len: usize,
+        keys: usize,
+        hi: usize,
     ) {
         if self.layers.len() <= layer {
             self.layers.resize_with(layer + 1, || None);
         }
-        if len <= self.dense_below() {
+        if keys <= self.dense_below() {
             self.layers[layer] = None;
             return;
         }
         let (nkv, d) = (store.n_kv_heads, store.head_dim);
+        // Slot positions of a compacted layer: every kv head must hold the same ascending
+        // positions (FastKV's propagation writes all heads alike); anything else stays dense.
+        let slot_pos: Option<Vec<u32>> = if store.layer(layer).is_compact() {
+            let p = store.slot_positions(layer, 0);
+            let same = (1..nkv).all(|h| store.slot_positions(layer, h) == p);
+            if !same
+                || p.len() < keys
+                || p[..keys].windows(2).any(|w| w[1] <= w[0])
+                || p[keys - 1] as usize >= hi
+            {
+                self.layers[layer] = None;
+                return;
+            }
+            Some(p[..keys].to_vec())
+        } else {
+            None
+        };
+        let at = |j: usize| slot_pos.as_ref().map_or(j, |p| p[j] as usize);
         let g = n_heads / nkv;
         let p = self.cfg.page.max(1);
-        let recent_start = (len - self.cfg.recent.min(len)) / p * p;
-        // Key norms of the cached (post-RoPE) keys: kept per layer and extended by the
-        // positions written since the last refresh (cached keys are never rewritten).
+        // Positions: the recent window starts at a page boundary; the sinks are positions
+        // [0, sinks). Slots: the first slot at or after each.
+        let recent_start = (hi - self.cfg.recent.min(hi)) / p * p;
+        let (sink_slots, recent_slot) = match &slot_pos {
+            None => (self.cfg.sinks.min(recent_start), recent_start),
+            Some(sp) => {
+                let r = sp.partition_point(|&q| (q as usize) < recent_start);
+                (
+                    sp.partition_point(|&q| (q as usize) < self.cfg.sinks)
+                        .min(r),
+                    r,
+                )
+            }
+        };
+        // Key norms of the cached (post-RoPE) keys, by slot: kept per layer and extended by
+        // the slots written since the last refresh (cached keys are never rewritten and the
+        // slots of a layer SFI reads only ever grow at the end).
         if self.key_norms.len() <= layer {
             self.key_norms.resize_with(layer + 1, Vec::new);
         }
@@ -167,8 +208,8 @@ impl<T: CacheElem> SfiPolicy<T> {
         let mut row = vec![0.0f32; d];
         for (h, kn) in cached.iter_mut().enumerate() {
             let (kslab, _) = store.head_slab(layer, h);
-            kn.truncate(len);
-            for j in kn.len()..len {
+            kn.truncate(keys);
+            for j in kn.len()..keys {
                 T::load(&kslab[j * d..(j + 1) * d], &mut row);
                 kn.push(l2_norm(&row));
             }
@@ -177,12 +218,13 @@ impl<T: CacheElem> SfiPolicy<T> {
         let inp = SelectorInput {
             n_kv_heads: nkv,
             rows: g * rows,
-            seq_len: len,
+            seq_len: keys,
             logits,
             key_norms: &self.norms,
-            sinks: self.cfg.sinks,
-            recent_start,
+            sinks: sink_slots,
+            recent_start: recent_slot,
             k: self.cfg.selected,
+            positions: slot_pos.as_deref(),
         };
         if select_into(
             &self.cfg.selector,
@@ -197,7 +239,7 @@ impl<T: CacheElem> SfiPolicy<T> {
             return;
         }
         let chosen = self.selection.per_head.first().map_or(0, |v| v.len());
-        let m_len = self.cfg.sinks + chosen;
+        let m_len = sink_slots + chosen;
         let mut mem = self.layers[layer].take().unwrap_or(LayerMem {
             k: Vec::new(),
             v: Vec::new(),
@@ -213,9 +255,9 @@ impl<T: CacheElem> SfiPolicy<T> {
         for h in 0..nkv {
             let (kslab, vslab) = store.head_slab(layer, h);
             let sel = &self.selection.per_head[h];
-            for j in (0..self.cfg.sinks as u32).chain(sel.iter().copied()) {
+            for j in (0..sink_slots as u32).chain(sel.iter().copied()) {
                 let j = j as usize;
-                mem.pos.push(j as u32);
+                mem.pos.push(at(j) as u32);
                 mem.k.extend_from_slice(&kslab[j * d..(j + 1) * d]);
                 mem.v.extend_from_slice(&vslab[j * d..(j + 1) * d]);
             }
@@ -270,39 +312,48 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
             || !call.is_decode()
             || self.capture_rows(call) > 0
             || self.mem(call.layer).is_none();
-        if call.is_decode() && !call.sliding {
-            let attended = match (dense, self.mem(call.layer)) {
-                (false, Some(m)) => m.len + (hi - m.recent_start),
-                _ => hi - lo,
-            };
-            self.step.record(attended as f64, hi - lo);
-            self.sparse_this_step |= !dense;
-        }
         if dense {
             for (h, o) in out.iter_mut().enumerate() {
                 push_range(store, call.layer, h, lo..hi, o);
             }
-            return;
+        } else {
+            let d = store.head_dim;
+            let m = self.layers[call.layer].as_ref().expect("checked above");
+            for (h, o) in out.iter_mut().enumerate() {
+                let r = h * m.len..(h + 1) * m.len;
+                o.push(KvSegment {
+                    k: &m.k[r.start * d..r.end * d],
+                    v: &m.v[r.start * d..r.end * d],
+                    pos: KvPositions::List(&m.pos[r]),
+                });
+                push_range(store, call.layer, h, m.recent_start..hi, o);
+            }
         }
-        let d = store.head_dim;
-        let m = self.layers[call.layer].as_ref().expect("checked above");
-        for (h, o) in out.iter_mut().enumerate() {
-            let r = h * m.len..(h + 1) * m.len;
-            o.push(KvSegment {
-                k: &m.k[r.start * d..r.end * d],
-                v: &m.v[r.start * d..r.end * d],
-                pos: KvPositions::List(&m.pos[r]),
-            });
-            push_range(store, call.layer, h, m.recent_start..hi, o);
+        if call.is_decode() && !call.sliding {
+            // Keys read per kv head (a compacted layer holds fewer than its positions).
+            let d = store.head_dim;
+            let read: usize = out
+                .iter()
+                .map(|o| o.iter().map(|s| s.len(d)).sum::<usize>())
+                .sum();
+            self.step.record(read as f64 / nkv.max(1) as f64, hi - lo);
+            self.sparse_this_step |= !dense;
         }
     }
 
     fn observe(&mut self, call: &AttnCall, rows: usize, logits: &[f32], store: &KvStore<T>) {
         debug_assert_eq!(call.lo, 0, "SFI memories live in global layers");
-        let len = call.hi() - call.lo;
-        let n_heads = logits.len() / (rows * len).max(1);
+        let hi = call.hi();
+        // The capture covers every held key: positions [0, hi) of a plain layer, the slots a
+        // compacted one holds (all below hi: nothing newer has been written yet).
+        let keys = if store.layer(call.layer).is_compact() {
+            store.held(call.layer, 0)
+        } else {
+            hi - call.lo
+        };
+        let n_heads = logits.len() / (rows * keys).max(1);
         if call.is_decode() {
-            self.refresh(call.layer, rows, logits, store, n_heads, len);
+            self.refresh(call.layer, rows, logits, store, n_heads, keys, hi);
             return;
         }
         // Prefill: keep the latest chunk's capture; `end_prefill` selects from it.
@@ -310,7 +361,7 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
             self.pending.resize_with(call.layer + 1, || None);
         }
         let p = self.pending[call.layer].get_or_insert_with(Pending::default);
-        (p.rows, p.n_heads, p.len) = (rows, n_heads, len);
+        (p.rows, p.n_heads, p.keys, p.hi) = (rows, n_heads, keys, hi);
         p.logits.clear();
         p.logits.extend_from_slice(logits);
     }
@@ -324,8 +375,8 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
         for (layer, p) in pending.iter_mut().enumerate() {
             if let Some(p) = p.take() {
                 // Only positions the capture saw: a later forward may have grown the store.
-                if p.len <= store.len() {
-                    self.refresh(layer, p.rows, &p.logits, store, p.n_heads, p.len);
+                if p.hi <= store.len() {
+                    self.refresh(layer, p.rows, &p.logits, store, p.n_heads, p.keys, p.hi);
                 }
             }
         }
@@ -436,6 +487,77 @@ mod tests {
             assert!(matches!(recent.pos, KvPositions::Range { start: 160 }));
             assert_eq!(recent.k.len(), (len - 160) * d);
         }
+    }
+
+    /// A compacted layer (FastKV's propagated tokens): slots carry explicit positions. The
+    /// memory holds the sinks by position, the positions of the slots the logits point at, and
+    /// the recent window starts at a position; a layer holding no more than the budget stays
+    /// dense.
+    #[test]
+    fn compacted_layers_select_slots_and_keep_their_positions() {
+        let (nkv, g, d) = (2, 2, 4);
+        // Positions 0..4 (sinks), then every third position up to 297: 104 slots.
+        let pos: Vec<u32> = (0..4).chain((6..300).step_by(3)).collect();
+        let keys = pos.len();
+        let mut st = KvStore::<f32>::new(
+            nkv,
+            d,
+            &[LayerSpec {
+                capacity: 400,
+                ring: false,
+            }],
+        );
+        let kv: Vec<f32> = pos
+            .iter()
+            .flat_map(|&p| (0..nkv * d).map(move |i| p as f32 + (i / d) as f32 * 0.25 + 0.5))
+            .collect();
+        st.write_at(0, &pos, &kv, &kv).unwrap();
+        st.set_len(300);
+        assert!(st.layer(0).is_compact());
+        let mut p = SfiPolicy::<f32>::new(SfiConfig::new(3, 32, 4), &[], &[], 100).unwrap();
+        let peak_slots = [[10usize, 20, 30, 40], [15, 25, 35, 45]];
+        let mut logits = vec![0.0f32; nkv * g * keys];
+        for hq in 0..nkv * g {
+            for &j in &peak_slots[hq / g] {
+                logits[hq * keys + j] = 12.0;
+            }
+        }
+        let call = AttnCall {
+            layer: 0,
+            pos0: 299,
+            n: 1,
+            lo: 0,
+            sliding: false,
+        };
+        p.observe(&call, 1, &logits, &st);
+        assert_eq!(p.refreshes(), 1);
+        let mut out = Vec::new();
+        KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
+        for h in 0..nkv {
+            let [compact, recent] = out[h].as_slice() else {
+                panic!("two segments expected")
+            };
+            let KvPositions::List(got) = compact.pos else {
+                panic!("compact segment has a list")
+            };
+            let mut want: Vec<u32> = vec![0, 1, 2];
+            want.extend(peak_slots[h].iter().map(|&j| pos[j]));
+            assert_eq!(got, &want[..], "head {h}");
+            for (i, &q) in got.iter().enumerate() {
+                assert_eq!(compact.k[i * d], q as f32 + h as f32 * 0.25 + 0.5);
+            }
+            // Recent window: positions from (300 - 32) / 16 * 16 = 256, i.e. the held ones.
+            let KvPositions::List(r) = recent.pos else {
+                panic!("a compacted layer's recent window has a position list")
+            };
+            let held: Vec<u32> = pos.iter().copied().filter(|&q| q >= 256).collect();
+            assert_eq!(r, &held[..]);
+        }
+        // Holding no more than the budget: dense.
+        let mut q = SfiPolicy::<f32>::new(SfiConfig::new(3, 32, 80), &[], &[], 100).unwrap();
+        q.observe(&call, 1, &logits, &st);
+        assert_eq!(q.refreshes(), 0);
+        assert!(q.mem(0).is_none());
     }
 
     #[test]

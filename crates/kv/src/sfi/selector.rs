@@ -75,6 +75,11 @@ pub struct SelectorInput<'a> {
     pub recent_start: usize,
     /// Budget of selected tokens per kv head.
     pub k: usize,
+    /// Position of each key index `[0, seq_len)`, ascending, shared by all kv heads, when
+    /// indices are cache slots rather than positions (a compacted layer, e.g. after FastKV's
+    /// token-selective prefill); the position prior then spaces keys by their real positions.
+    /// None: index j is position j.
+    pub positions: Option<&'a [u32]>,
 }
 
 /// Selected positions per kv head, each sorted ascending; all heads have the same length.
@@ -113,6 +118,8 @@ pub enum SelectorError {
         pos: usize,
         value: f32,
     },
+    #[error("selector input: key positions must ascend strictly")]
+    Positions,
     #[error("selector input: key norm at kv head {head}, position {pos} is {value} (expected finite and >= 0)")]
     BadKeyNorm { head: usize, pos: usize, value: f32 },
 }
@@ -239,6 +246,19 @@ fn validate_input(inp: &SelectorInput) -> Result<(), SelectorError> {
             seq_len: inp.seq_len,
         });
     }
+    if let Some(p) = inp.positions {
+        if p.len() != inp.seq_len {
+            return Err(SelectorError::Len {
+                name: "positions",
+                got: p.len(),
+                expected: inp.seq_len,
+                shape: "[seq_len]",
+            });
+        }
+        if p.windows(2).any(|w| w[1] <= w[0]) {
+            return Err(SelectorError::Positions);
+        }
+    }
     let want = inp
         .n_kv_heads
         .checked_mul(inp.rows)
@@ -279,12 +299,21 @@ fn validate_input(inp: &SelectorInput) -> Result<(), SelectorError> {
     Ok(())
 }
 
-/// Position part of the prior, shared by all heads: log delta(j) for j in [lo, hi).
-pub(crate) fn log_pos_prior(cfg: &SelectorConfig, lo: usize, hi: usize, j: usize) -> f64 {
-    let span = (hi - lo).saturating_sub(1).max(1) as f64;
-    let u = ((j - lo) as f64 / span).clamp(0.0, 1.0);
+/// Position part of the prior, shared by all heads: log delta(j) for j in [lo, hi), with key
+/// index j at position `positions[j]` when given (else j).
+pub(crate) fn log_pos_prior(
+    cfg: &SelectorConfig,
+    lo: usize,
+    hi: usize,
+    j: usize,
+    positions: Option<&[u32]>,
+) -> f64 {
+    let at = |i: usize| positions.map_or(i, |p| p[i] as usize);
+    let (first, last, pj) = (at(lo), at(hi - 1), at(j));
+    let span = (last - first).max(1) as f64;
+    let u = ((pj - first) as f64 / span).clamp(0.0, 1.0);
     let p = cfg.prior_pos_power.max(1.0);
-    let tail = ((hi - 1 - j) as f64 / span).max(cfg.eps);
+    let tail = ((last - pj) as f64 / span).max(cfg.eps);
     -cfg.prior_beta * u.powf(p) + cfg.prior_pos_eta * tail.ln()
 }
 
@@ -394,7 +423,7 @@ pub fn select_into(
     fit(&mut sc.scores, nh * n, f64::NEG_INFINITY);
     fit(&mut sc.pos_prior, n, 0.0);
     fit(&mut sc.lin_r, n, 0.0);
-    pos_prior(cfg, lo, hi, &mut sc.pos_prior, &mut sc.lin_r);
+    pos_prior(cfg, lo, hi, inp.positions, &mut sc.pos_prior, &mut sc.lin_r);
     for h in 0..nh {
         if geometric {
             fit(&mut sc.acc64, n, 0.0);

@@ -278,7 +278,7 @@ fn prior_prefers_small_norms_and_early_positions() {
     let (lo, hi) = (4, 500);
     for j in lo + 1..hi {
         assert!(
-            log_pos_prior(&cfg, lo, hi, j) < log_pos_prior(&cfg, lo, hi, j - 1),
+            log_pos_prior(&cfg, lo, hi, j, None) < log_pos_prior(&cfg, lo, hi, j - 1, None),
             "j {j}"
         );
     }

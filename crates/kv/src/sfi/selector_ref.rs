@@ -120,7 +120,8 @@ pub fn select_reference(
                 let j = lo + i;
                 let norm = inp.key_norms[h * len + j] as f64;
                 let log_pi = -cfg.gamma * norm.max(cfg.eps).ln();
-                cfg.prior_weight_l2 * log_pi + cfg.prior_weight_pos * log_pos_prior(cfg, lo, hi, j)
+                cfg.prior_weight_l2 * log_pi
+                    + cfg.prior_weight_pos * log_pos_prior(cfg, lo, hi, j, inp.positions)
             })
             .collect();
         normalise(&mut logr);

@@ -26,19 +26,24 @@ pub(super) fn fit<T: Clone>(v: &mut Vec<T>, len: usize, fill: T) {
     v.resize(len, fill);
 }
 
-/// Position part of the prior for the whole domain (vectorised `log_pos_prior`); `tmp` is scratch.
+/// Position part of the prior for the whole domain (vectorised `log_pos_prior`; key index j
+/// at position `positions[j]` when given, else j); `tmp` is scratch.
 pub(super) fn pos_prior(
     cfg: &SelectorConfig,
     lo: usize,
     hi: usize,
+    positions: Option<&[u32]>,
     out: &mut [f64],
     tmp: &mut [f64],
 ) {
-    let span = (hi - lo).saturating_sub(1).max(1) as f64;
+    let at = |i: usize| positions.map_or(i, |p| p[i] as usize);
+    let (first, last) = (at(lo), at(hi.max(lo + 1) - 1));
+    let span = (last - first).max(1) as f64;
     let p = cfg.prior_pos_power.max(1.0);
     for (i, (u, t)) in out.iter_mut().zip(tmp.iter_mut()).enumerate() {
-        *u = (i as f64 / span).clamp(0.0, 1.0);
-        *t = ((hi - 1 - lo - i) as f64 / span).max(cfg.eps);
+        let pj = at(lo + i);
+        *u = ((pj - first) as f64 / span).clamp(0.0, 1.0);
+        *t = ((last - pj) as f64 / span).max(cfg.eps);
     }
     math::ln_slice(out);
     out.iter_mut().for_each(|v| *v *= p);

@@ -50,6 +50,7 @@ impl Case {
             sinks: self.sinks,
             recent_start: self.recent_start,
             k: self.k,
+            positions: None,
         }
     }
 }
@@ -501,4 +502,60 @@ fn f64_exp_and_ln_are_accurate_and_dispatch_matches_portable() {
     math::ln_slice(&mut special[..1]);
     math::exp_slice(&mut special[1..]);
     assert_eq!(special, [f64::NEG_INFINITY, 0.0, 0.0]);
+}
+
+/// Explicit key positions (a compacted layer): the identity list changes nothing; a sparse
+/// list moves the position prior to the real positions, and fast path and reference agree.
+#[test]
+fn explicit_positions_feed_the_position_prior() {
+    let cfg = SelectorConfig::default();
+    let mut scratch = SelectorScratch::default();
+    let mut rng = Rng(4242);
+    for &(nh, rows, len) in &[(2usize, 4usize, 300usize), (3, 1, 1500), (1, 16, 17)] {
+        let c = random_case(&mut rng, nh, rows, len);
+        let ident: Vec<u32> = (0..len as u32).collect();
+        let plain = select(&cfg, &c.input(), &mut scratch).unwrap();
+        let with_ident = SelectorInput {
+            positions: Some(&ident),
+            ..c.input()
+        };
+        assert_eq!(select(&cfg, &with_ident, &mut scratch).unwrap(), plain);
+        // Slots at irregular, ascending positions (gaps grow along the sequence).
+        let sparse: Vec<u32> = (0..len as u32).map(|i| i * 3 + i * i / 7).collect();
+        let inp = SelectorInput {
+            positions: Some(&sparse),
+            ..c.input()
+        };
+        let fast = select(&cfg, &inp, &mut scratch).unwrap();
+        let (reference, scores) = select_reference(&cfg, &inp).unwrap();
+        assert_same_up_to_ties(&fast, &reference, &scores, &c, "sparse positions");
+    }
+    // The prior follows the positions: equal slot spacing, unequal position spacing.
+    let pos = [0u32, 1, 2, 100, 101, 102];
+    let d = |j: usize| log_pos_prior(&cfg, 0, 6, j, Some(&pos));
+    let (near, far) = (d(1) - d(2), d(2) - d(3));
+    assert!(far > 10.0 * near, "near {near} far {far}");
+    // Bad position lists are refused.
+    let c = one_head(vec![0.0; 64], 2, 48, 4);
+    let short = [0u32; 10];
+    let bad = SelectorInput {
+        positions: Some(&short),
+        ..c.input()
+    };
+    assert!(matches!(
+        select(&cfg, &bad, &mut scratch),
+        Err(SelectorError::Len {
+            name: "positions",
+            ..
+        })
+    ));
+    let flat = vec![5u32; 64];
+    let bad = SelectorInput {
+        positions: Some(&flat),
+        ..c.input()
+    };
+    assert_eq!(
+        select(&cfg, &bad, &mut scratch),
+        Err(SelectorError::Positions)
+    );
 }
