@@ -261,7 +261,7 @@ fn selector_matches_cpu() {
                 seq_len: len,
                 logits: &logits,
                 key_norms: &norms,
-                                sinks,
+                sinks,
                 recent_start,
                 k,
                 positions: None,
