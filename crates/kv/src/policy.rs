@@ -47,6 +47,8 @@ pub struct StepCounter {
     attended: f64,
     dense: f64,
     layers: usize,
+    /// Some layer of this step read a sparse memory.
+    sparse: bool,
 }
 
 impl StepCounter {
@@ -56,6 +58,15 @@ impl StepCounter {
         self.attended += attended;
         self.dense += dense as f64;
         self.layers += 1;
+    }
+    /// This step read a sparse memory on some layer: [`StepCounter::finish_step`] counts it fast.
+    pub fn mark_sparse(&mut self) {
+        self.sparse = true;
+    }
+    /// Close the step as fast if a layer was marked sparse, else as slow (dense).
+    pub fn finish_step(&mut self, stats: &mut PolicyStats) {
+        let slow = !self.sparse;
+        self.finish(stats, slow);
     }
     /// Close the step (if any layer was recorded) as slow or fast.
     pub fn finish(&mut self, stats: &mut PolicyStats, slow: bool) {

@@ -67,7 +67,6 @@ pub struct QuestPolicy {
     scores: Vec<f32>,
     stats: PolicyStats,
     step: StepCounter,
-    sparse_this_step: bool,
 }
 
 impl QuestPolicy {
@@ -82,7 +81,6 @@ impl QuestPolicy {
             scores: Vec::new(),
             stats: PolicyStats::default(),
             step: StepCounter::default(),
-            sparse_this_step: false,
         }
     }
 
@@ -171,15 +169,13 @@ impl<T: CacheElem> KvPolicy<T> for QuestPolicy {
             }
         }
         self.step.record(attended as f64 / nkv as f64, hi - lo);
-        self.sparse_this_step = true;
+        self.step.mark_sparse();
     }
 
     fn end_forward(&mut self, _pos0: usize, n: usize) {
         if n == 1 {
-            let slow = !self.sparse_this_step;
-            self.step.finish(&mut self.stats, slow);
+            self.step.finish_step(&mut self.stats);
         }
-        self.sparse_this_step = false;
     }
 
     fn stats(&self) -> PolicyStats {

@@ -12,7 +12,6 @@ pub struct StreamingPolicy {
     pub recent: usize,
     stats: PolicyStats,
     step: StepCounter,
-    sparse_this_step: bool,
 }
 
 impl StreamingPolicy {
@@ -23,7 +22,6 @@ impl StreamingPolicy {
             recent,
             stats: PolicyStats::default(),
             step: StepCounter::default(),
-            sparse_this_step: false,
         }
     }
 }
@@ -57,14 +55,14 @@ impl<T: CacheElem> KvPolicy<T> for StreamingPolicy {
                 hi - lo
             };
             self.step.record(attended as f64, hi - lo);
-            self.sparse_this_step |= sparse;
+            if sparse {
+                self.step.mark_sparse();
+            }
         }
     }
 
     fn end_forward(&mut self, _pos0: usize, _n: usize) {
-        let slow = !self.sparse_this_step;
-        self.step.finish(&mut self.stats, slow);
-        self.sparse_this_step = false;
+        self.step.finish_step(&mut self.stats);
     }
 
     fn stats(&self) -> PolicyStats {

@@ -91,7 +91,6 @@ pub struct SfiPolicy<T> {
     key_norms: Vec<Vec<Vec<f32>>>,
     stats: PolicyStats,
     step: StepCounter,
-    sparse_this_step: bool,
     refreshes: usize,
 }
 
@@ -118,7 +117,7 @@ impl<T: CacheElem> SfiPolicy<T> {
             pending: Vec::new(),
             stats: PolicyStats::default(),
             step: StepCounter::default(),
-            sparse_this_step: false,
+
             refreshes: 0,
         })
     }
@@ -337,7 +336,9 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
                 .map(|o| o.iter().map(|s| s.len(d)).sum::<usize>())
                 .sum();
             self.step.record(read as f64 / nkv.max(1) as f64, hi - lo);
-            self.sparse_this_step |= !dense;
+            if !dense {
+                self.step.mark_sparse();
+            }
         }
     }
 
@@ -391,14 +392,12 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
 
     fn end_forward(&mut self, _pos0: usize, n: usize) {
         if n == 1 {
-            let slow = !self.sparse_this_step;
-            self.step.finish(&mut self.stats, slow);
+            self.step.finish_step(&mut self.stats);
         }
         if self.refreshed && !self.slow_now {
             // Bootstrap or a forced refresh: restart the trigger's reuse count.
             self.trigger.reset_after_refresh();
         }
-        self.sparse_this_step = false;
         self.refreshed = false;
         self.slow_now = false;
     }
