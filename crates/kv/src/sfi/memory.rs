@@ -437,6 +437,29 @@ mod tests {
         s
     }
 
+    /// One captured decode row per query head over `keys` keys; the `g` rows of kv head h
+    /// peak (12 against 0) at `peaks[h]`.
+    fn peaked_logits(g: usize, keys: usize, peaks: &[&[usize]]) -> Vec<f32> {
+        let mut logits = vec![0.0f32; peaks.len() * g * keys];
+        for hq in 0..peaks.len() * g {
+            for &j in peaks[hq / g] {
+                logits[hq * keys + j] = 12.0;
+            }
+        }
+        logits
+    }
+
+    /// A decode step of layer 0 at `pos0` (a global layer from position 0).
+    fn decode_call(pos0: usize) -> AttnCall {
+        AttnCall {
+            layer: 0,
+            pos0,
+            n: 1,
+            lo: 0,
+            sliding: false,
+        }
+    }
+
     #[test]
     fn refresh_gathers_sinks_and_the_peaks_the_logits_point_at() {
         let (nkv, g, d, len) = (2, 2, 4, 200);
@@ -444,19 +467,8 @@ mod tests {
         let mut p = SfiPolicy::<f32>::new(SfiConfig::new(3, 32, 5), &[], &[], 100).unwrap();
         // One captured row per query head; kv head h's rows peak at 5 distinct positions.
         let peaks = [[10usize, 40, 41, 90, 150], [20, 60, 61, 110, 130]];
-        let mut logits = vec![0.0f32; nkv * g * len];
-        for hq in 0..nkv * g {
-            for &j in &peaks[hq / g] {
-                logits[hq * len + j] = 12.0;
-            }
-        }
-        let call = AttnCall {
-            layer: 0,
-            pos0: len - 1,
-            n: 1,
-            lo: 0,
-            sliding: false,
-        };
+        let logits = peaked_logits(g, len, &[&peaks[0], &peaks[1]]);
+        let call = decode_call(len - 1);
         p.observe(&call, 1, &logits, &st);
         assert_eq!(p.refreshes(), 1);
         let mut out = Vec::new();
@@ -515,19 +527,8 @@ mod tests {
         assert!(st.layer(0).is_compact());
         let mut p = SfiPolicy::<f32>::new(SfiConfig::new(3, 32, 4), &[], &[], 100).unwrap();
         let peak_slots = [[10usize, 20, 30, 40], [15, 25, 35, 45]];
-        let mut logits = vec![0.0f32; nkv * g * keys];
-        for hq in 0..nkv * g {
-            for &j in &peak_slots[hq / g] {
-                logits[hq * keys + j] = 12.0;
-            }
-        }
-        let call = AttnCall {
-            layer: 0,
-            pos0: 299,
-            n: 1,
-            lo: 0,
-            sliding: false,
-        };
+        let logits = peaked_logits(g, keys, &[&peak_slots[0], &peak_slots[1]]);
+        let call = decode_call(299);
         p.observe(&call, 1, &logits, &st);
         assert_eq!(p.refreshes(), 1);
         let mut out = Vec::new();
