@@ -566,13 +566,7 @@ mod tests {
         let st = store(nkv, d, 200);
         let mut p = SfiPolicy::<f32>::new(SfiConfig::new(2, 16, 8), &[], &[], 100).unwrap();
         for len in [120usize, 200, 160] {
-            let call = AttnCall {
-                layer: 0,
-                pos0: len - 1,
-                n: 1,
-                lo: 0,
-                sliding: false,
-            };
+            let call = decode_call(len - 1);
             let logits = vec![0.5f32; nkv * g * len];
             p.observe(&call, 1, &logits, &st);
             assert_eq!(p.norms.len(), nkv * len);
@@ -633,13 +627,7 @@ mod tests {
     fn short_sequences_stay_dense() {
         let st = store(1, 4, 50);
         let mut p = SfiPolicy::<f32>::new(SfiConfig::new(4, 32, 20), &[], &[], 100).unwrap();
-        let call = AttnCall {
-            layer: 0,
-            pos0: 49,
-            n: 1,
-            lo: 0,
-            sliding: false,
-        };
+        let call = decode_call(49);
         assert_eq!(KvPolicy::<f32>::capture_rows(&p, &call), 0);
         let mut out = Vec::new();
         KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
