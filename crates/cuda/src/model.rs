@@ -431,10 +431,6 @@ impl GpuDecoder {
         Ok(())
     }
 
-    pub fn policy(&self) -> GpuKvPolicy {
-        self.sparse.as_ref().map_or(GpuKvPolicy::Full, |s| s.policy)
-    }
-
     /// Asks for a slow step (dense attention + memory refresh) of `slot` at the next decode
     /// step (SFI; ignored by the other policies).
     pub fn request_refresh(&mut self, slot: usize) -> Result<(), CudaError> {

@@ -46,14 +46,6 @@ pub enum GpuKvPolicy {
 }
 
 impl GpuKvPolicy {
-    pub fn name(&self) -> &'static str {
-        match self {
-            GpuKvPolicy::Full => "full",
-            GpuKvPolicy::Streaming { .. } => "streaming",
-            GpuKvPolicy::Sfi(_) => "sfi",
-        }
-    }
-
     /// Sequences up to this length attend densely (a sparse memory would not be smaller).
     pub fn dense_below(&self) -> usize {
         match *self {
@@ -450,6 +442,7 @@ impl SparseState {
         logit_layer_stride: usize,
         n_heads: usize,
     ) -> Result<(), CudaError> {
+        let recent_start = self.recent_start(r.len);
         let (Some(c), Some((ck, cv)), Some(norms), Some(sel)) =
             (self.sfi(), &self.compact, &self.norms, self.sel.as_mut())
         else {
@@ -465,7 +458,6 @@ impl SparseState {
         ctx.sfi_stage(sel, 0, || {
             ctx.sfi_key_norms(kptrs, layers, kv, r.slot, p0, r.len, slot_norms, nls)
         })?;
-        let recent_start = (r.len - c.recent.min(r.len)) / c.page * c.page;
         let a = SelectArgs {
             layers,
             logits,

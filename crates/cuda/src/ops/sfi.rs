@@ -125,10 +125,6 @@ impl SelectorScratch {
         Ok((sel, m))
     }
 
-    pub fn k(&self) -> usize {
-        self.k
-    }
-
     /// The per-stage milliseconds summed so far, when profiling.
     pub fn profile(&self) -> Option<[f64; 7]> {
         *self.profile.borrow()
