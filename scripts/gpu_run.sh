@@ -30,6 +30,14 @@ for p in $phases; do
         --new-tokens "$N" --json "$OUT/bench-b1.json" 2>&1 | tee "$OUT/bench.log"
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_B:-8k,32k}" \
         --batch "${BATCH:-8}" --new-tokens "$N" --json "$OUT/bench-b8.json" 2>&1 | tee -a "$OUT/bench.log" ;;
+    ab)
+      # A/B of the fused decode step (ops/fused.rs) at batch 1: plain kernels, fused
+      # without PDL, fused with PDL (the default), at CTX_AB; AB_CFGS: other VAR=value settings.
+      for cfg in ${AB_CFGS:-SLOWFAST_DECODE_FUSED=0 SLOWFAST_PDL=0 SLOWFAST_PDL=1}; do
+        echo "== $cfg" | tee -a "$OUT/ab.log"
+        env "$cfg" .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_AB:-8k,128k}" \
+          --batch 1 --new-tokens "$N" 2>&1 | tee -a "$OUT/ab.log"
+      done ;;
     bench4)
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_4:-128k}" \
         --batch 4 --new-tokens "$N" --json "$OUT/bench-b4.json" 2>&1 | tee -a "$OUT/bench.log" ;;

@@ -43,6 +43,8 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [16][STR]
     bf16* ks = qs + 16 * STR;                       // [STAGES][BK][STR]
     bf16* vs = ks + STAGES * BK * STR;              // [STAGES][BK][STR]
+    pdl_wait();
+    pdl_trigger();
 
     const int split = blockIdx.x, splits = gridDim.x, b = blockIdx.z;
     const int G = n_heads / kv_heads;
@@ -314,6 +316,8 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode_reduce(
     __shared__ float scratch[32];
     __shared__ float wts[1024];
     __shared__ float4 red[8][64];
+    pdl_wait();
+    pdl_trigger();
     const u64 bh = (u64)blockIdx.y * n_heads + blockIdx.x;
     const float* ml = part_ml + bh * splits * 2;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

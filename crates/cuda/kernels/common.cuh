@@ -13,6 +13,26 @@ typedef __nv_bfloat16 bf16;
 __device__ __forceinline__ float bf2f(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16 f2bf(float x) { return __float2bfloat16_rn(x); }
 
+// Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute may start
+// while the kernel before it in the stream is finishing: pdl_wait() blocks until that grid has
+// completed and its writes are visible (a no-op after a plain launch), pdl_trigger() lets the
+// next kernel launch. Every kernel named in kernels.rs PDL_KERNELS calls pdl_wait() before it
+// reads anything an earlier kernel wrote and before it writes anything; before the wait it may
+// only read constant data (weights).
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -4,6 +4,8 @@
 // table [vocab, hidden], ids [n], out [n, hidden]; grid (n), block 256.
 extern "C" __global__ void embed_gather(const bf16* __restrict__ table, const u32* __restrict__ ids,
                                         bf16* __restrict__ out, u32 hidden, u32 vocab, float scale) {
+    pdl_wait();
+    pdl_trigger();
     const u32 row = blockIdx.x;
     const u32 id = ids[row];
     bf16* dst = out + (u64)row * hidden;
@@ -65,6 +67,8 @@ extern "C" __global__ void kv_append(const bf16* __restrict__ k, const bf16* __r
 // End of a decode step: pos[b] += 1 (the next token's position) and seq_lens[b] = pos[b] + 1
 // (the cache length the next step attends to, its own key included). n <= 1024, one block.
 extern "C" __global__ void advance_positions(u32* pos, u32* seq_lens, u32 n) {
+    pdl_wait();
+    pdl_trigger();
     for (u32 b = threadIdx.x; b < n; b += blockDim.x) {
         const u32 p = pos[b] + 1;
         pos[b] = p;

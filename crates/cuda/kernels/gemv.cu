@@ -3,7 +3,9 @@
 // takes GEMV_GR output rows and its 8 warps split the input dimension (thread t reads 16-byte
 // chunks t, t + 256, ... of every row, two per row in flight per iteration), the N input rows
 // come through the read-only cache, and the block sums its partials in shared memory.
-// in % 8 == 0. grid (ceil(out / GEMV_GR)), block 256.
+// One implementation (gemv_fused_impl) serves the plain entries (gemv_bf16_n*, up to 8 rows) and
+// the fused decode step's entries (gemv_fused_n*_m*, 1-2 rows: normed / GLU inputs, split or
+// residual outputs). in % 8 == 0. grid (ceil(out / GEMV_GR)), block 256.
 #define GEMV_GR 4
 
 __device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
@@ -29,16 +31,92 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float a) {
     return a;
 }
 
-template <int N>
-__device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16* __restrict__ w, void* y, u32 in,
-                                          u32 out, u32 out_f32) {
+// gemv_fused_n{1,2}_m{0,1,2}: y[n, o] = sum_i xin[n, i] w[o, i] for N = 1-2 rows, where the
+// input row is made on the fly from x:
+//   m0 (plain): x [N, in];
+//   m1 (norm):  rmsnorm(x [N, in]) * nw, rounded to bf16 as rmsnorm_bf16 writes it (each block
+//               sums the row's squares first);
+//   m2 (glu):   act(gate) * up of x [N, 2 * in] = [gate | up] rows, rounded to bf16 as glu_bf16
+//               writes it (act: SiLU, or GELU-tanh with flag 4).
+// Outputs o < s1 go to y0 [N, s1], s1 <= o < s2 to y1 [N, s2 - s1], the rest to y2 [N, out - s2]
+// (the q / k / v of one merged projection); flag 1: f32 outputs; flag 2: y0 is the residual
+// stream [N, out] and receives y0 + bf16(acc) (the residual add of rmsnorm_bf16).
+// The weights stream as in gemv.cu: GEMV_GR = 4 output rows a block (8 measured slower: run 19), its
+// 8 warps split the input (thread t reads 16-byte chunks t, t + 256, ..., two per row in flight).
+// Each block prefetches its first weights into L2 before pdl_wait(), so under PDL the weight
+// stream starts while the kernel before is still running.
+// grid (ceil(out / 4)), block 256; in % 8 == 0.
+
+__device__ __forceinline__ float gf_silu(float x) { return x / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float gf_gelu_tanh(float x) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+    return 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x)));
+}
+__device__ __forceinline__ u32 gf_glu2(u32 g, u32 u, bool gelu) {
+    const float g0 = bf_lo(g), g1 = bf_hi(g);
+    const float a0 = gelu ? gf_gelu_tanh(g0) : gf_silu(g0), a1 = gelu ? gf_gelu_tanh(g1) : gf_silu(g1);
+    return pack_bf16x2(a0 * bf_lo(u), a1 * bf_hi(u));
+}
+__device__ __forceinline__ u32 gf_norm2(u32 x, float scale, float w0, float w1) {
+    return pack_bf16x2(bf_lo(x) * scale * w0, bf_hi(x) * scale * w1);
+}
+
+// The 16-byte input chunk c of row n.
+template <int MODE>
+__device__ __forceinline__ uint4 gf_x(const uint4* __restrict__ xv, const float4* __restrict__ nw4, u32 c8,
+                                      u32 n, u32 c, float scale, bool gelu) {
+    if (MODE == 0) return __ldg(xv + n * c8 + c);
+    if (MODE == 1) {
+        const uint4 x = __ldg(xv + n * c8 + c);
+        const float4 wa = __ldg(nw4 + 2 * c), wb = __ldg(nw4 + 2 * c + 1);
+        return make_uint4(gf_norm2(x.x, scale, wa.x, wa.y), gf_norm2(x.y, scale, wa.z, wa.w),
+                          gf_norm2(x.z, scale, wb.x, wb.y), gf_norm2(x.w, scale, wb.z, wb.w));
+    }
+    const uint4 g = __ldg(xv + n * 2 * c8 + c), u = __ldg(xv + n * 2 * c8 + c8 + c);
+    return make_uint4(gf_glu2(g.x, u.x, gelu), gf_glu2(g.y, u.y, gelu), gf_glu2(g.z, u.z, gelu),
+                      gf_glu2(g.w, u.w, gelu));
+}
+
+template <int N, int MODE>
+__device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, const float* __restrict__ nw,
+                                                const bf16* __restrict__ w, void* y0, void* y1, void* y2,
+                                                u32 in, u32 out, u32 s1, u32 s2, u32 flags, float eps) {
     __shared__ float red[8][GEMV_GR * N];
+    __shared__ float scratch[32];
     const u32 c8 = in / 8, o0 = blockIdx.x * GEMV_GR;
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const float4* nw4 = reinterpret_cast<const float4*>(nw);
+    const bool gelu = (flags & 4) != 0;
     const uint4* wr[GEMV_GR];
 #pragma unroll
     for (int r = 0; r < GEMV_GR; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (u64)min(o0 + r, out - 1) * in);
+    float scale[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) scale[n] = 1.0f;
+    // Start fetching this block's first weights, then wait for the kernel before (PDL).
+#pragma unroll
+    for (int r = 0; r < GEMV_GR; ++r) {
+        if (threadIdx.x < c8) prefetch_l2(wr[r] + threadIdx.x);
+        if (threadIdx.x + 256 < c8) prefetch_l2(wr[r] + threadIdx.x + 256);
+    }
+    pdl_wait();
+    pdl_trigger();
+    if (MODE == 1) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            float ss = 0.0f;
+            for (u32 c = threadIdx.x; c < c8; c += 256) {
+                const uint4 v = __ldg(xv + n * c8 + c);
+                const float e[8] = {bf_lo(v.x), bf_hi(v.x), bf_lo(v.y), bf_hi(v.y),
+                                    bf_lo(v.z), bf_hi(v.z), bf_lo(v.w), bf_hi(v.w)};
+#pragma unroll
+                for (int j = 0; j < 8; ++j) ss += e[j] * e[j];
+            }
+            ss = block_sum(ss, scratch);
+            scale[n] = rsqrtf(ss / (float)in + eps);
+        }
+    }
     float acc[GEMV_GR][N];
 #pragma unroll
     for (int r = 0; r < GEMV_GR; ++r)
@@ -54,7 +132,8 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
         }
 #pragma unroll
         for (int n = 0; n < N; ++n) {
-            const uint4 xa = __ldg(xv + n * c8 + c), xb = __ldg(xv + n * c8 + c + 256);
+            const uint4 xa = gf_x<MODE>(xv, nw4, c8, n, c, scale[n], gelu);
+            const uint4 xb = gf_x<MODE>(xv, nw4, c8, n, c + 256, scale[n], gelu);
 #pragma unroll
             for (int r = 0; r < GEMV_GR; ++r) acc[r][n] = dot8(b[r], xb, dot8(a[r], xa, acc[r][n]));
         }
@@ -65,7 +144,7 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
         for (int r = 0; r < GEMV_GR; ++r) a[r] = ld_stream(wr[r] + c);
 #pragma unroll
         for (int n = 0; n < N; ++n) {
-            const uint4 xa = __ldg(xv + n * c8 + c);
+            const uint4 xa = gf_x<MODE>(xv, nw4, c8, n, c, scale[n], gelu);
 #pragma unroll
             for (int r = 0; r < GEMV_GR; ++r) acc[r][n] = dot8(a[r], xa, acc[r][n]);
         }
@@ -84,19 +163,48 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
 #pragma unroll
         for (int k = 0; k < 8; ++k) v += red[k][threadIdx.x];
         if (o < out) {
-            const u64 i = (u64)n * out + o;
-            if (out_f32)
+            u64 i;
+            void* y;
+            if (o < s1) {
+                y = y0;
+                i = (u64)n * s1 + o;
+            } else if (o < s2) {
+                y = y1;
+                i = (u64)n * (s2 - s1) + (o - s1);
+            } else {
+                y = y2;
+                i = (u64)n * (out - s2) + (o - s2);
+            }
+            if (flags & 1) {
                 reinterpret_cast<float*>(y)[i] = v;
-            else
+            } else if (flags & 2) {
+                bf16* res = reinterpret_cast<bf16*>(y);
+                res[i] = f2bf(bf2f(res[i]) + bf2f(f2bf(v)));
+            } else {
                 reinterpret_cast<bf16*>(y)[i] = f2bf(v);
+            }
         }
     }
 }
 
+#define GEMV_FUSED_ENTRY(NAME, N, MODE)                                                         \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        NAME(const bf16* x, const float* nw, const bf16* w, void* y0, void* y1, void* y2, u32 in,   \
+             u32 out, u32 s1, u32 s2, u32 flags, float eps) {                                      \
+        gemv_fused_impl<N, MODE>(x, nw, w, y0, y1, y2, in, out, s1, s2, flags, eps);            \
+    }
+GEMV_FUSED_ENTRY(gemv_fused_n1_m0, 1, 0)
+GEMV_FUSED_ENTRY(gemv_fused_n1_m1, 1, 1)
+GEMV_FUSED_ENTRY(gemv_fused_n1_m2, 1, 2)
+GEMV_FUSED_ENTRY(gemv_fused_n2_m0, 2, 0)
+GEMV_FUSED_ENTRY(gemv_fused_n2_m1, 2, 1)
+GEMV_FUSED_ENTRY(gemv_fused_n2_m2, 2, 2)
+
+// gemv_bf16_n{1..8}: the plain GEMV (m0) for up to 8 rows, bf16 or f32 out.
 #define GEMV_ENTRY(NAME, N)                                                                         \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         NAME(const bf16* x, const bf16* w, void* y, u32 in, u32 out, u32 out_f32) {                 \
-        gemv_impl<N>(x, w, y, in, out, out_f32);                                                    \
+        gemv_fused_impl<N, 0>(x, nullptr, w, y, y, y, in, out, out, out, out_f32 ? 1u : 0u, 0.0f);  \
     }
 GEMV_ENTRY(gemv_bf16_n1, 1)
 GEMV_ENTRY(gemv_bf16_n2, 2)

@@ -15,6 +15,8 @@ extern "C" __global__ void rmsnorm_bf16(const bf16* __restrict__ x, bf16* residu
                                         const float* __restrict__ post_w, const float* __restrict__ w,
                                         bf16* __restrict__ out, u32 dim, float eps, u32 gemma) {
     __shared__ float scratch[32];
+    pdl_wait();
+    pdl_trigger();
     const u64 base = (u64)blockIdx.x * dim;
     const bf16* xr = x + base;
     float post_scale = 0.0f;

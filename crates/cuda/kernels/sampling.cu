@@ -14,6 +14,8 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
 extern "C" __global__ void argmax_f32(const float* __restrict__ logits, u32* __restrict__ out, u32 vocab) {
     __shared__ float sv[32];
     __shared__ u32 si[32];
+    pdl_wait();
+    pdl_trigger();
     const float* x = logits + (u64)blockIdx.x * vocab;
     float best = NEG_INF;
     u32 bi = 0xffffffffu;

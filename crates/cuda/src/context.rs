@@ -44,6 +44,15 @@ pub struct CudaContext {
     /// `linear` with at most this many rows runs the GEMV kernel instead of cuBLAS
     /// (`SLOWFAST_GEMV_MAX_ROWS`, 0 = always cuBLAS; at most 8).
     pub(crate) gemv_max_rows: usize,
+    /// Whether decode steps at <= `gemv_max_rows` rows run the fused kernels
+    /// (ops/fused.rs); `SLOWFAST_DECODE_FUSED=0` turns them off (A/B runs).
+    pub(crate) decode_fused: bool,
+    /// Whether the fused decode step launches its kernels with programmatic dependent launch
+    /// (sm_90+, `SLOWFAST_PDL`, default on there).
+    pdl_allowed: bool,
+    /// Set while a step that may use PDL is being queued; `launch` then adds the attribute to
+    /// the kernels of `PDL_KERNELS`.
+    pdl_now: std::sync::atomic::AtomicBool,
 }
 
 /// Rows up to which `linear` can stream the weights with the GEMV kernel.
@@ -61,6 +70,10 @@ impl std::fmt::Debug for CudaContext {
             self.name, self.compute_capability.0, self.compute_capability.1
         )
     }
+}
+
+fn env_usize(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
 /// Dynamic shared memory (bytes) each attention kernel is launched with.
@@ -164,6 +177,9 @@ impl CudaContext {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(GEMV_DEFAULT_ROWS)
                 .min(GEMV_MAX_ROWS),
+            decode_fused: env_usize("SLOWFAST_DECODE_FUSED") != Some(0),
+            pdl_allowed: major >= 9 && env_usize("SLOWFAST_PDL") != Some(0),
+            pdl_now: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -286,6 +302,18 @@ impl CudaContext {
         Ok(ms / iters.max(1) as f32)
     }
 
+    /// Whether programmatic dependent launch may be used on this device (sm_90+, not turned off
+    /// by `SLOWFAST_PDL=0`).
+    pub fn pdl_allowed(&self) -> bool {
+        self.pdl_allowed
+    }
+
+    /// Turns PDL on or off for the kernels launched from now on (on only where allowed).
+    pub(crate) fn set_pdl(&self, on: bool) {
+        self.pdl_now
+            .store(on && self.pdl_allowed, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Launches kernel `name` on the context's stream.
     pub(crate) fn launch(
         &self,
@@ -301,6 +329,11 @@ impl CudaContext {
             .ok_or_else(|| CudaError::bad("launch", format!("unknown kernel {name}")))?;
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
+        }
+        if self.pdl_now.load(std::sync::atomic::Ordering::Relaxed)
+            && crate::kernels::PDL_KERNELS.contains(&name)
+        {
+            return self.launch_pdl(name, f, grid, block, shared_mem_bytes, args);
         }
         let mut b = self.stream.launch_builder(f);
         for a in args {
@@ -320,5 +353,64 @@ impl CudaContext {
             reason: format!("launch failed: {e:?}"),
         })?;
         Ok(())
+    }
+
+    /// `launch` with the programmatic-stream-serialization attribute (cuLaunchKernelEx): the
+    /// kernel may start before the previous one in the stream has finished; it calls
+    /// `pdl_wait()` before depending on it.
+    fn launch_pdl(
+        &self,
+        name: &'static str,
+        f: &cudarc::driver::CudaFunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_mem_bytes: u32,
+        args: &[KArg],
+    ) -> Result<(), CudaError> {
+        use cudarc::driver::sys;
+        // Each argument in its own 8-byte slot; u32 / f32 occupy the first four bytes.
+        let mut slots: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                KArg::P(v) => v,
+                KArg::U(v) => v as u64,
+                KArg::F(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> = slots
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut std::ffi::c_void)
+            .collect();
+        // SAFETY: a zeroed attribute is valid plain data; id and value are set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: `params` points at one live slot per kernel parameter, in order, and every
+        // kernel parameter is a pointer, u32 or f32 (little-endian: the low bytes come first).
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| CudaError::Driver {
+            op: name,
+            reason: format!("launch (PDL) failed: {e:?}"),
+        })
     }
 }

@@ -16,6 +16,10 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attn_decode.cu", include_str!("../kernels/attn_decode.cu")),
     ("sfi.cu", include_str!("../kernels/sfi.cu")),
     ("gemv.cu", include_str!("../kernels/gemv.cu")),
+    (
+        "decode_fused.cu",
+        include_str!("../kernels/decode_fused.cu"),
+    ),
 ];
 
 /// Every kernel entry point; the context loads each of these at start.
@@ -57,6 +61,44 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_bf16_n6",
     "gemv_bf16_n7",
     "gemv_bf16_n8",
+    "gemv_fused_n1_m0",
+    "gemv_fused_n1_m1",
+    "gemv_fused_n1_m2",
+    "gemv_fused_n2_m0",
+    "gemv_fused_n2_m1",
+    "gemv_fused_n2_m2",
+    "qkv_post_bf16",
+];
+
+/// Kernels that call `pdl_wait()` before touching anything an earlier kernel wrote (see
+/// common.cuh): the only ones a decode step launches with programmatic dependent launch.
+pub const PDL_KERNELS: &[&str] = &[
+    "embed_gather",
+    "advance_positions",
+    "rmsnorm_bf16",
+    "argmax_f32",
+    "attn_decode_d64",
+    "attn_decode_d128",
+    "attn_decode_d256",
+    "attn_sparse_decode_d64",
+    "attn_sparse_decode_d128",
+    "attn_sparse_decode_d256",
+    "attn_decode_reduce",
+    "gemv_bf16_n1",
+    "gemv_bf16_n2",
+    "gemv_bf16_n3",
+    "gemv_bf16_n4",
+    "gemv_bf16_n5",
+    "gemv_bf16_n6",
+    "gemv_bf16_n7",
+    "gemv_bf16_n8",
+    "gemv_fused_n1_m0",
+    "gemv_fused_n1_m1",
+    "gemv_fused_n1_m2",
+    "gemv_fused_n2_m0",
+    "gemv_fused_n2_m1",
+    "gemv_fused_n2_m2",
+    "qkv_post_bf16",
 ];
 
 /// The single translation unit handed to NVRTC: the common header followed by every file.

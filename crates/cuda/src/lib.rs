@@ -38,6 +38,8 @@ pub use ops::attention::{AttnWorkspace, DecodeAttn, PrefillAttn};
 #[cfg(feature = "cuda")]
 pub use ops::elementwise::Glu;
 #[cfg(feature = "cuda")]
+pub use ops::fused::{GemvInput, GemvOutput, QkvPost};
+#[cfg(feature = "cuda")]
 pub use ops::norm::{RmsNorm, Rope};
 #[cfg(feature = "cuda")]
 pub use ops::KvLayout;

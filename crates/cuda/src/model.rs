@@ -17,6 +17,7 @@ use crate::context::CudaContext;
 use crate::error::CudaError;
 use crate::ops::attention::{AttnWorkspace, DecodeAttn, PrefillAttn};
 use crate::ops::elementwise::Glu;
+use crate::ops::fused::{GemvInput, GemvOutput, QkvPost};
 use crate::ops::norm::{RmsNorm, Rope};
 use crate::ops::KvLayout;
 use crate::sparse::{GpuKvPolicy, Refresh, SparseState};
@@ -89,9 +90,8 @@ struct Layer {
     post_attn: Option<GpuBuffer<f32>>,
     ffn_norm: GpuBuffer<f32>,
     post_ffw: Option<GpuBuffer<f32>>,
-    wq: GpuBuffer<bf16>,        // [heads * hdk, hidden]
-    wk: GpuBuffer<bf16>,        // [kv_heads * hdk, hidden]
-    wv: GpuBuffer<bf16>,        // [kv_heads * hdk, hidden]
+    /// q, k and v stacked: [(heads + 2 kv_heads) * hdk, hidden] (one GEMV at decode).
+    wqkv: GpuBuffer<bf16>,
     wo: GpuBuffer<bf16>,        // [hidden, heads * hdk]
     w_gate_up: GpuBuffer<bf16>, // [2 * intermediate, hidden]
     w_down: GpuBuffer<bf16>,    // [hidden, intermediate]
@@ -293,9 +293,9 @@ impl GpuDecoder {
         let mut layers = Vec::with_capacity(s.layers);
         let mut caches = Vec::with_capacity(s.layers);
         for l in 0..s.layers {
-            let wq = pad_rows(up(Tensor::Q(l), nh * hd, h)?, nh, hd, hdk, h);
-            let wk = pad_rows(up(Tensor::K(l), nkv * hd, h)?, nkv, hd, hdk, h);
-            let wv = pad_rows(up(Tensor::V(l), nkv * hd, h)?, nkv, hd, hdk, h);
+            let mut wqkv = pad_rows(up(Tensor::Q(l), nh * hd, h)?, nh, hd, hdk, h);
+            wqkv.extend(pad_rows(up(Tensor::K(l), nkv * hd, h)?, nkv, hd, hdk, h));
+            wqkv.extend(pad_rows(up(Tensor::V(l), nkv * hd, h)?, nkv, hd, hdk, h));
             let wo = pad_cols(up(Tensor::O(l), h, nh * hd)?, h, nh, hd, hdk);
             let mut gate_up = up(Tensor::Gate(l), inter, h)?;
             gate_up.extend_from_slice(&up(Tensor::Up(l), inter, h)?);
@@ -317,9 +317,7 @@ impl GpuDecoder {
                 post_attn: upo(opt(Norm::PostAttn(l), s.post_norms, h)?)?,
                 ffn_norm: ctx.upload(&norm(Norm::Ffn(l), h)?)?,
                 post_ffw: upo(opt(Norm::PostFfw(l), s.post_norms, h)?)?,
-                wq: ctx.upload(&wq)?,
-                wk: ctx.upload(&wk)?,
-                wv: ctx.upload(&wv)?,
+                wqkv: ctx.upload(&wqkv)?,
                 wo: ctx.upload(&wo)?,
                 w_gate_up: ctx.upload(&gate_up)?,
                 w_down: ctx.upload(&w_down)?,
@@ -754,7 +752,17 @@ impl GpuDecoder {
         self.graph.is_some()
     }
 
+    /// Queues one decode step; the fused step (1-2 rows) launches its kernels with PDL where
+    /// the device allows it.
     fn queue_step(&mut self, refresh: &[Refresh]) -> Result<(), CudaError> {
+        self.ctx
+            .set_pdl(self.ctx.decode_fused_rows(self.kv.num_slots));
+        let r = self.queue_step_kernels(refresh);
+        self.ctx.set_pdl(false);
+        r
+    }
+
+    fn queue_step_kernels(&mut self, refresh: &[Refresh]) -> Result<(), CudaError> {
         let b = self.kv.num_slots;
         let (h, v) = (self.spec.hidden, self.spec.vocab);
         self.forward(b, Attn::Decode, refresh)?;
@@ -816,39 +824,75 @@ impl GpuDecoder {
             Attn::Prefill { .. } => &a.ids,
             Attn::Decode => &*next,
         };
+        // Decode at 1-2 rows runs the fused kernels (ops/fused.rs): one GEMV for
+        // q/k/v, one kernel for q/k norm + RoPE + KV append, the GLU inside the down GEMV; without
+        // Gemma's post-norms the residual adds and the input norms move into the GEMVs too.
+        let fused = matches!(mode, Attn::Decode) && ctx.decode_fused_rows(n);
+        let res_in_gemv = fused && !s.post_norms;
         ctx.embed(embed, ids, &mut a.x, n, h, s.vocab, s.embed_scale)?;
-        ctx.rmsnorm(&a.x, &layers[0].attn_norm, &mut a.xb, n, h, norm)?;
+        if !res_in_gemv {
+            ctx.rmsnorm(&a.x, &layers[0].attn_norm, &mut a.xb, n, h, norm)?;
+        }
         for (l, (w, (kc, vc))) in layers.iter().zip(caches.iter_mut()).enumerate() {
             let window = s.windows[l];
-            ctx.linear(&a.xb, &w.wq, &mut a.q, n, h, nh * hdk)?;
-            ctx.linear(&a.xb, &w.wk, &mut a.k, n, h, nkv * hdk)?;
-            ctx.linear(&a.xb, &w.wv, &mut a.v, n, h, nkv * hdk)?;
-            if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-                ctx.head_rmsnorm(&mut a.q, qn, n * nh, hdk, *head_norm)?;
-                ctx.head_rmsnorm(&mut a.k, kn, n * nkv, hdk, *head_norm)?;
-            }
             let freqs = if window.is_some() {
                 &*freq_local
             } else {
                 &*freq_global
             };
-            let rope = Rope {
-                theta: 1.0,
-                rot_dim: s.head_dim,
-                pos_scale: 1.0,
-            };
-            ctx.rope_neox_with(
-                &mut a.q,
-                Some(&mut a.k),
-                &a.pos,
-                n,
-                nh,
-                nkv,
-                hdk,
-                rope,
-                Some(freqs),
-            )?;
-            ctx.kv_append(&a.k, &a.v, kc, vc, &a.pos, &a.slots, n, kv)?;
+            let (qd, kd) = (nh * hdk, nkv * hdk);
+            if fused {
+                let (src, input) = if res_in_gemv {
+                    let nw = &w.attn_norm;
+                    (&a.x, GemvInput::Norm { w: nw, eps: s.eps })
+                } else {
+                    (&a.xb, GemvInput::Plain)
+                };
+                let y = GemvOutput::Split {
+                    y: [&mut a.q, &mut a.k, &mut a.v],
+                    s1: qd,
+                    s2: qd + kd,
+                };
+                ctx.gemv_fused(src, input, &w.wqkv, y, n, h, qd + 2 * kd)?;
+                let p = QkvPost {
+                    n_tokens: n,
+                    q_heads: nh,
+                    q_norm: w.q_norm.as_ref(),
+                    k_norm: w.k_norm.as_ref(),
+                    eps: head_norm.eps,
+                    rot_dim: s.head_dim,
+                    inv_freq: freqs,
+                };
+                ctx.qkv_post(&mut a.q, &mut a.k, &a.v, kc, vc, &a.pos, &a.slots, kv, &p)?;
+            } else {
+                for (rows, y, r0) in [(qd, &a.q, 0), (kd, &a.k, qd), (kd, &a.v, qd + kd)] {
+                    let pw = w.wqkv.device_ptr() + (r0 * h * 2) as u64;
+                    let py = y.ptr_min("linear", "y [n, out]", n * rows)?;
+                    let px = a.xb.device_ptr();
+                    ctx.linear_raw(px, pw, py, cudaDataType::CUDA_R_16BF, n, h, rows)?;
+                }
+                if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+                    ctx.head_rmsnorm(&mut a.q, qn, n * nh, hdk, *head_norm)?;
+                    ctx.head_rmsnorm(&mut a.k, kn, n * nkv, hdk, *head_norm)?;
+                }
+                let rope = Rope {
+                    theta: 1.0,
+                    rot_dim: s.head_dim,
+                    pos_scale: 1.0,
+                };
+                ctx.rope_neox_with(
+                    &mut a.q,
+                    Some(&mut a.k),
+                    &a.pos,
+                    n,
+                    nh,
+                    nkv,
+                    hdk,
+                    rope,
+                    Some(freqs),
+                )?;
+                ctx.kv_append(&a.k, &a.v, kc, vc, &a.pos, &a.slots, n, kv)?;
+            }
             let sp = sparse.as_mut().filter(|sp| sp.covers(l));
             match (mode, sp) {
                 (Attn::Prefill { slot, pos0 }, sp) => {
@@ -892,7 +936,25 @@ impl GpuDecoder {
                     )?;
                 }
             }
-            ctx.linear(&a.att, &w.wo, &mut a.o, n, nh * hdk, h)?;
+            let next_norm = layers.get(l + 1).map_or(&*final_norm, |nl| &nl.attn_norm);
+            if res_in_gemv {
+                // x += o; x += down(glu(gate_up(ffn_norm(x)))); the next norm is in the next GEMV.
+                let o = GemvOutput::Residual(&mut a.x);
+                ctx.gemv_fused(&a.att, GemvInput::Plain, &w.wo, o, n, qd, h)?;
+                let input = GemvInput::Norm {
+                    w: &w.ffn_norm,
+                    eps: s.eps,
+                };
+                let gu = GemvOutput::Bf16(&mut a.gu);
+                ctx.gemv_fused(&a.x, input, &w.w_gate_up, gu, n, h, 2 * inter)?;
+                let o = GemvOutput::Residual(&mut a.x);
+                ctx.gemv_fused(&a.gu, GemvInput::Glu(s.glu), &w.w_down, o, n, inter, h)?;
+                if l + 1 == layers.len() {
+                    ctx.rmsnorm(&a.x, final_norm, &mut a.xb, n, h, norm)?;
+                }
+                continue;
+            }
+            ctx.linear(&a.att, &w.wo, &mut a.o, n, qd, h)?;
             // x += post_attn(o); xb = ffn_norm(x)
             ctx.add_rmsnorm(
                 &a.o,
@@ -905,10 +967,14 @@ impl GpuDecoder {
                 norm,
             )?;
             ctx.linear(&a.xb, &w.w_gate_up, &mut a.gu, n, h, 2 * inter)?;
-            ctx.glu(s.glu, &a.gu, &mut a.act, n, inter)?;
-            ctx.linear(&a.act, &w.w_down, &mut a.o, n, inter, h)?;
+            if fused {
+                let o = GemvOutput::Bf16(&mut a.o);
+                ctx.gemv_fused(&a.gu, GemvInput::Glu(s.glu), &w.w_down, o, n, inter, h)?;
+            } else {
+                ctx.glu(s.glu, &a.gu, &mut a.act, n, inter)?;
+                ctx.linear(&a.act, &w.w_down, &mut a.o, n, inter, h)?;
+            }
             // x += post_ffw(o); xb = next layer's input norm (the final norm after the last)
-            let next_norm = layers.get(l + 1).map_or(&*final_norm, |nl| &nl.attn_norm);
             ctx.add_rmsnorm(
                 &a.o,
                 &mut a.x,

@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod elementwise;
+pub mod fused;
 pub mod gemm;
 pub mod norm;
 pub mod sampling;

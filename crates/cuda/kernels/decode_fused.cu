@@ -1,0 +1,73 @@
+// decode_fused.cu: the q/k norm + RoPE + KV append kernel of the fused decode step at 1-2 rows
+// (the fused GEMVs of that step are in gemv.cu).
+
+// After the merged q/k/v projection of a decode step, per (token row t, head h) of q, k and v:
+// the per-head RMSNorm of q and k (when qn / kn are given; the head_rmsnorm_bf16 arithmetic),
+// NeoX RoPE of the first `rot` dims of q and k at positions[t] (rope_neox_bf16's arithmetic,
+// angles in f64 from the table inv_freq [rot / 2]), and the append of k and v to the caches
+// [num_slots, kh, capacity, hd] at (slots[t], positions[t]) (rows out of range are not cached).
+// q [n, qh, hd] and k [n, kh, hd] are updated in place; v [n, kh, hd] is read.
+// grid (n, qh + 2 kh), block 32; hd <= 256 and a multiple of 32.
+extern "C" __global__ void __launch_bounds__(32)
+    qkv_post_bf16(bf16* q, bf16* k, const bf16* __restrict__ v, bf16* __restrict__ k_cache,
+                  bf16* __restrict__ v_cache, const float* __restrict__ qn, const float* __restrict__ kn,
+                  float eps, const u32* __restrict__ positions, const u32* __restrict__ slots, u32 qh,
+                  u32 kh, u32 hd, u32 rot, const double* __restrict__ inv_freq, u32 capacity,
+                  u32 num_slots) {
+    __shared__ float buf[256];
+    const u32 t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
+    pdl_wait();
+    pdl_trigger();
+    const u32 pos = positions[t], slot = slots[t];
+    const bool cached = pos < capacity && slot < num_slots;
+    if (h >= qh + kh) {
+        const u32 hv = h - qh - kh;
+        if (!cached) return;
+        const uint4* src = reinterpret_cast<const uint4*>(v + ((u64)t * kh + hv) * hd);
+        uint4* dst = reinterpret_cast<uint4*>(v_cache + (((u64)slot * kh + hv) * capacity + pos) * hd);
+        for (u32 c = lane; c < hd / 8; c += 32) dst[c] = src[c];
+        return;
+    }
+    const bool is_k = h >= qh;
+    bf16* x = is_k ? k + ((u64)t * kh + (h - qh)) * hd : q + ((u64)t * qh + h) * hd;
+    const float* nw = is_k ? kn : qn;
+    float vals[8];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const u32 c = lane + 32 * j;
+        vals[j] = c < hd ? bf2f(x[c]) : 0.0f;
+        ss += vals[j] * vals[j];
+    }
+    if (nw != nullptr) {
+        ss = warp_sum(ss);
+        const float scale = rsqrtf(ss / (float)hd + eps);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 c = lane + 32 * j;
+            if (c < hd) vals[j] = bf2f(f2bf(vals[j] * scale * nw[c]));
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const u32 c = lane + 32 * j;
+        if (c < hd) buf[c] = vals[j];
+    }
+    __syncwarp();
+    const u32 half = rot / 2;
+    for (u32 i = lane; i < half; i += 32) {
+        const double ang = (double)pos * inv_freq[i];
+        double s, c;
+        sincos(ang, &s, &c);
+        const float x1 = buf[i], x2 = buf[i + half];
+        buf[i] = bf2f(f2bf(x1 * (float)c - x2 * (float)s));
+        buf[i + half] = bf2f(f2bf(x2 * (float)c + x1 * (float)s));
+    }
+    __syncwarp();
+    bf16* kdst = is_k && cached ? k_cache + (((u64)slot * kh + (h - qh)) * capacity + pos) * hd : nullptr;
+    for (u32 c = lane; c < hd; c += 32) {
+        const bf16 b = f2bf(buf[c]);
+        x[c] = b;
+        if (kdst != nullptr) kdst[c] = b;
+    }
+}

@@ -1,0 +1,255 @@
+//! The fused kernels of the decode step at 1-2 rows (kernels/gemv.cu, kernels/decode_fused.cu): a
+//! weight-streaming GEMV whose input row is prepared in the kernel (plain, RMS-normed, or the
+//! GLU of a `[gate | up]` row) and whose output can be split three ways (merged q/k/v) or added
+//! to the residual stream, and the per-head q/k norm + RoPE + KV append after the q/k/v
+//! projection. Each does what a chain of the plain kernels does (same roundings to bf16), in
+//! one launch.
+
+use half::bf16;
+
+use super::elementwise::Glu;
+use super::u32_of;
+use super::KvLayout;
+use crate::buffer::GpuBuffer;
+use crate::context::{CudaContext, KArg};
+use crate::error::CudaError;
+
+/// Rows the fused GEMV takes (its `gemv_fused_n{1,2}` entry points).
+pub const FUSED_MAX_ROWS: usize = 2;
+
+/// The input row of [`CudaContext::gemv_fused`], made on the fly from `x` by every block.
+#[derive(Clone, Copy)]
+pub enum GemvInput<'a> {
+    /// `x [n, in]` as it is.
+    Plain,
+    /// `rmsnorm(x [n, in]) * w` (what `rmsnorm` writes).
+    Norm { w: &'a GpuBuffer<f32>, eps: f32 },
+    /// `act(gate) * up` of `x [n, 2 in] = [gate | up]` rows (what `glu` writes).
+    Glu(Glu),
+}
+
+/// Where [`CudaContext::gemv_fused`] writes `y [n, out]`.
+pub enum GemvOutput<'a> {
+    Bf16(&'a mut GpuBuffer<bf16>),
+    F32(&'a mut GpuBuffer<f32>),
+    /// `res [n, out] += bf16(y)` (the residual add of `add_rmsnorm`).
+    Residual(&'a mut GpuBuffer<bf16>),
+    /// Columns `[0, s1)` to the first buffer `[n, s1]`, `[s1, s2)` to the second, the rest to
+    /// the third (q / k / v of one merged projection).
+    Split {
+        y: [&'a mut GpuBuffer<bf16>; 3],
+        s1: usize,
+        s2: usize,
+    },
+}
+
+/// Per-head norm and RoPE settings of [`CudaContext::qkv_post`].
+#[derive(Clone, Copy)]
+pub struct QkvPost<'a> {
+    pub n_tokens: usize,
+    pub q_heads: usize,
+    /// Per-head RMSNorm weights `[head_dim]` of q and k (Qwen3, Gemma 3), or none.
+    pub q_norm: Option<&'a GpuBuffer<f32>>,
+    pub k_norm: Option<&'a GpuBuffer<f32>>,
+    pub eps: f32,
+    /// Leading dims rotated (<= head_dim, even).
+    pub rot_dim: usize,
+    /// RoPE inverse frequencies `[rot_dim / 2]`.
+    pub inv_freq: &'a GpuBuffer<f64>,
+}
+
+impl CudaContext {
+    /// Whether a decode step of `n` rows runs the fused kernels (on unless
+    /// `SLOWFAST_DECODE_FUSED=0`; `n` within the GEMV path's rows).
+    pub fn decode_fused_rows(&self, n: usize) -> bool {
+        self.decode_fused && n <= self.gemv_max_rows.min(FUSED_MAX_ROWS)
+    }
+
+    /// `y = xin · wᵀ` for `n` <= [`FUSED_MAX_ROWS`] rows, `xin` prepared from `x` as `input`
+    /// says, `w [out, in]` bf16, f32 accumulation, written as `y` says; `in % 8 == 0`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_fused(
+        &self,
+        x: &GpuBuffer<bf16>,
+        input: GemvInput,
+        w: &GpuBuffer<bf16>,
+        y: GemvOutput,
+        n: usize,
+        in_features: usize,
+        out_features: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "gemv_fused";
+        if n == 0
+            || n > FUSED_MAX_ROWS
+            || in_features == 0
+            || in_features % 8 != 0
+            || out_features == 0
+        {
+            return Err(CudaError::bad(
+                OP,
+                format!(
+                    "n={n} (1..={FUSED_MAX_ROWS}), in={in_features} (a multiple of 8), \
+                     out={out_features}"
+                ),
+            ));
+        }
+        let (x_len, mode, nw, eps, act) = match input {
+            GemvInput::Plain => (n * in_features, 0usize, 0u64, 0.0f32, 0u32),
+            GemvInput::Norm { w, eps } => {
+                if eps.is_nan() || eps < 0.0 {
+                    return Err(CudaError::bad(OP, format!("eps {eps}")));
+                }
+                let pw = w.ptr_min(OP, "norm weight [in]", in_features)?;
+                (n * in_features, 1, pw, eps, 0)
+            }
+            GemvInput::Glu(g) => (
+                n * 2 * in_features,
+                2,
+                0,
+                0.0,
+                match g {
+                    Glu::SwiGlu => 0,
+                    Glu::GeGluTanh => 4,
+                },
+            ),
+        };
+        let px = x.ptr_min(OP, "x", x_len)?;
+        let pw = w.ptr_min(OP, "w [out, in]", out_features * in_features)?;
+        let m = n * out_features;
+        let (ys, s1, s2, flags) = match y {
+            GemvOutput::Bf16(b) => (
+                [b.ptr_min(OP, "y [n, out]", m)?, 0, 0],
+                out_features,
+                out_features,
+                0u32,
+            ),
+            GemvOutput::F32(b) => (
+                [b.ptr_min(OP, "y [n, out]", m)?, 0, 0],
+                out_features,
+                out_features,
+                1,
+            ),
+            GemvOutput::Residual(b) => (
+                [b.ptr_min(OP, "residual [n, out]", m)?, 0, 0],
+                out_features,
+                out_features,
+                2,
+            ),
+            GemvOutput::Split {
+                y: [a, b, c],
+                s1,
+                s2,
+            } => {
+                if !(s1 <= s2 && s2 <= out_features) {
+                    return Err(CudaError::bad(
+                        OP,
+                        format!("split at {s1}, {s2} of {out_features} columns"),
+                    ));
+                }
+                (
+                    [
+                        a.ptr_min(OP, "y0 [n, s1]", n * s1)?,
+                        b.ptr_min(OP, "y1 [n, s2 - s1]", n * (s2 - s1))?,
+                        c.ptr_min(OP, "y2 [n, out - s2]", n * (out_features - s2))?,
+                    ],
+                    s1,
+                    s2,
+                    0,
+                )
+            }
+        };
+        // Four output rows a block (GEMV_GR in kernels/gemv.cu).
+        let grid = u32_of(OP, "blocks", out_features.div_ceil(4))?;
+        let args = [
+            KArg::P(px),
+            KArg::P(nw),
+            KArg::P(pw),
+            KArg::P(ys[0]),
+            KArg::P(ys[1]),
+            KArg::P(ys[2]),
+            KArg::U(in_features as u32),
+            KArg::U(u32_of(OP, "out", out_features)?),
+            KArg::U(s1 as u32),
+            KArg::U(s2 as u32),
+            KArg::U(flags | act),
+            KArg::F(eps),
+        ];
+        const NAMES: [[&str; 3]; 2] = [
+            ["gemv_fused_n1_m0", "gemv_fused_n1_m1", "gemv_fused_n1_m2"],
+            ["gemv_fused_n2_m0", "gemv_fused_n2_m1", "gemv_fused_n2_m2"],
+        ];
+        let name = NAMES[n - 1][mode];
+        self.launch(name, (grid, 1, 1), (256, 1, 1), 0, &args)
+    }
+
+    /// After the q/k/v projection of `p.n_tokens` rows: per-head RMSNorm of q and k (when
+    /// weights are given), NeoX RoPE of both at `positions`, and the append of k and v to the
+    /// caches at `(slots[t], positions[t])` (what `head_rmsnorm`, `rope_neox_with` and
+    /// `kv_append` do, in one launch). q `[n, q_heads, head_dim]` and k `[n, kv_heads,
+    /// head_dim]` are updated in place.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv_post(
+        &self,
+        q: &mut GpuBuffer<bf16>,
+        k: &mut GpuBuffer<bf16>,
+        v: &GpuBuffer<bf16>,
+        k_cache: &mut GpuBuffer<bf16>,
+        v_cache: &mut GpuBuffer<bf16>,
+        positions: &GpuBuffer<u32>,
+        slots: &GpuBuffer<u32>,
+        kv: KvLayout,
+        p: &QkvPost,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "qkv_post";
+        kv.check(OP)?;
+        let (n, hd) = (p.n_tokens, kv.head_dim);
+        if n == 0
+            || p.q_heads == 0
+            || p.rot_dim == 0
+            || p.rot_dim > hd
+            || p.rot_dim % 2 != 0
+            || p.eps.is_nan()
+            || p.eps < 0.0
+        {
+            return Err(CudaError::bad(
+                OP,
+                format!(
+                    "{n} tokens, {} q heads, rot_dim {} of head_dim {hd}, eps {}",
+                    p.q_heads, p.rot_dim, p.eps
+                ),
+            ));
+        }
+        let nrm = |b: Option<&GpuBuffer<f32>>, what: &str| -> Result<u64, CudaError> {
+            b.map_or(Ok(0), |b| b.ptr_min(OP, what, hd))
+        };
+        let kvn = n * kv.kv_heads * hd;
+        let args = [
+            KArg::P(q.ptr_min(OP, "q [n, q_heads, head_dim]", n * p.q_heads * hd)?),
+            KArg::P(k.ptr_min(OP, "k [n, kv_heads, head_dim]", kvn)?),
+            KArg::P(v.ptr_min(OP, "v [n, kv_heads, head_dim]", kvn)?),
+            KArg::P(k_cache.ptr_min(OP, "k_cache", kv.elems())?),
+            KArg::P(v_cache.ptr_min(OP, "v_cache", kv.elems())?),
+            KArg::P(nrm(p.q_norm, "q_norm [head_dim]")?),
+            KArg::P(nrm(p.k_norm, "k_norm [head_dim]")?),
+            KArg::F(p.eps),
+            KArg::P(positions.ptr_min(OP, "positions [n]", n)?),
+            KArg::P(slots.ptr_min(OP, "slots [n]", n)?),
+            KArg::U(p.q_heads as u32),
+            KArg::U(kv.kv_heads as u32),
+            KArg::U(hd as u32),
+            KArg::U(p.rot_dim as u32),
+            KArg::P(
+                p.inv_freq
+                    .ptr_min(OP, "inv_freq [rot_dim / 2]", p.rot_dim / 2)?,
+            ),
+            KArg::U(kv.capacity as u32),
+            KArg::U(kv.num_slots as u32),
+        ];
+        let grid = (
+            u32_of(OP, "n_tokens", n)?,
+            u32_of(OP, "heads", p.q_heads + 2 * kv.kv_heads)?,
+            1,
+        );
+        self.launch("qkv_post_bf16", grid, (32, 1, 1), 0, &args)
+    }
+}

@@ -1,0 +1,292 @@
+//! The fused decode kernels (ops/fused.rs) against plain references on fresh random
+//! inputs: the GEMV in each input mode (plain, RMS-normed, GLU) and output form (bf16, f32,
+//! residual add, three-way split) against f64, and the q/k norm + RoPE + KV append kernel
+//! against the chain of separate kernels it replaces.
+#![cfg(feature = "cuda")]
+#![allow(clippy::needless_range_loop)]
+
+mod common;
+
+use common::*;
+use slowfast_cuda::{bf16, GemvInput, GemvOutput, Glu, KvLayout, QkvPost, RmsNorm, Rope};
+
+/// `xin[n, k] · w[m, k]^T` in f64.
+fn matvec(xin: &[f64], w: &[bf16], n: usize, k: usize, m: usize) -> Vec<f64> {
+    (0..n * m)
+        .map(|i| {
+            let (r, o) = (i / m, i % m);
+            (0..k).map(|j| xin[r * k + j] * w[o * k + j].to_f64()).sum()
+        })
+        .collect()
+}
+
+fn silu(g: f64) -> f64 {
+    g / (1.0 + (-g).exp())
+}
+
+fn gelu_tanh(g: f64) -> f64 {
+    0.5 * g * (1.0 + (0.797_884_560_802_865_4 * (g + 0.044715 * g * g * g)).tanh())
+}
+
+#[test]
+fn fused_gemv_matches_reference() {
+    let Some(ctx) = gpu("fused_gemv") else { return };
+    let mut rng = Rng::new(21);
+    let eps = 1e-6f32;
+    // (in, out): a decode q/k/v shape, an odd out, a small one, the down projection's in.
+    for &(k, m) in &[(2560usize, 6144usize), (2560, 1027), (136, 33), (9728, 300)] {
+        for n in 1..=2 {
+            let x = rng.vec_bf16(n * k, 1.0);
+            let w = rng.vec_bf16(m * k, 0.05);
+            let nw: Vec<f32> = (0..k).map(|_| 1.0 + rng.normal(0.3)).collect();
+            let (dx, dw, dnw) = (
+                ctx.upload(&x).unwrap(),
+                ctx.upload(&w).unwrap(),
+                ctx.upload(&nw).unwrap(),
+            );
+            let tag = format!("n {n} in {k} out {m}");
+
+            // plain input, f32 and bf16 out
+            let want = matvec(&to_f64(&x), &w, n, k, m);
+            let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
+            let out = GemvOutput::F32(&mut y32);
+            ctx.gemv_fused(&dx, GemvInput::Plain, &dw, out, n, k, m)
+                .unwrap();
+            let got: Vec<f64> = ctx
+                .download(&y32)
+                .unwrap()
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
+            assert_close(&format!("plain f32 {tag}"), &got, &want, 1e-4);
+            let mut y16 = ctx.upload(&nan_bf16(n * m)).unwrap();
+            let out = GemvOutput::Bf16(&mut y16);
+            ctx.gemv_fused(&dx, GemvInput::Plain, &dw, out, n, k, m)
+                .unwrap();
+            let got = to_f64(&ctx.download(&y16).unwrap());
+            assert_close(&format!("plain bf16 {tag}"), &got, &want, 1e-2);
+
+            // RMS-normed input (the bf16 row rmsnorm writes)
+            let mut xn = vec![0.0f64; n * k];
+            for r in 0..n {
+                let row = &x[r * k..(r + 1) * k];
+                let ms = row.iter().map(|v| v.to_f64().powi(2)).sum::<f64>() / k as f64;
+                let s = 1.0 / (ms + eps as f64).sqrt();
+                for j in 0..k {
+                    xn[r * k + j] = bf(row[j].to_f64() * s * nw[j] as f64);
+                }
+            }
+            let want = matvec(&xn, &w, n, k, m);
+            let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
+            let input = GemvInput::Norm { w: &dnw, eps };
+            ctx.gemv_fused(&dx, input, &dw, GemvOutput::F32(&mut y32), n, k, m)
+                .unwrap();
+            let got: Vec<f64> = ctx
+                .download(&y32)
+                .unwrap()
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
+            assert_close(&format!("norm f32 {tag}"), &got, &want, 1e-3);
+
+            // residual add onto a random residual row: res = bf16(res + bf16(y))
+            let res = rng.vec_bf16(n * m, 1.0);
+            let mut dres = ctx.upload(&res).unwrap();
+            let input = GemvInput::Norm { w: &dnw, eps };
+            let out = GemvOutput::Residual(&mut dres);
+            ctx.gemv_fused(&dx, input, &dw, out, n, k, m).unwrap();
+            let want_res: Vec<f64> = res
+                .iter()
+                .zip(&want)
+                .map(|(r, y)| bf(r.to_f64() + bf(*y)))
+                .collect();
+            let got = to_f64(&ctx.download(&dres).unwrap());
+            assert_close(&format!("residual {tag}"), &got, &want_res, 1e-2);
+
+            // GLU input from [gate | up] rows, both activations
+            let gu = rng.vec_bf16(n * 2 * k, 1.0);
+            let dgu = ctx.upload(&gu).unwrap();
+            for (act, f) in [
+                (Glu::SwiGlu, silu as fn(f64) -> f64),
+                (Glu::GeGluTanh, gelu_tanh),
+            ] {
+                let xin: Vec<f64> = (0..n * k)
+                    .map(|i| {
+                        let (r, j) = (i / k, i % k);
+                        let g = gu[r * 2 * k + j].to_f64();
+                        bf(f(g) * gu[r * 2 * k + k + j].to_f64())
+                    })
+                    .collect();
+                let want = matvec(&xin, &w, n, k, m);
+                let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
+                let out = GemvOutput::F32(&mut y32);
+                ctx.gemv_fused(&dgu, GemvInput::Glu(act), &dw, out, n, k, m)
+                    .unwrap();
+                let got: Vec<f64> = ctx
+                    .download(&y32)
+                    .unwrap()
+                    .iter()
+                    .map(|&v| v as f64)
+                    .collect();
+                assert_close(&format!("glu {act:?} {tag}"), &got, &want, 1e-3);
+            }
+
+            // three-way split (q / k / v of a merged projection)
+            let (s1, s2) = (m / 2, m / 2 + m / 4);
+            let want = matvec(&to_f64(&x), &w, n, k, m);
+            let mut ya = ctx.upload(&nan_bf16(n * s1)).unwrap();
+            let mut yb = ctx.upload(&nan_bf16(n * (s2 - s1))).unwrap();
+            let mut yc = ctx.upload(&nan_bf16(n * (m - s2))).unwrap();
+            let out = GemvOutput::Split {
+                y: [&mut ya, &mut yb, &mut yc],
+                s1,
+                s2,
+            };
+            ctx.gemv_fused(&dx, GemvInput::Plain, &dw, out, n, k, m)
+                .unwrap();
+            let (ga, gb, gc) = (
+                to_f64(&ctx.download(&ya).unwrap()),
+                to_f64(&ctx.download(&yb).unwrap()),
+                to_f64(&ctx.download(&yc).unwrap()),
+            );
+            let mut got = Vec::with_capacity(n * m);
+            for r in 0..n {
+                got.extend_from_slice(&ga[r * s1..(r + 1) * s1]);
+                got.extend_from_slice(&gb[r * (s2 - s1)..(r + 1) * (s2 - s1)]);
+                got.extend_from_slice(&gc[r * (m - s2)..(r + 1) * (m - s2)]);
+            }
+            assert_close(&format!("split {tag}"), &got, &want, 1e-2);
+        }
+    }
+    // bad shapes are refused with a message naming them
+    let (dx, dw) = (
+        ctx.upload(&nan_bf16(3 * 100)).unwrap(),
+        ctx.upload(&nan_bf16(100)).unwrap(),
+    );
+    let mut y = ctx.alloc::<f32>(3).unwrap();
+    let err = ctx
+        .gemv_fused(
+            &dx,
+            GemvInput::Plain,
+            &dw,
+            GemvOutput::F32(&mut y),
+            3,
+            100,
+            1,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("n=3"), "{err}");
+}
+
+#[test]
+fn qkv_post_matches_the_separate_kernels() {
+    let Some(ctx) = gpu("qkv_post") else { return };
+    let mut rng = Rng::new(22);
+    // (head_dim, rot_dim, q heads, kv heads, with q/k norms)
+    for &(hd, rot, hq, hk, norms) in &[
+        (128usize, 128usize, 32usize, 8usize, true),
+        (64, 32, 4, 1, true),
+        (256, 256, 4, 1, false),
+    ] {
+        let n = 2;
+        let kv = KvLayout {
+            num_slots: 3,
+            kv_heads: hk,
+            capacity: 64,
+            head_dim: hd,
+        };
+        let q = rng.vec_bf16(n * hq * hd, 1.0);
+        let k = rng.vec_bf16(n * hk * hd, 1.0);
+        let v = rng.vec_bf16(n * hk * hd, 1.0);
+        let qn: Vec<f32> = (0..hd).map(|_| 1.0 + rng.normal(0.3)).collect();
+        let kn: Vec<f32> = (0..hd).map(|_| 1.0 + rng.normal(0.3)).collect();
+        let freqs: Vec<f64> = (0..rot / 2)
+            .map(|i| 1e6f64.powf(-2.0 * i as f64 / rot as f64))
+            .collect();
+        // row 0 past the cache (RoPE at 131K, not cached), row 1 cached
+        let pos = vec![131_000u32, rng.below(64) as u32];
+        let slots = vec![2u32, 0];
+        let cache = |rng: &mut Rng| -> Vec<bf16> {
+            (0..kv.elems())
+                .map(|_| bf16::from_f32(rng.uniform()))
+                .collect()
+        };
+        let (init_k, init_v) = (cache(&mut rng), cache(&mut rng));
+        let eps = 1e-6f32;
+        let up = |d: &[bf16]| ctx.upload(d).unwrap();
+        let (dp, ds, dqn, dkn, df) = (
+            ctx.upload(&pos).unwrap(),
+            ctx.upload(&slots).unwrap(),
+            ctx.upload(&qn).unwrap(),
+            ctx.upload(&kn).unwrap(),
+            ctx.upload(&freqs).unwrap(),
+        );
+
+        // the chain of separate kernels
+        let (mut q1, mut k1, v1) = (up(&q), up(&k), up(&v));
+        let (mut kc1, mut vc1) = (up(&init_k), up(&init_v));
+        let cfg = RmsNorm { eps, gemma: false };
+        if norms {
+            ctx.head_rmsnorm(&mut q1, &dqn, n * hq, hd, cfg).unwrap();
+            ctx.head_rmsnorm(&mut k1, &dkn, n * hk, hd, cfg).unwrap();
+        }
+        let rope = Rope {
+            theta: 1.0,
+            rot_dim: rot,
+            pos_scale: 1.0,
+        };
+        ctx.rope_neox_with(&mut q1, Some(&mut k1), &dp, n, hq, hk, hd, rope, Some(&df))
+            .unwrap();
+        ctx.kv_append(&k1, &v1, &mut kc1, &mut vc1, &dp, &ds, n, kv)
+            .unwrap();
+
+        // the fused kernel
+        let (mut q2, mut k2, v2) = (up(&q), up(&k), up(&v));
+        let (mut kc2, mut vc2) = (up(&init_k), up(&init_v));
+        let p = QkvPost {
+            n_tokens: n,
+            q_heads: hq,
+            q_norm: norms.then_some(&dqn),
+            k_norm: norms.then_some(&dkn),
+            eps,
+            rot_dim: rot,
+            inv_freq: &df,
+        };
+        ctx.qkv_post(&mut q2, &mut k2, &v2, &mut kc2, &mut vc2, &dp, &ds, kv, &p)
+            .unwrap();
+
+        let tag = format!("hd {hd} rot {rot} norms {norms}");
+        let d = |b: &slowfast_cuda::GpuBuffer<bf16>| to_f64(&ctx.download(b).unwrap());
+        assert_close(&format!("q {tag}"), &d(&q2), &d(&q1), 1e-3);
+        assert_close(&format!("k {tag}"), &d(&k2), &d(&k1), 1e-3);
+        // the cache rows written and nothing else
+        let (kc1, kc2, vc1, vc2) = (d(&kc1), d(&kc2), d(&vc1), d(&vc2));
+        let mut changed = 0;
+        for i in 0..kv.elems() {
+            if kc2[i] != init_k[i].to_f64() || vc2[i] != init_v[i].to_f64() {
+                changed += 1;
+            }
+        }
+        assert!(
+            changed <= (n - 1) * hk * hd,
+            "{tag}: {changed} cache elements changed, at most {} written",
+            (n - 1) * hk * hd
+        );
+        let (pos, slots) = (&pos, &slots);
+        let rows: Vec<usize> = (1..n)
+            .flat_map(|t| {
+                (0..hk).map(move |h| {
+                    ((slots[t] as usize * hk + h) * kv.capacity + pos[t] as usize) * hd
+                })
+            })
+            .collect();
+        let pick = |c: &[f64]| -> Vec<f64> {
+            rows.iter()
+                .flat_map(|&r| c[r..r + hd].iter().copied())
+                .collect()
+        };
+        assert_close(&format!("k cache {tag}"), &pick(&kc2), &pick(&kc1), 1e-3);
+        assert_eq!(pick(&vc2), pick(&vc1), "{tag}: v cache rows");
+    }
+}
