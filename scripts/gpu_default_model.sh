@@ -54,7 +54,12 @@ CALLS
       --json "$OUT/nll-cuda.json" > "$OUT/nll-cuda.md" 2> "$OUT/nll-cuda.err"
     $B eval --device cuda -m $M --task passkey -i $T --context 8192 --passkey-trials 10 --seed 1 \
       --policies full,sfi,streaming --kv-budget 0.2 --json "$OUT/pk-cuda.json" > "$OUT/pk-cuda.md" 2> "$OUT/pk-cuda.err"
-    cat "$OUT/greedy.log" "$OUT/nll-cuda.md" "$OUT/pk-cuda.md"
+    # SFI with its refresh in order (lag 0) against the default asynchronous refresh
+    SLOWFAST_SFI_ASYNC_LAG=0 $B eval --device cuda -m $M --task nll -i $T --context 8192 --policies sfi \
+      --kv-budget 0.2 --json "$OUT/nll-cuda-lag0.json" > "$OUT/nll-cuda-lag0.md" 2> "$OUT/nll-cuda-lag0.err"
+    SLOWFAST_SFI_ASYNC_LAG=0 $B eval --device cuda -m $M --task passkey -i $T --context 8192 --passkey-trials 10 \
+      --seed 1 --policies sfi --kv-budget 0.2 --json "$OUT/pk-cuda-lag0.json" > "$OUT/pk-cuda-lag0.md" 2> "$OUT/pk-cuda-lag0.err"
+    cat "$OUT/greedy.log" "$OUT/nll-cuda.md" "$OUT/pk-cuda.md" "$OUT/nll-cuda-lag0.md" "$OUT/pk-cuda-lag0.md"
     ;;
   *)
     echo "usage: scripts/gpu_default_model.sh stage | run" >&2

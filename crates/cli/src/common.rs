@@ -10,6 +10,8 @@ pub struct ModelArgs {
     pub model: String,
     /// Compute device. `cuda` needs a build with `--features cuda` and an NVIDIA GPU; it runs
     /// generate, bench and eval (tasks nll and passkey) with the policies full, streaming and sfi.
+    /// There SFI's Selector runs on a second stream and its new memory is used 4 steps after the
+    /// slow step (environment SLOWFAST_SFI_ASYNC_LAG=N sets the lag, 0 = within the slow step).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
     /// Element type of the KV cache.

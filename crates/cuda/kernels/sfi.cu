@@ -516,3 +516,26 @@ extern "C" __global__ void sfi_gather(const u64* __restrict__ kptrs, const u64* 
         *reinterpret_cast<uint4*>(cv + dst + c) = *reinterpret_cast<const uint4*>(v + src + c);
     }
 }
+
+// Publishes an asynchronous refresh of slot `slot` (its Selector and gather ran on the side
+// stream into staging buffers laid out like the live ones): copies the staged compact K / V of
+// every global layer, and its compact length and recent start, into the buffers the fast step
+// reads. Compact buffers [layers, num_slots, per_slot]; clen / rstart [layers, num_slots].
+// grid (layers * 2, 32), block 256 (blockIdx.x: layer * 2 + (0: K, 1: V); y: a 32nd of the rows).
+extern "C" __global__ void sfi_publish(const bf16* __restrict__ sk, const bf16* __restrict__ sv,
+                                       const u32* __restrict__ sclen, const u32* __restrict__ srstart,
+                                       bf16* __restrict__ ck, bf16* __restrict__ cv, u32* __restrict__ clen,
+                                       u32* __restrict__ rstart, u32 slot, u32 num_slots, u64 per_slot) {
+    const u32 gi = blockIdx.x / 2, which = blockIdx.x % 2;
+    const u64 off = ((u64)gi * num_slots + slot) * per_slot;
+    const uint4* src = reinterpret_cast<const uint4*>((which ? sv : sk) + off);
+    uint4* dst = reinterpret_cast<uint4*>((which ? cv : ck) + off);
+    const u64 n = per_slot / 8, part = (n + gridDim.y - 1) / gridDim.y;
+    const u64 lo = blockIdx.y * part, hi = min(n, lo + part);
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) dst[i] = src[i];
+    if (which == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+        const u64 j = (u64)gi * num_slots + slot;
+        clen[j] = sclen[j];
+        rstart[j] = srstart[j];
+    }
+}

@@ -34,6 +34,10 @@ pub(crate) fn drv(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> C
 pub struct CudaContext {
     pub(crate) ctx: Arc<cudarc::driver::CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
+    /// A second stream for work that overlaps the decode stream (SFI's asynchronous refresh).
+    side: Arc<CudaStream>,
+    /// Set while side work is being queued: `launch` then uses the side stream.
+    on_side: std::sync::atomic::AtomicBool,
     pub(crate) blas: CudaBlas,
     funcs: HashMap<&'static str, CudaFunction>,
     name: String,
@@ -149,7 +153,16 @@ impl CudaContext {
 
             funcs.insert(k, f);
         }
-        let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+        // The decode stream at the highest priority, the side stream (SFI's asynchronous
+        // refresh) at the lowest: when both have blocks waiting, the decode step's go first.
+        let (least, greatest) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(drv("cuCtxGetStreamPriorityRange"))?;
+        let stream = ctx
+            .new_stream_with_priority(greatest)
+            .map_err(drv("cuStreamCreate"))?;
+        let side = ctx
+            .new_stream_with_priority(least)
+            .map_err(drv("cuStreamCreate"))?;
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(CudaError::LibraryMissing {
                 library: "cuBLAS (libcublas.so.13)",
@@ -165,6 +178,8 @@ impl CudaContext {
         Ok(CudaContext {
             ctx,
             stream,
+            side,
+            on_side: std::sync::atomic::AtomicBool::new(false),
             blas,
             funcs,
             name,
@@ -314,7 +329,37 @@ impl CudaContext {
             .store(on && self.pdl_allowed, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Launches kernel `name` on the context's stream.
+    /// Starts queueing side work: the side stream waits for everything queued on the decode
+    /// stream so far, and kernels launched until [`CudaContext::side_end`] go to the side stream.
+    pub(crate) fn side_begin(&self) -> Result<(), CudaError> {
+        use cudarc::driver::sys::CUevent_flags;
+        let e = self
+            .stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(drv("cuEventRecord"))?;
+        self.side.wait(&e).map_err(drv("cuStreamWaitEvent"))?;
+        self.on_side
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Ends side work; the event marks its completion (for [`CudaContext::wait_side`]).
+    pub(crate) fn side_end(&self) -> Result<cudarc::driver::CudaEvent, CudaError> {
+        use cudarc::driver::sys::CUevent_flags;
+        self.on_side
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        self.side
+            .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(drv("cuEventRecord"))
+    }
+
+    /// The decode stream waits (on the device) for side work that ended with `e`.
+    pub(crate) fn wait_side(&self, e: &cudarc::driver::CudaEvent) -> Result<(), CudaError> {
+        self.stream.wait(e).map_err(drv("cuStreamWaitEvent"))
+    }
+
+    /// Launches kernel `name` on the context's stream (the side stream between `side_begin`
+    /// and `side_end`).
     pub(crate) fn launch(
         &self,
         name: &'static str,
@@ -330,12 +375,15 @@ impl CudaContext {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
-        if self.pdl_now.load(std::sync::atomic::Ordering::Relaxed)
+        let side = self.on_side.load(std::sync::atomic::Ordering::Relaxed);
+        if !side
+            && self.pdl_now.load(std::sync::atomic::Ordering::Relaxed)
             && crate::kernels::PDL_KERNELS.contains(&name)
         {
             return self.launch_pdl(name, f, grid, block, shared_mem_bytes, args);
         }
-        let mut b = self.stream.launch_builder(f);
+        let stream = if side { &self.side } else { &self.stream };
+        let mut b = stream.launch_builder(f);
         for a in args {
             match a {
                 KArg::P(v) => b.arg(v),

@@ -53,6 +53,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "sfi_cross_head",
     "sfi_topk",
     "sfi_gather",
+    "sfi_publish",
     "gemv_bf16_n1",
     "gemv_bf16_n2",
     "gemv_bf16_n3",

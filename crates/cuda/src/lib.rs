@@ -32,7 +32,7 @@ pub use context::CudaContext;
 #[cfg(feature = "cuda")]
 pub use half::bf16;
 #[cfg(feature = "cuda")]
-pub use model::{DecoderSpec, GpuDecoder, Norm, Tensor, WeightSource};
+pub use model::{DecoderSpec, GpuDecoder, Norm, Tensor, WeightSource, DEFAULT_REFRESH_LAG};
 #[cfg(feature = "cuda")]
 pub use ops::attention::{AttnWorkspace, DecodeAttn, PrefillAttn};
 #[cfg(feature = "cuda")]
@@ -44,7 +44,7 @@ pub use ops::norm::{RmsNorm, Rope};
 #[cfg(feature = "cuda")]
 pub use ops::KvLayout;
 #[cfg(feature = "cuda")]
-pub use sparse::{GpuKvPolicy, GpuSfiConfig};
+pub use sparse::{GpuKvPolicy, GpuSfiConfig, SfiMemory};
 #[cfg(not(feature = "cuda"))]
 pub use stub::CudaContext;
 

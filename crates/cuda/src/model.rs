@@ -151,7 +151,28 @@ pub struct GpuDecoder {
     /// Decode steps that ran a refresh / that ran sparse only.
     slow_steps: usize,
     fast_steps: usize,
+    /// SFI: decode steps between a slow step and the publication of its asynchronous
+    /// refresh (0: refresh in order on the decode stream).
+    refresh_lag: usize,
+    /// Asynchronous refreshes not yet published.
+    pending: Vec<PendingRefresh>,
+    /// The event of the asynchronous refresh the step being queued started.
+    staged: Option<cudarc::driver::CudaEvent>,
+    /// Decode steps so far (the clock of `pending`).
+    step_no: usize,
 }
+
+/// An asynchronous refresh waiting to be published: its (slot, length) pairs, the event that
+/// ends its side-stream work, and the decode step from which it is published.
+struct PendingRefresh {
+    slots: Vec<(usize, usize)>,
+    done: cudarc::driver::CudaEvent,
+    due: usize,
+}
+
+/// Default lag of SFI's asynchronous refresh on the GPU (`SLOWFAST_SFI_ASYNC_LAG`): the
+/// refresh of a slow step is published this many decode steps later.
+pub const DEFAULT_REFRESH_LAG: usize = 4;
 
 fn bad(what: String) -> CudaError {
     CudaError::bad("gpu decoder", what)
@@ -355,6 +376,13 @@ impl GpuDecoder {
             want_refresh: vec![false; num_slots],
             slow_steps: 0,
             fast_steps: 0,
+            refresh_lag: std::env::var("SLOWFAST_SFI_ASYNC_LAG")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(DEFAULT_REFRESH_LAG),
+            pending: Vec::new(),
+            staged: None,
+            step_no: 0,
             hdk,
             layers,
             caches,
@@ -405,6 +433,7 @@ impl GpuDecoder {
     /// Forgets the sequence in `slot`.
     pub fn reset_slot(&mut self, slot: usize) -> Result<(), CudaError> {
         self.check_slot(slot)?;
+        self.flush_refreshes()?;
         self.slot_len[slot] = 0;
         self.want_refresh[slot] = false;
         if let Some(sp) = self.sparse.as_mut() {
@@ -416,6 +445,8 @@ impl GpuDecoder {
     /// Switches the global layers to `policy` (allocates its device state; forgets every
     /// slot's memory). Full KV drops the state.
     pub fn set_policy(&mut self, policy: GpuKvPolicy) -> Result<(), CudaError> {
+        self.flush_refreshes()?;
+        self.ctx.synchronize()?; // no side work may still use the buffers dropped here
         self.sparse = None;
         self.graph = None;
         self.sparse = SparseState::new(
@@ -425,7 +456,39 @@ impl GpuDecoder {
             &self.caches,
             self.spec.n_heads,
             self.kv,
+            self.refresh_lag > 0,
         )?;
+        Ok(())
+    }
+
+    /// SFI's refresh lag: a slow step's Selector runs on a second stream and its memory is
+    /// published `lag` decode steps later (0: in order, within the slow step). Takes effect at
+    /// the next `set_policy`. Default [`DEFAULT_REFRESH_LAG`], or `SLOWFAST_SFI_ASYNC_LAG`.
+    pub fn set_refresh_lag(&mut self, lag: usize) {
+        self.refresh_lag = lag;
+    }
+
+    /// Publishes every asynchronous refresh still pending (the decode stream waits for their
+    /// side-stream work on the device; no host synchronisation).
+    pub fn flush_refreshes(&mut self) -> Result<(), CudaError> {
+        self.publish_pending(true)
+    }
+
+    /// Publishes the pending refreshes that are due (all with `all`).
+    fn publish_pending(&mut self, all: bool) -> Result<(), CudaError> {
+        let now = self.step_no;
+        let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending)
+            .into_iter()
+            .partition(|p| all || p.due <= now);
+        self.pending = keep;
+        for p in due {
+            self.ctx.wait_side(&p.done)?;
+            if let Some(sp) = self.sparse.as_mut() {
+                for &(slot, len) in &p.slots {
+                    sp.publish(&self.ctx, slot, len)?;
+                }
+            }
+        }
         Ok(())
     }
 
@@ -462,6 +525,7 @@ impl GpuDecoder {
                 self.slot_len[slot]
             )));
         }
+        self.flush_refreshes()?;
         self.slot_len[slot] = len;
         if let Some(sp) = self.sparse.as_mut() {
             sp.reset_slot(&self.ctx, slot)?;
@@ -473,6 +537,16 @@ impl GpuDecoder {
     /// (`ops::sfi::SFI_STAGES`) summed over the refreshes so far.
     pub fn sfi_profile(&self) -> Option<[f64; 7]> {
         self.sparse.as_ref().and_then(|s| s.profile())
+    }
+
+    /// Slot `slot`'s live SFI memory (compact rows, lengths, recent starts of every global
+    /// layer); None without SFI. Downloads and synchronises: for tests.
+    pub fn sfi_memory(&self, slot: usize) -> Result<Option<crate::sparse::SfiMemory>, CudaError> {
+        self.check_slot(slot)?;
+        match self.sparse.as_ref().filter(|s| s.sfi().is_some()) {
+            Some(s) => s.memory(&self.ctx, slot).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Bytes of the policy's compact buffers.
@@ -494,6 +568,7 @@ impl GpuDecoder {
         if from == to {
             return Ok(());
         }
+        self.flush_refreshes()?;
         let slot_elems = self.kv.kv_heads * self.kv.capacity * self.kv.head_dim;
         let stream = self.ctx.stream().cu_stream();
         for (k, v) in &self.caches {
@@ -531,6 +606,7 @@ impl GpuDecoder {
         if tokens.is_empty() {
             return Err(bad("prefill of no tokens".into()));
         }
+        self.flush_refreshes()?; // the bootstrap uses the Selector's scratch on this stream
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= v) {
             return Err(bad(format!("token id {t} outside the vocabulary of {v}")));
         }
@@ -663,6 +739,7 @@ impl GpuDecoder {
                 "slot {s} is empty: prefill it before decoding"
             )));
         }
+        self.flush_refreshes()?;
         let pos: Vec<u32> = self.slot_len.iter().map(|&l| l as u32).collect();
         let lens: Vec<u32> = pos.iter().map(|p| p + 1).collect();
         self.decode_span = self.slot_len.iter().max().copied().unwrap_or(0) + 1;
@@ -699,6 +776,21 @@ impl GpuDecoder {
             }
         }
         self.want_refresh.iter_mut().for_each(|w| *w = false);
+        self.step_no += 1;
+        // Due asynchronous refreshes are published before this step reads the memory; all of
+        // them when a slot with one pending refreshes again or this step refreshes in order
+        // (the Selector's scratch is then used on this stream).
+        let staged = self.refresh_lag > 0
+            && self
+                .sparse
+                .as_ref()
+                .is_some_and(|sp| sp.can_stage(&refresh));
+        let again = refresh.iter().any(|r| {
+            self.pending
+                .iter()
+                .any(|p| p.slots.iter().any(|s| s.0 == r.slot))
+        });
+        self.publish_pending((!refresh.is_empty() && !staged) || again)?;
         if refresh.is_empty() {
             match &self.graph {
                 Some(g) => g.launch().map_err(crate::context::drv("cuGraphLaunch"))?,
@@ -712,8 +804,17 @@ impl GpuDecoder {
                 sp.set_capture(&self.ctx, &flags)?;
             }
             self.queue_step(&refresh)?;
-            if let Some(sp) = self.sparse.as_mut() {
-                sp.finish_refresh(&refresh);
+            match self.staged.take() {
+                Some(done) => self.pending.push(PendingRefresh {
+                    slots: refresh.iter().map(|r| (r.slot, r.len)).collect(),
+                    done,
+                    due: self.step_no + self.refresh_lag,
+                }),
+                None => {
+                    if let Some(sp) = self.sparse.as_mut() {
+                        sp.finish_refresh(&refresh);
+                    }
+                }
             }
             self.slow_steps += 1;
         }
@@ -767,8 +868,10 @@ impl GpuDecoder {
         let (h, v) = (self.spec.hidden, self.spec.vocab);
         self.forward(b, Attn::Decode, refresh)?;
         if let Some(sp) = self.sparse.as_mut().filter(|_| !refresh.is_empty()) {
-            // The Selector for every global layer of each refreshed slot at once.
-            sp.refresh_decode(&self.ctx, refresh, self.spec.n_heads)?;
+            // The Selector for every global layer of each refreshed slot at once; on the side
+            // stream when it can be staged.
+            let staged = self.refresh_lag > 0 && sp.can_stage(refresh);
+            self.staged = sp.refresh_decode(&self.ctx, refresh, self.spec.n_heads, staged)?;
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed).device_ptr();
         self.ctx.linear_raw(

@@ -10,8 +10,14 @@
 //! The Selector then runs on the device (ops/sfi.rs) and the gather publishes the new memory:
 //! after a slow decode step for all global layers of a sequence at once (one launch per stage,
 //! layers x kv heads blocks), at the bootstrap layer by layer (its 16 captured rows per layer
-//! would not all fit). Refreshes run on the decode stream, in order (the paper overlaps them
-//! with the following fast steps on a second stream; not done here).
+//! would not all fit).
+//!
+//! Asynchronous refresh (a refresh lag L > 0, the default): a slow decode step's Selector and
+//! gather run on the context's side stream into staging copies of the compact buffers, clen and
+//! rstart, overlapping the next fast steps, which keep reading the previous memory (still exact
+//! for what it holds: its compact rows plus the recent window from its older start); L steps
+//! later the decode stream waits for that work and `publish` copies the staged memory into the
+//! live buffers. The prefill bootstrap and a sequence's first memory stay synchronous.
 
 use half::bf16;
 
@@ -102,12 +108,37 @@ pub(crate) struct SparseState {
     /// Per slot: the sequence length at its last refresh.
     refreshed_len: Vec<usize>,
     sel: Option<SelectorScratch>,
+    /// SFI with asynchronous refresh: where the side stream's gather writes.
+    stage: Option<Stage>,
     pub splits: usize,
     /// Memory refreshes so far (one per slot and forward, all layers together).
     pub refreshes: usize,
 }
 
+/// One slot's SFI memory on every global layer, as the fast step reads it (see
+/// [`crate::GpuDecoder::sfi_memory`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SfiMemory {
+    /// Compact K rows, `[layer][kv_head, ccap, head_dim]` concatenated; V the same.
+    pub k: Vec<bf16>,
+    pub v: Vec<bf16>,
+    /// Per layer: rows of the compact buffer in use, and the recent window's start.
+    pub clen: Vec<u32>,
+    pub rstart: Vec<u32>,
+}
+
+/// Staging copies of the compact K / V, clen and rstart (the live buffers' layouts).
+struct Stage {
+    ck: GpuBuffer<bf16>,
+    cv: GpuBuffer<bf16>,
+    clen: GpuBuffer<u32>,
+    rstart: GpuBuffer<u32>,
+}
+
 impl SparseState {
+    /// The device state of `policy`; `staged` allocates the staging buffers of the
+    /// asynchronous refresh (SFI only).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &CudaContext,
         policy: GpuKvPolicy,
@@ -115,6 +146,7 @@ impl SparseState {
         caches: &[(GpuBuffer<bf16>, GpuBuffer<bf16>)],
         n_heads: usize,
         kv: KvLayout,
+        staged: bool,
     ) -> Result<Option<Self>, CudaError> {
         let bad = |w: String| CudaError::bad("gpu kv policy", w);
         let (sfi, boot) = match policy {
@@ -177,6 +209,15 @@ impl SparseState {
             )?),
             None => None,
         };
+        let stage = match (&compact, staged) {
+            (Some((k, _)), true) => Some(Stage {
+                ck: ctx.alloc(k.len())?,
+                cv: ctx.alloc(k.len())?,
+                clen: ctx.alloc(ng * ns)?,
+                rstart: ctx.alloc(ng * ns)?,
+            }),
+            _ => None,
+        };
         let logits_rows = if sfi.is_some() {
             (ng * ns).max(boot)
         } else {
@@ -206,6 +247,7 @@ impl SparseState {
             has_mem: vec![false; ns],
             refreshed_len: vec![0; ns],
             sel,
+            stage,
             splits: ctx.sparse_splits(ns, n_heads, &kv),
             refreshes: 0,
         }))
@@ -410,27 +452,86 @@ impl SparseState {
             lstride: kv.capacity,
         };
         ctx.attn_sparse_decode(kc, vc, kv, ws, &p)?;
-        self.select_gather(ctx, gi, 1, r, self.logits.device_ptr(), 0, n_heads)
+        self.select_gather(ctx, gi, 1, r, self.logits.device_ptr(), 0, n_heads, false)
+    }
+
+    /// Whether the refreshes of a slow decode step can run asynchronously: staging buffers
+    /// exist, every refreshed slot already has a memory to keep using meanwhile, and the
+    /// Selector is not being profiled (the profile times stages on the decode stream).
+    pub fn can_stage(&self, refresh: &[Refresh]) -> bool {
+        self.stage.is_some()
+            && self.profile().is_none()
+            && refresh
+                .iter()
+                .all(|r| self.has_mem[r.slot] && r.boot_row0.is_none())
     }
 
     /// The refreshes of a slow decode step, all global layers of each refreshed slot at once
-    /// (their scores were captured by `decode_layer`).
+    /// (their scores were captured by `decode_layer`). With `staged` (see `can_stage`) they
+    /// run on the side stream into the staging buffers, and the event returned marks their
+    /// end; `publish` each slot after the decode stream waited for it.
     pub fn refresh_decode(
         &mut self,
         ctx: &CudaContext,
         refresh: &[Refresh],
         n_heads: usize,
-    ) -> Result<(), CudaError> {
+        staged: bool,
+    ) -> Result<Option<cudarc::driver::CudaEvent>, CudaError> {
         let ls = self.num_slots * n_heads * self.kv.capacity;
+        if staged {
+            ctx.side_begin()?;
+        }
+        let mut res = Ok(());
         for r in refresh {
             let logits =
                 self.logits.device_ptr() + (r.slot * n_heads * self.kv.capacity * 4) as u64;
-            self.select_gather(ctx, 0, self.ng, r, logits, ls, n_heads)?;
+            res = self.select_gather(ctx, 0, self.ng, r, logits, ls, n_heads, staged);
+            if res.is_err() {
+                break;
+            }
         }
+        if !staged {
+            return res.map(|_| None);
+        }
+        let done = ctx.side_end();
+        res?;
+        for r in refresh {
+            self.norm_len[r.slot] = r.len;
+            self.refreshes += 1;
+        }
+        done.map(Some)
+    }
+
+    /// Publishes slot `slot`'s staged memory (refreshed at length `len`) into the live buffers
+    /// (after the decode stream waited for the refresh's event).
+    pub fn publish(&mut self, ctx: &CudaContext, slot: usize, len: usize) -> Result<(), CudaError> {
+        let (Some(st), Some((ck, cv))) = (&self.stage, &self.compact) else {
+            return Err(CudaError::bad(
+                "sfi publish",
+                "no staged refresh".to_string(),
+            ));
+        };
+        let kv = self.kv;
+        let per_slot = kv.kv_heads * self.ccap * kv.head_dim;
+        let src = [
+            st.ck.device_ptr(),
+            st.cv.device_ptr(),
+            st.clen.device_ptr(),
+            st.rstart.device_ptr(),
+        ];
+        let dst = [
+            ck.device_ptr(),
+            cv.device_ptr(),
+            self.clen.device_ptr(),
+            self.rstart.device_ptr(),
+        ];
+        ctx.sfi_publish(src, dst, slot, self.num_slots, self.ng, per_slot)?;
+        self.refreshed_len[slot] = len;
         Ok(())
     }
 
-    /// Key norms, Selector and gather for global layers [gi0, gi0 + layers) of `r.slot`.
+    /// Key norms, Selector and gather for global layers [gi0, gi0 + layers) of `r.slot`, into
+    /// the live compact buffers or (`staged`) the staging ones.
     #[allow(clippy::too_many_arguments)]
     fn select_gather(
         &mut self,
@@ -441,6 +542,7 @@ impl SparseState {
         logits: u64,
         logit_layer_stride: usize,
         n_heads: usize,
+        staged: bool,
     ) -> Result<(), CudaError> {
         let recent_start = self.recent_start(r.len);
         let (Some(c), Some((ck, cv)), Some(norms), Some(sel)) =
@@ -474,6 +576,16 @@ impl SparseState {
         };
         ctx.sfi_select(&a, sel)?;
         let cs = ns * kv.kv_heads * self.ccap * kv.head_dim;
+        let (ck, cv, clen, rstart) = match (&self.stage, staged) {
+            (Some(st), true) => (&st.ck, &st.cv, &st.clen, &st.rstart),
+            (None, true) => {
+                return Err(CudaError::bad(
+                    "sfi refresh",
+                    "no staging buffers".to_string(),
+                ))
+            }
+            _ => (ck, cv, &self.clen, &self.rstart),
+        };
         let g = GatherArgs {
             layers,
             kptrs,
@@ -485,8 +597,8 @@ impl SparseState {
             cv: cv.device_ptr() + (gi0 * cs * 2) as u64,
             ccap: self.ccap,
             compact_layer_stride: cs,
-            clen: self.clen.device_ptr() + (gi0 * ns * 4) as u64,
-            rstart: self.rstart.device_ptr() + (gi0 * ns * 4) as u64,
+            clen: clen.device_ptr() + (gi0 * ns * 4) as u64,
+            rstart: rstart.device_ptr() + (gi0 * ns * 4) as u64,
         };
         ctx.sfi_stage(sel, 6, || ctx.sfi_gather(kv, sel, &g))
     }
@@ -504,6 +616,33 @@ impl SparseState {
             self.refreshed_len[r.slot] = r.len;
             self.refreshes += 1;
         }
+    }
+
+    /// Slot `slot`'s live SFI memory of every global layer: compact K and V rows
+    /// (`[layer][kv_head, ccap, head_dim]` concatenated), compact lengths and recent starts
+    /// (downloads and synchronises; for tests).
+    pub fn memory(&self, ctx: &CudaContext, slot: usize) -> Result<SfiMemory, CudaError> {
+        let Some((ck, cv)) = &self.compact else {
+            return Err(CudaError::bad(
+                "sfi memory",
+                "not an SFI policy".to_string(),
+            ));
+        };
+        let (ns, kv) = (self.num_slots, self.kv);
+        let per = kv.kv_heads * self.ccap * kv.head_dim;
+        let pick = |all: Vec<bf16>| -> Vec<bf16> {
+            (0..self.ng)
+                .flat_map(|gi| all[(gi * ns + slot) * per..(gi * ns + slot + 1) * per].to_vec())
+                .collect()
+        };
+        let at =
+            |all: Vec<u32>| -> Vec<u32> { (0..self.ng).map(|gi| all[gi * ns + slot]).collect() };
+        Ok(SfiMemory {
+            k: pick(ctx.download(ck)?),
+            v: pick(ctx.download(cv)?),
+            clen: at(ctx.download(&self.clen)?),
+            rstart: at(ctx.download(&self.rstart)?),
+        })
     }
 
     /// Bytes of the compact buffers (all layers and slots).

@@ -555,6 +555,9 @@ pub fn bench(
                             })
                             .map_err(gpu_err)?;
                         slow.push(ms as f64);
+                        // Refreshes still on the side stream finish outside the next timing.
+                        dec.flush_refreshes().map_err(gpu_err)?;
+                        ctx.synchronize().map_err(gpu_err)?;
                         // The schedule: slot s refreshes when (t + s * interval / batch) % interval == 0.
                         let mut t = 1usize;
                         let b = o.batch;
@@ -566,7 +569,12 @@ pub fn bench(
                                     }
                                 }
                                 t += 1;
-                                dec.decode_step()
+                                dec.decode_step()?;
+                                if t > o.new_tokens {
+                                    // the last step waits for refreshes still in flight
+                                    dec.flush_refreshes()?;
+                                }
+                                Ok(())
                             })
                             .map_err(gpu_err)?;
                         times.push(ms as f64);

@@ -424,6 +424,97 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
     );
 }
 
+/// SFI's asynchronous refresh: the Selector of a slow step runs on the side stream and its
+/// memory is published `lag` steps later. Against a decoder refreshing in order on the same
+/// teacher-forced tokens: identical logits up to the slow step, the live memory unchanged
+/// during the lag, and after publication exactly the memory the in-order refresh built.
+#[test]
+fn async_refresh_publishes_the_in_order_memory() {
+    let Some(ctx) = gpu("async_refresh_publishes_the_in_order_memory") else {
+        return;
+    };
+    use slowfast_cuda::{GpuKvPolicy, GpuSfiConfig};
+    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
+        .unwrap()
+        .model;
+    let n = 600;
+    let prompt = tokens(n, m.cfg.vocab_size, 0xA5A5);
+    let (steps, slow, lag) = (10, 4, 3);
+    let cap = n + steps + 2;
+    let selector = slowfast_engine::cuda::gpu_policy(
+        &slowfast_engine::session::policy_spec("sfi", Some(2048.0), 4, 4096).unwrap(),
+    )
+    .map(|p| match p {
+        GpuKvPolicy::Sfi(c) => c.selector,
+        _ => unreachable!(),
+    })
+    .unwrap();
+    let cfg = GpuSfiConfig {
+        sinks: 4,
+        recent: 64,
+        selected: 128,
+        page: 16,
+        bootstrap_rows: 16,
+        selector,
+    };
+    let dec = |lag: usize| {
+        let mut d = load_decoder(ctx.clone(), &m, 1, cap, 128).unwrap();
+        d.set_refresh_lag(lag);
+        d.set_policy(GpuKvPolicy::Sfi(cfg)).unwrap();
+        d.prefill(0, &prompt, false).unwrap();
+        d.begin_decode().unwrap();
+        d
+    };
+    let (mut inorder, mut staged) = (dec(0), dec(lag));
+    let mem = |d: &slowfast_cuda::GpuDecoder| d.sfi_memory(0).unwrap().unwrap();
+    let before = mem(&staged);
+    assert_eq!(
+        before,
+        mem(&inorder),
+        "the bootstrap (in order in both) differs"
+    );
+    for (i, &t) in tokens(steps, m.cfg.vocab_size, 0xBEEF).iter().enumerate() {
+        for d in [&mut inorder, &mut staged] {
+            d.set_next(&[t]).unwrap();
+            if i == slow {
+                d.request_refresh(0).unwrap();
+            }
+            d.decode_step().unwrap();
+            if i == 1 {
+                d.capture_decode().unwrap();
+            }
+        }
+        if i <= slow {
+            let e = row_err(&inorder.logits().unwrap(), &staged.logits().unwrap());
+            assert_eq!(
+                e, 0.0,
+                "step {i}: same memory and inputs, logits differ by {e}"
+            );
+        }
+        // The refresh of step `slow` is published at the start of step `slow + lag`.
+        if i < slow + lag {
+            assert_eq!(
+                mem(&staged),
+                before,
+                "step {i}: the live memory changed before publication"
+            );
+        }
+    }
+    let after = mem(&inorder);
+    assert_ne!(
+        after, before,
+        "the slow step's refresh chose the same memory (test too weak)"
+    );
+    assert_eq!(
+        mem(&staged),
+        after,
+        "the published memory differs from the in-order refresh"
+    );
+    let (s1, f1, r1) = staged.step_counts();
+    assert_eq!((s1, f1, r1), inorder.step_counts(), "step counts");
+    eprintln!("async refresh (lag {lag}): memory after publication = in-order memory; {s1} slow / {f1} fast steps, {r1} refreshes");
+}
+
 #[test]
 fn streaming_matches_cpu_streaming() {
     let Some(ctx) = gpu("streaming_matches_cpu_streaming") else {

@@ -578,4 +578,43 @@ impl CudaContext {
             &args,
         )
     }
+
+    /// Copies slot `slot`'s staged memory of `layers` global layers (compact K / V `[layers,
+    /// num_slots, per_slot]` and clen / rstart `[layers, num_slots]`, as the gather wrote them
+    /// into the staging buffers) into the live buffers: `src` and `dst` are (K, V, clen, rstart).
+    pub fn sfi_publish(
+        &self,
+        src: [u64; 4],
+        dst: [u64; 4],
+        slot: usize,
+        num_slots: usize,
+        layers: usize,
+        per_slot: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "sfi_publish";
+        if slot >= num_slots
+            || layers == 0
+            || per_slot % 8 != 0
+            || src.contains(&0)
+            || dst.contains(&0)
+        {
+            return Err(CudaError::bad(
+                OP,
+                format!("slot {slot} of {num_slots}, {layers} layers, {per_slot} elements a slot"),
+            ));
+        }
+        let mut args: Vec<KArg> = src.iter().chain(&dst).map(|&p| KArg::P(p)).collect();
+        args.extend([
+            KArg::U(slot as u32),
+            KArg::U(num_slots as u32),
+            KArg::P(per_slot as u64),
+        ]);
+        self.launch(
+            OP,
+            (u32_of(OP, "layers", 2 * layers)?, 32, 1),
+            (256, 1, 1),
+            0,
+            &args,
+        )
+    }
 }
