@@ -16,7 +16,7 @@ __device__ __forceinline__ bf16 f2bf(float x) { return __float2bfloat16_rn(x); }
 // Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute may start
 // while the kernel before it in the stream is finishing: pdl_wait() blocks until that grid has
 // completed and its writes are visible (a no-op after a plain launch), pdl_trigger() lets the
-// next kernel launch. Every kernel named in kernels.rs PDL_KERNELS calls pdl_wait() before it
+// next kernel launch. Every kernel kernels.rs is_pdl_kernel() names calls pdl_wait() before it
 // reads anything an earlier kernel wrote and before it writes anything; before the wait it may
 // only read constant data (weights).
 __device__ __forceinline__ void pdl_wait() {

@@ -55,7 +55,7 @@ pub struct CudaContext {
     /// (sm_90+, `SLOWFAST_PDL`, default on there).
     pdl_allowed: bool,
     /// Set while a step that may use PDL is being queued; `launch` then adds the attribute to
-    /// the kernels of `PDL_KERNELS`.
+    /// the kernels `kernels::is_pdl_kernel` names.
     pdl_now: std::sync::atomic::AtomicBool,
 }
 
@@ -378,7 +378,7 @@ impl CudaContext {
         let side = self.on_side.load(std::sync::atomic::Ordering::Relaxed);
         if !side
             && self.pdl_now.load(std::sync::atomic::Ordering::Relaxed)
-            && crate::kernels::PDL_KERNELS.contains(&name)
+            && crate::kernels::is_pdl_kernel(name)
         {
             return self.launch_pdl(name, f, grid, block, shared_mem_bytes, args);
         }

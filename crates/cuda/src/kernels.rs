@@ -71,36 +71,17 @@ pub const KERNEL_NAMES: &[&str] = &[
     "qkv_post_bf16",
 ];
 
-/// Kernels that call `pdl_wait()` before touching anything an earlier kernel wrote (see
-/// common.cuh): the only ones a decode step launches with programmatic dependent launch.
-pub const PDL_KERNELS: &[&str] = &[
-    "embed_gather",
-    "advance_positions",
-    "rmsnorm_bf16",
-    "argmax_f32",
-    "attn_decode_d64",
-    "attn_decode_d128",
-    "attn_decode_d256",
-    "attn_sparse_decode_d64",
-    "attn_sparse_decode_d128",
-    "attn_sparse_decode_d256",
-    "attn_decode_reduce",
-    "gemv_bf16_n1",
-    "gemv_bf16_n2",
-    "gemv_bf16_n3",
-    "gemv_bf16_n4",
-    "gemv_bf16_n5",
-    "gemv_bf16_n6",
-    "gemv_bf16_n7",
-    "gemv_bf16_n8",
-    "gemv_fused_n1_m0",
-    "gemv_fused_n1_m1",
-    "gemv_fused_n1_m2",
-    "gemv_fused_n2_m0",
-    "gemv_fused_n2_m1",
-    "gemv_fused_n2_m2",
-    "qkv_post_bf16",
-];
+/// Whether kernel `name` calls `pdl_wait()` before touching anything an earlier kernel wrote
+/// (see common.cuh): the only kernels a decode step launches with programmatic dependent launch.
+pub fn is_pdl_kernel(name: &str) -> bool {
+    name.starts_with("gemv_")
+        || name.starts_with("attn_decode_")
+        || name.starts_with("attn_sparse_decode_")
+        || matches!(
+            name,
+            "embed_gather" | "advance_positions" | "rmsnorm_bf16" | "argmax_f32" | "qkv_post_bf16"
+        )
+}
 
 /// The single translation unit handed to NVRTC: the common header followed by every file.
 pub fn kernel_source() -> String {

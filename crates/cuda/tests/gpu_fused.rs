@@ -20,6 +20,10 @@ fn matvec(xin: &[f64], w: &[bf16], n: usize, k: usize, m: usize) -> Vec<f64> {
         .collect()
 }
 
+fn dl_f32(ctx: &slowfast_cuda::CudaContext, b: &slowfast_cuda::GpuBuffer<f32>) -> Vec<f64> {
+    ctx.download(b).unwrap().iter().map(|&v| v as f64).collect()
+}
+
 fn silu(g: f64) -> f64 {
     g / (1.0 + (-g).exp())
 }
@@ -52,12 +56,7 @@ fn fused_gemv_matches_reference() {
             let out = GemvOutput::F32(&mut y32);
             ctx.gemv_fused(&dx, GemvInput::Plain, &dw, out, n, k, m)
                 .unwrap();
-            let got: Vec<f64> = ctx
-                .download(&y32)
-                .unwrap()
-                .iter()
-                .map(|&v| v as f64)
-                .collect();
+            let got = dl_f32(&ctx, &y32);
             assert_close(&format!("plain f32 {tag}"), &got, &want, 1e-4);
             let mut y16 = ctx.upload(&nan_bf16(n * m)).unwrap();
             let out = GemvOutput::Bf16(&mut y16);
@@ -81,12 +80,7 @@ fn fused_gemv_matches_reference() {
             let input = GemvInput::Norm { w: &dnw, eps };
             ctx.gemv_fused(&dx, input, &dw, GemvOutput::F32(&mut y32), n, k, m)
                 .unwrap();
-            let got: Vec<f64> = ctx
-                .download(&y32)
-                .unwrap()
-                .iter()
-                .map(|&v| v as f64)
-                .collect();
+            let got = dl_f32(&ctx, &y32);
             assert_close(&format!("norm f32 {tag}"), &got, &want, 1e-3);
 
             // residual add onto a random residual row: res = bf16(res + bf16(y))
@@ -122,12 +116,7 @@ fn fused_gemv_matches_reference() {
                 let out = GemvOutput::F32(&mut y32);
                 ctx.gemv_fused(&dgu, GemvInput::Glu(act), &dw, out, n, k, m)
                     .unwrap();
-                let got: Vec<f64> = ctx
-                    .download(&y32)
-                    .unwrap()
-                    .iter()
-                    .map(|&v| v as f64)
-                    .collect();
+                let got = dl_f32(&ctx, &y32);
                 assert_close(&format!("glu {act:?} {tag}"), &got, &want, 1e-3);
             }
 

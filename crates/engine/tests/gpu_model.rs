@@ -372,6 +372,15 @@ fn decode_pair(
     worst
 }
 
+/// The Selector knobs the CLI's SFI defaults give the GPU.
+fn default_selector() -> slowfast_cuda::ops::sfi::SelectorConfig {
+    let spec = slowfast_engine::session::policy_spec("sfi", Some(2048.0), 4, 4096).unwrap();
+    match slowfast_engine::cuda::gpu_policy(&spec).unwrap() {
+        slowfast_cuda::GpuKvPolicy::Sfi(c) => c.selector,
+        _ => unreachable!("sfi gives an SFI policy"),
+    }
+}
+
 #[test]
 fn sfi_with_the_whole_domain_equals_full_kv() {
     let Some(ctx) = gpu("sfi_with_the_whole_domain_equals_full_kv") else {
@@ -394,14 +403,7 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
     // 302 and 303; later fast steps read that memory plus the growing recent window.
 
     let (sinks, recent) = (4, 64);
-    let selector = slowfast_engine::cuda::gpu_policy(
-        &slowfast_engine::session::policy_spec("sfi", Some(2048.0), 4, 4096).unwrap(),
-    )
-    .map(|p| match p {
-        GpuKvPolicy::Sfi(c) => c.selector,
-        _ => unreachable!(),
-    })
-    .unwrap();
+    let selector = default_selector();
     let cfg = GpuSfiConfig {
         sinks,
         recent,
@@ -441,14 +443,7 @@ fn async_refresh_publishes_the_in_order_memory() {
     let prompt = tokens(n, m.cfg.vocab_size, 0xA5A5);
     let (steps, slow, lag) = (10, 4, 3);
     let cap = n + steps + 2;
-    let selector = slowfast_engine::cuda::gpu_policy(
-        &slowfast_engine::session::policy_spec("sfi", Some(2048.0), 4, 4096).unwrap(),
-    )
-    .map(|p| match p {
-        GpuKvPolicy::Sfi(c) => c.selector,
-        _ => unreachable!(),
-    })
-    .unwrap();
+    let selector = default_selector();
     let cfg = GpuSfiConfig {
         sinks: 4,
         recent: 64,
