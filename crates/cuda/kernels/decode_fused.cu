@@ -1,35 +1,35 @@
-// decode_fused.cu: the q/k norm + RoPE + KV append kernel of the fused decode step at 1-2 rows
-// (the fused GEMVs of that step are in gemv.cu).
+// decode_fused.cu: the kernel after the merged q/k/v projection (q/k norms, RoPE, KV append),
+// for every forward; the fused GEMVs of the 1-2-row decode step are in gemv.cu.
 
-// After the merged q/k/v projection of a decode step, per (token row t, head h) of q, k and v:
-// the per-head RMSNorm of q and k (when qn / kn are given; the head_rmsnorm_bf16 arithmetic),
-// NeoX RoPE of the first `rot` dims of q and k at positions[t] (rope_neox_bf16's arithmetic,
-// angles in f64 from the table inv_freq [rot / 2]), and the append of k and v to the caches
+// After the merged q/k/v projection, per (token row t, head h) of q, k and v: the per-head
+// RMSNorm of q and k (when qn / kn are given; the head_rmsnorm_bf16 arithmetic), NeoX RoPE of the
+// first `rot` dims of q and k at positions[t] (rope_neox_bf16's arithmetic, angles in f64 from the
+// table inv_freq [rot / 2]), q written to q_out [n, qh, hd], and k and v appended to the caches
 // [num_slots, kh, capacity, hd] at (slots[t], positions[t]) (rows out of range are not cached).
-// q [n, qh, hd] and k [n, kh, hd] are updated in place; v [n, kh, hd] is read.
+// qkv [n, row_stride]: row t holds q (qh heads), then k (kh), then v (kh), each hd wide.
 // grid (n, qh + 2 kh), block 32; hd <= 256 and a multiple of 32.
 extern "C" __global__ void __launch_bounds__(32)
-    qkv_post_bf16(bf16* q, bf16* k, const bf16* __restrict__ v, bf16* __restrict__ k_cache,
-                  bf16* __restrict__ v_cache, const float* __restrict__ qn, const float* __restrict__ kn,
-                  float eps, const u32* __restrict__ positions, const u32* __restrict__ slots, u32 qh,
-                  u32 kh, u32 hd, u32 rot, const double* __restrict__ inv_freq, u32 capacity,
-                  u32 num_slots) {
+    qkv_post_bf16(const bf16* __restrict__ qkv, u32 row_stride, bf16* __restrict__ q_out,
+                  bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, const float* __restrict__ qn,
+                  const float* __restrict__ kn, float eps, const u32* __restrict__ positions,
+                  const u32* __restrict__ slots, u32 qh, u32 kh, u32 hd, u32 rot,
+                  const double* __restrict__ inv_freq, u32 capacity, u32 num_slots) {
     __shared__ float buf[256];
-    const u32 t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
     pdl_wait();
     pdl_trigger();
+    const u32 t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
     const u32 pos = positions[t], slot = slots[t];
     const bool cached = pos < capacity && slot < num_slots;
+    const bf16* x = qkv + (u64)t * row_stride + (u64)h * hd;
     if (h >= qh + kh) {
         const u32 hv = h - qh - kh;
         if (!cached) return;
-        const uint4* src = reinterpret_cast<const uint4*>(v + ((u64)t * kh + hv) * hd);
+        const uint4* src = reinterpret_cast<const uint4*>(x);
         uint4* dst = reinterpret_cast<uint4*>(v_cache + (((u64)slot * kh + hv) * capacity + pos) * hd);
         for (u32 c = lane; c < hd / 8; c += 32) dst[c] = src[c];
         return;
     }
     const bool is_k = h >= qh;
-    bf16* x = is_k ? k + ((u64)t * kh + (h - qh)) * hd : q + ((u64)t * qh + h) * hd;
     const float* nw = is_k ? kn : qn;
     float vals[8];
     float ss = 0.0f;
@@ -64,10 +64,8 @@ extern "C" __global__ void __launch_bounds__(32)
         buf[i + half] = bf2f(f2bf(x2 * (float)c + x1 * (float)s));
     }
     __syncwarp();
-    bf16* kdst = is_k && cached ? k_cache + (((u64)slot * kh + (h - qh)) * capacity + pos) * hd : nullptr;
-    for (u32 c = lane; c < hd; c += 32) {
-        const bf16 b = f2bf(buf[c]);
-        x[c] = b;
-        if (kdst != nullptr) kdst[c] = b;
-    }
+    bf16* dst = is_k ? (cached ? k_cache + (((u64)slot * kh + (h - qh)) * capacity + pos) * hd : nullptr)
+                     : q_out + ((u64)t * qh + h) * hd;
+    if (dst == nullptr) return;
+    for (u32 c = lane; c < hd; c += 32) dst[c] = f2bf(buf[c]);
 }

@@ -4,8 +4,8 @@
 // chunks t, t + 256, ... of every row, two per row in flight per iteration), the N input rows
 // come through the read-only cache, and the block sums its partials in shared memory.
 // One implementation (gemv_fused_impl) serves the plain entries (gemv_bf16_n*, up to 8 rows) and
-// the fused decode step's entries (gemv_fused_n*_m*, 1-2 rows: normed / GLU inputs, split or
-// residual outputs). in % 8 == 0. grid (ceil(out / GEMV_GR)), block 256.
+// the fused decode step's entries (gemv_fused_n*_m*, 1-2 rows: normed / GLU inputs, residual
+// outputs). in % 8 == 0. grid (ceil(out / GEMV_GR)), block 256.
 #define GEMV_GR 4
 
 __device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
@@ -38,9 +38,8 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float a) {
 //               sums the row's squares first);
 //   m2 (glu):   act(gate) * up of x [N, 2 * in] = [gate | up] rows, rounded to bf16 as glu_bf16
 //               writes it (act: SiLU, or GELU-tanh with flag 4).
-// Outputs o < s1 go to y0 [N, s1], s1 <= o < s2 to y1 [N, s2 - s1], the rest to y2 [N, out - s2]
-// (the q / k / v of one merged projection); flag 1: f32 outputs; flag 2: y0 is the residual
-// stream [N, out] and receives y0 + bf16(acc) (the residual add of rmsnorm_bf16).
+// y [N, out] bf16, or f32 with flag 1; flag 2: y is the residual stream [N, out] and receives
+// y + bf16(acc) (the residual add of rmsnorm_bf16).
 // The weights stream as in gemv.cu: GEMV_GR = 4 output rows a block (8 measured slower: run 19), its
 // 8 warps split the input (thread t reads 16-byte chunks t, t + 256, ..., two per row in flight).
 // Each block prefetches its first weights into L2 before pdl_wait(), so under PDL the weight
@@ -79,8 +78,8 @@ __device__ __forceinline__ uint4 gf_x(const uint4* __restrict__ xv, const float4
 
 template <int N, int MODE>
 __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, const float* __restrict__ nw,
-                                                const bf16* __restrict__ w, void* y0, void* y1, void* y2,
-                                                u32 in, u32 out, u32 s1, u32 s2, u32 flags, float eps) {
+                                                const bf16* __restrict__ w, void* y, u32 in, u32 out,
+                                                u32 flags, float eps) {
     __shared__ float red[8][GEMV_GR * N];
     __shared__ float scratch[32];
     const u32 c8 = in / 8, o0 = blockIdx.x * GEMV_GR;
@@ -163,18 +162,7 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, cons
 #pragma unroll
         for (int k = 0; k < 8; ++k) v += red[k][threadIdx.x];
         if (o < out) {
-            u64 i;
-            void* y;
-            if (o < s1) {
-                y = y0;
-                i = (u64)n * s1 + o;
-            } else if (o < s2) {
-                y = y1;
-                i = (u64)n * (s2 - s1) + (o - s1);
-            } else {
-                y = y2;
-                i = (u64)n * (out - s2) + (o - s2);
-            }
+            const u64 i = (u64)n * out + o;
             if (flags & 1) {
                 reinterpret_cast<float*>(y)[i] = v;
             } else if (flags & 2) {
@@ -189,9 +177,9 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, cons
 
 #define GEMV_FUSED_ENTRY(NAME, N, MODE)                                                         \
     extern "C" __global__ void __launch_bounds__(256)                                              \
-        NAME(const bf16* x, const float* nw, const bf16* w, void* y0, void* y1, void* y2, u32 in,   \
-             u32 out, u32 s1, u32 s2, u32 flags, float eps) {                                      \
-        gemv_fused_impl<N, MODE>(x, nw, w, y0, y1, y2, in, out, s1, s2, flags, eps);            \
+        NAME(const bf16* x, const float* nw, const bf16* w, void* y, u32 in, u32 out, u32 flags,    \
+             float eps) {                                                                          \
+        gemv_fused_impl<N, MODE>(x, nw, w, y, in, out, flags, eps);                                \
     }
 GEMV_FUSED_ENTRY(gemv_fused_n1_m0, 1, 0)
 GEMV_FUSED_ENTRY(gemv_fused_n1_m1, 1, 1)
@@ -204,7 +192,7 @@ GEMV_FUSED_ENTRY(gemv_fused_n2_m2, 2, 2)
 #define GEMV_ENTRY(NAME, N)                                                                         \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         NAME(const bf16* x, const bf16* w, void* y, u32 in, u32 out, u32 out_f32) {                 \
-        gemv_fused_impl<N, 0>(x, nullptr, w, y, y, y, in, out, out, out, out_f32 ? 1u : 0u, 0.0f);  \
+        gemv_fused_impl<N, 0>(x, nullptr, w, y, in, out, out_f32 ? 1u : 0u, 0.0f);                  \
     }
 GEMV_ENTRY(gemv_bf16_n1, 1)
 GEMV_ENTRY(gemv_bf16_n2, 2)

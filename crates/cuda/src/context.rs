@@ -54,7 +54,7 @@ pub struct CudaContext {
     /// Whether the fused decode step launches its kernels with programmatic dependent launch
     /// (sm_90+, `SLOWFAST_PDL`, default on there).
     pdl_allowed: bool,
-    /// Set while a step that may use PDL is being queued; `launch` then adds the attribute to
+    /// Set while a fused decode step is being queued; `launch` then adds the attribute to
     /// the kernels `kernels::is_pdl_kernel` names.
     pdl_now: std::sync::atomic::AtomicBool,
 }

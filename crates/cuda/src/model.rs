@@ -18,7 +18,7 @@ use crate::error::CudaError;
 use crate::ops::attention::{AttnWorkspace, DecodeAttn, PrefillAttn};
 use crate::ops::elementwise::Glu;
 use crate::ops::fused::{GemvInput, GemvOutput, QkvPost};
-use crate::ops::norm::{RmsNorm, Rope};
+use crate::ops::norm::RmsNorm;
 use crate::ops::KvLayout;
 use crate::sparse::{GpuKvPolicy, Refresh, SparseState};
 
@@ -102,9 +102,8 @@ struct Acts {
     rows: usize,
     x: GpuBuffer<bf16>,    // [rows, hidden] residual stream
     xb: GpuBuffer<bf16>,   // [rows, hidden] normed
-    q: GpuBuffer<bf16>,    // [rows, heads, hdk]
-    k: GpuBuffer<bf16>,    // [rows, kv_heads, hdk]
-    v: GpuBuffer<bf16>,    // [rows, kv_heads, hdk]
+    qkv: GpuBuffer<bf16>,  // [rows, (heads + 2 kv_heads) * hdk] merged projection
+    q: GpuBuffer<bf16>,    // [rows, heads, hdk] after norm + RoPE
     att: GpuBuffer<bf16>,  // [rows, heads, hdk]
     o: GpuBuffer<bf16>,    // [rows, hidden]
     gu: GpuBuffer<bf16>,   // [rows, 2 * intermediate]
@@ -224,9 +223,8 @@ impl Acts {
             rows,
             x: ctx.alloc(rows * h)?,
             xb: ctx.alloc(rows * h)?,
+            qkv: ctx.alloc(rows * (qd + 2 * kd))?,
             q: ctx.alloc(rows * qd)?,
-            k: ctx.alloc(rows * kd)?,
-            v: ctx.alloc(rows * kd)?,
             att: ctx.alloc(rows * qd)?,
             o: ctx.alloc(rows * h)?,
             gu: ctx.alloc(rows * 2 * i)?,
@@ -854,7 +852,9 @@ impl GpuDecoder {
     }
 
     /// Queues one decode step; the fused step (1-2 rows) launches its kernels with PDL where
-    /// the device allows it.
+    /// the device allows it. Not at 3+ rows: there (cuBLAS GEMMs) PDL gained nothing on the
+    /// fast step and cost SFI's schedule 16 % at batch 6 (run 22: the early-launched blocks
+    /// waiting on the decode stream hold the SMs the side stream's Selector needs).
     fn queue_step(&mut self, refresh: &[Refresh]) -> Result<(), CudaError> {
         self.ctx
             .set_pdl(self.ctx.decode_fused_rows(self.kv.num_slots));
@@ -944,6 +944,7 @@ impl GpuDecoder {
                 &*freq_global
             };
             let (qd, kd) = (nh * hdk, nkv * hdk);
+            // q, k and v in one projection, then q/k norms, RoPE and the KV append in one kernel.
             if fused {
                 let (src, input) = if res_in_gemv {
                     let nw = &w.attn_norm;
@@ -951,51 +952,21 @@ impl GpuDecoder {
                 } else {
                     (&a.xb, GemvInput::Plain)
                 };
-                let y = GemvOutput::Split {
-                    y: [&mut a.q, &mut a.k, &mut a.v],
-                    s1: qd,
-                    s2: qd + kd,
-                };
+                let y = GemvOutput::Bf16(&mut a.qkv);
                 ctx.gemv_fused(src, input, &w.wqkv, y, n, h, qd + 2 * kd)?;
-                let p = QkvPost {
-                    n_tokens: n,
-                    q_heads: nh,
-                    q_norm: w.q_norm.as_ref(),
-                    k_norm: w.k_norm.as_ref(),
-                    eps: head_norm.eps,
-                    rot_dim: s.head_dim,
-                    inv_freq: freqs,
-                };
-                ctx.qkv_post(&mut a.q, &mut a.k, &a.v, kc, vc, &a.pos, &a.slots, kv, &p)?;
             } else {
-                for (rows, y, r0) in [(qd, &a.q, 0), (kd, &a.k, qd), (kd, &a.v, qd + kd)] {
-                    let pw = w.wqkv.device_ptr() + (r0 * h * 2) as u64;
-                    let py = y.ptr_min("linear", "y [n, out]", n * rows)?;
-                    let px = a.xb.device_ptr();
-                    ctx.linear_raw(px, pw, py, cudaDataType::CUDA_R_16BF, n, h, rows)?;
-                }
-                if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-                    ctx.head_rmsnorm(&mut a.q, qn, n * nh, hdk, *head_norm)?;
-                    ctx.head_rmsnorm(&mut a.k, kn, n * nkv, hdk, *head_norm)?;
-                }
-                let rope = Rope {
-                    theta: 1.0,
-                    rot_dim: s.head_dim,
-                    pos_scale: 1.0,
-                };
-                ctx.rope_neox_with(
-                    &mut a.q,
-                    Some(&mut a.k),
-                    &a.pos,
-                    n,
-                    nh,
-                    nkv,
-                    hdk,
-                    rope,
-                    Some(freqs),
-                )?;
-                ctx.kv_append(&a.k, &a.v, kc, vc, &a.pos, &a.slots, n, kv)?;
+                ctx.linear(&a.xb, &w.wqkv, &mut a.qkv, n, h, qd + 2 * kd)?;
             }
+            let p = QkvPost {
+                n_tokens: n,
+                q_heads: nh,
+                q_norm: w.q_norm.as_ref(),
+                k_norm: w.k_norm.as_ref(),
+                eps: head_norm.eps,
+                rot_dim: s.head_dim,
+                inv_freq: freqs,
+            };
+            ctx.qkv_post(&a.qkv, &mut a.q, kc, vc, &a.pos, &a.slots, kv, &p)?;
             let sp = sparse.as_mut().filter(|sp| sp.covers(l));
             match (mode, sp) {
                 (Attn::Prefill { slot, pos0 }, sp) => {

@@ -1,9 +1,8 @@
-//! The fused kernels of the decode step at 1-2 rows (kernels/gemv.cu, kernels/decode_fused.cu): a
-//! weight-streaming GEMV whose input row is prepared in the kernel (plain, RMS-normed, or the
-//! GLU of a `[gate | up]` row) and whose output can be split three ways (merged q/k/v) or added
-//! to the residual stream, and the per-head q/k norm + RoPE + KV append after the q/k/v
-//! projection. Each does what a chain of the plain kernels does (same roundings to bf16), in
-//! one launch.
+//! Fused kernels (kernels/gemv.cu, kernels/decode_fused.cu): for the decode step at 1-2 rows a
+//! weight-streaming GEMV whose input row is made in the kernel (plain, RMS-normed, or the GLU of
+//! a `[gate | up]` row) and whose output can be added to the residual stream; for every forward
+//! the per-head q/k norm + RoPE + KV append after the merged q/k/v projection. Each does what a
+//! chain of the plain kernels does (same roundings to bf16), in one launch.
 
 use half::bf16;
 
@@ -34,13 +33,6 @@ pub enum GemvOutput<'a> {
     F32(&'a mut GpuBuffer<f32>),
     /// `res [n, out] += bf16(y)` (the residual add of `add_rmsnorm`).
     Residual(&'a mut GpuBuffer<bf16>),
-    /// Columns `[0, s1)` to the first buffer `[n, s1]`, `[s1, s2)` to the second, the rest to
-    /// the third (q / k / v of one merged projection).
-    Split {
-        y: [&'a mut GpuBuffer<bf16>; 3],
-        s1: usize,
-        s2: usize,
-    },
 }
 
 /// Per-head norm and RoPE settings of [`CudaContext::qkv_post`].
@@ -116,47 +108,10 @@ impl CudaContext {
         let px = x.ptr_min(OP, "x", x_len)?;
         let pw = w.ptr_min(OP, "w [out, in]", out_features * in_features)?;
         let m = n * out_features;
-        let (ys, s1, s2, flags) = match y {
-            GemvOutput::Bf16(b) => (
-                [b.ptr_min(OP, "y [n, out]", m)?, 0, 0],
-                out_features,
-                out_features,
-                0u32,
-            ),
-            GemvOutput::F32(b) => (
-                [b.ptr_min(OP, "y [n, out]", m)?, 0, 0],
-                out_features,
-                out_features,
-                1,
-            ),
-            GemvOutput::Residual(b) => (
-                [b.ptr_min(OP, "residual [n, out]", m)?, 0, 0],
-                out_features,
-                out_features,
-                2,
-            ),
-            GemvOutput::Split {
-                y: [a, b, c],
-                s1,
-                s2,
-            } => {
-                if !(s1 <= s2 && s2 <= out_features) {
-                    return Err(CudaError::bad(
-                        OP,
-                        format!("split at {s1}, {s2} of {out_features} columns"),
-                    ));
-                }
-                (
-                    [
-                        a.ptr_min(OP, "y0 [n, s1]", n * s1)?,
-                        b.ptr_min(OP, "y1 [n, s2 - s1]", n * (s2 - s1))?,
-                        c.ptr_min(OP, "y2 [n, out - s2]", n * (out_features - s2))?,
-                    ],
-                    s1,
-                    s2,
-                    0,
-                )
-            }
+        let (py, flags) = match y {
+            GemvOutput::Bf16(b) => (b.ptr_min(OP, "y [n, out]", m)?, 0u32),
+            GemvOutput::F32(b) => (b.ptr_min(OP, "y [n, out]", m)?, 1),
+            GemvOutput::Residual(b) => (b.ptr_min(OP, "residual [n, out]", m)?, 2),
         };
         // Four output rows a block (GEMV_GR in kernels/gemv.cu).
         let grid = u32_of(OP, "blocks", out_features.div_ceil(4))?;
@@ -164,13 +119,9 @@ impl CudaContext {
             KArg::P(px),
             KArg::P(nw),
             KArg::P(pw),
-            KArg::P(ys[0]),
-            KArg::P(ys[1]),
-            KArg::P(ys[2]),
+            KArg::P(py),
             KArg::U(in_features as u32),
             KArg::U(u32_of(OP, "out", out_features)?),
-            KArg::U(s1 as u32),
-            KArg::U(s2 as u32),
             KArg::U(flags | act),
             KArg::F(eps),
         ];
@@ -182,17 +133,17 @@ impl CudaContext {
         self.launch(name, (grid, 1, 1), (256, 1, 1), 0, &args)
     }
 
-    /// After the q/k/v projection of `p.n_tokens` rows: per-head RMSNorm of q and k (when
-    /// weights are given), NeoX RoPE of both at `positions`, and the append of k and v to the
-    /// caches at `(slots[t], positions[t])` (what `head_rmsnorm`, `rope_neox_with` and
-    /// `kv_append` do, in one launch). q `[n, q_heads, head_dim]` and k `[n, kv_heads,
-    /// head_dim]` are updated in place.
+    /// After the merged q/k/v projection of `p.n_tokens` rows (`qkv [n, (q_heads + 2
+    /// kv_heads) * head_dim]`, each row q then k then v): per-head RMSNorm of q and k (when
+    /// weights are given), NeoX RoPE of both at `positions`, q written to `q [n, q_heads,
+    /// head_dim]`, k and v appended to the caches at `(slots[t], positions[t])` (rows with a
+    /// slot or position out of range are not cached). What `head_rmsnorm`, `rope_neox_with` and
+    /// `kv_append` do after three projections, in one launch.
     #[allow(clippy::too_many_arguments)]
     pub fn qkv_post(
         &self,
+        qkv: &GpuBuffer<bf16>,
         q: &mut GpuBuffer<bf16>,
-        k: &mut GpuBuffer<bf16>,
-        v: &GpuBuffer<bf16>,
         k_cache: &mut GpuBuffer<bf16>,
         v_cache: &mut GpuBuffer<bf16>,
         positions: &GpuBuffer<u32>,
@@ -222,11 +173,11 @@ impl CudaContext {
         let nrm = |b: Option<&GpuBuffer<f32>>, what: &str| -> Result<u64, CudaError> {
             b.map_or(Ok(0), |b| b.ptr_min(OP, what, hd))
         };
-        let kvn = n * kv.kv_heads * hd;
+        let row = (p.q_heads + 2 * kv.kv_heads) * hd;
         let args = [
+            KArg::P(qkv.ptr_min(OP, "qkv [n, (q_heads + 2 kv_heads) * head_dim]", n * row)?),
+            KArg::U(u32_of(OP, "qkv row", row)?),
             KArg::P(q.ptr_min(OP, "q [n, q_heads, head_dim]", n * p.q_heads * hd)?),
-            KArg::P(k.ptr_min(OP, "k [n, kv_heads, head_dim]", kvn)?),
-            KArg::P(v.ptr_min(OP, "v [n, kv_heads, head_dim]", kvn)?),
             KArg::P(k_cache.ptr_min(OP, "k_cache", kv.elems())?),
             KArg::P(v_cache.ptr_min(OP, "v_cache", kv.elems())?),
             KArg::P(nrm(p.q_norm, "q_norm [head_dim]")?),
