@@ -1,0 +1,283 @@
+//! Diagnostic only: an oracle upper bound for fixed-budget KV selection, not a deployable
+//! policy (it reads every key at every step to decide what to read). At each decode step of a
+//! global layer it computes the current query's exact dense attention and keeps, per kv head,
+//! the `budget` keys with the most attention mass summed over the query heads of the kv head's
+//! GQA group (the selection a per-kv-head policy such as SFI could at best make at that step).
+//! With `recent > 0` it keeps SFI's layout instead: `sinks` + the `recent` newest + the exact
+//! top of the rest, `budget` in all. Prefill, sliding-window and compacted layers stay dense.
+use slowfast_backend::cpu::attention::KvSegment;
+
+use crate::policy::{push_range, reset_out, AttnCall, KvPolicy, PolicyStats, StepCounter};
+use crate::score::top_k;
+use crate::store::{CacheElem, KvStore};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct OracleConfig {
+    /// Keys attended per kv head (sinks and recent window included).
+    pub budget: usize,
+    /// Layout: 0 = the exact top `budget` keys anywhere; else `sinks` first tokens and the
+    /// `recent` newest are always kept and the top of the rest fills the budget.
+    pub sinks: usize,
+    pub recent: usize,
+    /// Softmax scale of `q·k` (the model's attention scale).
+    pub scale: f32,
+}
+
+pub struct OraclePolicy<T> {
+    cfg: OracleConfig,
+    q: Vec<f32>,
+    row: Vec<f32>,
+    logits: Vec<f32>,
+    scores: Vec<f32>,
+    stats: PolicyStats,
+    step: StepCounter,
+    _t: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<T: CacheElem> OraclePolicy<T> {
+    pub fn new(cfg: OracleConfig) -> Result<Self, String> {
+        if cfg.recent > 0 && cfg.sinks + cfg.recent >= cfg.budget {
+            return Err(format!(
+                "oracle: the budget ({}) must exceed sinks + recent ({})",
+                cfg.budget,
+                cfg.sinks + cfg.recent
+            ));
+        }
+        Ok(OraclePolicy {
+            cfg,
+            q: Vec::new(),
+            row: Vec::new(),
+            logits: Vec::new(),
+            scores: Vec::new(),
+            stats: PolicyStats::default(),
+            step: StepCounter::default(),
+            _t: std::marker::PhantomData,
+        })
+    }
+
+    /// Positions `lo .. hi` scored by the group's summed attention probability over
+    /// positions `0 .. hi` (the dense softmax), for kv head `h` of `layer`; into `self.scores`
+    /// (index j - lo).
+    fn score(&mut self, store: &KvStore<T>, layer: usize, h: usize, hi: usize, lo: usize) {
+        let d = store.head_dim;
+        let g = self.q.len() / d / store.n_kv_heads;
+        let (keys, _) = store.head_slab(layer, h);
+        self.logits.resize(g * hi, 0.0);
+        self.row.resize(d, 0.0);
+        for j in 0..hi {
+            T::load(&keys[j * d..(j + 1) * d], &mut self.row);
+            for gi in 0..g {
+                let hq = h * g + gi;
+                let q = &self.q[hq * d..(hq + 1) * d];
+                let dot: f32 = q.iter().zip(&self.row).map(|(a, b)| a * b).sum();
+                self.logits[gi * hi + j] = dot * self.cfg.scale;
+            }
+        }
+        self.scores.clear();
+        self.scores.resize(hi - lo, 0.0);
+        for gi in 0..g {
+            let z = &self.logits[gi * hi..(gi + 1) * hi];
+            let m = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = z.iter().map(|&x| ((x - m) as f64).exp()).sum();
+            let lse = m as f64 + sum.ln();
+            for (s, &x) in self.scores.iter_mut().zip(&z[lo..hi]) {
+                *s += (x as f64 - lse).exp() as f32;
+            }
+        }
+    }
+}
+
+impl<T: CacheElem> KvPolicy<T> for OraclePolicy<T> {
+    fn name(&self) -> &'static str {
+        if self.cfg.recent > 0 {
+            "oracle-sfi"
+        } else {
+            "oracle"
+        }
+    }
+
+    fn query(&mut self, call: &AttnCall, q: &[f32]) {
+        if call.is_decode() {
+            self.q.clear();
+            self.q.extend_from_slice(q);
+        }
+    }
+
+    fn segments<'s>(
+        &'s mut self,
+        call: &AttnCall,
+        store: &'s KvStore<T>,
+        out: &mut Vec<Vec<KvSegment<'s, T>>>,
+    ) {
+        let nkv = store.n_kv_heads;
+        reset_out(out, nkv);
+        let (lo, hi, l) = (call.lo, call.hi(), call.layer);
+        let d = store.head_dim;
+        let sparse = call.is_decode()
+            && !call.sliding
+            && lo == 0
+            && !store.layer(l).is_compact()
+            && hi > self.cfg.budget
+            && !self.q.is_empty()
+            && self.q.len().is_multiple_of(nkv * d);
+        if !sparse {
+            for (h, o) in out.iter_mut().enumerate() {
+                push_range(store, l, h, lo..hi, o);
+            }
+            if call.is_decode() && !call.sliding {
+                self.step.record((hi - lo) as f64, hi - lo);
+            }
+            return;
+        }
+        // Always-kept ranges and the candidate domain [a, z).
+        let (sinks, recent) = if self.cfg.recent > 0 {
+            (self.cfg.sinks, self.cfg.recent)
+        } else {
+            (0, 0)
+        };
+        let (a, z) = (sinks, hi - recent);
+        let k = self.cfg.budget - sinks - recent;
+        for (h, o) in out.iter_mut().enumerate() {
+            self.score(store, l, h, hi, a);
+            self.scores.truncate(z - a);
+            let mut picked: Vec<usize> = (0..sinks)
+                .chain(top_k(&self.scores, k).into_iter().map(|j| j + a))
+                .chain(z..hi)
+                .collect();
+            picked.sort_unstable();
+            let mut i = 0;
+            while i < picked.len() {
+                let mut j = i;
+                while j + 1 < picked.len() && picked[j + 1] == picked[j] + 1 {
+                    j += 1;
+                }
+                push_range(store, l, h, picked[i]..picked[j] + 1, o);
+                i = j + 1;
+            }
+        }
+        self.step.record(self.cfg.budget as f64, hi - lo);
+        self.step.mark_sparse();
+    }
+
+    fn end_forward(&mut self, _pos0: usize, n: usize) {
+        if n == 1 {
+            self.step.finish_step(&mut self.stats);
+        }
+    }
+
+    fn stats(&self) -> PolicyStats {
+        self.stats.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::LayerSpec;
+    use slowfast_backend::cpu::attention::KvPositions;
+
+    /// One kv head, head_dim 2: key j = (1, 0) scaled by `w[j]`; query heads (1, 0), so the
+    /// attention logit of key j is `w[j]`.
+    fn setup(w: &[f32], g: usize) -> (KvStore<f32>, Vec<f32>) {
+        let d = 2;
+        let mut s = KvStore::<f32>::new(
+            1,
+            d,
+            &[LayerSpec {
+                capacity: w.len() + 4,
+                ring: false,
+            }],
+        );
+        let k: Vec<f32> = w.iter().flat_map(|&x| [x, 0.0]).collect();
+        s.write(0, 0, &k, &k).unwrap();
+        s.set_len(w.len());
+        let q: Vec<f32> = (0..g).flat_map(|_| [1.0f32, 0.0]).collect();
+        (s, q)
+    }
+
+    fn positions(segs: &[KvSegment<'_, f32>], d: usize) -> Vec<usize> {
+        segs.iter()
+            .flat_map(|s| match s.pos {
+                KvPositions::Range { start } => {
+                    (start as usize..start as usize + s.len(d)).collect::<Vec<_>>()
+                }
+                KvPositions::List(p) => p.iter().map(|&x| x as usize).collect(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keeps_the_exact_top_keys_of_the_current_query() {
+        let mut w = vec![0.0f32; 40];
+        for (j, x) in [(3, 5.0), (17, 4.0), (18, 6.0), (30, 3.0)] {
+            w[j] = x;
+        }
+        let (st, q) = setup(&w, 2);
+        let cfg = OracleConfig {
+            budget: 4,
+            sinks: 0,
+            recent: 0,
+            scale: 1.0,
+        };
+        let mut p = OraclePolicy::<f32>::new(cfg).unwrap();
+        let call = AttnCall {
+            layer: 0,
+            pos0: 39,
+            n: 1,
+            lo: 0,
+            sliding: false,
+        };
+        p.query(&call, &q);
+        let mut out = Vec::new();
+        p.segments(&call, &st, &mut out);
+        assert_eq!(positions(&out[0], 2), vec![3, 17, 18, 30]);
+        // Adjacent picks form one segment.
+        assert_eq!(out[0].len(), 3);
+        assert_eq!(KvPolicy::<f32>::name(&p), "oracle");
+    }
+
+    #[test]
+    fn sfi_layout_keeps_sinks_and_recent_and_fills_the_rest_exactly() {
+        let mut w = vec![0.0f32; 64];
+        for (j, x) in [(5, 2.0), (9, 7.0), (20, 6.0), (60, 9.0)] {
+            w[j] = x;
+        }
+        let (st, q) = setup(&w, 1);
+        let cfg = OracleConfig {
+            budget: 2 + 2 + 8,
+            sinks: 2,
+            recent: 8,
+            scale: 1.0,
+        };
+        let mut p = OraclePolicy::<f32>::new(cfg).unwrap();
+        let call = AttnCall {
+            layer: 0,
+            pos0: 63,
+            n: 1,
+            lo: 0,
+            sliding: false,
+        };
+        p.query(&call, &q);
+        let mut out = Vec::new();
+        p.segments(&call, &st, &mut out);
+        let mut want = vec![0, 1, 9, 20];
+        want.extend(56..64);
+        assert_eq!(positions(&out[0], 2), want);
+        // Prefill and short sequences stay dense.
+        let pre = AttnCall {
+            n: 4,
+            pos0: 60,
+            ..call
+        };
+        let mut out2 = Vec::new();
+        p.segments(&pre, &st, &mut out2);
+        assert_eq!(positions(&out2[0], 2), (0..64).collect::<Vec<_>>());
+        assert!(OraclePolicy::<f32>::new(OracleConfig {
+            budget: 10,
+            sinks: 2,
+            recent: 8,
+            scale: 1.0
+        })
+        .is_err());
+    }
+}
