@@ -108,6 +108,12 @@ pub struct PolicyArgs {
     /// soft-NMS: --sfi-soft-alpha 1 --sfi-nms-window 32.
     #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.nms_window)]
     pub sfi_nms_window: usize,
+    /// SFI Selector: shift the soft-NMS / pooling window this many tokens towards earlier
+    /// keys: key j pools over [j - w/2 - shift, j + w/2 - shift], so with pooling a peak at p
+    /// lifts p + shift - w/2 ..= p + shift + w/2 (shift = w/2: the peak and the w keys after
+    /// it; an extension; 0: centred, the default).
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.nms_shift)]
+    pub sfi_nms_shift: usize,
     /// SFI Selector: soft-NMS strength (0 turns it off; the paper uses 1). Negative values,
     /// down to -1, pool instead (slowfast's default, -1 with an 8-token window): the neighbours
     /// of a peak move up towards it, so spans such as a number are kept whole (-1: each key
@@ -165,6 +171,7 @@ impl PolicyArgs {
                 prior_weight_l2: self.sfi_prior_weight_l2,
                 prior_weight_pos: self.sfi_prior_weight_pos,
                 nms_window: self.sfi_nms_window,
+                nms_shift: self.sfi_nms_shift,
                 soft_alpha: self.sfi_soft_alpha,
                 cross_head_alpha: self.sfi_cross_head_alpha,
                 cross_head_temperature: self.sfi_cross_head_temperature,

@@ -20,8 +20,14 @@ pub struct SelectorConfig {
     pub prior_pos_power: f64,
     pub prior_pos_eta: f64,
     pub prior_beta: f64,
-    /// Soft-NMS window: the pooled max covers [j - w/2, j + w/2].
+    /// Soft-NMS window: the pooled max covers [j - w/2, j + w/2] (shifted by `nms_shift`).
     pub nms_window: usize,
+    /// Shift of the soft-NMS / pooling window towards earlier keys (an extension, default 0):
+    /// key j pools over [j - w/2 - shift, j + w/2 - shift] (clipped to the domain; empty:
+    /// -inf, leaving the key's own score). With pooling (`soft_alpha` < 0) a peak at p then
+    /// lifts the keys p + shift - w/2 ..= p + shift + w/2 (shift = w/2: the peak and the w
+    /// keys after it, the keys a reader moving forward along a span will want next).
+    pub nms_shift: usize,
     /// Soft-NMS strength a: log s' = log s - a * (pooled - log s). 0 turns it off; a < 0
     /// (down to -1, an extension) pools instead: a peak's neighbours move up towards it, so
     /// contiguous spans (a number, a name) are kept whole.
@@ -46,6 +52,7 @@ impl Default for SelectorConfig {
             prior_pos_eta: 0.4,
             prior_beta: -(0.6f64.ln()) / 0.9,
             nms_window: 32,
+            nms_shift: 0,
             soft_alpha: 1.0,
             cross_head_alpha: 0.85,
             cross_head_temperature: 2.0,
