@@ -92,6 +92,11 @@ pub struct PolicyArgs {
     /// selection.
     #[arg(long, default_value_t = 16)]
     pub sfi_bootstrap_rows: usize,
+    /// Diagnostic policies oracle / oracle-sfi: reselect the exact top keys every this many
+    /// decode steps (1: every step); in between the chosen keys are reused while the recent
+    /// window grows, as in SFI (measures what staleness alone costs).
+    #[arg(long, default_value_t = 1)]
+    pub oracle_every: usize,
     /// SFI Selector: power-mean exponent of the evidence over captured rows (0: geometric mean).
     #[arg(long, default_value_t = 0.5)]
     pub sfi_alpha: f64,
@@ -132,6 +137,11 @@ pub struct PolicyArgs {
     /// SFI Selector: clip of lambda with several captured rows.
     #[arg(long, default_value_t = 0.25)]
     pub sfi_lambda_clip_multi: f64,
+    /// SFI Selector: normalise each captured row's attention over every key it sees (sinks and
+    /// recent window included) instead of over the candidates only, so a query head weighs in
+    /// the evidence by the attention it gives the candidates (an extension; CPU only).
+    #[arg(long)]
+    pub sfi_evidence_mass: bool,
     /// FastKV: fraction of the prompt propagated past the TSP layer (sets the prefill cost;
     /// --kv-budget sets the decode KV kept per layer).
     #[arg(long, default_value_t = 0.2)]
@@ -165,6 +175,7 @@ impl PolicyArgs {
             min_gap: self.sfi_min_gap,
             trigger: self.sfi_trigger.clone(),
             bootstrap_rows: self.sfi_bootstrap_rows,
+            oracle_every: self.oracle_every,
             selector: slowfast_engine::session::SelectorConfig {
                 alpha: self.sfi_alpha,
                 gamma: self.sfi_gamma,
@@ -177,6 +188,7 @@ impl PolicyArgs {
                 cross_head_temperature: self.sfi_cross_head_temperature,
                 lambda_clip_single: self.sfi_lambda_clip_single,
                 lambda_clip_multi: self.sfi_lambda_clip_multi,
+                evidence_mass: self.sfi_evidence_mass,
                 ..Default::default()
             },
         };

@@ -60,6 +60,8 @@ pub enum PolicySpec {
         budget: usize,
         sinks: usize,
         recent: usize,
+        /// Reselect every this many decode steps (1: each step).
+        every: usize,
     },
     /// FastKV's token-selective prefill (`tsp_rate` of the prompt goes past `tsp_layer`,
     /// chosen by the last `window` rows' attention max-pooled with `kernel`), then `decode`'s
@@ -157,12 +159,14 @@ impl PolicySpec {
                 budget,
                 sinks,
                 recent,
+                every,
             } => Box::new(
                 OraclePolicy::<T>::new(OracleConfig {
                     budget: *budget,
                     sinks: *sinks,
                     recent: *recent,
                     scale,
+                    every: *every,
                 })
                 .map_err(EngineError::BadInput)?,
             ),
@@ -525,6 +529,8 @@ pub struct SfiKnobs {
     pub bootstrap_rows: usize,
     /// The Selector's knobs (methods.md §1.4).
     pub selector: SelectorConfig,
+    /// Diagnostic oracles (`oracle`, `oracle-sfi`): reselect every this many decode steps.
+    pub oracle_every: usize,
 }
 
 impl Default for SfiKnobs {
@@ -535,6 +541,7 @@ impl Default for SfiKnobs {
             min_gap: 16,
             trigger: "punct".into(),
             bootstrap_rows: 16,
+            oracle_every: 1,
             selector: SelectorConfig {
                 // slowfast's default: span pooling instead of the paper's soft-NMS (window
                 // 32, strength 1), which drops the neighbours of a peak (docs/results.md).
@@ -731,6 +738,7 @@ pub fn policy_spec_knobs(
             budget: budget_tokens(need_budget("oracle")?, context)?,
             sinks: 0,
             recent: 0,
+            every: sfi.oracle_every.max(1),
         }),
         "oracle-sfi" => {
             let b = budget_tokens(need_budget("oracle-sfi")?, context)?;
@@ -744,6 +752,7 @@ pub fn policy_spec_knobs(
                 budget: b,
                 sinks,
                 recent: sfi.recent,
+                every: sfi.oracle_every.max(1),
             })
         }
         other => Err(EngineError::BadInput(format!(
@@ -803,7 +812,8 @@ mod tests {
             PolicySpec::Oracle {
                 budget: 256,
                 sinks: 0,
-                recent: 0
+                recent: 0,
+                every: 1
             }
         );
         let o = policy_spec("oracle-sfi", Some(0.5), 4, 1024).unwrap();
@@ -812,7 +822,8 @@ mod tests {
             PolicySpec::Oracle {
                 budget: 512,
                 sinks: 4,
-                recent: 256
+                recent: 256,
+                every: 1
             }
         );
         assert_eq!(o.name(), "oracle-sfi");

@@ -4,7 +4,9 @@
 //! the `budget` keys with the most attention mass summed over the query heads of the kv head's
 //! GQA group (the selection a per-kv-head policy such as SFI could at best make at that step).
 //! With `recent > 0` it keeps SFI's layout instead: `sinks` + the `recent` newest + the exact
-//! top of the rest, `budget` in all. Prefill, sliding-window and compacted layers stay dense.
+//! top of the rest, `budget` in all. With `every > 1` it reselects only every `every` decode
+//! steps and reuses the chosen keys in between while the recent window grows, as SFI does
+//! (what staleness alone costs). Prefill, sliding-window and compacted layers stay dense.
 use slowfast_backend::cpu::attention::KvSegment;
 
 use crate::policy::{push_range, reset_out, AttnCall, KvPolicy, PolicyStats, StepCounter};
@@ -21,6 +23,17 @@ pub struct OracleConfig {
     pub recent: usize,
     /// Softmax scale of `q·k` (the model's attention scale).
     pub scale: f32,
+    /// Reselect every this many decode steps (1: every step); in between the chosen keys are
+    /// reused and the newer keys (from the window's start at selection) are read as well.
+    pub every: usize,
+}
+
+/// One layer's chosen keys between reselections.
+struct Held {
+    /// Per kv head: the kept positions below `recent_from`, ascending.
+    picks: Vec<Vec<usize>>,
+    recent_from: usize,
+    age: usize,
 }
 
 pub struct OraclePolicy<T> {
@@ -29,6 +42,7 @@ pub struct OraclePolicy<T> {
     row: Vec<f32>,
     logits: Vec<f32>,
     scores: Vec<f32>,
+    held: Vec<Option<Held>>,
     stats: PolicyStats,
     step: StepCounter,
     _t: std::marker::PhantomData<fn() -> T>,
@@ -36,6 +50,9 @@ pub struct OraclePolicy<T> {
 
 impl<T: CacheElem> OraclePolicy<T> {
     pub fn new(cfg: OracleConfig) -> Result<Self, String> {
+        if cfg.every == 0 {
+            return Err("oracle: the reselection period must be at least 1".into());
+        }
         if cfg.recent > 0 && cfg.sinks + cfg.recent >= cfg.budget {
             return Err(format!(
                 "oracle: the budget ({}) must exceed sinks + recent ({})",
@@ -49,6 +66,7 @@ impl<T: CacheElem> OraclePolicy<T> {
             row: Vec::new(),
             logits: Vec::new(),
             scores: Vec::new(),
+            held: Vec::new(),
             stats: PolicyStats::default(),
             step: StepCounter::default(),
             _t: std::marker::PhantomData,
@@ -129,22 +147,43 @@ impl<T: CacheElem> KvPolicy<T> for OraclePolicy<T> {
             }
             return;
         }
-        // Always-kept ranges and the candidate domain [a, z).
-        let (sinks, recent) = if self.cfg.recent > 0 {
-            (self.cfg.sinks, self.cfg.recent)
-        } else {
-            (0, 0)
+        if self.held.len() <= l {
+            self.held.resize_with(l + 1, || None);
+        }
+        let fresh = match &self.held[l] {
+            Some(hd) => hd.age >= self.cfg.every,
+            None => true,
         };
-        let (a, z) = (sinks, hi - recent);
-        let k = self.cfg.budget - sinks - recent;
+        if fresh {
+            // Always-kept ranges and the candidate domain [a, z).
+            let (sinks, recent) = if self.cfg.recent > 0 {
+                (self.cfg.sinks, self.cfg.recent)
+            } else {
+                (0, 0)
+            };
+            let (a, z) = (sinks, hi - recent);
+            let k = self.cfg.budget - sinks - recent;
+            let mut picks = Vec::with_capacity(nkv);
+            for h in 0..nkv {
+                self.score(store, l, h, hi, a);
+                self.scores.truncate(z - a);
+                let mut p: Vec<usize> = (0..sinks)
+                    .chain(top_k(&self.scores, k).into_iter().map(|j| j + a))
+                    .collect();
+                p.sort_unstable();
+                picks.push(p);
+            }
+            self.held[l] = Some(Held {
+                picks,
+                recent_from: z,
+                age: 0,
+            });
+        }
+        let hd = self.held[l].as_mut().expect("set above");
+        hd.age += 1;
+        let mut attended = 0;
         for (h, o) in out.iter_mut().enumerate() {
-            self.score(store, l, h, hi, a);
-            self.scores.truncate(z - a);
-            let mut picked: Vec<usize> = (0..sinks)
-                .chain(top_k(&self.scores, k).into_iter().map(|j| j + a))
-                .chain(z..hi)
-                .collect();
-            picked.sort_unstable();
+            let picked = &hd.picks[h];
             let mut i = 0;
             while i < picked.len() {
                 let mut j = i;
@@ -154,8 +193,10 @@ impl<T: CacheElem> KvPolicy<T> for OraclePolicy<T> {
                 push_range(store, l, h, picked[i]..picked[j] + 1, o);
                 i = j + 1;
             }
+            push_range(store, l, h, hd.recent_from..hi, o);
+            attended += picked.len() + hi - hd.recent_from;
         }
-        self.step.record(self.cfg.budget as f64, hi - lo);
+        self.step.record(attended as f64 / nkv as f64, hi - lo);
         self.step.mark_sparse();
     }
 
@@ -218,6 +259,7 @@ mod tests {
             sinks: 0,
             recent: 0,
             scale: 1.0,
+            every: 1,
         };
         let mut p = OraclePolicy::<f32>::new(cfg).unwrap();
         let call = AttnCall {
@@ -248,6 +290,7 @@ mod tests {
             sinks: 2,
             recent: 8,
             scale: 1.0,
+            every: 1,
         };
         let mut p = OraclePolicy::<f32>::new(cfg).unwrap();
         let call = AttnCall {
@@ -276,8 +319,54 @@ mod tests {
             budget: 10,
             sinks: 2,
             recent: 8,
-            scale: 1.0
+            scale: 1.0,
+            every: 1,
         })
         .is_err());
+    }
+
+    #[test]
+    fn a_reselection_period_reuses_the_picks_and_grows_the_recent_window() {
+        let mut w = vec![0.0f32; 50];
+        for (j, x) in [(3, 5.0), (17, 4.0), (30, 3.0)] {
+            w[j] = x;
+        }
+        let (st, q) = setup(&w, 1);
+        let mut p = OraclePolicy::<f32>::new(OracleConfig {
+            budget: 2,
+            sinks: 0,
+            recent: 0,
+            scale: 1.0,
+            every: 2,
+        })
+        .unwrap();
+        let call = |pos0| AttnCall {
+            layer: 0,
+            pos0,
+            n: 1,
+            lo: 0,
+            sliding: false,
+        };
+        let mut got = Vec::new();
+        for pos0 in [39, 40, 41] {
+            // The second step's query prefers key 30: ignored until the reselection.
+            let q2: Vec<f32> = if pos0 == 40 {
+                vec![-1.0, 0.0]
+            } else {
+                q.clone()
+            };
+            p.query(&call(pos0), &q2);
+            let mut out = Vec::new();
+            p.segments(&call(pos0), &st, &mut out);
+            got.push(positions(&out[0], 2));
+        }
+        assert_eq!(got[0], vec![3, 17]);
+        assert_eq!(got[1], vec![3, 17, 40]);
+        assert_eq!(got[2], vec![3, 17]);
+        let st = KvPolicy::<f32>::stats(&p);
+        assert_eq!(
+            st.fast_steps, 0,
+            "end_forward not called: nothing closed yet"
+        );
     }
 }

@@ -38,6 +38,11 @@ pub struct SelectorConfig {
     pub lambda_clip_multi: f64,
     /// Use lambda_max * tanh(lambda / lambda_max) instead of the hard clip (default off).
     pub lambda_soft: bool,
+    /// Normalise each captured row's probabilities over every key the row sees (sinks and
+    /// recent window included) instead of over the candidate domain D, so that a row weighs
+    /// in the evidence by the attention mass it puts on D (an extension, default off; the
+    /// weighting of the diagnostic oracle). Changes step 1 only.
+    pub evidence_mass: bool,
     pub eps: f64,
 }
 
@@ -59,6 +64,7 @@ impl Default for SelectorConfig {
             lambda_clip_single: 0.35,
             lambda_clip_multi: 0.25,
             lambda_soft: false,
+            evidence_mass: false,
             eps: 1e-12,
         }
     }
@@ -443,13 +449,22 @@ pub fn select_into(
             sc.valid_rows[h] += 1;
             let z = row(h, r);
             let sum = math::row_exp(z, m, a32, mode, &mut sc.rowbuf);
+            // log of the row's normaliser relative to m: over D, or over every key it sees.
+            let log_norm = if cfg.evidence_mass {
+                let all = &inp.logits[(h * rows + r) * len..(h * rows + r + 1) * len];
+                let mx = all.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+                let s: f64 = all.iter().map(|&v| (v as f64 - mx).exp()).sum();
+                mx + s.ln() - m as f64
+            } else {
+                sum.ln()
+            };
             if geometric {
-                let lse = m as f64 + sum.ln();
+                let lse = m as f64 + log_norm;
                 for (a, &zj) in sc.acc64.iter_mut().zip(z) {
                     *a += zj as f64 - lse;
                 }
             } else {
-                let c = sum.powf(-cfg.alpha) as f32;
+                let c = (-cfg.alpha * log_norm).exp() as f32;
                 math::axpy(&mut sc.acc[h * n..(h + 1) * n], &sc.rowbuf, c);
             }
         }

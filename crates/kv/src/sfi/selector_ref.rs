@@ -87,7 +87,13 @@ pub fn select_reference(
         for r in 0..rows {
             let lse = logsumexp((lo..hi).map(|j| z(h, r, j)));
             if lse > NEG_INF {
-                logp.push((lo..hi).map(|j| z(h, r, j) - lse).collect());
+                // Normalised over D, or (evidence_mass) over every key the row sees.
+                let norm = if cfg.evidence_mass {
+                    logsumexp((0..inp.seq_len).map(|j| z(h, r, j)))
+                } else {
+                    lse
+                };
+                logp.push((lo..hi).map(|j| z(h, r, j) - norm).collect());
             }
         }
         let rcnt = logp.len();

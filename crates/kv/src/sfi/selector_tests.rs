@@ -287,6 +287,72 @@ fn fast_matches_reference_with_a_shifted_window() {
     }
 }
 
+#[test]
+fn fast_matches_reference_with_mass_weighted_evidence() {
+    let mut scratch = SelectorScratch::default();
+    let mut rng = Rng(777);
+    for alpha in [0.5, 1.0, 0.0, 0.7] {
+        for (nh, rows) in [(1, 4), (4, 2), (2, 16)] {
+            let cfg = SelectorConfig {
+                alpha,
+                evidence_mass: true,
+                soft_alpha: -1.0,
+                nms_window: 8,
+                ..Default::default()
+            };
+            let mut c = random_case(&mut rng, nh, rows, 500);
+            c.k = ((c.recent_start - c.sinks) / 3).max(1);
+            let ctx = format!("evidence_mass alpha {alpha} nh {nh} rows {rows}");
+            let fast = select(&cfg, &c.input(), &mut scratch).unwrap();
+            let (reference, scores) = select_reference(&cfg, &c.input()).unwrap();
+            assert_same_up_to_ties(&fast, &reference, &scores, &c, &ctx);
+        }
+    }
+}
+
+/// Two rows with equally peaked attention over D, one of them spending almost all its mass on
+/// a sink: normalised over D they tie (the lower position wins), weighted by mass the row
+/// that attends to D decides.
+#[test]
+fn mass_weighted_evidence_follows_the_row_that_attends_to_the_domain() {
+    let (len, sinks, x, y) = (100usize, 2usize, 20usize, 40usize);
+    let mut logits = vec![0.0f32; 2 * len];
+    logits[0] = 20.0; // row 0: a sink
+    logits[x] = 5.0;
+    logits[len + y] = 5.0; // row 1
+    let norms = vec![1.0f32; len];
+    let inp = SelectorInput {
+        n_kv_heads: 1,
+        rows: 2,
+        seq_len: len,
+        logits: &logits,
+        key_norms: &norms,
+        sinks,
+        recent_start: 80,
+        k: 1,
+        positions: None,
+    };
+    let mut cfg = SelectorConfig {
+        alpha: 1.0,
+        soft_alpha: 0.0,
+        lambda_clip_single: 0.0,
+        lambda_clip_multi: 0.0,
+        ..Default::default()
+    };
+    let mut scratch = SelectorScratch::default();
+    assert_eq!(
+        select(&cfg, &inp, &mut scratch).unwrap().per_head[0],
+        vec![x as u32]
+    );
+    cfg.evidence_mass = true;
+    assert_eq!(
+        select(&cfg, &inp, &mut scratch).unwrap().per_head[0],
+        vec![y as u32]
+    );
+    let (reference, _) = select_reference(&cfg, &inp).unwrap();
+    assert_eq!(reference.per_head[0], vec![y as u32]);
+}
+
 /// With pooling, a window shifted by its half width keeps the keys after a peak: key j pools
 /// [j - w, j], so one sharp peak and a budget of `w + 1` keep the peak and the `w` keys that
 /// follow it.
