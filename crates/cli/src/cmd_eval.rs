@@ -48,7 +48,9 @@ pub struct Args {
     pub eval_tokens: Option<usize>,
     /// Comma-separated KV policies to compare in one run: full, streaming, h2o, snapkv,
     /// pyramidkv, quest, fastkv, sfi, sfi+fastkv (SFI's decode after FastKV's prefill, see
-    /// --prefill; the others: `generate --help`).
+    /// --prefill; the others: `generate --help`), and the diagnostic upper bounds oracle
+    /// (exact top --kv-budget keys of each step's dense attention) and oracle-sfi (SFI's
+    /// layout: sinks + --sfi-recent + the exact top of the rest); see --oracle-every.
     #[arg(long, default_value = "full")]
     pub policies: String,
     #[command(flatten)]

@@ -94,6 +94,11 @@ pub struct PolicyArgs {
     /// selection.
     #[arg(long, default_value_t = 16)]
     pub sfi_bootstrap_rows: usize,
+    /// Diagnostic policies oracle / oracle-sfi: reselect the exact top keys every this many
+    /// decode steps (1: every step); in between the chosen keys are reused while the recent
+    /// window grows, as in SFI (measures what staleness alone costs).
+    #[arg(long, default_value_t = 1)]
+    pub oracle_every: usize,
     /// SFI Selector: power-mean exponent of the evidence over captured rows (0: geometric mean).
     #[arg(long, default_value_t = 0.5)]
     pub sfi_alpha: f64,
@@ -110,6 +115,12 @@ pub struct PolicyArgs {
     /// soft-NMS: --sfi-soft-alpha 1 --sfi-nms-window 32.
     #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.nms_window)]
     pub sfi_nms_window: usize,
+    /// SFI Selector: shift the soft-NMS / pooling window this many tokens towards earlier
+    /// keys: key j pools over [j - w/2 - shift, j + w/2 - shift], so with pooling a peak at p
+    /// lifts p + shift - w/2 ..= p + shift + w/2 (shift = w/2: the peak and the w keys after
+    /// it; an extension; 0: centred, the default).
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.nms_shift)]
+    pub sfi_nms_shift: usize,
     /// SFI Selector: soft-NMS strength (0 turns it off; the paper uses 1). Negative values,
     /// down to -1, pool instead (slowfast's default, -1 with an 8-token window): the neighbours
     /// of a peak move up towards it, so spans such as a number are kept whole (-1: each key
@@ -128,6 +139,11 @@ pub struct PolicyArgs {
     /// SFI Selector: clip of lambda with several captured rows.
     #[arg(long, default_value_t = 0.25)]
     pub sfi_lambda_clip_multi: f64,
+    /// SFI Selector: normalise each captured row's attention over every key it sees (sinks and
+    /// recent window included) instead of over the candidates only, so a query head weighs in
+    /// the evidence by the attention it gives the candidates (an extension; CPU only).
+    #[arg(long)]
+    pub sfi_evidence_mass: bool,
     /// FastKV: fraction of the prompt propagated past the TSP layer (sets the prefill cost;
     /// --kv-budget sets the decode KV kept per layer).
     #[arg(long, default_value_t = 0.2)]
@@ -161,17 +177,20 @@ impl PolicyArgs {
             min_gap: self.sfi_min_gap,
             trigger: self.sfi_trigger.clone(),
             bootstrap_rows: self.sfi_bootstrap_rows,
+            oracle_every: self.oracle_every,
             selector: slowfast_engine::session::SelectorConfig {
                 alpha: self.sfi_alpha,
                 gamma: self.sfi_gamma,
                 prior_weight_l2: self.sfi_prior_weight_l2,
                 prior_weight_pos: self.sfi_prior_weight_pos,
                 nms_window: self.sfi_nms_window,
+                nms_shift: self.sfi_nms_shift,
                 soft_alpha: self.sfi_soft_alpha,
                 cross_head_alpha: self.sfi_cross_head_alpha,
                 cross_head_temperature: self.sfi_cross_head_temperature,
                 lambda_clip_single: self.sfi_lambda_clip_single,
                 lambda_clip_multi: self.sfi_lambda_clip_multi,
+                evidence_mass: self.sfi_evidence_mass,
                 ..Default::default()
             },
         };

@@ -147,6 +147,13 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
             sinks: *sinks,
             recent: *recent,
         },
+        PolicySpec::Sfi { cfg, .. }
+            if cfg.selector.nms_shift != 0 || cfg.selector.evidence_mass =>
+        {
+            return Err(EngineError::BadInput(
+                "--device cuda: --sfi-nms-shift and --sfi-evidence-mass are not on the GPU Selector yet (CPU only)".into(),
+            ))
+        }
         PolicySpec::Sfi { cfg, .. } => GpuKvPolicy::Sfi(GpuSfiConfig {
             sinks: cfg.sinks,
             recent: cfg.recent,

@@ -93,7 +93,10 @@ pub(crate) fn check_input_len(have: usize, need: usize, context: usize) -> Resul
 /// depend on the prefill (full KV; streaming only acts on decode steps). SFI captures its
 /// bootstrap rows during the prefill and so runs its own; so does any other policy.
 pub fn prefill_free(p: &PolicySpec) -> bool {
-    matches!(p, PolicySpec::Full | PolicySpec::Streaming { .. })
+    matches!(
+        p,
+        PolicySpec::Full | PolicySpec::Streaming { .. } | PolicySpec::Oracle { .. }
+    )
 }
 
 /// Whether the KV store after a prefill under `p` is the plain dense one, so prefill-free
@@ -106,6 +109,7 @@ fn leaves_kv_dense(p: &PolicySpec) -> bool {
             | PolicySpec::Streaming { .. }
             | PolicySpec::Sfi { .. }
             | PolicySpec::Quest { .. }
+            | PolicySpec::Oracle { .. }
     )
 }
 

@@ -5,8 +5,8 @@ use slowfast_kv::sfi::memory::{SfiConfig, SfiPolicy};
 pub use slowfast_kv::sfi::selector::SelectorConfig;
 use slowfast_kv::sfi::selector::SelectorError;
 use slowfast_kv::{
-    CacheElem, FullPolicy, H2oPolicy, KvPolicy, KvStore, PolicyStats, QuestPolicy, SnapKvConfig,
-    SnapKvPolicy, StreamingPolicy,
+    CacheElem, FullPolicy, H2oPolicy, KvPolicy, KvStore, OracleConfig, OraclePolicy, PolicyStats,
+    QuestPolicy, SnapKvConfig, SnapKvPolicy, StreamingPolicy,
 };
 use slowfast_model::{LogitsRows, Model, Scratch, TspConfig};
 
@@ -52,6 +52,17 @@ pub enum PolicySpec {
     },
     /// Quest: query-aware top pages per decode step over the full cache.
     Quest { budget: usize },
+    /// Diagnostic only (eval): at each decode step the exact top `budget` keys of the current
+    /// query's dense attention per kv head (`recent` = 0, "oracle"), or SFI's layout with an
+    /// exact per-step selection (`sinks` + `recent` newest + the top of the rest,
+    /// "oracle-sfi"). An upper bound for fixed-budget selection, not a deployable policy.
+    Oracle {
+        budget: usize,
+        sinks: usize,
+        recent: usize,
+        /// Reselect every this many decode steps (1: each step).
+        every: usize,
+    },
     /// FastKV's token-selective prefill (`tsp_rate` of the prompt goes past `tsp_layer`,
     /// chosen by the last `window` rows' attention max-pooled with `kernel`), then `decode`'s
     /// policy over the KV it leaves, with no retention step: layers up to the TSP layer hold
@@ -83,6 +94,8 @@ impl PolicySpec {
             PolicySpec::SnapKv(c) => c.name,
             PolicySpec::FastKv { .. } => "fastkv",
             PolicySpec::Quest { .. } => "quest",
+            PolicySpec::Oracle { recent: 0, .. } => "oracle",
+            PolicySpec::Oracle { .. } => "oracle-sfi",
             PolicySpec::Sfi { .. } => "sfi",
             PolicySpec::FastKvPrefill { decode, .. } => match **decode {
                 PolicySpec::Sfi { .. } => "sfi+fastkv",
@@ -99,7 +112,7 @@ impl PolicySpec {
             PolicySpec::Streaming { sinks, recent } => Some(sinks + recent),
             PolicySpec::H2o { heavy, recent } => Some(heavy + recent),
             PolicySpec::SnapKv(c) | PolicySpec::FastKv { cfg: c, .. } => Some(c.capacity),
-            PolicySpec::Quest { budget } => Some(*budget),
+            PolicySpec::Quest { budget } | PolicySpec::Oracle { budget, .. } => Some(*budget),
             PolicySpec::Sfi { cfg, .. } => Some(cfg.sinks + cfg.selected + cfg.recent),
             PolicySpec::FastKvPrefill { decode, .. } => decode.budget(),
         }
@@ -126,7 +139,8 @@ impl PolicySpec {
         self
     }
 
-    fn build<T: CacheElem>(&self) -> Result<Box<dyn KvPolicy<T>>, EngineError> {
+    /// The policy object; `scale` is the model's attention scale (the oracle's softmax).
+    fn build<T: CacheElem>(&self, scale: f32) -> Result<Box<dyn KvPolicy<T>>, EngineError> {
         Ok(match self {
             PolicySpec::Full => Box::new(FullPolicy::new()),
             PolicySpec::Streaming { sinks, recent } => {
@@ -141,6 +155,21 @@ impl PolicySpec {
                     .map_err(|e| EngineError::BadInput(format!("--policy {}: {e}", self.name())))?,
             ),
             PolicySpec::Quest { budget } => Box::new(QuestPolicy::new(*budget)),
+            PolicySpec::Oracle {
+                budget,
+                sinks,
+                recent,
+                every,
+            } => Box::new(
+                OraclePolicy::<T>::new(OracleConfig {
+                    budget: *budget,
+                    sinks: *sinks,
+                    recent: *recent,
+                    scale,
+                    every: *every,
+                })
+                .map_err(EngineError::BadInput)?,
+            ),
             PolicySpec::Sfi {
                 cfg,
                 enders,
@@ -150,7 +179,7 @@ impl PolicySpec {
                 SfiPolicy::<T>::new((**cfg).clone(), enders, newlines, (*vocab_size).max(1))
                     .map_err(|e| EngineError::BadInput(format!("SFI trigger: {e}")))?,
             ),
-            PolicySpec::FastKvPrefill { decode, .. } => decode.build()?,
+            PolicySpec::FastKvPrefill { decode, .. } => decode.build(scale)?,
         })
     }
 }
@@ -191,8 +220,14 @@ impl<'m> Session<'m> {
     ) -> Result<Self, EngineError> {
         let chunk = chunk.clamp(1, max_tokens.max(1));
         let cache = match kv {
-            KvDtype::F32 => Cache::F32(model.new_cache(max_tokens, chunk), policy.build()?),
-            KvDtype::F16 => Cache::F16(model.new_cache(max_tokens, chunk), policy.build()?),
+            KvDtype::F32 => Cache::F32(
+                model.new_cache(max_tokens, chunk),
+                policy.build(model.cfg.attn_scale)?,
+            ),
+            KvDtype::F16 => Cache::F16(
+                model.new_cache(max_tokens, chunk),
+                policy.build(model.cfg.attn_scale)?,
+            ),
         };
         let tsp = match policy {
             PolicySpec::FastKv {
@@ -234,8 +269,8 @@ impl<'m> Session<'m> {
     /// not touch (full, streaming): `eval` prefills once and forks.
     pub fn fork(&self, policy: &PolicySpec) -> Result<Session<'m>, EngineError> {
         let cache = match &self.cache {
-            Cache::F32(c, _) => Cache::F32(c.clone(), policy.build()?),
-            Cache::F16(c, _) => Cache::F16(c.clone(), policy.build()?),
+            Cache::F32(c, _) => Cache::F32(c.clone(), policy.build(self.model.cfg.attn_scale)?),
+            Cache::F16(c, _) => Cache::F16(c.clone(), policy.build(self.model.cfg.attn_scale)?),
         };
         Ok(Session {
             model: self.model,
@@ -494,6 +529,8 @@ pub struct SfiKnobs {
     pub bootstrap_rows: usize,
     /// The Selector's knobs (methods.md §1.4).
     pub selector: SelectorConfig,
+    /// Diagnostic oracles (`oracle`, `oracle-sfi`): reselect every this many decode steps.
+    pub oracle_every: usize,
 }
 
 impl Default for SfiKnobs {
@@ -504,6 +541,7 @@ impl Default for SfiKnobs {
             min_gap: 16,
             trigger: "punct".into(),
             bootstrap_rows: 16,
+            oracle_every: 1,
             selector: SelectorConfig {
                 // slowfast's default: span pooling instead of the paper's soft-NMS (window
                 // 32, strength 1), which drops the neighbours of a peak (docs/results.md).
@@ -517,7 +555,7 @@ impl Default for SfiKnobs {
 
 /// Names accepted by `--policy` / `--policies`.
 pub const POLICIES: &str =
-    "full, streaming, h2o, snapkv, pyramidkv, quest, fastkv, sfi, sfi+fastkv";
+    "full, streaming, h2o, snapkv, pyramidkv, quest, fastkv, sfi, sfi+fastkv, oracle, oracle-sfi";
 
 /// Build the policy named `name` for a sequence of `context` tokens (SFI with default knobs).
 pub fn policy_spec(
@@ -696,6 +734,27 @@ pub fn policy_spec_knobs(
         "quest" => Ok(PolicySpec::Quest {
             budget: budget_tokens(need_budget("quest")?, context)?,
         }),
+        "oracle" => Ok(PolicySpec::Oracle {
+            budget: budget_tokens(need_budget("oracle")?, context)?,
+            sinks: 0,
+            recent: 0,
+            every: sfi.oracle_every.max(1),
+        }),
+        "oracle-sfi" => {
+            let b = budget_tokens(need_budget("oracle-sfi")?, context)?;
+            if b <= sinks + sfi.recent || sfi.recent == 0 {
+                return Err(EngineError::BadInput(format!(
+                    "--policy oracle-sfi: --kv-budget ({b} tokens) must exceed --sinks + --sfi-recent ({}), and --sfi-recent must be positive",
+                    sinks + sfi.recent
+                )));
+            }
+            Ok(PolicySpec::Oracle {
+                budget: b,
+                sinks,
+                recent: sfi.recent,
+                every: sfi.oracle_every.max(1),
+            })
+        }
         other => Err(EngineError::BadInput(format!(
             "unknown policy `{other}` (available: {POLICIES})"
         ))),
@@ -747,6 +806,28 @@ mod tests {
             "pyramidkv"
         );
         assert!(policy_spec("quest", None, 4, 1024).is_err());
+        // The diagnostic oracles: exact top-k (no layout), or SFI's layout (sinks + recent).
+        assert_eq!(
+            policy_spec("oracle", Some(0.25), 4, 1024).unwrap(),
+            PolicySpec::Oracle {
+                budget: 256,
+                sinks: 0,
+                recent: 0,
+                every: 1
+            }
+        );
+        let o = policy_spec("oracle-sfi", Some(0.5), 4, 1024).unwrap();
+        assert_eq!(
+            o,
+            PolicySpec::Oracle {
+                budget: 512,
+                sinks: 4,
+                recent: 256,
+                every: 1
+            }
+        );
+        assert_eq!(o.name(), "oracle-sfi");
+        assert!(policy_spec("oracle-sfi", Some(0.25), 4, 1024).is_err());
         assert!(policy_spec("h3o", None, 4, 1024)
             .unwrap_err()
             .to_string()

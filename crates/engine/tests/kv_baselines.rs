@@ -39,7 +39,7 @@ fn run(m: &Model, spec: &PolicySpec, prompt: &[u32], rest: &[u32]) -> Run {
     }
 }
 
-const POLICIES: [&str; 4] = ["h2o", "snapkv", "pyramidkv", "quest"];
+const POLICIES: [&str; 5] = ["h2o", "snapkv", "pyramidkv", "quest", "oracle"];
 
 #[test]
 fn budget_covering_the_sequence_equals_full_kv() {
@@ -53,6 +53,36 @@ fn budget_covering_the_sequence_equals_full_kv() {
         assert_eq!(got.bytes_end, full.bytes_end, "{name}");
         assert_eq!(got.stats.retained_fraction(), 1.0, "{name}");
     }
+}
+
+/// The diagnostic oracle reads exactly its budget at every decode step and keeps all memory;
+/// its SFI layout differs from the plain top-k, and both differ from full KV.
+#[test]
+fn oracle_attends_to_its_budget_every_step() {
+    let m = model();
+    let t = tokens(130);
+    let (prompt, rest) = (&t[..100], &t[100..]);
+    let full = run(&m, &PolicySpec::Full, prompt, rest);
+    let top = run(
+        &m,
+        &policy_spec("oracle", Some(48.0), 4, 131).unwrap(),
+        prompt,
+        rest,
+    );
+    assert_eq!(top.stats.fast_steps, 30);
+    assert!((top.stats.attended_tokens - 30.0 * 48.0).abs() < 1e-9);
+    assert_eq!(top.bytes_end, full.bytes_end);
+    let knobs = slowfast_engine::session::SfiKnobs {
+        recent: 16,
+        ..Default::default()
+    };
+    let sfi_layout =
+        slowfast_engine::session::policy_spec_with("oracle-sfi", Some(48.0), 4, 131, &knobs)
+            .unwrap();
+    let lay = run(&m, &sfi_layout, prompt, rest);
+    assert_eq!(lay.stats.fast_steps, 30);
+    assert_ne!(lay.logits, top.logits);
+    assert_ne!(top.logits, full.logits);
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! slowfast-kv: the KV store (preallocated, written in place, compactable per kv head) and, on
 //! top of it, the KV policies that decide what each step attends to and what is kept.
 pub mod h2o;
+pub mod oracle;
 pub mod policy;
 pub mod probe;
 pub mod pyramid;
@@ -12,6 +13,7 @@ pub mod store;
 pub mod streaming;
 
 pub use h2o::H2oPolicy;
+pub use oracle::{OracleConfig, OraclePolicy};
 pub use policy::{AttnCall, FullPolicy, KvPolicy, PolicyStats, StepCounter};
 pub use quest::QuestPolicy;
 pub use snapkv::{SnapKvConfig, SnapKvPolicy};

@@ -20,8 +20,14 @@ pub struct SelectorConfig {
     pub prior_pos_power: f64,
     pub prior_pos_eta: f64,
     pub prior_beta: f64,
-    /// Soft-NMS window: the pooled max covers [j - w/2, j + w/2].
+    /// Soft-NMS window: the pooled max covers [j - w/2, j + w/2] (shifted by `nms_shift`).
     pub nms_window: usize,
+    /// Shift of the soft-NMS / pooling window towards earlier keys (an extension, default 0):
+    /// key j pools over [j - w/2 - shift, j + w/2 - shift] (clipped to the domain; empty:
+    /// -inf, leaving the key's own score). With pooling (`soft_alpha` < 0) a peak at p then
+    /// lifts the keys p + shift - w/2 ..= p + shift + w/2 (shift = w/2: the peak and the w
+    /// keys after it, the keys a reader moving forward along a span will want next).
+    pub nms_shift: usize,
     /// Soft-NMS strength a: log s' = log s - a * (pooled - log s). 0 turns it off; a < 0
     /// (down to -1, an extension) pools instead: a peak's neighbours move up towards it, so
     /// contiguous spans (a number, a name) are kept whole.
@@ -32,6 +38,11 @@ pub struct SelectorConfig {
     pub lambda_clip_multi: f64,
     /// Use lambda_max * tanh(lambda / lambda_max) instead of the hard clip (default off).
     pub lambda_soft: bool,
+    /// Normalise each captured row's probabilities over every key the row sees (sinks and
+    /// recent window included) instead of over the candidate domain D, so that a row weighs
+    /// in the evidence by the attention mass it puts on D (an extension, default off; the
+    /// weighting of the diagnostic oracle). Changes step 1 only.
+    pub evidence_mass: bool,
     pub eps: f64,
 }
 
@@ -46,12 +57,14 @@ impl Default for SelectorConfig {
             prior_pos_eta: 0.4,
             prior_beta: -(0.6f64.ln()) / 0.9,
             nms_window: 32,
+            nms_shift: 0,
             soft_alpha: 1.0,
             cross_head_alpha: 0.85,
             cross_head_temperature: 2.0,
             lambda_clip_single: 0.35,
             lambda_clip_multi: 0.25,
             lambda_soft: false,
+            evidence_mass: false,
             eps: 1e-12,
         }
     }
@@ -436,13 +449,22 @@ pub fn select_into(
             sc.valid_rows[h] += 1;
             let z = row(h, r);
             let sum = math::row_exp(z, m, a32, mode, &mut sc.rowbuf);
+            // log of the row's normaliser relative to m: over D, or over every key it sees.
+            let log_norm = if cfg.evidence_mass {
+                let all = &inp.logits[(h * rows + r) * len..(h * rows + r + 1) * len];
+                let mx = all.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+                let s: f64 = all.iter().map(|&v| (v as f64 - mx).exp()).sum();
+                mx + s.ln() - m as f64
+            } else {
+                sum.ln()
+            };
             if geometric {
-                let lse = m as f64 + sum.ln();
+                let lse = m as f64 + log_norm;
                 for (a, &zj) in sc.acc64.iter_mut().zip(z) {
                     *a += zj as f64 - lse;
                 }
             } else {
-                let c = sum.powf(-cfg.alpha) as f32;
+                let c = (-cfg.alpha * log_norm).exp() as f32;
                 math::axpy(&mut sc.acc[h * n..(h + 1) * n], &sc.rowbuf, c);
             }
         }

@@ -87,7 +87,13 @@ pub fn select_reference(
         for r in 0..rows {
             let lse = logsumexp((lo..hi).map(|j| z(h, r, j)));
             if lse > NEG_INF {
-                logp.push((lo..hi).map(|j| z(h, r, j) - lse).collect());
+                // Normalised over D, or (evidence_mass) over every key the row sees.
+                let norm = if cfg.evidence_mass {
+                    logsumexp((0..inp.seq_len).map(|j| z(h, r, j)))
+                } else {
+                    lse
+                };
+                logp.push((lo..hi).map(|j| z(h, r, j) - norm).collect());
             }
         }
         let rcnt = logp.len();
@@ -145,14 +151,20 @@ pub fn select_reference(
             .collect();
         normalise(&mut logs);
         // 6. Soft-NMS along positions.
-        let half = cfg.nms_window / 2;
+        let (half, shift) = (cfg.nms_window as i64 / 2, cfg.nms_shift as i64);
         for i in 0..n {
             if logs[i] == NEG_INF {
                 continue;
             }
-            let pooled = (i.saturating_sub(half)..=(i + half).min(n - 1))
-                .map(|t| logs[t])
-                .fold(NEG_INF, f64::max);
+            // Window [i - half - shift, i + half - shift] clipped to [0, n).
+            let a = (i as i64 - half - shift).max(0);
+            let b = (i as i64 + half - shift).min(n as i64 - 1);
+            // A window under 2 tokens turns the step off (shift included).
+            let pooled = if half == 0 {
+                logs[i]
+            } else {
+                (a..=b).map(|t| logs[t as usize]).fold(NEG_INF, f64::max)
+            };
             scores[h][i] = logs[i] - cfg.soft_alpha * (pooled - logs[i]).max(0.0);
         }
     }

@@ -166,6 +166,31 @@ fn score_head_body(
     if half > 0 && cfg.soft_alpha != 0.0 {
         let [g, hb, pooled] = &mut sc.nms;
         math::sliding_max(scores, half, g, hb, pooled);
+        let shift = cfg.nms_shift;
+        if shift > 0 {
+            // Key j pools the window centred on j - shift: pooled[j - shift] for j >= shift
+            // (same clipping). The first `shift` keys see the clipped prefix
+            // [0, j + half - shift] (empty: -inf), kept in `g` as a running maximum.
+            let m = shift.min(n);
+            g.clear();
+            let (mut run, mut next) = (f64::NEG_INFINITY, 0usize);
+            for j in 0..m {
+                if j + half >= shift {
+                    let upper = (j + half - shift).min(n - 1);
+                    while next <= upper {
+                        run = run.max(scores[next]);
+                        next += 1;
+                    }
+                    g.push(run);
+                } else {
+                    g.push(f64::NEG_INFINITY);
+                }
+            }
+            for j in (m..n).rev() {
+                pooled[j] = pooled[j - shift];
+            }
+            pooled[..m].copy_from_slice(g);
+        }
         for j in 0..n {
             let s = scores[j];
             if s > f64::NEG_INFINITY {

@@ -252,6 +252,144 @@ fn fast_matches_reference_with_span_pooling() {
 }
 
 #[test]
+fn fast_matches_reference_with_a_shifted_window() {
+    // nms_shift moves the pooling / soft-NMS window towards earlier keys; shifts beyond the
+    // half window (a key outside its own window), beyond the domain, and a tiny domain.
+    let mut scratch = SelectorScratch::default();
+    let mut rng = Rng(4321);
+    let cases = [
+        (-1.0, 8, 4, 600),
+        (-1.0, 8, 8, 600),
+        (-1.0, 16, 12, 600),
+        (-0.5, 6, 3, 600),
+        (1.0, 32, 16, 600),
+        (-1.0, 8, 30, 600),
+        (-1.0, 8, 700, 600),
+        (-1.0, 8, 6, 40),
+        (-1.0, 0, 6, 600),
+    ];
+    for (soft_alpha, nms_window, nms_shift, len) in cases {
+        let cfg = SelectorConfig {
+            soft_alpha,
+            nms_window,
+            nms_shift,
+            ..Default::default()
+        };
+        for nh in [1, 4] {
+            let mut c = random_case(&mut rng, nh, 4, len);
+            c.k = ((c.recent_start - c.sinks) / 4).max(1);
+            let ctx =
+                format!("soft_alpha {soft_alpha} window {nms_window} shift {nms_shift} nh {nh}");
+            let fast = select(&cfg, &c.input(), &mut scratch).unwrap();
+            let (reference, scores) = select_reference(&cfg, &c.input()).unwrap();
+            assert_same_up_to_ties(&fast, &reference, &scores, &c, &ctx);
+        }
+    }
+}
+
+#[test]
+fn fast_matches_reference_with_mass_weighted_evidence() {
+    let mut scratch = SelectorScratch::default();
+    let mut rng = Rng(777);
+    for alpha in [0.5, 1.0, 0.0, 0.7] {
+        for (nh, rows) in [(1, 4), (4, 2), (2, 16)] {
+            let cfg = SelectorConfig {
+                alpha,
+                evidence_mass: true,
+                soft_alpha: -1.0,
+                nms_window: 8,
+                ..Default::default()
+            };
+            let mut c = random_case(&mut rng, nh, rows, 500);
+            c.k = ((c.recent_start - c.sinks) / 3).max(1);
+            let ctx = format!("evidence_mass alpha {alpha} nh {nh} rows {rows}");
+            let fast = select(&cfg, &c.input(), &mut scratch).unwrap();
+            let (reference, scores) = select_reference(&cfg, &c.input()).unwrap();
+            assert_same_up_to_ties(&fast, &reference, &scores, &c, &ctx);
+        }
+    }
+}
+
+/// Two rows with equally peaked attention over D, one of them spending almost all its mass on
+/// a sink: normalised over D they tie (the lower position wins), weighted by mass the row
+/// that attends to D decides.
+#[test]
+fn mass_weighted_evidence_follows_the_row_that_attends_to_the_domain() {
+    let (len, sinks, x, y) = (100usize, 2usize, 20usize, 40usize);
+    let mut logits = vec![0.0f32; 2 * len];
+    logits[0] = 20.0; // row 0: a sink
+    logits[x] = 5.0;
+    logits[len + y] = 5.0; // row 1
+    let norms = vec![1.0f32; len];
+    let inp = SelectorInput {
+        n_kv_heads: 1,
+        rows: 2,
+        seq_len: len,
+        logits: &logits,
+        key_norms: &norms,
+        sinks,
+        recent_start: 80,
+        k: 1,
+        positions: None,
+    };
+    let mut cfg = SelectorConfig {
+        alpha: 1.0,
+        soft_alpha: 0.0,
+        lambda_clip_single: 0.0,
+        lambda_clip_multi: 0.0,
+        ..Default::default()
+    };
+    let mut scratch = SelectorScratch::default();
+    assert_eq!(
+        select(&cfg, &inp, &mut scratch).unwrap().per_head[0],
+        vec![x as u32]
+    );
+    cfg.evidence_mass = true;
+    assert_eq!(
+        select(&cfg, &inp, &mut scratch).unwrap().per_head[0],
+        vec![y as u32]
+    );
+    let (reference, _) = select_reference(&cfg, &inp).unwrap();
+    assert_eq!(reference.per_head[0], vec![y as u32]);
+}
+
+/// With pooling, a window shifted by its half width keeps the keys after a peak: key j pools
+/// [j - w, j], so one sharp peak and a budget of `w + 1` keep the peak and the `w` keys that
+/// follow it.
+#[test]
+fn shifted_pooling_keeps_the_keys_after_a_peak() {
+    let (len, sinks, peak) = (200usize, 2usize, 60usize);
+    let mut logits = vec![0.0f32; len];
+    logits[peak] = 30.0;
+    let norms = vec![1.0f32; len];
+    let cfg = SelectorConfig {
+        soft_alpha: -1.0,
+        nms_window: 8,
+        nms_shift: 4,
+        lambda_clip_single: 0.0,
+        lambda_clip_multi: 0.0,
+        ..Default::default()
+    };
+    let inp = SelectorInput {
+        n_kv_heads: 1,
+        rows: 1,
+        seq_len: len,
+        logits: &logits,
+        key_norms: &norms,
+        sinks,
+        recent_start: 160,
+        k: 9,
+        positions: None,
+    };
+    let mut scratch = SelectorScratch::default();
+    let fast = select(&cfg, &inp, &mut scratch).unwrap();
+    let want: Vec<u32> = (peak as u32..=(peak + 8) as u32).collect();
+    assert_eq!(fast.per_head[0], want);
+    let (reference, _) = select_reference(&cfg, &inp).unwrap();
+    assert_eq!(reference.per_head[0], want);
+}
+
+#[test]
 fn sliding_max_matches_brute_force() {
     let mut rng = Rng(3);
     let (mut g, mut h, mut out) = (Vec::new(), Vec::new(), Vec::new());
