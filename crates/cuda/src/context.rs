@@ -76,7 +76,8 @@ impl std::fmt::Debug for CudaContext {
     }
 }
 
-fn env_usize(name: &str) -> Option<usize> {
+/// A numeric `SLOWFAST_*` setting from the environment (None when unset or not a number).
+pub(crate) fn env_usize(name: &str) -> Option<usize> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
@@ -187,9 +188,7 @@ impl CudaContext {
             sm_count,
             kernels_from_cache: image.from_cache,
 
-            gemv_max_rows: std::env::var("SLOWFAST_GEMV_MAX_ROWS")
-                .ok()
-                .and_then(|v| v.parse().ok())
+            gemv_max_rows: env_usize("SLOWFAST_GEMV_MAX_ROWS")
                 .unwrap_or(GEMV_DEFAULT_ROWS)
                 .min(GEMV_MAX_ROWS),
             decode_fused: env_usize("SLOWFAST_DECODE_FUSED") != Some(0),

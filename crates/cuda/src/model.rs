@@ -155,8 +155,6 @@ pub struct GpuDecoder {
     refresh_lag: usize,
     /// Asynchronous refreshes not yet published.
     pending: Vec<PendingRefresh>,
-    /// The event of the asynchronous refresh the step being queued started.
-    staged: Option<cudarc::driver::CudaEvent>,
     /// Decode steps so far (the clock of `pending`).
     step_no: usize,
 }
@@ -374,12 +372,9 @@ impl GpuDecoder {
             want_refresh: vec![false; num_slots],
             slow_steps: 0,
             fast_steps: 0,
-            refresh_lag: std::env::var("SLOWFAST_SFI_ASYNC_LAG")
-                .ok()
-                .and_then(|v| v.parse().ok())
+            refresh_lag: crate::context::env_usize("SLOWFAST_SFI_ASYNC_LAG")
                 .unwrap_or(DEFAULT_REFRESH_LAG),
             pending: Vec::new(),
-            staged: None,
             step_no: 0,
             hdk,
             layers,
@@ -792,7 +787,9 @@ impl GpuDecoder {
         if refresh.is_empty() {
             match &self.graph {
                 Some(g) => g.launch().map_err(crate::context::drv("cuGraphLaunch"))?,
-                None => self.queue_step(&[])?,
+                None => {
+                    self.queue_step(&[], false)?;
+                }
             }
             self.fast_steps += self.sparse.is_some() as usize;
         } else {
@@ -801,8 +798,7 @@ impl GpuDecoder {
             if let Some(sp) = self.sparse.as_mut() {
                 sp.set_capture(&self.ctx, &flags)?;
             }
-            self.queue_step(&refresh)?;
-            match self.staged.take() {
+            match self.queue_step(&refresh, staged)? {
                 Some(done) => self.pending.push(PendingRefresh {
                     slots: refresh.iter().map(|r| (r.slot, r.len)).collect(),
                     done,
@@ -835,7 +831,7 @@ impl GpuDecoder {
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(crate::context::drv("cuStreamBeginCapture"))?;
-        let queued = self.queue_step(&[]);
+        let queued = self.queue_step(&[], false);
         let graph = stream
             .end_capture(CUgraphInstantiate_flags(0))
             .map_err(crate::context::drv("cuStreamEndCapture"))?;
@@ -855,23 +851,32 @@ impl GpuDecoder {
     /// the device allows it. Not at 3+ rows: there (cuBLAS GEMMs) PDL gained nothing on the
     /// fast step and cost SFI's schedule 16 % at batch 6 (run 22: the early-launched blocks
     /// waiting on the decode stream hold the SMs the side stream's Selector needs).
-    fn queue_step(&mut self, refresh: &[Refresh]) -> Result<(), CudaError> {
+    /// `refresh`: the slots whose memory this step rebuilds, on the side stream with `staged`
+    /// (then the event that ends that work comes back).
+    fn queue_step(
+        &mut self,
+        refresh: &[Refresh],
+        staged: bool,
+    ) -> Result<Option<cudarc::driver::CudaEvent>, CudaError> {
         self.ctx
             .set_pdl(self.ctx.decode_fused_rows(self.kv.num_slots));
-        let r = self.queue_step_kernels(refresh);
+        let r = self.queue_step_kernels(refresh, staged);
         self.ctx.set_pdl(false);
         r
     }
 
-    fn queue_step_kernels(&mut self, refresh: &[Refresh]) -> Result<(), CudaError> {
+    fn queue_step_kernels(
+        &mut self,
+        refresh: &[Refresh],
+        staged: bool,
+    ) -> Result<Option<cudarc::driver::CudaEvent>, CudaError> {
         let b = self.kv.num_slots;
         let (h, v) = (self.spec.hidden, self.spec.vocab);
         self.forward(b, Attn::Decode, refresh)?;
+        let mut done = None;
         if let Some(sp) = self.sparse.as_mut().filter(|_| !refresh.is_empty()) {
-            // The Selector for every global layer of each refreshed slot at once; on the side
-            // stream when it can be staged.
-            let staged = self.refresh_lag > 0 && sp.can_stage(refresh);
-            self.staged = sp.refresh_decode(&self.ctx, refresh, self.spec.n_heads, staged)?;
+            // The Selector for every global layer of each refreshed slot at once.
+            done = sp.refresh_decode(&self.ctx, refresh, self.spec.n_heads, staged)?;
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed).device_ptr();
         self.ctx.linear_raw(
@@ -885,7 +890,8 @@ impl GpuDecoder {
         )?;
         self.ctx.argmax(&self.logits, &mut self.next, b, v)?;
         self.ctx
-            .advance_positions(&mut self.dec.pos, &mut self.dec_lens, b)
+            .advance_positions(&mut self.dec.pos, &mut self.dec_lens, b)?;
+        Ok(done)
     }
 
     /// The layers over `n` rows of `pre` (prefill) or `dec` (decode); leaves the final-normed
@@ -945,15 +951,13 @@ impl GpuDecoder {
             };
             let (qd, kd) = (nh * hdk, nkv * hdk);
             // q, k and v in one projection, then q/k norms, RoPE and the KV append in one kernel.
-            if fused {
-                let (src, input) = if res_in_gemv {
-                    let nw = &w.attn_norm;
-                    (&a.x, GemvInput::Norm { w: nw, eps: s.eps })
-                } else {
-                    (&a.xb, GemvInput::Plain)
+            if res_in_gemv {
+                let input = GemvInput::Norm {
+                    w: &w.attn_norm,
+                    eps: s.eps,
                 };
                 let y = GemvOutput::Bf16(&mut a.qkv);
-                ctx.gemv_fused(src, input, &w.wqkv, y, n, h, qd + 2 * kd)?;
+                ctx.gemv_fused(&a.x, input, &w.wqkv, y, n, h, qd + 2 * kd)?;
             } else {
                 ctx.linear(&a.xb, &w.wqkv, &mut a.qkv, n, h, qd + 2 * kd)?;
             }
@@ -1010,7 +1014,6 @@ impl GpuDecoder {
                     )?;
                 }
             }
-            let next_norm = layers.get(l + 1).map_or(&*final_norm, |nl| &nl.attn_norm);
             if res_in_gemv {
                 // x += o; x += down(glu(gate_up(ffn_norm(x)))); the next norm is in the next GEMV.
                 let o = GemvOutput::Residual(&mut a.x);
@@ -1023,9 +1026,6 @@ impl GpuDecoder {
                 ctx.gemv_fused(&a.x, input, &w.w_gate_up, gu, n, h, 2 * inter)?;
                 let o = GemvOutput::Residual(&mut a.x);
                 ctx.gemv_fused(&a.gu, GemvInput::Glu(s.glu), &w.w_down, o, n, inter, h)?;
-                if l + 1 == layers.len() {
-                    ctx.rmsnorm(&a.x, final_norm, &mut a.xb, n, h, norm)?;
-                }
                 continue;
             }
             ctx.linear(&a.att, &w.wo, &mut a.o, n, qd, h)?;
@@ -1049,6 +1049,7 @@ impl GpuDecoder {
                 ctx.linear(&a.act, &w.w_down, &mut a.o, n, inter, h)?;
             }
             // x += post_ffw(o); xb = next layer's input norm (the final norm after the last)
+            let next_norm = layers.get(l + 1).map_or(&*final_norm, |nl| &nl.attn_norm);
             ctx.add_rmsnorm(
                 &a.o,
                 &mut a.x,
@@ -1059,6 +1060,10 @@ impl GpuDecoder {
                 h,
                 norm,
             )?;
+        }
+        if res_in_gemv {
+            // The residual stream was never normed inside the loop: the final norm.
+            ctx.rmsnorm(&a.x, final_norm, &mut a.xb, n, h, norm)?;
         }
         Ok(())
     }

@@ -20,10 +20,6 @@ fn matvec(xin: &[f64], w: &[bf16], n: usize, k: usize, m: usize) -> Vec<f64> {
         .collect()
 }
 
-fn dl_f32(ctx: &slowfast_cuda::CudaContext, b: &slowfast_cuda::GpuBuffer<f32>) -> Vec<f64> {
-    ctx.download(b).unwrap().iter().map(|&v| v as f64).collect()
-}
-
 fn silu(g: f64) -> f64 {
     g / (1.0 + (-g).exp())
 }

@@ -439,12 +439,7 @@ fn linear_matches_reference() {
     );
     let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
     ctx.linear(&dx, &dw, &mut y32, n, k, m).unwrap();
-    let got: Vec<f64> = ctx
-        .download(&y32)
-        .unwrap()
-        .iter()
-        .map(|&v| v as f64)
-        .collect();
+    let got = dl_f32(&ctx, &y32);
     assert_close("linear f32 out", &got, &want, 1e-4);
     // a too-small output buffer is refused with a message naming it
     let mut small = ctx.alloc::<f32>(10).unwrap();
@@ -471,12 +466,7 @@ fn small_batch_linear_matches_reference() {
             let want = linear_ref(&x, &w, n, k, m);
             let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
             ctx.linear(&dx, &dw, &mut y32, n, k, m).unwrap();
-            let got: Vec<f64> = ctx
-                .download(&y32)
-                .unwrap()
-                .iter()
-                .map(|&v| v as f64)
-                .collect();
+            let got = dl_f32(&ctx, &y32);
             assert_close(
                 &format!("gemv f32 out n {n} in {k} out {m}"),
                 &got,

@@ -62,6 +62,11 @@ pub fn to_f64(v: &[bf16]) -> Vec<f64> {
     v.iter().map(|x| x.to_f64()).collect()
 }
 
+/// An f32 device buffer as f64 values.
+pub fn dl_f32(ctx: &CudaContext, b: &slowfast_cuda::GpuBuffer<f32>) -> Vec<f64> {
+    ctx.download(b).unwrap().iter().map(|&v| v as f64).collect()
+}
+
 pub fn nan_bf16(n: usize) -> Vec<bf16> {
     vec![bf16::NAN; n]
 }
