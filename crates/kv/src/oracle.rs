@@ -9,7 +9,10 @@
 //! (what staleness alone costs). Prefill, sliding-window and compacted layers stay dense.
 use slowfast_backend::cpu::attention::KvSegment;
 
-use crate::policy::{push_range, reset_out, AttnCall, KvPolicy, PolicyStats, StepCounter};
+use crate::policy::{
+    dense_segments, push_range, reset_out, sorted_runs, AttnCall, KvPolicy, PolicyStats,
+    StepCounter,
+};
 use crate::score::top_k;
 use crate::store::{CacheElem, KvStore};
 
@@ -139,12 +142,7 @@ impl<T: CacheElem> KvPolicy<T> for OraclePolicy<T> {
             && !self.q.is_empty()
             && self.q.len().is_multiple_of(nkv * d);
         if !sparse {
-            for (h, o) in out.iter_mut().enumerate() {
-                push_range(store, l, h, lo..hi, o);
-            }
-            if call.is_decode() && !call.sliding {
-                self.step.record((hi - lo) as f64, hi - lo);
-            }
+            dense_segments(call, store, out, &mut self.step);
             return;
         }
         if self.held.len() <= l {
@@ -184,14 +182,8 @@ impl<T: CacheElem> KvPolicy<T> for OraclePolicy<T> {
         let mut attended = 0;
         for (h, o) in out.iter_mut().enumerate() {
             let picked = &hd.picks[h];
-            let mut i = 0;
-            while i < picked.len() {
-                let mut j = i;
-                while j + 1 < picked.len() && picked[j + 1] == picked[j] + 1 {
-                    j += 1;
-                }
-                push_range(store, l, h, picked[i]..picked[j] + 1, o);
-                i = j + 1;
+            for r in sorted_runs(picked) {
+                push_range(store, l, h, r, o);
             }
             push_range(store, l, h, hd.recent_from..hi, o);
             attended += picked.len() + hi - hd.recent_from;

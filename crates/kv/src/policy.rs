@@ -179,6 +179,21 @@ pub fn push_range<'s, T: CacheElem>(
     );
 }
 
+/// The maximal runs of consecutive values of `sorted` (ascending, distinct) as ranges, so that
+/// picked positions or pages are read as few segments: `[3, 4, 5, 9]` gives `3..6, 9..10`.
+pub fn sorted_runs(sorted: &[usize]) -> impl Iterator<Item = Range<usize>> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        let first = *sorted.get(i)?;
+        let mut j = i;
+        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
+            j += 1;
+        }
+        i = j + 1;
+        Some(first..sorted[j] + 1)
+    })
+}
+
 /// Reset `out` to `n_kv` empty lists, keeping their allocations.
 pub fn reset_out<T>(out: &mut Vec<Vec<KvSegment<'_, T>>>, n_kv: usize) {
     out.truncate(n_kv);
@@ -247,5 +262,19 @@ impl<T: CacheElem> KvPolicy<T> for FullPolicy {
     }
     fn stats(&self) -> PolicyStats {
         self.stats.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sorted_runs;
+
+    #[test]
+    fn sorted_runs_splits_at_gaps() {
+        let runs = |v: &[usize]| sorted_runs(v).collect::<Vec<_>>();
+        assert_eq!(runs(&[3, 4, 5, 9]), vec![3..6, 9..10]);
+        assert_eq!(runs(&[0, 2, 4]), vec![0..1, 2..3, 4..5]);
+        assert_eq!(runs(&[7]), vec![7..8]);
+        assert!(runs(&[]).is_empty());
     }
 }

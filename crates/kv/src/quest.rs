@@ -7,7 +7,10 @@
 //! layers, prefill and sliding-window layers stay dense.
 use slowfast_backend::cpu::attention::{KvElem, KvSegment};
 
-use crate::policy::{push_range, reset_out, AttnCall, KvPolicy, PolicyStats, StepCounter};
+use crate::policy::{
+    dense_segments, push_range, reset_out, sorted_runs, AttnCall, KvPolicy, PolicyStats,
+    StepCounter,
+};
 use crate::score::top_k;
 use crate::store::{CacheElem, KvStore};
 
@@ -122,12 +125,7 @@ impl<T: CacheElem> KvPolicy<T> for QuestPolicy {
             && self.q.len().is_multiple_of(nkv * d)
             && !self.q.is_empty();
         if !sparse {
-            for (h, o) in out.iter_mut().enumerate() {
-                push_range(store, l, h, lo..hi, o);
-            }
-            if call.is_decode() && !call.sliding {
-                self.step.record((hi - lo) as f64, hi - lo);
-            }
+            dense_segments(call, store, out, &mut self.step);
             return;
         }
         if self.bounds.len() <= l {
@@ -156,16 +154,10 @@ impl<T: CacheElem> KvPolicy<T> for QuestPolicy {
             let mut picked = top_k(&self.scores, k_pages);
             picked.sort_unstable();
             // Adjacent pages become one segment.
-            let mut i = 0;
-            while i < picked.len() {
-                let mut j = i;
-                while j + 1 < picked.len() && picked[j + 1] == picked[j] + 1 {
-                    j += 1;
-                }
-                let (a, z) = (picked[i] * page, ((picked[j] + 1) * page).min(hi));
+            for r in sorted_runs(&picked) {
+                let (a, z) = (r.start * page, (r.end * page).min(hi));
                 attended += z - a;
                 push_range(store, l, h, a..z, o);
-                i = j + 1;
             }
         }
         self.step.record(attended as f64 / nkv as f64, hi - lo);
