@@ -1,10 +1,13 @@
 //! Micro-benchmark of the CUDA crate at Qwen3-4B shapes: device-copy bandwidth (the
 //! roofline), flash-decoding GB/s for 8K..128K contexts at batch 1 and 8, cuBLAS GEMM
 //! TFLOP/s for 32K-token prefill projections and prefill flash-attention TFLOP/s.
-//! Usage: cuda_bench [quick | profile]  (profile: one launch of each attention kernel, for ncu)
+//! Usage: cuda_bench [quick | profile | gemv | decode]  (profile: one launch of each attention
+//! kernel, for ncu; gemv: the 1-row GEMV kernels against the pure read rate, shape by shape,
+//! then a 36-layer chain of the four projections; decode: flash-decoding alone at 8K-128K)
 
 use slowfast_cuda::{
-    bf16, AttnWorkspace, CudaContext, CudaError, DecodeAttn, GpuBuffer, KvLayout, PrefillAttn,
+    bf16, AttnWorkspace, CudaContext, CudaError, DecodeAttn, GemvInput, GemvOutput, Glu, GpuBuffer,
+    KvLayout, PrefillAttn,
 };
 
 fn rand_bf16(n: usize, seed: u64) -> Vec<bf16> {
@@ -164,6 +167,139 @@ fn prefill(
     Ok(tf)
 }
 
+/// One decode-step projection of Qwen3-4B as the fused step runs it: name, input mode (0
+/// plain, 1 RMS-normed), in, out, output (0 bf16, 1 f32, 2 residual add, 3 GLU of the rows).
+const PROJ: [(&str, usize, usize, usize, usize); 5] = [
+    ("qkv", 1, 2560, 6144, 0),
+    ("o", 0, 4096, 2560, 2),
+    ("gate_up", 1, 2560, 19456, 3),
+    ("down", 0, 9728, 2560, 2),
+    ("lm_head", 0, 2560, 151936, 1),
+];
+
+/// One row through projection `(mode, in, out, kind)` with weights `w`.
+#[allow(clippy::too_many_arguments)]
+fn gemv_once(
+    ctx: &CudaContext,
+    mode: usize,
+    x: &GpuBuffer<bf16>,
+    nw: &GpuBuffer<f32>,
+    w: &GpuBuffer<bf16>,
+    y16: &mut GpuBuffer<bf16>,
+    y32: &mut GpuBuffer<f32>,
+    kind: usize,
+    in_f: usize,
+    out_f: usize,
+) -> Result<(), CudaError> {
+    let input = match mode {
+        0 => GemvInput::Plain,
+        _ => GemvInput::Norm { w: nw, eps: 1e-6 },
+    };
+    let y = match kind {
+        0 => GemvOutput::Bf16(y16),
+        1 => GemvOutput::F32(y32),
+        2 => GemvOutput::Residual(y16),
+        _ => GemvOutput::Glu(y16, Glu::SwiGlu),
+    };
+    ctx.gemv_fused(x, input, w, y, 1, in_f, out_f)
+}
+
+fn gemv_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
+    let x = ctx.upload(&rand_bf16(2 * 9728, 11))?;
+    let nw = ctx.upload(&vec![1.0f32; 9728])?;
+    let mut y16 = ctx.alloc::<bf16>(151936)?;
+    let mut y32 = ctx.alloc::<f32>(151936)?;
+    let mut sink = ctx.alloc::<u32>(ctx.sm_count() as usize * 8)?;
+    for &(name, mode, in_f, out_f, kind) in &PROJ {
+        let bytes = in_f * out_f * 2;
+        // replicas enough that a sweep is >= 512 MiB: timings do not come from L2
+        let reps = (512usize << 20).div_ceil(bytes).max(2);
+        let w0 = ctx.upload(&rand_bf16(in_f * out_f, 12))?;
+        let mut ws = vec![];
+        for _ in 0..reps {
+            let mut w = ctx.alloc::<bf16>(in_f * out_f)?;
+            ctx.copy(&w0, &mut w)?;
+            ws.push(w);
+        }
+        let iters = (reps * 8).clamp(40, 400);
+        let gbs = |ms: f32| bytes as f64 / (ms as f64 * 1e-3) / 1e9;
+        let mut i = 0;
+        let ms = ctx.time_ms(iters, || {
+            i += 1;
+            ctx.stream_read_bench(&ws[i % reps], &mut sink)
+        })?;
+        println!(
+            "gemv    {name:<8} {in_f:>5} -> {out_f:>6} ({:>6.1} MB)  read-only {:>7.2} us {:>5.0} GB/s {:>5.1}%",
+            bytes as f64 / 1e6,
+            ms * 1e3,
+            gbs(ms),
+            100.0 * gbs(ms) / copy_gbs
+        );
+        {
+            let mut line = format!("gemv    {name:<8} {:<14}", "fused gemv");
+            for pdl in [false, true] {
+                ctx.set_pdl(pdl);
+                gemv_once(
+                    ctx, mode, &x, &nw, &ws[0], &mut y16, &mut y32, kind, in_f, out_f,
+                )?;
+                let ms = ctx.time_ms(iters, || {
+                    i += 1;
+                    let w = &ws[i % reps];
+                    gemv_once(ctx, mode, &x, &nw, w, &mut y16, &mut y32, kind, in_f, out_f)
+                })?;
+                ctx.set_pdl(false);
+                line += &format!(
+                    "  {}: {:>7.2} us {:>5.0} GB/s {:>5.1}%",
+                    if pdl { "pdl" } else { "plain" },
+                    ms * 1e3,
+                    gbs(ms),
+                    100.0 * gbs(ms) / copy_gbs
+                );
+            }
+            println!("{line}");
+        }
+    }
+    // The weight side of a decode step: 36 layers of q/k/v, o, gate|up, down, each layer with
+    // its own weights (7.3 GB), then the LM head, under PDL as the fused step runs them.
+    let layers = 36;
+    let mut lw = vec![];
+    for _ in 0..layers {
+        let mut l = vec![];
+        for &(_, _, in_f, out_f, _) in &PROJ[..4] {
+            l.push(ctx.alloc::<bf16>(in_f * out_f)?);
+        }
+        lw.push(l);
+    }
+    let (_, _, hin, hout, _) = PROJ[4];
+    let head = ctx.alloc::<bf16>(hin * hout)?;
+    let total: usize =
+        PROJ.iter().map(|p| p.2 * p.3 * 2).sum::<usize>() * layers - hin * hout * 2 * (layers - 1);
+    let chain = |y16: &mut GpuBuffer<bf16>, y32: &mut GpuBuffer<f32>| {
+        for l in &lw {
+            for (j, &(_, mode, in_f, out_f, kind)) in PROJ[..4].iter().enumerate() {
+                gemv_once(ctx, mode, &x, &nw, &l[j], y16, y32, kind, in_f, out_f)?;
+            }
+        }
+        gemv_once(ctx, 0, &x, &nw, &head, y16, y32, 1, hin, hout)
+    };
+    {
+        ctx.set_pdl(true);
+        chain(&mut y16, &mut y32)?;
+        let ms = ctx.time_ms(10, || chain(&mut y16, &mut y32))?;
+        ctx.set_pdl(false);
+        let g = total as f64 / (ms as f64 * 1e-3) / 1e9;
+        println!(
+            "gemv    chain of {} GEMVs ({:.2} GB) pdl: {:>7.3} ms {:>5.0} GB/s {:>5.1}% of copy",
+            4 * layers + 1,
+            total as f64 / 1e9,
+            ms,
+            g,
+            100.0 * g / copy_gbs
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), CudaError> {
     let quick = std::env::args().any(|a| a == "quick");
     let t0 = std::time::Instant::now();
@@ -182,11 +318,22 @@ fn main() -> Result<(), CudaError> {
         for k in ["attn_prefill_d128", "attn_prefill_d128_m2"] {
             prefill(&ctx, 32, 8, 128, 8192, 1, Some(k))?;
         }
-        decode(&ctx, 1, 131072, 1.0, None)?;
+        decode(&ctx, 1, 32768, 1.0, None)?;
         return Ok(());
     }
     let bw = copy_bw(&ctx)?;
     println!("copy    device-to-device {bw:.0} GB/s (read + write)");
+    if std::env::args().any(|a| a == "gemv") {
+        return gemv_ab(&ctx, bw);
+    }
+    if std::env::args().any(|a| a == "decode") {
+        for &b in &[1usize, 8] {
+            for c in [8192, 32768, 131072] {
+                decode(&ctx, b, c, bw, None)?;
+            }
+        }
+        return Ok(());
+    }
     let ctxs: &[usize] = if quick {
         &[32768]
     } else {

@@ -290,6 +290,9 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     }
 DECODE_ENTRY(attn_decode_d64, 64, 4)
 DECODE_ENTRY(attn_decode_d128, 128, 3)
+// Deeper K/V rings (more bytes in flight a SM, one block a SM): SLOWFAST_DECODE_STAGES.
+DECODE_ENTRY(attn_decode_d128_s4, 128, 4)
+DECODE_ENTRY(attn_decode_d128_s6, 128, 6)
 DECODE_ENTRY(attn_decode_d256, 256, 2)
 
 // The sparse / capturing variant (see SparseArgs above); same grid, smem and partials.

@@ -31,19 +31,24 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float a) {
     return a;
 }
 
-// gemv_fused_n{1,2}_m{0,1,2}: y[n, o] = sum_i xin[n, i] w[o, i] for N = 1-2 rows, where the
+// gemv_fused_n{1,2}_m{0,1}: y[n, o] = sum_i xin[n, i] w[o, i] for N = 1-2 rows, where the
 // input row is made on the fly from x:
 //   m0 (plain): x [N, in];
 //   m1 (norm):  rmsnorm(x [N, in]) * nw, rounded to bf16 as rmsnorm_bf16 writes it (each block
-//               sums the row's squares first);
-//   m2 (glu):   act(gate) * up of x [N, 2 * in] = [gate | up] rows, rounded to bf16 as glu_bf16
-//               writes it (act: SiLU, or GELU-tanh with flag 4).
+//               sums the row's squares first).
 // y [N, out] bf16, or f32 with flag 1; flag 2: y is the residual stream [N, out] and receives
-// y + bf16(acc) (the residual add of rmsnorm_bf16).
+// y + bf16(acc) (the residual add of rmsnorm_bf16); flag 8: out rows are [gate; up] and y
+// [N, out / 2] receives act(gate) * up as glu_bf16 writes it (act SiLU, GELU-tanh with flag 16),
+// so the down projection reads a plain row (run 26: computing the GLU inside the down GEMV, in
+// every block, cost it ~25 %); grid (ceil(out / 4)) still: a block takes two gate rows and their
+// two up rows.
 // The weights stream as in gemv.cu: GEMV_GR = 4 output rows a block (8 measured slower: run 19), its
 // 8 warps split the input (thread t reads 16-byte chunks t, t + 256, ..., two per row in flight).
-// Each block prefetches its first weights into L2 before pdl_wait(), so under PDL the weight
-// stream starts while the kernel before is still running.
+// Each block loads its first weights (chunks t and t + 256 of its rows) into registers before
+// pdl_wait(), so the weight stream starts while the kernel before is still running and the input
+// row is made while those loads are in flight (the plain gemv_bf16_n* entries prefetch them
+// into L2 instead). Run 24: 77 % of the copy rate over the 145 GEMVs of a Qwen3-4B step, from 67 %
+// with the L2 prefetch.
 // grid (ceil(out / 4)), block 256; in % 8 == 0.
 
 __device__ __forceinline__ float gf_silu(float x) { return x / (1.0f + __expf(-x)); }
@@ -63,20 +68,15 @@ __device__ __forceinline__ u32 gf_norm2(u32 x, float scale, float w0, float w1) 
 // The 16-byte input chunk c of row n.
 template <int MODE>
 __device__ __forceinline__ uint4 gf_x(const uint4* __restrict__ xv, const float4* __restrict__ nw4, u32 c8,
-                                      u32 n, u32 c, float scale, bool gelu) {
+                                      u32 n, u32 c, float scale) {
     if (MODE == 0) return __ldg(xv + n * c8 + c);
-    if (MODE == 1) {
-        const uint4 x = __ldg(xv + n * c8 + c);
-        const float4 wa = __ldg(nw4 + 2 * c), wb = __ldg(nw4 + 2 * c + 1);
-        return make_uint4(gf_norm2(x.x, scale, wa.x, wa.y), gf_norm2(x.y, scale, wa.z, wa.w),
-                          gf_norm2(x.z, scale, wb.x, wb.y), gf_norm2(x.w, scale, wb.z, wb.w));
-    }
-    const uint4 g = __ldg(xv + n * 2 * c8 + c), u = __ldg(xv + n * 2 * c8 + c8 + c);
-    return make_uint4(gf_glu2(g.x, u.x, gelu), gf_glu2(g.y, u.y, gelu), gf_glu2(g.z, u.z, gelu),
-                      gf_glu2(g.w, u.w, gelu));
+    const uint4 x = __ldg(xv + n * c8 + c);
+    const float4 wa = __ldg(nw4 + 2 * c), wb = __ldg(nw4 + 2 * c + 1);
+    return make_uint4(gf_norm2(x.x, scale, wa.x, wa.y), gf_norm2(x.y, scale, wa.z, wa.w),
+                      gf_norm2(x.z, scale, wb.x, wb.y), gf_norm2(x.w, scale, wb.z, wb.w));
 }
 
-template <int N, int MODE>
+template <int N, int MODE, bool PRE>
 __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, const float* __restrict__ nw,
                                                 const bf16* __restrict__ w, void* y, u32 in, u32 out,
                                                 u32 flags, float eps) {
@@ -86,18 +86,32 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, cons
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     const float4* nw4 = reinterpret_cast<const float4*>(nw);
-    const bool gelu = (flags & 4) != 0;
+    // flag 8 (GLU out): the rows are [gate; up] halves of out; this block takes gate rows j0,
+    // j0 + 1 and the up rows of the same two (rows half + j0, half + j0 + 1).
+    const bool glu_out = (flags & 8) != 0;
+    const u32 half = out / 2, j0 = blockIdx.x * 2;
     const uint4* wr[GEMV_GR];
 #pragma unroll
-    for (int r = 0; r < GEMV_GR; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (u64)min(o0 + r, out - 1) * in);
+    for (int r = 0; r < GEMV_GR; ++r) {
+        const u32 row = glu_out ? min(j0 + (r & 1), half - 1) + (r >= 2 ? half : 0) : min(o0 + r, out - 1);
+        wr[r] = reinterpret_cast<const uint4*>(w + (u64)row * in);
+    }
     float scale[N];
 #pragma unroll
     for (int n = 0; n < N; ++n) scale[n] = 1.0f;
-    // Start fetching this block's first weights, then wait for the kernel before (PDL).
+    // This block's first weights (chunks t and t + 256 of each row): loaded into registers
+    // (PRE) or prefetched into L2 before waiting for the kernel before (PDL); the weights are
+    // constant, so under PDL their stream starts while that kernel is still running.
+    uint4 pa[GEMV_GR], pb[GEMV_GR];
 #pragma unroll
     for (int r = 0; r < GEMV_GR; ++r) {
-        if (threadIdx.x < c8) prefetch_l2(wr[r] + threadIdx.x);
-        if (threadIdx.x + 256 < c8) prefetch_l2(wr[r] + threadIdx.x + 256);
+        if (PRE) {
+            pa[r] = threadIdx.x < c8 ? ld_stream(wr[r] + threadIdx.x) : make_uint4(0, 0, 0, 0);
+            pb[r] = threadIdx.x + 256 < c8 ? ld_stream(wr[r] + threadIdx.x + 256) : make_uint4(0, 0, 0, 0);
+        } else {
+            if (threadIdx.x < c8) prefetch_l2(wr[r] + threadIdx.x);
+            if (threadIdx.x + 256 < c8) prefetch_l2(wr[r] + threadIdx.x + 256);
+        }
     }
     pdl_wait();
     pdl_trigger();
@@ -122,6 +136,22 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, cons
 #pragma unroll
         for (int n = 0; n < N; ++n) acc[r][n] = 0.0f;
     u32 c = threadIdx.x;
+    if (PRE) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            if (c < c8) {
+                const uint4 xa = gf_x<MODE>(xv, nw4, c8, n, c, scale[n]);
+#pragma unroll
+                for (int r = 0; r < GEMV_GR; ++r) acc[r][n] = dot8(pa[r], xa, acc[r][n]);
+            }
+            if (c + 256 < c8) {
+                const uint4 xb = gf_x<MODE>(xv, nw4, c8, n, c + 256, scale[n]);
+#pragma unroll
+                for (int r = 0; r < GEMV_GR; ++r) acc[r][n] = dot8(pb[r], xb, acc[r][n]);
+            }
+        }
+        c += 512;
+    }
     for (; c + 256 < c8; c += 512) {
         uint4 a[GEMV_GR], b[GEMV_GR];
 #pragma unroll
@@ -131,8 +161,8 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, cons
         }
 #pragma unroll
         for (int n = 0; n < N; ++n) {
-            const uint4 xa = gf_x<MODE>(xv, nw4, c8, n, c, scale[n], gelu);
-            const uint4 xb = gf_x<MODE>(xv, nw4, c8, n, c + 256, scale[n], gelu);
+            const uint4 xa = gf_x<MODE>(xv, nw4, c8, n, c, scale[n]);
+            const uint4 xb = gf_x<MODE>(xv, nw4, c8, n, c + 256, scale[n]);
 #pragma unroll
             for (int r = 0; r < GEMV_GR; ++r) acc[r][n] = dot8(b[r], xb, dot8(a[r], xa, acc[r][n]));
         }
@@ -143,7 +173,7 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, cons
         for (int r = 0; r < GEMV_GR; ++r) a[r] = ld_stream(wr[r] + c);
 #pragma unroll
         for (int n = 0; n < N; ++n) {
-            const uint4 xa = gf_x<MODE>(xv, nw4, c8, n, c, scale[n], gelu);
+            const uint4 xa = gf_x<MODE>(xv, nw4, c8, n, c, scale[n]);
 #pragma unroll
             for (int r = 0; r < GEMV_GR; ++r) acc[r][n] = dot8(a[r], xa, acc[r][n]);
         }
@@ -156,6 +186,24 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, cons
             if (lane == 0) red[warp][r * N + n] = v;
         }
     __syncthreads();
+    if (glu_out) {
+        // y [N, half] = act(bf16(gate)) * bf16(up), rounded as glu_bf16 writes it.
+        if (threadIdx.x < 2 * N) {
+            const u32 jj = threadIdx.x / N, n = threadIdx.x % N, j = j0 + jj;
+            float g = 0.0f, u = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                g += red[k][jj * N + n];
+                u += red[k][(2 + jj) * N + n];
+            }
+            if (j < half) {
+                const u32 gu = pack_bf16x2(g, u);
+                const u32 a = gf_glu2(gu & 0xffffu, gu >> 16, (flags & 16) != 0);
+                reinterpret_cast<bf16*>(y)[(u64)n * half + j] = __ushort_as_bfloat16((unsigned short)(a & 0xffffu));
+            }
+        }
+        return;
+    }
     if (threadIdx.x < GEMV_GR * N) {
         const u32 r = threadIdx.x / N, n = threadIdx.x % N, o = o0 + r;
         float v = 0.0f;
@@ -175,24 +223,22 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, cons
     }
 }
 
-#define GEMV_FUSED_ENTRY(NAME, N, MODE)                                                         \
+#define GEMV_FUSED_ENTRY(NAME, N, MODE, PRE)                                                    \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         NAME(const bf16* x, const float* nw, const bf16* w, void* y, u32 in, u32 out, u32 flags,    \
              float eps) {                                                                          \
-        gemv_fused_impl<N, MODE>(x, nw, w, y, in, out, flags, eps);                                \
+        gemv_fused_impl<N, MODE, PRE>(x, nw, w, y, in, out, flags, eps);                           \
     }
-GEMV_FUSED_ENTRY(gemv_fused_n1_m0, 1, 0)
-GEMV_FUSED_ENTRY(gemv_fused_n1_m1, 1, 1)
-GEMV_FUSED_ENTRY(gemv_fused_n1_m2, 1, 2)
-GEMV_FUSED_ENTRY(gemv_fused_n2_m0, 2, 0)
-GEMV_FUSED_ENTRY(gemv_fused_n2_m1, 2, 1)
-GEMV_FUSED_ENTRY(gemv_fused_n2_m2, 2, 2)
+GEMV_FUSED_ENTRY(gemv_fused_n1_m0, 1, 0, true)
+GEMV_FUSED_ENTRY(gemv_fused_n1_m1, 1, 1, true)
+GEMV_FUSED_ENTRY(gemv_fused_n2_m0, 2, 0, true)
+GEMV_FUSED_ENTRY(gemv_fused_n2_m1, 2, 1, true)
 
 // gemv_bf16_n{1..8}: the plain GEMV (m0) for up to 8 rows, bf16 or f32 out.
 #define GEMV_ENTRY(NAME, N)                                                                         \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         NAME(const bf16* x, const bf16* w, void* y, u32 in, u32 out, u32 out_f32) {                 \
-        gemv_fused_impl<N, 0>(x, nullptr, w, y, in, out, out_f32 ? 1u : 0u, 0.0f);                  \
+        gemv_fused_impl<N, 0, false>(x, nullptr, w, y, in, out, out_f32 ? 1u : 0u, 0.0f);                  \
     }
 GEMV_ENTRY(gemv_bf16_n1, 1)
 GEMV_ENTRY(gemv_bf16_n2, 2)
@@ -203,3 +249,23 @@ GEMV_ENTRY(gemv_bf16_n6, 6)
 GEMV_ENTRY(gemv_bf16_n7, 7)
 GEMV_ENTRY(gemv_bf16_n8, 8)
 
+
+// stream_read_bench: reads n16 16-byte chunks (grid-stride, four loads in flight a thread) and
+// writes one word a block so the loads are kept: the read rate a GEMV of the same bytes could
+// reach at most (examples/cuda_bench.rs `gemv`). grid any, block 256.
+extern "C" __global__ void __launch_bounds__(256) stream_read_bench(const uint4* __restrict__ p, u64 n16,
+                                                                    u32* sink) {
+    pdl_wait();
+    pdl_trigger();
+    u32 a = 0;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n16; i += 4 * stride) {
+        const uint4 v0 = ld_stream(p + i), v1 = ld_stream(p + i + stride), v2 = ld_stream(p + i + 2 * stride),
+                    v3 = ld_stream(p + i + 3 * stride);
+        a ^= v0.x ^ v1.y ^ v2.z ^ v3.w;
+    }
+    for (; i < n16; i += stride) a ^= ld_stream(p + i).x;
+    a = __reduce_xor_sync(0xffffffffu, a);
+    if ((threadIdx.x & 31) == 0 && a == 0x9e3779b9u) sink[blockIdx.x] = a;
+}

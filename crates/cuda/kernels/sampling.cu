@@ -11,38 +11,63 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
 }
 
 // out[r] = argmax_i logits[r, i]; ties go to the lowest index; NaN never wins.
-extern "C" __global__ void argmax_f32(const float* __restrict__ logits, u32* __restrict__ out, u32 vocab) {
+// Row r is split over gridDim.x blocks; each writes its (best, index) to scratch, and the last
+// block of the row to finish (a per-row counter) merges them, writes out[r] and resets the
+// counter for the next launch. scratch: [rows] counters (zero between launches), then
+// [rows][gridDim.x] (value bits, index) pairs. grid (blocks a row, rows), block 256.
+__device__ __forceinline__ void argmax_merge(float& best, u32& bi, float ov, u32 oi) {
+    if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+}
+extern "C" __global__ void __launch_bounds__(256) argmax_f32(const float* __restrict__ logits, u32* __restrict__ out,
+                                                             u32 vocab, u32* __restrict__ scratch) {
     __shared__ float sv[32];
     __shared__ u32 si[32];
+    __shared__ bool last;
     pdl_wait();
     pdl_trigger();
-    const float* x = logits + (u64)blockIdx.x * vocab;
+    const u32 row = blockIdx.y, nb = gridDim.x;
+    const u32 per = (vocab + nb - 1) / nb, lo = blockIdx.x * per, hi = min(vocab, lo + per);
+    const float* x = logits + (u64)row * vocab;
     float best = NEG_INF;
     u32 bi = 0xffffffffu;
-    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
+    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         const float v = x[i];
         if (v > best || (bi == 0xffffffffu && v == v)) { best = v; bi = i; }
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const u32 oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
-    }
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_merge(best, bi, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, bi, o));
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) { sv[warp] = best; si[warp] = bi; }
     __syncthreads();
+    u32* cnt = scratch + row;
+    u32* part = scratch + gridDim.y + (u64)row * nb * 2;
     if (warp == 0) {
         const u32 nw = blockDim.x >> 5;
         best = lane < nw ? sv[lane] : NEG_INF;
         bi = lane < nw ? si[lane] : 0xffffffffu;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const u32 oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+        for (int o = 16; o > 0; o >>= 1)
+            argmax_merge(best, bi, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, bi, o));
+        if (lane == 0) {
+            part[2 * blockIdx.x] = __float_as_uint(best);
+            part[2 * blockIdx.x + 1] = bi;
+            __threadfence();
+            last = atomicAdd(cnt, 1u) == nb - 1;
         }
-        if (lane == 0) out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
+    }
+    __syncthreads();
+    if (!last || warp != 0) return;
+    __threadfence();
+    best = NEG_INF;
+    bi = 0xffffffffu;
+    for (u32 j = lane; j < nb; j += 32) argmax_merge(best, bi, __uint_as_float(__ldcg(part + 2 * j)), __ldcg(part + 2 * j + 1));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_merge(best, bi, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, bi, o));
+    if (lane == 0) {
+        out[row] = bi == 0xffffffffu ? 0u : bi;
+        *cnt = 0u;
     }
 }
 

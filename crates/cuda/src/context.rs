@@ -57,6 +57,14 @@ pub struct CudaContext {
     /// Set while a fused decode step is being queued; `launch` then adds the attribute to
     /// the kernels `kernels::is_pdl_kernel` names.
     pdl_now: std::sync::atomic::AtomicBool,
+    /// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel (3, 4 or 6;
+    /// `SLOWFAST_DECODE_STAGES`, default [`DECODE_DEFAULT_STAGES`]).
+    pub(crate) decode_stages: usize,
+    /// Shared memory a SM and reserved a block (bytes).
+    pub(crate) smem_per_sm: u32,
+    pub(crate) smem_reserved: u32,
+    /// The argmax kernel's per-row counters (zero between launches) and partials.
+    pub(crate) argmax_scratch: GpuBuffer<u32>,
 }
 
 /// Rows up to which `linear` can stream the weights with the GEMV kernel.
@@ -65,6 +73,11 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// cuBLAS at 1 and 2 rows (4.14 vs 5.10 ms a step, 4.41 vs 5.04) and lost from 4 rows on
 /// (5.87 vs 5.61 at 4, 8.27 vs 6.61 at 8: its FMAs then bound it).
 pub const GEMV_DEFAULT_ROWS: usize = 2;
+
+/// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel by default: 4 stages
+/// (143 KB of shared memory, one block a SM) beat 3 (two blocks a SM) and 6 on the H200 (run 25:
+/// Qwen3-4B batch-1 step 4.27 -> 4.19 ms at 32K, 7.87 -> 7.72 ms at 128K).
+pub const DECODE_DEFAULT_STAGES: usize = 4;
 
 impl std::fmt::Debug for CudaContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -92,6 +105,8 @@ pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
         "attn_prefill_d128_m2" => s(128 + 4 * 32, 128),
         "attn_decode_d64" | "attn_sparse_decode_d64" => s(16 + 2 * 4 * 64, 64),
         "attn_decode_d128" | "attn_sparse_decode_d128" => s(16 + 2 * 3 * 64, 128),
+        "attn_decode_d128_s4" => s(16 + 2 * 4 * 64, 128),
+        "attn_decode_d128_s6" => s(16 + 2 * 6 * 64, 128),
         "attn_decode_d256" | "attn_sparse_decode_d256" => s(16 + 2 * 2 * 64, 256),
         _ => return None,
     })
@@ -134,6 +149,17 @@ impl CudaContext {
         let sm_count = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(drv("SM count"))? as u32;
+        let dev_attr = |a: CUdevice_attribute, what: &'static str| -> Result<u32, CudaError> {
+            Ok(ctx.attribute(a).map_err(drv(what))?.max(0) as u32)
+        };
+        let smem_per_sm = dev_attr(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+            "shared memory a SM",
+        )?;
+        let smem_reserved = dev_attr(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK,
+            "shared memory reserved a block",
+        )?;
         let image = load_or_compile_kernels(&format!("sm_{major}{minor}"))?;
         let module = ctx
             .load_module(Ptx::from_binary(image.cubin))
@@ -164,6 +190,14 @@ impl CudaContext {
         let side = ctx
             .new_stream_with_priority(least)
             .map_err(drv("cuStreamCreate"))?;
+        let argmax_scratch = {
+            use crate::ops::sampling::{ARGMAX_BLOCKS, ARGMAX_MAX_ROWS};
+            let n = ARGMAX_MAX_ROWS * (1 + 2 * ARGMAX_BLOCKS);
+            let slice = stream
+                .alloc_zeros::<u32>(n)
+                .map_err(drv("cuMemAlloc (argmax scratch)"))?;
+            GpuBuffer::from_slice(slice, &stream)
+        };
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(CudaError::LibraryMissing {
                 library: "cuBLAS (libcublas.so.13)",
@@ -194,6 +228,10 @@ impl CudaContext {
             decode_fused: env_usize("SLOWFAST_DECODE_FUSED") != Some(0),
             pdl_allowed: major >= 9 && env_usize("SLOWFAST_PDL") != Some(0),
             pdl_now: std::sync::atomic::AtomicBool::new(false),
+            decode_stages: env_usize("SLOWFAST_DECODE_STAGES").unwrap_or(DECODE_DEFAULT_STAGES),
+            smem_per_sm,
+            smem_reserved,
+            argmax_scratch,
         })
     }
 
@@ -322,8 +360,9 @@ impl CudaContext {
         self.pdl_allowed
     }
 
-    /// Turns PDL on or off for the kernels launched from now on (on only where allowed).
-    pub(crate) fn set_pdl(&self, on: bool) {
+    /// Turns PDL on or off for the kernels launched from now on (on only where allowed); the
+    /// decode step sets it around its fused kernels, benchmarks around the kernels they time.
+    pub fn set_pdl(&self, on: bool) {
         self.pdl_now
             .store(on && self.pdl_allowed, std::sync::atomic::Ordering::Relaxed);
     }

@@ -41,6 +41,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attn_prefill_d128_m2",
     "attn_decode_d64",
     "attn_decode_d128",
+    "attn_decode_d128_s4",
+    "attn_decode_d128_s6",
     "attn_decode_d256",
     "attn_decode_reduce",
     "attn_sparse_decode_d64",
@@ -64,11 +66,10 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_bf16_n8",
     "gemv_fused_n1_m0",
     "gemv_fused_n1_m1",
-    "gemv_fused_n1_m2",
     "gemv_fused_n2_m0",
     "gemv_fused_n2_m1",
-    "gemv_fused_n2_m2",
     "qkv_post_bf16",
+    "stream_read_bench",
 ];
 
 /// Whether kernel `name` calls `pdl_wait()` before touching anything an earlier kernel wrote

@@ -1022,10 +1022,10 @@ impl GpuDecoder {
                     w: &w.ffn_norm,
                     eps: s.eps,
                 };
-                let gu = GemvOutput::Bf16(&mut a.gu);
-                ctx.gemv_fused(&a.x, input, &w.w_gate_up, gu, n, h, 2 * inter)?;
+                let glu = GemvOutput::Glu(&mut a.act, s.glu);
+                ctx.gemv_fused(&a.x, input, &w.w_gate_up, glu, n, h, 2 * inter)?;
                 let o = GemvOutput::Residual(&mut a.x);
-                ctx.gemv_fused(&a.gu, GemvInput::Glu(s.glu), &w.w_down, o, n, inter, h)?;
+                ctx.gemv_fused(&a.act, GemvInput::Plain, &w.w_down, o, n, inter, h)?;
                 continue;
             }
             ctx.linear(&a.att, &w.wo, &mut a.o, n, qd, h)?;
@@ -1040,11 +1040,13 @@ impl GpuDecoder {
                 h,
                 norm,
             )?;
-            ctx.linear(&a.xb, &w.w_gate_up, &mut a.gu, n, h, 2 * inter)?;
             if fused {
+                let glu = GemvOutput::Glu(&mut a.act, s.glu);
+                ctx.gemv_fused(&a.xb, GemvInput::Plain, &w.w_gate_up, glu, n, h, 2 * inter)?;
                 let o = GemvOutput::Bf16(&mut a.o);
-                ctx.gemv_fused(&a.gu, GemvInput::Glu(s.glu), &w.w_down, o, n, inter, h)?;
+                ctx.gemv_fused(&a.act, GemvInput::Plain, &w.w_down, o, n, inter, h)?;
             } else {
+                ctx.linear(&a.xb, &w.w_gate_up, &mut a.gu, n, h, 2 * inter)?;
                 ctx.glu(s.glu, &a.gu, &mut a.act, n, inter)?;
                 ctx.linear(&a.act, &w.w_down, &mut a.o, n, inter, h)?;
             }

@@ -348,20 +348,68 @@ fn argmax_and_top_p() {
         .fold(f32::MIN, f32::max);
     logits[3 * vocab + 777] = m + 1.0;
     logits[3 * vocab + 99_999] = m + 1.0;
-    let dl = ctx.upload(&logits).unwrap();
+    // the row is split over blocks that merge through a counter the last one resets: three
+    // launches in a row, each with a new maximum somewhere else, must all be right
+    let argmax_ref = |logits: &[f32], rows: usize, vocab: usize| -> Vec<u32> {
+        (0..rows)
+            .map(|r| {
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                let mut best = 0;
+                for (i, &v) in row.iter().enumerate() {
+                    if v > row[best] || (row[best].is_nan() && !v.is_nan()) {
+                        best = i;
+                    }
+                }
+                best as u32
+            })
+            .collect()
+    };
     let mut out = ctx.upload(&vec![u32::MAX; rows]).unwrap();
-    ctx.argmax(&dl, &mut out, rows, vocab).unwrap();
-    let got = ctx.download(&out).unwrap();
-    for r in 0..rows {
-        let row = &logits[r * vocab..(r + 1) * vocab];
-        let mut best = 0;
-        for (i, &v) in row.iter().enumerate() {
-            if v > row[best] {
-                best = i;
+    for round in 0..3 {
+        if round > 0 {
+            for r in 0..rows {
+                let i = r * vocab + (rng.next_u64() as usize % vocab);
+                logits[i] = 100.0 + round as f32;
             }
         }
-        assert_eq!(got[r] as usize, best, "argmax row {r}");
+        let dl = ctx.upload(&logits).unwrap();
+        ctx.argmax(&dl, &mut out, rows, vocab).unwrap();
+        let got = ctx.download(&out).unwrap();
+        assert_eq!(
+            got,
+            argmax_ref(&logits, rows, vocab),
+            "argmax, launch {round}"
+        );
     }
+    // a short row, a row of -inf and NaN (NaN never wins), one with a NaN first
+    let small = [
+        1.0,
+        5.0,
+        5.0,
+        -2.0,
+        0.0,
+        3.0,
+        4.0, //
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::NAN,
+        f32::NAN,
+        -1.0,
+        -3.0,
+        f32::NAN,
+        -0.5,
+        -9.0,
+        -1.0,
+    ];
+    let ds = ctx.upload(&small).unwrap();
+    let mut out3 = ctx.upload(&[u32::MAX; 3]).unwrap();
+    ctx.argmax(&ds, &mut out3, 3, 7).unwrap();
+    assert_eq!(ctx.download(&out3).unwrap(), vec![1, 0, 4]);
+    let dl = ctx.upload(&logits).unwrap();
 
     for &(temp, top_p) in &[(1.0f32, 0.9f32), (0.7, 0.5), (1.3, 1.0), (1.0, 0.01)] {
         let seeds: Vec<u64> = (0..rows).map(|_| rng.next_u64()).collect();

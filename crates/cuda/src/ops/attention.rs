@@ -117,6 +117,17 @@ fn check_heads(
 }
 
 impl CudaContext {
+    /// The dense flash-decoding kernel for `head_dim`.
+    pub(crate) fn decode_kernel(&self, head_dim: usize) -> &'static str {
+        match (head_dim, self.decode_stages) {
+            (64, _) => "attn_decode_d64",
+            (128, 4) => "attn_decode_d128_s4",
+            (128, 6) => "attn_decode_d128_s6",
+            (128, _) => "attn_decode_d128",
+            _ => "attn_decode_d256",
+        }
+    }
+
     /// (splits, chunk) that flash-decoding uses for `p` on layout `kv`.
     pub fn decode_split(&self, p: &DecodeAttn, kv: &KvLayout) -> (usize, usize) {
         let visible = p
@@ -127,9 +138,11 @@ impl CudaContext {
         let tiles = visible.div_ceil(DECODE_BK);
         let row_groups = (p.n_heads / kv.kv_heads.max(1)).div_ceil(16);
         let groups = (p.batch * kv.kv_heads * row_groups).max(1);
-        // One wave: as many blocks as fit on the device at once (2 per SM below head_dim
-        // 256, shared memory allows 1 there); no second-wave tail.
-        let resident = self.sm_count() as usize * if kv.head_dim == 256 { 1 } else { 2 };
+        // One wave: as many blocks as fit on the device at once (shared memory sets how many
+        // a SM holds; at most 4 by registers); no second-wave tail.
+        let smem = attn_smem_bytes(self.decode_kernel(kv.head_dim)).unwrap_or(0);
+        let per_sm = (self.smem_per_sm / (smem + self.smem_reserved).max(1)).clamp(1, 4);
+        let resident = self.sm_count() as usize * per_sm as usize;
         let want = p.splits.unwrap_or_else(|| (resident / groups).max(1));
         let splits = want.clamp(1, tiles.min(1024));
         let chunk = visible.div_ceil(splits).div_ceil(DECODE_BK) * DECODE_BK;
@@ -172,11 +185,7 @@ impl CudaContext {
         };
         let (splits, chunk) = self.decode_split(p, &kv);
         let (part_o, part_ml) = ws.ensure(self, rows * splits * d, rows * splits * 2)?;
-        let kernel = match d {
-            64 => "attn_decode_d64",
-            128 => "attn_decode_d128",
-            _ => "attn_decode_d256",
-        };
+        let kernel = self.decode_kernel(d);
         let smem = attn_smem_bytes(kernel).unwrap_or(0);
         let row_groups = (p.n_heads / kv.kv_heads).div_ceil(16);
         let args = [

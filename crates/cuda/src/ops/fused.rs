@@ -1,6 +1,6 @@
 //! Fused kernels (kernels/gemv.cu, kernels/decode_fused.cu): for the decode step at 1-2 rows a
-//! weight-streaming GEMV whose input row is made in the kernel (plain, RMS-normed, or the GLU of
-//! a `[gate | up]` row) and whose output can be added to the residual stream; for every forward
+//! weight-streaming GEMV whose input row is made in the kernel (plain or RMS-normed) and whose
+//! output can be added to the residual stream or be the GLU of its `[gate; up]` rows; for every forward
 //! the per-head q/k norm + RoPE + KV append after the merged q/k/v projection. Each does what a
 //! chain of the plain kernels does (same roundings to bf16), in one launch.
 
@@ -23,8 +23,6 @@ pub enum GemvInput<'a> {
     Plain,
     /// `rmsnorm(x [n, in]) * w` (what `rmsnorm` writes).
     Norm { w: &'a GpuBuffer<f32>, eps: f32 },
-    /// `act(gate) * up` of `x [n, 2 in] = [gate | up]` rows (what `glu` writes).
-    Glu(Glu),
 }
 
 /// Where [`CudaContext::gemv_fused`] writes `y [n, out]`.
@@ -33,6 +31,9 @@ pub enum GemvOutput<'a> {
     F32(&'a mut GpuBuffer<f32>),
     /// `res [n, out] += bf16(y)` (the residual add of `add_rmsnorm`).
     Residual(&'a mut GpuBuffer<bf16>),
+    /// The rows of `w` are `[gate; up]` (out even): `glu [n, out / 2] = act(gate) * up`, what
+    /// `glu` writes from the `[gate | up]` rows, so the next GEMV reads a plain row.
+    Glu(&'a mut GpuBuffer<bf16>, Glu),
 }
 
 /// Per-head norm and RoPE settings of [`CudaContext::qkv_post`].
@@ -85,36 +86,36 @@ impl CudaContext {
                 ),
             ));
         }
-        let (x_len, mode, nw, eps, act) = match input {
-            GemvInput::Plain => (n * in_features, 0usize, 0u64, 0.0f32, 0u32),
+        let (mode, nw, eps) = match input {
+            GemvInput::Plain => (0usize, 0u64, 0.0f32),
             GemvInput::Norm { w, eps } => {
                 if eps.is_nan() || eps < 0.0 {
                     return Err(CudaError::bad(OP, format!("eps {eps}")));
                 }
-                let pw = w.ptr_min(OP, "norm weight [in]", in_features)?;
-                (n * in_features, 1, pw, eps, 0)
+                (1, w.ptr_min(OP, "norm weight [in]", in_features)?, eps)
             }
-            GemvInput::Glu(g) => (
-                n * 2 * in_features,
-                2,
-                0,
-                0.0,
-                match g {
-                    Glu::SwiGlu => 0,
-                    Glu::GeGluTanh => 4,
-                },
-            ),
         };
-        let px = x.ptr_min(OP, "x", x_len)?;
+        let px = x.ptr_min(OP, "x", n * in_features)?;
         let pw = w.ptr_min(OP, "w [out, in]", out_features * in_features)?;
         let m = n * out_features;
         let (py, flags) = match y {
             GemvOutput::Bf16(b) => (b.ptr_min(OP, "y [n, out]", m)?, 0u32),
             GemvOutput::F32(b) => (b.ptr_min(OP, "y [n, out]", m)?, 1),
             GemvOutput::Residual(b) => (b.ptr_min(OP, "residual [n, out]", m)?, 2),
+            GemvOutput::Glu(b, g) => {
+                if out_features % 2 != 0 {
+                    return Err(CudaError::bad(
+                        OP,
+                        format!("GLU output from {out_features} rows (must be even)"),
+                    ));
+                }
+                let act = match g {
+                    Glu::SwiGlu => 0,
+                    Glu::GeGluTanh => 16,
+                };
+                (b.ptr_min(OP, "glu [n, out / 2]", m / 2)?, 8 | act)
+            }
         };
-        // Four output rows a block (GEMV_GR in kernels/gemv.cu).
-        let grid = u32_of(OP, "blocks", out_features.div_ceil(4))?;
         let args = [
             KArg::P(px),
             KArg::P(nw),
@@ -122,15 +123,28 @@ impl CudaContext {
             KArg::P(py),
             KArg::U(in_features as u32),
             KArg::U(u32_of(OP, "out", out_features)?),
-            KArg::U(flags | act),
+            KArg::U(flags),
             KArg::F(eps),
         ];
-        const NAMES: [[&str; 3]; 2] = [
-            ["gemv_fused_n1_m0", "gemv_fused_n1_m1", "gemv_fused_n1_m2"],
-            ["gemv_fused_n2_m0", "gemv_fused_n2_m1", "gemv_fused_n2_m2"],
+        self.gemv_launch(n, mode, out_features, &args)
+    }
+
+    /// Launches the fused GEMV for `n` rows in input mode `mode` (0 plain, 1 norm)
+    /// with the `gemv_fused_*` argument list `args`.
+    pub(crate) fn gemv_launch(
+        &self,
+        n: usize,
+        mode: usize,
+        out_features: usize,
+        args: &[KArg],
+    ) -> Result<(), CudaError> {
+        const NAMES: [[&str; 2]; 2] = [
+            ["gemv_fused_n1_m0", "gemv_fused_n1_m1"],
+            ["gemv_fused_n2_m0", "gemv_fused_n2_m1"],
         ];
-        let name = NAMES[n - 1][mode];
-        self.launch(name, (grid, 1, 1), (256, 1, 1), 0, &args)
+        // Four output rows a block (GEMV_GR in kernels/gemv.cu).
+        let grid = u32_of("gemv_fused", "blocks", out_features.div_ceil(4))?;
+        self.launch(NAMES[n - 1][mode], (grid, 1, 1), (256, 1, 1), 0, args)
     }
 
     /// After the merged q/k/v projection of `p.n_tokens` rows (`qkv [n, (q_heads + 2
@@ -202,5 +216,23 @@ impl CudaContext {
             1,
         );
         self.launch("qkv_post_bf16", grid, (32, 1, 1), 0, &args)
+    }
+
+    /// Reads `p` once (16-byte loads, a grid of 8 blocks of 256 a SM), writing nothing but a
+    /// never-taken store into `sink` (>= that many words): the pure read rate that a GEMV
+    /// over the same bytes could reach at most (examples/cuda_bench.rs `gemv`).
+    pub fn stream_read_bench(
+        &self,
+        p: &GpuBuffer<bf16>,
+        sink: &mut GpuBuffer<u32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "stream_read_bench";
+        let grid = self.sm_count() * 8;
+        let args = [
+            KArg::P(p.ptr_min(OP, "p", 8)?),
+            KArg::P((p.len() / 8) as u64),
+            KArg::P(sink.ptr_min(OP, "sink", grid as usize)?),
+        ];
+        self.launch(OP, (grid, 1, 1), (256, 1, 1), 0, &args)
     }
 }

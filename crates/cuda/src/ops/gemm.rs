@@ -137,6 +137,21 @@ impl CudaContext {
             ));
         }
         let f32_out = (out_type == cudaDataType::CUDA_R_32F) as u32;
+        if n <= crate::ops::fused::FUSED_MAX_ROWS {
+            // The fused GEMV's plain entries (same product, flag 1: f32 out).
+            use crate::context::KArg;
+            let args = [
+                KArg::P(px),
+                KArg::P(0),
+                KArg::P(pw),
+                KArg::P(py),
+                KArg::U(in_features as u32),
+                KArg::U(out_features as u32),
+                KArg::U(f32_out),
+                KArg::F(0.0),
+            ];
+            return self.gemv_launch(n, 0, out_features, &args);
+        }
         // Four output rows a block (GEMV_GR in kernels/gemv.cu).
         let blocks = u32::try_from(out_features.div_ceil(4))
             .map_err(|_| CudaError::bad("gemv", format!("{out_features} output rows")))?;

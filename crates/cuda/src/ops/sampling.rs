@@ -15,6 +15,11 @@ pub fn uniform_from_seed(seed: u64) -> f32 {
     (x >> 40) as f32 * (1.0 / 16_777_216.0)
 }
 
+/// Rows one `argmax` may take, and the blocks it splits a row over (its scratch, owned by the
+/// context, holds a counter and a (value, index) pair a block for that many rows).
+pub const ARGMAX_MAX_ROWS: usize = 4096;
+pub const ARGMAX_BLOCKS: usize = 64;
+
 impl CudaContext {
     /// out[r] = argmax of logits [rows, vocab] row r (lowest index on ties).
     pub fn argmax(
@@ -28,15 +33,27 @@ impl CudaContext {
         if vocab == 0 {
             return Err(CudaError::bad(OP, "vocab is 0"));
         }
+        if rows > ARGMAX_MAX_ROWS {
+            return Err(CudaError::bad(
+                OP,
+                format!("{rows} rows (at most {ARGMAX_MAX_ROWS})"),
+            ));
+        }
+        // Blocks a row: about 2048 logits each, at most ARGMAX_BLOCKS.
+        let nb = vocab.div_ceil(2048).clamp(1, ARGMAX_BLOCKS);
         let args = [
             KArg::P(logits.ptr_min(OP, "logits [rows, vocab]", rows * vocab)?),
             KArg::P(out.ptr_min(OP, "out [rows]", rows)?),
             KArg::U(u32_of(OP, "vocab", vocab)?),
+            KArg::P(
+                self.argmax_scratch
+                    .ptr_min(OP, "scratch", rows * (1 + 2 * nb))?,
+            ),
         ];
         self.launch(
             "argmax_f32",
-            (u32_of(OP, "rows", rows)?, 1, 1),
-            (1024, 1, 1),
+            (nb as u32, u32_of(OP, "rows", rows)?, 1),
+            (256, 1, 1),
             0,
             &args,
         )
