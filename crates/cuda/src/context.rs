@@ -57,8 +57,8 @@ pub struct CudaContext {
     /// Set while a fused decode step is being queued; `launch` then adds the attribute to
     /// the kernels `kernels::is_pdl_kernel` names.
     pdl_now: std::sync::atomic::AtomicBool,
-    /// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel (3, 4 or 6;
-    /// `SLOWFAST_DECODE_STAGES`, default [`DECODE_DEFAULT_STAGES`]).
+    /// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel (3, 4 or 6; 0
+    /// chooses; `SLOWFAST_DECODE_STAGES`, default [`DECODE_DEFAULT_STAGES`]).
     pub(crate) decode_stages: usize,
     /// Shared memory a SM and reserved a block (bytes).
     pub(crate) smem_per_sm: u32,
@@ -74,10 +74,11 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// (5.87 vs 5.61 at 4, 8.27 vs 6.61 at 8: its FMAs then bound it).
 pub const GEMV_DEFAULT_ROWS: usize = 2;
 
-/// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel by default: 4 stages
-/// (143 KB of shared memory, one block a SM) beat 3 (two blocks a SM) and 6 on the H200 (run 25:
-/// Qwen3-4B batch-1 step 4.27 -> 4.19 ms at 32K, 7.87 -> 7.72 ms at 128K).
-pub const DECODE_DEFAULT_STAGES: usize = 4;
+/// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel by default: 0 lets
+/// `decode_plan` choose 4 stages (143 KB of shared memory, one block a SM: run 25, Qwen3-4B
+/// batch-1 step 4.27 -> 4.19 ms at 32K, 7.87 -> 7.72 ms at 128K; 6 stages no better) when one
+/// block a SM still fills the device, else 3 (two blocks a SM).
+pub const DECODE_DEFAULT_STAGES: usize = 0;
 
 impl std::fmt::Debug for CudaContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -117,19 +117,13 @@ fn check_heads(
 }
 
 impl CudaContext {
-    /// The dense flash-decoding kernel for `head_dim`.
-    pub(crate) fn decode_kernel(&self, head_dim: usize) -> &'static str {
-        match (head_dim, self.decode_stages) {
-            (64, _) => "attn_decode_d64",
-            (128, 4) => "attn_decode_d128_s4",
-            (128, 6) => "attn_decode_d128_s6",
-            (128, _) => "attn_decode_d128",
-            _ => "attn_decode_d256",
-        }
-    }
-
-    /// (splits, chunk) that flash-decoding uses for `p` on layout `kv`.
-    pub fn decode_split(&self, p: &DecodeAttn, kv: &KvLayout) -> (usize, usize) {
+    /// The dense flash-decoding kernel, (splits, chunk) for `p` on layout `kv`: one wave of
+    /// blocks (as many as fit on the device at once: shared memory sets how many a SM holds,
+    /// registers at most 4), no second-wave tail. At head_dim 128 the 4-stage kernel (one
+    /// block a SM, more K/V in flight) when its wave fills >= 95 % of the SMs (batch 1: 16
+    /// splits x 8 kv heads on 132 SMs), else the 3-stage one (two a SM: batch 6 at 8 kv heads
+    /// leaves 36 SMs idle with one a SM, run 27); `SLOWFAST_DECODE_STAGES` forces one.
+    pub fn decode_plan(&self, p: &DecodeAttn, kv: &KvLayout) -> (&'static str, usize, usize) {
         let visible = p
             .max_seq_len
             .min(kv.capacity)
@@ -138,15 +132,43 @@ impl CudaContext {
         let tiles = visible.div_ceil(DECODE_BK);
         let row_groups = (p.n_heads / kv.kv_heads.max(1)).div_ceil(16);
         let groups = (p.batch * kv.kv_heads * row_groups).max(1);
-        // One wave: as many blocks as fit on the device at once (shared memory sets how many
-        // a SM holds; at most 4 by registers); no second-wave tail.
-        let smem = attn_smem_bytes(self.decode_kernel(kv.head_dim)).unwrap_or(0);
-        let per_sm = (self.smem_per_sm / (smem + self.smem_reserved).max(1)).clamp(1, 4);
-        let resident = self.sm_count() as usize * per_sm as usize;
-        let want = p.splits.unwrap_or_else(|| (resident / groups).max(1));
-        let splits = want.clamp(1, tiles.min(1024));
-        let chunk = visible.div_ceil(splits).div_ceil(DECODE_BK) * DECODE_BK;
-        (visible.div_ceil(chunk), chunk)
+        let plan = |kernel: &'static str| {
+            let smem = attn_smem_bytes(kernel).unwrap_or(0);
+            let per_sm = (self.smem_per_sm / (smem + self.smem_reserved).max(1)).clamp(1, 4);
+            let resident = self.sm_count() as usize * per_sm as usize;
+            let want = p.splits.unwrap_or_else(|| (resident / groups).max(1));
+            let splits = want.clamp(1, tiles.min(1024));
+            let chunk = visible.div_ceil(splits).div_ceil(DECODE_BK) * DECODE_BK;
+            let splits = visible.div_ceil(chunk);
+            (
+                kernel,
+                splits,
+                chunk,
+                (splits * groups) as f64 / resident as f64,
+            )
+        };
+        let (k, s, c, _) = match (kv.head_dim, self.decode_stages) {
+            (64, _) => plan("attn_decode_d64"),
+            (128, 3) => plan("attn_decode_d128"),
+            (128, 6) => plan("attn_decode_d128_s6"),
+            (128, 4) => plan("attn_decode_d128_s4"),
+            (128, _) => {
+                let deep = plan("attn_decode_d128_s4");
+                if deep.3 >= 0.95 {
+                    deep
+                } else {
+                    plan("attn_decode_d128")
+                }
+            }
+            _ => plan("attn_decode_d256"),
+        };
+        (k, s, c)
+    }
+
+    /// (splits, chunk) that flash-decoding uses for `p` on layout `kv`.
+    pub fn decode_split(&self, p: &DecodeAttn, kv: &KvLayout) -> (usize, usize) {
+        let (_, s, c) = self.decode_plan(p, kv);
+        (s, c)
     }
 
     /// Flash-decoding: out[b, h, :] = softmax(scale q[b, h] · K^T) V over the first
@@ -183,9 +205,8 @@ impl CudaContext {
             Some(b) => b.ptr_min(OP, "lse [batch, n_heads]", rows)?,
             None => 0,
         };
-        let (splits, chunk) = self.decode_split(p, &kv);
+        let (kernel, splits, chunk) = self.decode_plan(p, &kv);
         let (part_o, part_ml) = ws.ensure(self, rows * splits * d, rows * splits * 2)?;
-        let kernel = self.decode_kernel(d);
         let smem = attn_smem_bytes(kernel).unwrap_or(0);
         let row_groups = (p.n_heads / kv.kv_heads).div_ceil(16);
         let args = [
