@@ -43,8 +43,12 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [16][STR]
     bf16* ks = qs + 16 * STR;                       // [STAGES][BK][STR]
     bf16* vs = ks + STAGES * BK * STR;              // [STAGES][BK][STR]
-    pdl_wait();
-    pdl_trigger();
+    // Dense: the first K/V tiles stream before pdl_wait() (see the prologue below); the sparse
+    // variant reads buffers the step's earlier kernels may write, so it waits first.
+    if constexpr (SPARSE) {
+        pdl_wait();
+        pdl_trigger();
+    }
 
     const int split = blockIdx.x, splits = gridDim.x, b = blockIdx.z;
     const int G = n_heads / kv_heads;
@@ -82,6 +86,10 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     }
 
     if (s_lo >= s_hi) {
+        if constexpr (!SPARSE) {
+            pdl_wait();
+            pdl_trigger();
+        }
         for (int r = threadIdx.x; r < 16; r += DEC_THREADS) {
             const int hig = rg * 16 + r;
             if (hig >= G) continue;
@@ -121,8 +129,21 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
             }
         }
     };
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
+    // The prologue. Dense, under PDL: the kernel before (qkv_post) writes q and the cache row of
+    // the newest position (len - 1); every kernel before that one has finished when this one
+    // starts (each triggers its dependents only after its own wait), so lengths, slots and
+    // older cache rows are final. Tiles wholly below len - 1 load before pdl_wait(), hiding
+    // their DRAM latency behind the kernel before; the rest of the prologue after it.
+    int st = 0;
+    if constexpr (!SPARSE) {
+        for (; st < STAGES - 1 && st < n_tiles && s_lo + (st + 1) * BK <= len - 1; ++st) {
+            load_tile(st);
+            cp_async_commit();
+        }
+        pdl_wait();
+        pdl_trigger();
+    }
+    for (; st < STAGES - 1; ++st) {
         if (st < n_tiles) load_tile(st);
         cp_async_commit();
     }
