@@ -116,53 +116,75 @@ fn check_heads(
     Ok(())
 }
 
-impl CudaContext {
-    /// The dense flash-decoding kernel, (splits, chunk) for `p` on layout `kv`: one wave of
-    /// blocks (as many as fit on the device at once: shared memory sets how many a SM holds,
-    /// registers at most 4), no second-wave tail. At head_dim 128 the 4-stage kernel (one
-    /// block a SM, more K/V in flight) when its wave fills >= 95 % of the SMs (batch 1: 16
-    /// splits x 8 kv heads on 132 SMs), else the 3-stage one (two a SM: batch 6 at 8 kv heads
-    /// leaves 36 SMs idle with one a SM, run 27); `SLOWFAST_DECODE_STAGES` forces one.
-    pub fn decode_plan(&self, p: &DecodeAttn, kv: &KvLayout) -> (&'static str, usize, usize) {
-        let visible = p
-            .max_seq_len
-            .min(kv.capacity)
-            .min(p.window.unwrap_or(usize::MAX))
-            .max(1);
-        let tiles = visible.div_ceil(DECODE_BK);
-        let row_groups = (p.n_heads / kv.kv_heads.max(1)).div_ceil(16);
-        let groups = (p.batch * kv.kv_heads * row_groups).max(1);
-        let plan = |kernel: &'static str| {
-            let smem = attn_smem_bytes(kernel).unwrap_or(0);
-            let per_sm = (self.smem_per_sm / (smem + self.smem_reserved).max(1)).clamp(1, 4);
-            let resident = self.sm_count() as usize * per_sm as usize;
-            let want = p.splits.unwrap_or_else(|| (resident / groups).max(1));
-            let splits = want.clamp(1, tiles.min(1024));
-            let chunk = visible.div_ceil(splits).div_ceil(DECODE_BK) * DECODE_BK;
-            let splits = visible.div_ceil(chunk);
-            (
-                kernel,
-                splits,
-                chunk,
-                (splits * groups) as f64 / resident as f64,
-            )
-        };
-        let (k, s, c, _) = match (kv.head_dim, self.decode_stages) {
-            (64, _) => plan("attn_decode_d64"),
-            (128, 3) => plan("attn_decode_d128"),
-            (128, 6) => plan("attn_decode_d128_s6"),
-            (128, 4) => plan("attn_decode_d128_s4"),
-            (128, _) => {
-                let deep = plan("attn_decode_d128_s4");
-                if deep.3 >= 0.95 {
-                    deep
-                } else {
-                    plan("attn_decode_d128")
-                }
+/// What the device offers flash-decoding: SMs, shared memory a SM and reserved a block
+/// (bytes), and the forced K/V stage count (0: choose).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DecodeDevice {
+    pub sm_count: usize,
+    pub smem_per_sm: usize,
+    pub smem_reserved: usize,
+    pub stages: usize,
+}
+
+/// The dense flash-decoding kernel and (splits, chunk) for `p` on layout `kv`: one wave of
+/// blocks (as many as fit on the device at once: shared memory sets how many a SM holds,
+/// registers at most 4), no second-wave tail. At head_dim 128 the 4-stage kernel (one block a
+/// SM, more K/V in flight) when its wave fills >= 95 % of the SMs (batch 1: 16 splits x 8 kv
+/// heads on 132 SMs), else the 3-stage one (two a SM: batch 6 at 8 kv heads leaves 36 SMs idle
+/// with one a SM, gpu-notes.md run 27); `dev.stages` 3, 4 or 6 forces one.
+pub(crate) fn decode_plan(
+    dev: DecodeDevice,
+    p: &DecodeAttn,
+    kv: &KvLayout,
+) -> (&'static str, usize, usize) {
+    let visible = p
+        .max_seq_len
+        .min(kv.capacity)
+        .min(p.window.unwrap_or(usize::MAX))
+        .max(1);
+    let tiles = visible.div_ceil(DECODE_BK);
+    let row_groups = (p.n_heads / kv.kv_heads.max(1)).div_ceil(16);
+    let groups = (p.batch * kv.kv_heads * row_groups).max(1);
+    let plan = |kernel: &'static str| {
+        let smem = attn_smem_bytes(kernel).unwrap_or(0) as usize;
+        let per_sm = (dev.smem_per_sm / (smem + dev.smem_reserved).max(1)).clamp(1, 4);
+        let resident = dev.sm_count.max(1) * per_sm;
+        let want = p.splits.unwrap_or_else(|| (resident / groups).max(1));
+        let splits = want.clamp(1, tiles.min(1024));
+        let chunk = visible.div_ceil(splits).div_ceil(DECODE_BK) * DECODE_BK;
+        let splits = visible.div_ceil(chunk);
+        let fill = (splits * groups) as f64 / resident as f64;
+        (kernel, splits, chunk, fill)
+    };
+    let (k, s, c, _) = match (kv.head_dim, dev.stages) {
+        (64, _) => plan("attn_decode_d64"),
+        (128, 3) => plan("attn_decode_d128"),
+        (128, 6) => plan("attn_decode_d128_s6"),
+        (128, 4) => plan("attn_decode_d128_s4"),
+        (128, _) => {
+            let deep = plan("attn_decode_d128_s4");
+            if deep.3 >= 0.95 {
+                deep
+            } else {
+                plan("attn_decode_d128")
             }
-            _ => plan("attn_decode_d256"),
+        }
+        _ => plan("attn_decode_d256"),
+    };
+    (k, s, c)
+}
+
+impl CudaContext {
+    /// The dense flash-decoding kernel and (splits, chunk) for `p` on layout `kv` on this
+    /// device (see [`decode_plan`]).
+    pub fn decode_plan(&self, p: &DecodeAttn, kv: &KvLayout) -> (&'static str, usize, usize) {
+        let dev = DecodeDevice {
+            sm_count: self.sm_count() as usize,
+            smem_per_sm: self.smem_per_sm as usize,
+            smem_reserved: self.smem_reserved as usize,
+            stages: self.decode_stages,
         };
-        (k, s, c)
+        decode_plan(dev, p, kv)
     }
 
     /// (splits, chunk) that flash-decoding uses for `p` on layout `kv`.
@@ -370,5 +392,72 @@ impl CudaContext {
             attn_smem_bytes(kernel).unwrap_or(0),
             &args,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An H200: 132 SMs, 228 KiB of shared memory a SM, 1 KiB reserved a block.
+    fn h200(stages: usize) -> DecodeDevice {
+        DecodeDevice {
+            sm_count: 132,
+            smem_per_sm: 233_472,
+            smem_reserved: 1024,
+            stages,
+        }
+    }
+
+    fn qwen3_4b(batch: usize, ctx: usize) -> (DecodeAttn, KvLayout) {
+        let p = DecodeAttn {
+            batch,
+            n_heads: 32,
+            scale: 0.088,
+            window: None,
+            max_seq_len: ctx,
+            splits: None,
+        };
+        let kv = KvLayout {
+            num_slots: batch,
+            kv_heads: 8,
+            capacity: 131_328,
+            head_dim: 128,
+        };
+        (p, kv)
+    }
+
+    #[test]
+    fn the_deep_ring_runs_only_where_one_block_a_sm_fills_the_device() {
+        // batch 1: 16 splits x 8 kv heads = 128 blocks of 132 slots -> 4 stages
+        let (p, kv) = qwen3_4b(1, 32_768);
+        let (k, s, c) = decode_plan(h200(0), &p, &kv);
+        assert_eq!((k, s, c), ("attn_decode_d128_s4", 16, 2048));
+        // batch 6: 4 stages would fill 96 of 132 SMs -> 3 stages, 5 x 48 = 240 of 264 slots
+        let (p, kv) = qwen3_4b(6, 131_072);
+        let (k, s, _) = decode_plan(h200(0), &p, &kv);
+        assert_eq!((k, s), ("attn_decode_d128", 5));
+        // batch 8: 2 x 64 = 128 blocks -> 4 stages
+        let (p, kv) = qwen3_4b(8, 32_768);
+        assert_eq!(decode_plan(h200(0), &p, &kv).0, "attn_decode_d128_s4");
+        // a forced stage count wins
+        let (p, kv) = qwen3_4b(1, 32_768);
+        assert_eq!(decode_plan(h200(3), &p, &kv).0, "attn_decode_d128");
+        assert_eq!(decode_plan(h200(6), &p, &kv).0, "attn_decode_d128_s6");
+    }
+
+    #[test]
+    fn splits_cover_the_visible_keys_and_never_outnumber_the_tiles() {
+        for stages in [0, 3, 4, 6] {
+            for batch in [1, 2, 6, 8, 64] {
+                for ctx in [1, 63, 64, 65, 1000, 8192, 32_768, 131_072] {
+                    let (p, kv) = qwen3_4b(batch, ctx);
+                    let (_, s, c) = decode_plan(h200(stages), &p, &kv);
+                    assert_eq!(c % DECODE_BK, 0, "chunk {c}");
+                    assert!(s * c >= ctx && (s - 1) * c < ctx, "{s} x {c} for {ctx}");
+                    assert!(s <= ctx.div_ceil(DECODE_BK).max(1), "{s} splits for {ctx}");
+                }
+            }
+        }
     }
 }
