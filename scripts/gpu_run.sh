@@ -34,26 +34,15 @@ for p in $phases; do
         .bin/cuda_bench profile > "$OUT/ncu-attn.txt" 2>&1
       grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Stall|Warp Cycles|Registers|Theoretical Occupancy|Block Limit|L2 Hit|Eligible|Issued Warp" "$OUT/ncu-attn.txt" | head -60 ;;
     prof)
-      # per-kernel times of a batch-1 decode at CTX_PROF (graph nodes traced one by one)
-      if command -v nsys >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nsys ]; then
-        NSYS=$(command -v nsys || echo /usr/local/cuda/bin/nsys)
-        $NSYS profile --cuda-graph-trace=node -o "$OUT/prof" -f true .bin/slowfast bench --device cuda \
-          --model random:qwen3-4b --contexts "${CTX_PROF:-32k}" --batch 1 --new-tokens 32 > "$OUT/prof-run.log" 2>&1
-        $NSYS stats -q -r cuda_gpu_kern_sum -f csv -o "$OUT/prof" "$OUT/prof.nsys-rep" > /dev/null 2>&1
-        $NSYS stats -q -r cuda_gpu_kern_sum "$OUT/prof.nsys-rep" 2>&1 | head -60 | tee "$OUT/prof-kernels.txt"
-        rm -f "$OUT/prof.nsys-rep" "$OUT/prof.sqlite"
-      elif [ -x /usr/local/cuda/bin/ncu ]; then
-        # ncu runs kernels one at a time (no PDL overlap) but with warm caches and free clocks
-        /usr/local/cuda/bin/ncu --graph-profiling node --cache-control none --clock-control none \
-          -k regex:"${PROF_K:-gemv|attn_decode|qkv_post|argmax|rmsnorm|embed|advance}" \
-          --launch-skip "${PROF_SKIP:-1500}" --launch-count "${PROF_N:-300}" \
-          --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active \
-          --csv .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_PROF:-32k}" \
-          --batch 1 --new-tokens 32 > "$OUT/prof-ncu.csv" 2> "$OUT/prof-run.log"
-        tail -3 "$OUT/prof-run.log"
-      else
-        echo "no nsys; tools: $(ls /usr/local/cuda/bin 2>/dev/null | tr '\n' ' ')" | tee "$OUT/prof-kernels.txt"
-      fi ;;
+      # per-kernel times and DRAM bytes of a batch-1 decode at CTX_PROF under ncu (the machine
+      # has no nsys): kernels one at a time (no PDL overlap), warm caches, free clocks
+      /usr/local/cuda/bin/ncu --graph-profiling node --cache-control none --clock-control none \
+        -k regex:"${PROF_K:-gemv|attn_decode|qkv_post|argmax|rmsnorm|embed|advance}" \
+        --launch-skip "${PROF_SKIP:-1500}" --launch-count "${PROF_N:-300}" \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active \
+        --csv .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_PROF:-32k}" \
+        --batch 1 --new-tokens 32 > "$OUT/prof-ncu.csv" 2> "$OUT/prof-run.log"
+      tail -3 "$OUT/prof-run.log" ;;
     bench)
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "$CTX" --batch 1 \
         --new-tokens "$N" --json "$OUT/bench-b1.json" 2>&1 | tee "$OUT/bench.log"

@@ -3,8 +3,8 @@
 // takes GEMV_GR output rows and its 8 warps split the input dimension (thread t reads 16-byte
 // chunks t, t + 256, ... of every row, two per row in flight per iteration), the N input rows
 // come through the read-only cache, and the block sums its partials in shared memory.
-// One implementation (gemv_fused_impl) serves the plain entries (gemv_bf16_n*, up to 8 rows) and
-// the fused decode step's entries (gemv_fused_n*_m*, 1-2 rows: normed / GLU inputs, residual
+// One implementation (gemv_fused_impl) serves the plain entries (gemv_bf16_n*, 3-8 rows) and
+// the fused decode step's entries (gemv_fused_n*_m*, 1-2 rows: plain / normed inputs, residual / GLU
 // outputs). in % 8 == 0. grid (ceil(out / GEMV_GR)), block 256.
 #define GEMV_GR 4
 
@@ -234,14 +234,13 @@ GEMV_FUSED_ENTRY(gemv_fused_n1_m1, 1, 1, true)
 GEMV_FUSED_ENTRY(gemv_fused_n2_m0, 2, 0, true)
 GEMV_FUSED_ENTRY(gemv_fused_n2_m1, 2, 1, true)
 
-// gemv_bf16_n{1..8}: the plain GEMV (m0) for up to 8 rows, bf16 or f32 out.
+// gemv_bf16_n{3..8}: the plain GEMV (m0) for 3-8 rows, bf16 or f32 out (1-2 rows run the
+// gemv_fused_n*_m0 entries, which load their first weights before the PDL wait).
 #define GEMV_ENTRY(NAME, N)                                                                         \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         NAME(const bf16* x, const bf16* w, void* y, u32 in, u32 out, u32 out_f32) {                 \
         gemv_fused_impl<N, 0, false>(x, nullptr, w, y, in, out, out_f32 ? 1u : 0u, 0.0f);                  \
     }
-GEMV_ENTRY(gemv_bf16_n1, 1)
-GEMV_ENTRY(gemv_bf16_n2, 2)
 GEMV_ENTRY(gemv_bf16_n3, 3)
 GEMV_ENTRY(gemv_bf16_n4, 4)
 GEMV_ENTRY(gemv_bf16_n5, 5)

@@ -147,12 +147,13 @@ impl CudaContext {
         if major < 8 {
             return Err(CudaError::UnsupportedDevice { name, major, minor });
         }
-        let sm_count = ctx
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(drv("SM count"))? as u32;
         let dev_attr = |a: CUdevice_attribute, what: &'static str| -> Result<u32, CudaError> {
             Ok(ctx.attribute(a).map_err(drv(what))?.max(0) as u32)
         };
+        let sm_count = dev_attr(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            "SM count",
+        )?;
         let smem_per_sm = dev_attr(
             CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
             "shared memory a SM",

@@ -56,8 +56,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "sfi_topk",
     "sfi_gather",
     "sfi_publish",
-    "gemv_bf16_n1",
-    "gemv_bf16_n2",
     "gemv_bf16_n3",
     "gemv_bf16_n4",
     "gemv_bf16_n5",

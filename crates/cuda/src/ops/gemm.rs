@@ -120,9 +120,8 @@ impl CudaContext {
         in_features: usize,
         out_features: usize,
     ) -> Result<(), CudaError> {
-        const NAMES: [&str; 8] = [
-            "gemv_bf16_n1",
-            "gemv_bf16_n2",
+        // 1-2 rows run the fused GEMV's plain entries (below), 3-8 these.
+        const NAMES: [&str; 6] = [
             "gemv_bf16_n3",
             "gemv_bf16_n4",
             "gemv_bf16_n5",
@@ -156,7 +155,7 @@ impl CudaContext {
         let blocks = u32::try_from(out_features.div_ceil(4))
             .map_err(|_| CudaError::bad("gemv", format!("{out_features} output rows")))?;
         self.launch(
-            NAMES[n - 1],
+            NAMES[n - 3],
             (blocks, 1, 1),
             (256, 1, 1),
             0,
