@@ -239,6 +239,30 @@ mod tests {
             .collect()
     }
 
+    /// A one-token decode call on layer 0 at `pos0`.
+    fn decode_call(pos0: usize) -> AttnCall {
+        AttnCall {
+            layer: 0,
+            pos0,
+            n: 1,
+            lo: 0,
+            sliding: false,
+        }
+    }
+
+    /// The positions `p` attends for `call` with query `q`, and how many segments they form.
+    fn attend(
+        p: &mut OraclePolicy<f32>,
+        st: &KvStore<f32>,
+        call: &AttnCall,
+        q: &[f32],
+    ) -> (Vec<usize>, usize) {
+        p.query(call, q);
+        let mut out = Vec::new();
+        p.segments(call, st, &mut out);
+        (positions(&out[0], 2), out[0].len())
+    }
+
     #[test]
     fn keeps_the_exact_top_keys_of_the_current_query() {
         let mut w = vec![0.0f32; 40];
@@ -254,19 +278,10 @@ mod tests {
             every: 1,
         };
         let mut p = OraclePolicy::<f32>::new(cfg).unwrap();
-        let call = AttnCall {
-            layer: 0,
-            pos0: 39,
-            n: 1,
-            lo: 0,
-            sliding: false,
-        };
-        p.query(&call, &q);
-        let mut out = Vec::new();
-        p.segments(&call, &st, &mut out);
-        assert_eq!(positions(&out[0], 2), vec![3, 17, 18, 30]);
+        let (got, segments) = attend(&mut p, &st, &decode_call(39), &q);
+        assert_eq!(got, vec![3, 17, 18, 30]);
         // Adjacent picks form one segment.
-        assert_eq!(out[0].len(), 3);
+        assert_eq!(segments, 3);
         assert_eq!(KvPolicy::<f32>::name(&p), "oracle");
     }
 
@@ -285,19 +300,10 @@ mod tests {
             every: 1,
         };
         let mut p = OraclePolicy::<f32>::new(cfg).unwrap();
-        let call = AttnCall {
-            layer: 0,
-            pos0: 63,
-            n: 1,
-            lo: 0,
-            sliding: false,
-        };
-        p.query(&call, &q);
-        let mut out = Vec::new();
-        p.segments(&call, &st, &mut out);
+        let call = decode_call(63);
         let mut want = vec![0, 1, 9, 20];
         want.extend(56..64);
-        assert_eq!(positions(&out[0], 2), want);
+        assert_eq!(attend(&mut p, &st, &call, &q).0, want);
         // Prefill and short sequences stay dense.
         let pre = AttnCall {
             n: 4,
@@ -332,13 +338,6 @@ mod tests {
             every: 2,
         })
         .unwrap();
-        let call = |pos0| AttnCall {
-            layer: 0,
-            pos0,
-            n: 1,
-            lo: 0,
-            sliding: false,
-        };
         let mut got = Vec::new();
         for pos0 in [39, 40, 41] {
             // The second step's query prefers key 30: ignored until the reselection.
@@ -347,10 +346,7 @@ mod tests {
             } else {
                 q.clone()
             };
-            p.query(&call(pos0), &q2);
-            let mut out = Vec::new();
-            p.segments(&call(pos0), &st, &mut out);
-            got.push(positions(&out[0], 2));
+            got.push(attend(&mut p, &st, &decode_call(pos0), &q2).0);
         }
         assert_eq!(got[0], vec![3, 17]);
         assert_eq!(got[1], vec![3, 17, 40]);
