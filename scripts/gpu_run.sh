@@ -25,6 +25,9 @@ for p in $phases; do
       echo "tests rc=$rc" | tee -a "$OUT/tests.log" ;;
     kbench)
       .bin/cuda_bench quick 2>&1 | tee "$OUT/kernel-bench.log" ;;
+    pbench)
+      # the head-dim-128 prefill attention kernels side by side at 8K and 32K (cuda_bench prefill)
+      .bin/cuda_bench prefill 2>&1 | tee "$OUT/prefill-bench.log" ;;
     gemv)
       # the 1-row GEMV kernels against the pure read rate, shape by shape, and as a 36-layer chain
       .bin/cuda_bench gemv 2>&1 | tee "$OUT/gemv-bench.log" ;;
@@ -43,6 +46,29 @@ for p in $phases; do
         --csv .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_PROF:-32k}" \
         --batch 1 --new-tokens 32 > "$OUT/prof-ncu.csv" 2> "$OUT/prof-run.log"
       tail -3 "$OUT/prof-run.log" ;;
+    prof-prefill)
+      # per-kernel times of a CTX_PROF (default 32k) prefill under ncu, kernels one at a time:
+      # where the time outside attention and the GEMMs goes. Summed by kernel name at the end.
+      /usr/local/cuda/bin/ncu --cache-control none --clock-control none \
+        --launch-count "${PROF_N:-2400}" --metrics gpu__time_duration.sum --csv \
+        .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_PROF:-32k}" \
+        --batch 1 --new-tokens 2 > "$OUT/prefill-ncu.csv" 2> "$OUT/prefill-run.log"
+      python3 - "$OUT/prefill-ncu.csv" <<'PY' | tee "$OUT/prefill-ncu-summary.txt"
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head = rows[0]; ki = head.index("Kernel Name"); vi = head.index("Metric Value"); ui = head.index("Metric Unit")
+tot = collections.defaultdict(float); cnt = collections.Counter()
+for r in rows[1:]:
+    try: v = float(r[vi].replace(",", ""))
+    except ValueError: continue
+    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(r[ui], 1.0)
+    name = r[ki].split("(")[0][:60]; tot[name] += v * scale; cnt[name] += 1
+all_us = sum(tot.values())
+for n, us in sorted(tot.items(), key=lambda x: -x[1]):
+    print(f"{us/1e3:10.2f} ms {100*us/all_us:6.2f} % {cnt[n]:6d} x  {n}")
+print(f"{all_us/1e3:10.2f} ms total over {sum(cnt.values())} kernels")
+PY
+      ;;
     bench)
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "$CTX" --batch 1 \
         --new-tokens "$N" --json "$OUT/bench-b1.json" 2>&1 | tee "$OUT/bench.log"

@@ -318,6 +318,9 @@ fn main() -> Result<(), CudaError> {
         for k in ["attn_prefill_d128", "attn_prefill_d128_m2"] {
             prefill(&ctx, 32, 8, 128, 8192, 1, Some(k))?;
         }
+        if ctx.has_wgmma() {
+            prefill(&ctx, 32, 8, 128, 8192, 1, Some("attn_prefill_d128_wg"))?;
+        }
         decode(&ctx, 1, 32768, 1.0, None)?;
         return Ok(());
     }
@@ -325,6 +328,22 @@ fn main() -> Result<(), CudaError> {
     println!("copy    device-to-device {bw:.0} GB/s (read + write)");
     if std::env::args().any(|a| a == "gemv") {
         return gemv_ab(&ctx, bw);
+    }
+    if std::env::args().any(|a| a == "prefill") {
+        // the head-dim-128 prefill kernels side by side (Qwen3-4B heads), against the GEMM rate
+        let big = gemm(&ctx, "8192^3", 8192, 8192, 8192)?;
+        let mut kernels = vec!["attn_prefill_d128_m2"];
+        if ctx.has_wgmma() {
+            kernels.extend(["attn_prefill_d128_wg", "attn_prefill_d128_wg3"]);
+        }
+        for n in [8192, 32768] {
+            for &k in &kernels {
+                let tf = prefill(&ctx, 32, 8, 128, n, 3, Some(k))?;
+                println!("  = {:.1} % of the 8192^3 GEMM rate", 100.0 * tf / big);
+            }
+        }
+        prefill(&ctx, 32, 8, 128, 131072, 1, None)?;
+        return Ok(());
     }
     if std::env::args().any(|a| a == "decode") {
         for &b in &[1usize, 8] {
@@ -369,7 +388,7 @@ fn main() -> Result<(), CudaError> {
         flops / secs / 1e12
     );
     let mut best = 0.0f64;
-    for k in [None, Some("attn_prefill_d128")] {
+    for k in [None, Some("attn_prefill_d128_m2")] {
         best = best.max(prefill(&ctx, 32, 8, 128, 32768, 3, k)?);
     }
     println!(

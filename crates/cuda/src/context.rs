@@ -65,6 +65,8 @@ pub struct CudaContext {
     pub(crate) smem_reserved: u32,
     /// The argmax kernel's per-row counters (zero between launches) and partials.
     pub(crate) argmax_scratch: GpuBuffer<u32>,
+    /// Whether the kernels were built for sm_90a (warpgroup MMA: the Hopper prefill kernels).
+    pub(crate) wgmma: bool,
 }
 
 /// Rows up to which `linear` can stream the weights with the GEMV kernel.
@@ -104,6 +106,9 @@ pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
         "attn_prefill_d256" => s(64 + 4 * 32, 256),
         "attn_prefill_d64_m2" => s(128 + 4 * 64, 64),
         "attn_prefill_d128_m2" => s(128 + 4 * 32, 128),
+        // 1 KiB to align the swizzled tiles, Q [128][128], then K and V [128][128] a stage
+        "attn_prefill_d128_wg" => 1024 + 128 * 256 + 2 * 2 * 128 * 256,
+        "attn_prefill_d128_wg3" => 1024 + 128 * 256 + 3 * 2 * 128 * 256,
         "attn_decode_d64" | "attn_sparse_decode_d64" => s(16 + 2 * 4 * 64, 64),
         "attn_decode_d128" | "attn_sparse_decode_d128" => s(16 + 2 * 3 * 64, 128),
         "attn_decode_d128_s4" => s(16 + 2 * 4 * 64, 128),
@@ -162,7 +167,15 @@ impl CudaContext {
             CUdevice_attribute::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK,
             "shared memory reserved a block",
         )?;
-        let image = load_or_compile_kernels(&format!("sm_{major}{minor}"))?;
+        // sm_90 compiles as sm_90a (the Hopper-only warpgroup MMA of the prefill kernels)
+        // unless SLOWFAST_CUDA_ARCH names another target, e.g. sm_90 for an A/B.
+        let arch = match (std::env::var("SLOWFAST_CUDA_ARCH").ok(), major, minor) {
+            (Some(a), _, _) if !a.is_empty() => a,
+            (_, 9, 0) => "sm_90a".to_string(),
+            _ => format!("sm_{major}{minor}"),
+        };
+        let image = load_or_compile_kernels(&arch)?;
+        let wgmma = arch == "sm_90a";
         let module = ctx
             .load_module(Ptx::from_binary(image.cubin))
             .map_err(drv("cuModuleLoadData"))?;
@@ -234,6 +247,7 @@ impl CudaContext {
             smem_per_sm,
             smem_reserved,
             argmax_scratch,
+            wgmma,
         })
     }
 
@@ -354,6 +368,11 @@ impl CudaContext {
         end.synchronize().map_err(drv("cuEventSynchronize"))?;
         let ms = start.elapsed_ms(&end).map_err(drv("cuEventElapsedTime"))?;
         Ok(ms / iters.max(1) as f32)
+    }
+
+    /// Whether the kernels were built for sm_90a, so the warpgroup-MMA prefill kernels run.
+    pub fn has_wgmma(&self) -> bool {
+        self.wgmma
     }
 
     /// Whether programmatic dependent launch may be used on this device (sm_90+, not turned off

@@ -143,7 +143,8 @@ fn nvrtc_check(rc: sys::nvrtcResult, what: &str) -> Result<(), String> {
 
 /// Compiles every kernel for `arch` (e.g. `sm_90`) to a CUBIN. No GPU and no cache involved.
 pub fn compile_kernels(arch: &str) -> Result<KernelImage, CudaError> {
-    if !arch.starts_with("sm_") || arch[3..].parse::<u32>().map(|v| v < 80).unwrap_or(true) {
+    let digits = arch.get(3..).unwrap_or("").trim_end_matches('a');
+    if !arch.starts_with("sm_") || digits.parse::<u32>().map(|v| v < 80).unwrap_or(true) {
         return Err(CudaError::bad(
             "compile_kernels",
             format!("arch {arch:?}: expected sm_XY with XY >= 80"),

@@ -31,7 +31,7 @@ fn require() -> bool {
 #[test]
 fn every_kernel_compiles_for_sm80_and_sm90() {
     discover_pip_nvrtc();
-    for arch in ["sm_90", "sm_80"] {
+    for arch in ["sm_90a", "sm_90", "sm_80"] {
         match compile_kernels(arch) {
             Ok(img) => {
                 assert!(

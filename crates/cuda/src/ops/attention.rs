@@ -18,7 +18,14 @@ pub const PREFILL_VARIANTS: &[(&str, usize, usize)] = &[
     ("attn_prefill_d256", 256, 64),
     ("attn_prefill_d64_m2", 64, 128),
     ("attn_prefill_d128_m2", 128, 128),
+    ("attn_prefill_d128_wg", 128, 128),
+    ("attn_prefill_d128_wg3", 128, 128),
 ];
+
+/// Whether prefill kernel `kernel` runs on Hopper's warpgroup MMA (sm_90a only, 256 threads).
+pub fn prefill_is_wgmma(kernel: &str) -> bool {
+    kernel.starts_with("attn_prefill_d128_wg")
+}
 /// The variant `attn_prefill` uses for head_dim 64, 128, 256 (the two-m-tile kernels were
 /// 5-8% faster at 32K on the H200, crates/cuda/gpu-runs/run2-bench.log).
 const PREFILL_DEFAULT: [&str; 3] = [
@@ -26,6 +33,9 @@ const PREFILL_DEFAULT: [&str; 3] = [
     "attn_prefill_d128_m2",
     "attn_prefill_d256",
 ];
+
+/// The head-dim-128 prefill kernel on sm_90a devices.
+const PREFILL_WGMMA_D128: &str = "attn_prefill_d128_wg";
 
 /// One decode step for a batch of sequences (one new query token each).
 #[derive(Clone, Copy, Debug)]
@@ -307,6 +317,7 @@ impl CudaContext {
         let d = kv.head_dim;
         let kernel = match d {
             64 => PREFILL_DEFAULT[0],
+            128 if self.wgmma => PREFILL_WGMMA_D128,
             128 => PREFILL_DEFAULT[1],
             _ => PREFILL_DEFAULT[2],
         };
@@ -336,6 +347,12 @@ impl CudaContext {
             ));
         };
         check_heads(OP, p.n_heads, &kv, p.scale, p.window)?;
+        if prefill_is_wgmma(kernel) && !self.wgmma {
+            return Err(CudaError::bad(
+                OP,
+                format!("kernel {kernel} needs an sm_90a device (Hopper warpgroup MMA)"),
+            ));
+        }
         if kd != kv.head_dim {
             return Err(CudaError::bad(
                 OP,
@@ -385,10 +402,11 @@ impl CudaContext {
             KArg::F(p.scale * LOG2E),
         ];
         let grid = (p.n_tokens.div_ceil(bq) as u32, p.n_heads as u32, 1);
+        let threads = if prefill_is_wgmma(kernel) { 256 } else { 128 };
         self.launch(
             kernel,
             grid,
-            (128, 1, 1),
+            (threads, 1, 1),
             attn_smem_bytes(kernel).unwrap_or(0),
             &args,
         )
