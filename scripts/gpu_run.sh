@@ -61,7 +61,8 @@ tot = collections.defaultdict(float); cnt = collections.Counter()
 for r in rows[1:]:
     try: v = float(r[vi].replace(",", ""))
     except ValueError: continue
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(r[ui], 1.0)
+    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
+             "second": 1e6, "s": 1e6}[r[ui]]
     name = r[ki].split("(")[0][:60]; tot[name] += v * scale; cnt[name] += 1
 all_us = sum(tot.values())
 for n, us in sorted(tot.items(), key=lambda x: -x[1]):

@@ -7,18 +7,34 @@
 // table inv_freq [rot / 2]), q written to q_out [n, qh, hd], and k and v appended to the caches
 // [num_slots, kh, capacity, hd] at (slots[t], positions[t]) (rows out of range are not cached).
 // qkv [n, row_stride]: row t holds q (qh heads), then k (kh), then v (kh), each hd wide.
-// grid (n, qh + 2 kh), block 32; hd <= 256 and a multiple of 32.
-extern "C" __global__ void __launch_bounds__(32)
+// A warp a head, QKV_POST_HEADS heads of one token a block: the block computes the token's
+// rot / 2 angles once (a prefill's f64 sincos per head was most of this kernel's time).
+// grid (n, ceil((qh + 2 kh) / QKV_POST_HEADS)), block 32 * QKV_POST_HEADS; hd <= 256 and a
+// multiple of 32.
+#define QKV_POST_HEADS 8
+extern "C" __global__ void __launch_bounds__(32 * QKV_POST_HEADS)
     qkv_post_bf16(const bf16* __restrict__ qkv, u32 row_stride, bf16* __restrict__ q_out,
                   bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, const float* __restrict__ qn,
                   const float* __restrict__ kn, float eps, const u32* __restrict__ positions,
                   const u32* __restrict__ slots, u32 qh, u32 kh, u32 hd, u32 rot,
                   const double* __restrict__ inv_freq, u32 capacity, u32 num_slots) {
-    __shared__ float buf[256];
+    __shared__ float bufs[QKV_POST_HEADS][256];
+    __shared__ float cs[2][128];  // cos, sin of token t's angles
     pdl_wait();
     pdl_trigger();
-    const u32 t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
+    const u32 t = blockIdx.x, lane = threadIdx.x & 31, h = blockIdx.y * QKV_POST_HEADS + (threadIdx.x >> 5);
     const u32 pos = positions[t], slot = slots[t];
+    const u32 half = rot / 2;
+    for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
+        const double ang = (double)pos * inv_freq[i];
+        double sn, cn;
+        sincos(ang, &sn, &cn);
+        cs[0][i] = (float)cn;
+        cs[1][i] = (float)sn;
+    }
+    __syncthreads();
+    if (h >= qh + 2 * kh) return;
+    float* buf = bufs[threadIdx.x >> 5];
     const bool cached = pos < capacity && slot < num_slots;
     const bf16* x = qkv + (u64)t * row_stride + (u64)h * hd;
     if (h >= qh + kh) {
@@ -54,14 +70,11 @@ extern "C" __global__ void __launch_bounds__(32)
         if (c < hd) buf[c] = vals[j];
     }
     __syncwarp();
-    const u32 half = rot / 2;
     for (u32 i = lane; i < half; i += 32) {
-        const double ang = (double)pos * inv_freq[i];
-        double s, c;
-        sincos(ang, &s, &c);
+        const float c = cs[0][i], s = cs[1][i];
         const float x1 = buf[i], x2 = buf[i + half];
-        buf[i] = bf2f(f2bf(x1 * (float)c - x2 * (float)s));
-        buf[i + half] = bf2f(f2bf(x2 * (float)c + x1 * (float)s));
+        buf[i] = bf2f(f2bf(x1 * c - x2 * s));
+        buf[i + half] = bf2f(f2bf(x2 * c + x1 * s));
     }
     __syncwarp();
     bf16* dst = is_k ? (cached ? k_cache + (((u64)slot * kh + (h - qh)) * capacity + pos) * hd : nullptr)

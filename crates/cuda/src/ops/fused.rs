@@ -210,12 +210,14 @@ impl CudaContext {
             KArg::U(kv.capacity as u32),
             KArg::U(kv.num_slots as u32),
         ];
+        // QKV_POST_HEADS (decode_fused.cu) heads a block, a warp each
+        const HEADS: usize = 8;
         let grid = (
             u32_of(OP, "n_tokens", n)?,
-            u32_of(OP, "heads", p.q_heads + 2 * kv.kv_heads)?,
+            u32_of(OP, "heads", (p.q_heads + 2 * kv.kv_heads).div_ceil(HEADS))?,
             1,
         );
-        self.launch("qkv_post_bf16", grid, (32, 1, 1), 0, &args)
+        self.launch("qkv_post_bf16", grid, (32 * HEADS as u32, 1, 1), 0, &args)
     }
 
     /// Reads `p` once (16-byte loads, a grid of 8 blocks of 256 a SM), writing nothing but a
