@@ -18,6 +18,82 @@ __device__ __forceinline__ void pf_load_kv(bf16* ks, bf16* vs, const bf16* kc, c
     }
 }
 
+// A prefill block's query tile and the key tiles it reads: query rows [q0, q0 + BQ) of head h
+// (blocks in reverse order, so the heaviest, last tiles start first), positions
+// [p_first, p_last], keys [t_begin * BK, t_end * BK) of kv head kvh's cache rows kc / vc.
+struct PfTile {
+    int h, q0, kv_len, p_first, p_last, t_begin, t_end;
+    const bf16* kc;
+    const bf16* vc;
+};
+template <int D, int BQ, int BK>
+__device__ __forceinline__ PfTile pf_tile(const bf16* k_cache, const bf16* v_cache, u32 n_q, u32 n_heads,
+                                          u32 kv_heads, u32 capacity, u32 pos0, u32 window) {
+    PfTile t;
+    t.h = blockIdx.y;
+    const int kvh = t.h / (n_heads / kv_heads);
+    t.q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    t.kv_len = pos0 + n_q;
+    t.kc = k_cache + (u64)kvh * capacity * D;
+    t.vc = v_cache + (u64)kvh * capacity * D;
+    t.p_first = pos0 + t.q0;
+    t.p_last = pos0 + min(t.q0 + BQ - 1, (int)n_q - 1);
+    const int lo = window ? max(0, t.p_first - (int)window + 1) : 0;
+    t.t_begin = lo / BK;
+    t.t_end = (t.p_last + BK) / BK;
+    return t;
+}
+
+// The online-softmax step of one 16-row m-tile (the mma accumulator layout: rows g and g + 8 of
+// the warp, NT 8-key blocks from key j0) over its unscaled scores s. With need_mask, keys after
+// a row's position (pa for row g, pb for row g + 8), at or past kv_len, or outside the window
+// are -inf. Updates the running max m_r and sum l_r, turns s into the exp2 weights and returns
+// each row's rescale factor for the accumulators in alpha.
+template <int NT>
+__device__ __forceinline__ void pf_softmax(float (*s)[4], bool need_mask, int j0, int pa, int pb, int kv_len,
+                                           u32 window, int tig, float scale_log2, float* m_r, float* l_r,
+                                           float* alpha) {
+    if (need_mask) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = j0 + nt * 8 + 2 * tig + (e & 1);
+                const int p = e < 2 ? pa : pb;
+                const bool ok = j <= p && j < kv_len && (window == 0 || j + (int)window > p);
+                if (!ok) s[nt][e] = NEG_INF;
+            }
+        }
+    }
+    float mx[2] = {m_r[0], m_r[1]};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[nt][0], s[nt][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[nt][2], s[nt][3]));
+    }
+    // Scores stay unscaled; the scale folds into one FFMA before each exp2.
+    float nb[2], rs[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        nb[i] = mx[i] == NEG_INF ? 0.0f : -mx[i] * scale_log2;
+        alpha[i] = exp2f(fmaf(m_r[i], scale_log2, nb[i]));
+        m_r[i] = mx[i];
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        s[nt][0] = exp2f(fmaf(s[nt][0], scale_log2, nb[0]));
+        s[nt][1] = exp2f(fmaf(s[nt][1], scale_log2, nb[0]));
+        s[nt][2] = exp2f(fmaf(s[nt][2], scale_log2, nb[1]));
+        s[nt][3] = exp2f(fmaf(s[nt][3], scale_log2, nb[1]));
+        rs[0] += s[nt][0] + s[nt][1];
+        rs[1] += s[nt][2] + s[nt][3];
+    }
+    l_r[0] = l_r[0] * alpha[0] + rs[0];
+    l_r[1] = l_r[1] * alpha[1] + rs[1];
+}
+
 // q, o [n_q, n_heads, D]; k_cache, v_cache [kv_heads, capacity, D] (one slot);
 // lse [n_q, n_heads] natural-log log-sum-exp of the scaled scores, or null.
 // Query row i sits at position pos0 + i and sees keys j <= pos0 + i (and j > pos0 + i - window
@@ -36,21 +112,12 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
     bf16* ks = qs + BQ * STR;                       // [ST][BK][STR]
     bf16* vs = ks + ST * BK * STR;                  // [ST][BK][STR]
 
-    const int tile = gridDim.x - 1 - blockIdx.x;  // heaviest (last) query tiles first
-    const int h = blockIdx.y;
-    const int kvh = h / (n_heads / kv_heads);
-    const int q0 = tile * BQ;
+    const PfTile tl = pf_tile<D, BQ, BK>(k_cache, v_cache, n_q, n_heads, kv_heads, capacity, pos0, window);
+    const int h = tl.h, q0 = tl.q0, kv_len = tl.kv_len, p_first = tl.p_first, p_last = tl.p_last;
+    const int t_begin = tl.t_begin, t_end = tl.t_end;
+    const bf16 *kc = tl.kc, *vc = tl.vc;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, tig = lane & 3;
-    const int kv_len = pos0 + n_q;
-    const bf16* kc = k_cache + (u64)kvh * capacity * D;
-    const bf16* vc = v_cache + (u64)kvh * capacity * D;
-
-    const int last_row = min(q0 + BQ - 1, (int)n_q - 1);
-    const int p_first = pos0 + q0, p_last = pos0 + last_row;
-    const int hi = p_last + 1;
-    const int lo = window ? max(0, p_first - (int)window + 1) : 0;
-    const int t_begin = lo / BK, t_end = (hi + BK - 1) / BK;
 
     for (int idx = threadIdx.x; idx < BQ * CH; idx += ATT_THREADS) {
         const int r = idx / CH, c = idx % CH, row = q0 + r;
@@ -119,45 +186,9 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
                                (window != 0 && j0 <= p_last - (int)window);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                if (need_mask) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int j = j0 + nt * 8 + 2 * tig + (e & 1);
-                        const int p = e < 2 ? pa[mt] : pb[mt];
-                        const bool ok = j <= p && j < kv_len && (window == 0 || j + (int)window > p);
-                        if (!ok) s[mt][nt][e] = NEG_INF;
-                    }
-                }
-            }
-            float mx[2] = {m_r[mt][0], m_r[mt][1]};
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                mx[0] = fmaxf(mx[0], fmaxf(s[mt][nt][0], s[mt][nt][1]));
-                mx[1] = fmaxf(mx[1], fmaxf(s[mt][nt][2], s[mt][nt][3]));
-            }
-            // Scores stay unscaled; the scale folds into one FFMA before each exp2.
-            float nb[2], alpha[2], rs[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-                nb[i] = mx[i] == NEG_INF ? 0.0f : -mx[i] * scale_log2;
-                alpha[i] = exp2f(fmaf(m_r[mt][i], scale_log2, nb[i]));
-                m_r[mt][i] = mx[i];
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                s[mt][nt][0] = exp2f(fmaf(s[mt][nt][0], scale_log2, nb[0]));
-                s[mt][nt][1] = exp2f(fmaf(s[mt][nt][1], scale_log2, nb[0]));
-                s[mt][nt][2] = exp2f(fmaf(s[mt][nt][2], scale_log2, nb[1]));
-                s[mt][nt][3] = exp2f(fmaf(s[mt][nt][3], scale_log2, nb[1]));
-                rs[0] += s[mt][nt][0] + s[mt][nt][1];
-                rs[1] += s[mt][nt][2] + s[mt][nt][3];
-            }
-            l_r[mt][0] = l_r[mt][0] * alpha[0] + rs[0];
-            l_r[mt][1] = l_r[mt][1] * alpha[1] + rs[1];
+            float alpha[2];
+            pf_softmax<NT>(s[mt], need_mask, j0, pa[mt], pb[mt], kv_len, window, tig, scale_log2, m_r[mt], l_r[mt],
+                           alpha);
             // Once the running max settles (most tiles of a long row) alpha is exactly 1.
             if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
 #pragma unroll

@@ -107,20 +107,11 @@ __device__ __forceinline__ void attn_prefill_wg_impl(const bf16* __restrict__ q,
     const u32 sbase = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 qs = sbase, ks = sbase + QB, vs = ks + ST * KB;
 
-    const int tile = gridDim.x - 1 - blockIdx.x;  // heaviest (last) query tiles first
-    const int h = blockIdx.y;
-    const int kvh = h / (n_heads / kv_heads);
-    const int q0 = tile * BQ;
+    const PfTile tl = pf_tile<D, BQ, BK>(k_cache, v_cache, n_q, n_heads, kv_heads, capacity, pos0, window);
+    const int h = tl.h, q0 = tl.q0, kv_len = tl.kv_len, t_begin = tl.t_begin, t_end = tl.t_end;
+    const bf16 *kc = tl.kc, *vc = tl.vc;
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int g = lane >> 2, tig = lane & 3;
-    const int kv_len = pos0 + n_q;
-    const bf16* kc = k_cache + (u64)kvh * capacity * D;
-    const bf16* vc = v_cache + (u64)kvh * capacity * D;
-
-    const int last_row = min(q0 + BQ - 1, (int)n_q - 1);
-    const int p_first = pos0 + q0, p_last = pos0 + last_row;
-    const int lo = window ? max(0, p_first - (int)window + 1) : 0;
-    const int t_begin = lo / BK, t_end = (p_last + 1 + BK - 1) / BK;
     // This warpgroup's rows: positions [w_first, w_last] (empty past the last query row).
     const int wq0 = q0 + wg * 64;
     const int w_first = (int)pos0 + wq0;
@@ -140,7 +131,7 @@ __device__ __forceinline__ void attn_prefill_wg_impl(const bf16* __restrict__ q,
         cp_async_commit();
     }
 
-    float s[64], oacc[2][32];
+    float s[BK / 8][4], oacc[2][32];  // S: the m64n128 accumulator fragment, 16 8-key blocks
 #pragma unroll
     for (int i = 0; i < 32; ++i) oacc[0][i] = oacc[1][i] = 0.0f;
     float m_r[2] = {NEG_INF, NEG_INF}, l_r[2] = {0.0f, 0.0f};
@@ -162,67 +153,30 @@ __device__ __forceinline__ void attn_prefill_wg_impl(const bf16* __restrict__ q,
         const u32 kst = ks + stage * KB, vst = vs + stage * KB;
 
         // S = Q K^T over the 8 16-column steps of head_dim (4 per swizzled half).
-        wg_pin<64>(s);
+        wg_pin<64>(&s[0][0]);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             const u32 off = (kk & 3) * 32;  // 16 columns = 32 bytes into the swizzled row
             const u64 da = wg_desc(qs + (kk >> 2) * (QB / 2) + wg * 64 * 128 + off, 16);
             const u64 db = wg_desc(kst + (kk >> 2) * (KB / 2) + off, 16);
-            wgmma_m64n128k16_ss(s, da, db, kk > 0 ? 1 : 0);
+            wgmma_m64n128k16_ss(&s[0][0], da, db, kk > 0 ? 1 : 0);
         }
         wg_commit();
         wg_wait0();
-        wg_pin<64>(s);
+        wg_pin<64>(&s[0][0]);
 
         const bool need_mask = (j0 + BK - 1 > w_first) || (j0 + BK > kv_len) ||
                                (window != 0 && j0 <= w_last - (int)window);
-        if (need_mask) {
-#pragma unroll
-            for (int nb = 0; nb < BK / 8; ++nb) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = j0 + nb * 8 + 2 * tig + (e & 1);
-                    const int p = e < 2 ? pa : pb;
-                    const bool ok = j <= p && j < kv_len && (window == 0 || j + (int)window > p);
-                    if (!ok) s[nb * 4 + e] = NEG_INF;
-                }
-            }
-        }
-        float mx[2] = {m_r[0], m_r[1]};
-#pragma unroll
-        for (int nb = 0; nb < BK / 8; ++nb) {
-            mx[0] = fmaxf(mx[0], fmaxf(s[nb * 4], s[nb * 4 + 1]));
-            mx[1] = fmaxf(mx[1], fmaxf(s[nb * 4 + 2], s[nb * 4 + 3]));
-        }
-        // Scores stay unscaled; the scale folds into one FFMA before each exp2.
-        float nbias[2], alpha[2], rs[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            nbias[i] = mx[i] == NEG_INF ? 0.0f : -mx[i] * scale_log2;
-            alpha[i] = exp2f(fmaf(m_r[i], scale_log2, nbias[i]));
-            m_r[i] = mx[i];
-        }
-#pragma unroll
-        for (int nb = 0; nb < BK / 8; ++nb) {
-            s[nb * 4] = exp2f(fmaf(s[nb * 4], scale_log2, nbias[0]));
-            s[nb * 4 + 1] = exp2f(fmaf(s[nb * 4 + 1], scale_log2, nbias[0]));
-            s[nb * 4 + 2] = exp2f(fmaf(s[nb * 4 + 2], scale_log2, nbias[1]));
-            s[nb * 4 + 3] = exp2f(fmaf(s[nb * 4 + 3], scale_log2, nbias[1]));
-            rs[0] += s[nb * 4] + s[nb * 4 + 1];
-            rs[1] += s[nb * 4 + 2] + s[nb * 4 + 3];
-        }
-        l_r[0] = l_r[0] * alpha[0] + rs[0];
-        l_r[1] = l_r[1] * alpha[1] + rs[1];
+        float alpha[2];
+        pf_softmax<BK / 8>(s, need_mask, j0, pa, pb, kv_len, window, tig, scale_log2, m_r, l_r, alpha);
         u32 pf[BK / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-            pf[kk][0] = pack_bf16x2(s[kk * 8], s[kk * 8 + 1]);
-            pf[kk][1] = pack_bf16x2(s[kk * 8 + 2], s[kk * 8 + 3]);
-            pf[kk][2] = pack_bf16x2(s[kk * 8 + 4], s[kk * 8 + 5]);
-            pf[kk][3] = pack_bf16x2(s[kk * 8 + 6], s[kk * 8 + 7]);
+            pf[kk][0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+            pf[kk][1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+            pf[kk][2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pf[kk][3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
         }
         // Once the running max settles (most tiles of a long row) alpha is exactly 1.
         if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
