@@ -155,13 +155,13 @@ impl CudaContext {
                 Glu::GeGluTanh => 1,
             }),
         ];
-        self.launch(
-            "glu_bf16",
-            (grid_1d(rows * cols, 256), 1, 1),
-            (256, 1, 1),
-            0,
-            &args,
-        )
+        // 8 columns a thread, 256 threads a block; rows over grid.y (striding past 65535)
+        let grid = (
+            cols.div_ceil(8 * 256).max(1) as u32,
+            rows.clamp(1, 65_535) as u32,
+            1,
+        );
+        self.launch("glu_bf16", grid, (256, 1, 1), 0, &args)
     }
 
     /// Writes k, v [n_tokens, kv_heads, head_dim] into the caches at `positions[t]` of slot
