@@ -29,7 +29,7 @@ fn require() -> bool {
 }
 
 #[test]
-fn every_kernel_compiles_for_sm80_and_sm90() {
+fn every_kernel_compiles_for_sm80_sm90_and_sm90a() {
     discover_pip_nvrtc();
     for arch in ["sm_90a", "sm_90", "sm_80"] {
         match compile_kernels(arch) {
