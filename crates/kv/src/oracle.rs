@@ -239,17 +239,6 @@ mod tests {
             .collect()
     }
 
-    /// A one-token decode call on layer 0 at `pos0`.
-    fn decode_call(pos0: usize) -> AttnCall {
-        AttnCall {
-            layer: 0,
-            pos0,
-            n: 1,
-            lo: 0,
-            sliding: false,
-        }
-    }
-
     /// The positions `p` attends for `call` with query `q`, and how many segments they form.
     fn attend(
         p: &mut OraclePolicy<f32>,
@@ -278,7 +267,7 @@ mod tests {
             every: 1,
         };
         let mut p = OraclePolicy::<f32>::new(cfg).unwrap();
-        let (got, segments) = attend(&mut p, &st, &decode_call(39), &q);
+        let (got, segments) = attend(&mut p, &st, &AttnCall::decode(0, 39), &q);
         assert_eq!(got, vec![3, 17, 18, 30]);
         // Adjacent picks form one segment.
         assert_eq!(segments, 3);
@@ -300,7 +289,7 @@ mod tests {
             every: 1,
         };
         let mut p = OraclePolicy::<f32>::new(cfg).unwrap();
-        let call = decode_call(63);
+        let call = AttnCall::decode(0, 63);
         let mut want = vec![0, 1, 9, 20];
         want.extend(56..64);
         assert_eq!(attend(&mut p, &st, &call, &q).0, want);
@@ -346,7 +335,7 @@ mod tests {
             } else {
                 q.clone()
             };
-            got.push(attend(&mut p, &st, &decode_call(pos0), &q2).0);
+            got.push(attend(&mut p, &st, &AttnCall::decode(0, pos0), &q2).0);
         }
         assert_eq!(got[0], vec![3, 17]);
         assert_eq!(got[1], vec![3, 17, 40]);

@@ -105,6 +105,19 @@ impl AttnCall {
     pub fn hi(&self) -> usize {
         self.pos0 + self.n
     }
+
+    /// A one-token decode call of a global (not sliding-window) layer at `pos0`; the tests'
+    /// shorthand.
+    #[cfg(test)]
+    pub(crate) fn decode(layer: usize, pos0: usize) -> Self {
+        AttnCall {
+            layer,
+            pos0,
+            n: 1,
+            lo: 0,
+            sliding: false,
+        }
+    }
 }
 
 /// A KV policy over a cache of element type `T`.

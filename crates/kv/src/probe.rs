@@ -353,16 +353,6 @@ mod tests {
         s
     }
 
-    fn decode_call(pos0: usize) -> AttnCall {
-        AttnCall {
-            layer: 3,
-            pos0,
-            n: 1,
-            lo: 0,
-            sliding: false,
-        }
-    }
-
     /// Feed one decode step: token, then 2 heads of hand-made logits over `len` keys whose
     /// top-2 are `a` (head 0) and `b` (head 1).
     fn feed(
@@ -374,7 +364,7 @@ mod tests {
         b: [usize; 2],
     ) {
         KvPolicy::<f32>::on_token(p, token);
-        let call = decode_call(len - 1);
+        let call = AttnCall::decode(3, len - 1);
         assert_eq!(KvPolicy::<f32>::capture_rows(p, &call), 1);
         let mut logits = vec![0.0f32; 2 * len];
         for j in a {
@@ -430,7 +420,7 @@ mod tests {
         };
         let sliding = AttnCall {
             sliding: true,
-            ..decode_call(9)
+            ..AttnCall::decode(3, 9)
         };
         assert_eq!(KvPolicy::<f32>::capture_rows(&p, &prefill), 0);
         assert_eq!(KvPolicy::<f32>::capture_rows(&p, &sliding), 0);

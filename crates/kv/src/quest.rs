@@ -232,13 +232,7 @@ mod tests {
         st.set_len(65);
         let mut p = QuestPolicy::new(48); // 3 pages
         p.dense_layers = 0;
-        let call = AttnCall {
-            layer: 0,
-            pos0: 64,
-            n: 1,
-            lo: 0,
-            sliding: false,
-        };
+        let call = AttnCall::decode(0, 64);
         // Two query heads sharing the kv head.
         KvPolicy::<f32>::query(&mut p, &call, &[1.0, 0.0, 0.5, 0.0]);
         let mut out = Vec::new();

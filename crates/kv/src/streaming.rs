@@ -102,13 +102,7 @@ mod tests {
         let mut p = StreamingPolicy::new(4, 8);
         {
             let mut out = Vec::new();
-            let call = AttnCall {
-                layer: 0,
-                pos0: 39,
-                n: 1,
-                lo: 0,
-                sliding: false,
-            };
+            let call = AttnCall::decode(0, 39);
             KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
             assert_eq!(starts(&out[0], d), vec![(0, 4), (32, 8)]);
         }

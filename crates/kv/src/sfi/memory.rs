@@ -449,17 +449,6 @@ mod tests {
         logits
     }
 
-    /// A decode step of layer 0 at `pos0` (a global layer from position 0).
-    fn decode_call(pos0: usize) -> AttnCall {
-        AttnCall {
-            layer: 0,
-            pos0,
-            n: 1,
-            lo: 0,
-            sliding: false,
-        }
-    }
-
     #[test]
     fn refresh_gathers_sinks_and_the_peaks_the_logits_point_at() {
         let (nkv, g, d, len) = (2, 2, 4, 200);
@@ -468,7 +457,7 @@ mod tests {
         // One captured row per query head; kv head h's rows peak at 5 distinct positions.
         let peaks = [[10usize, 40, 41, 90, 150], [20, 60, 61, 110, 130]];
         let logits = peaked_logits(g, len, &[&peaks[0], &peaks[1]]);
-        let call = decode_call(len - 1);
+        let call = AttnCall::decode(0, len - 1);
         p.observe(&call, 1, &logits, &st);
         assert_eq!(p.refreshes(), 1);
         let mut out = Vec::new();
@@ -528,7 +517,7 @@ mod tests {
         let mut p = SfiPolicy::<f32>::new(SfiConfig::new(3, 32, 4), &[], &[], 100).unwrap();
         let peak_slots = [[10usize, 20, 30, 40], [15, 25, 35, 45]];
         let logits = peaked_logits(g, keys, &[&peak_slots[0], &peak_slots[1]]);
-        let call = decode_call(299);
+        let call = AttnCall::decode(0, 299);
         p.observe(&call, 1, &logits, &st);
         assert_eq!(p.refreshes(), 1);
         let mut out = Vec::new();
@@ -566,7 +555,7 @@ mod tests {
         let st = store(nkv, d, 200);
         let mut p = SfiPolicy::<f32>::new(SfiConfig::new(2, 16, 8), &[], &[], 100).unwrap();
         for len in [120usize, 200, 160] {
-            let call = decode_call(len - 1);
+            let call = AttnCall::decode(0, len - 1);
             let logits = vec![0.5f32; nkv * g * len];
             p.observe(&call, 1, &logits, &st);
             assert_eq!(p.norms.len(), nkv * len);
@@ -627,7 +616,7 @@ mod tests {
     fn short_sequences_stay_dense() {
         let st = store(1, 4, 50);
         let mut p = SfiPolicy::<f32>::new(SfiConfig::new(4, 32, 20), &[], &[], 100).unwrap();
-        let call = decode_call(49);
+        let call = AttnCall::decode(0, 49);
         assert_eq!(KvPolicy::<f32>::capture_rows(&p, &call), 0);
         let mut out = Vec::new();
         KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
