@@ -143,11 +143,13 @@ fn nvrtc_check(rc: sys::nvrtcResult, what: &str) -> Result<(), String> {
 
 /// Compiles every kernel for `arch` (e.g. `sm_90`) to a CUBIN. No GPU and no cache involved.
 pub fn compile_kernels(arch: &str) -> Result<KernelImage, CudaError> {
-    let digits = arch.get(3..).unwrap_or("").trim_end_matches('a');
+    // sm_XY, or sm_XYa (the architecture-specific feature set, e.g. sm_90a)
+    let digits = arch.get(3..).unwrap_or("");
+    let digits = digits.strip_suffix('a').unwrap_or(digits);
     if !arch.starts_with("sm_") || digits.parse::<u32>().map(|v| v < 80).unwrap_or(true) {
         return Err(CudaError::bad(
             "compile_kernels",
-            format!("arch {arch:?}: expected sm_XY with XY >= 80"),
+            format!("arch {arch:?}: expected sm_XY or sm_XYa with XY >= 80"),
         ));
     }
     ensure_nvrtc()?;

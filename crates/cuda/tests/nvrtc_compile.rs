@@ -65,6 +65,8 @@ fn bad_arch_is_rejected() {
     discover_pip_nvrtc();
     let err = compile_kernels("sm_70").unwrap_err();
     assert!(err.to_string().contains("sm_70"), "{err}");
+    let err = compile_kernels("sm_90aa").unwrap_err();
+    assert!(err.to_string().contains("sm_90aa"), "{err}");
 }
 
 #[cfg(not(feature = "cuda"))]
