@@ -67,6 +67,13 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return r;
 }
 
+// The GLU activations (SwiGLU's SiLU, GeGLU's tanh-approximated GELU).
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+    return 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x)));
+}
+
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<u32*>(&v);

@@ -23,13 +23,14 @@ extern "C" __global__ void add_bf16(const bf16* a, const bf16* b, bf16* out, u64
         out[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));
 }
 
-__device__ __forceinline__ float gelu_tanh(float x) {
-    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-    return 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x)));
-}
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// out[r, c] = act(gate[r, c]) * up[r, c]; act 0 = SiLU (SwiGLU), 1 = GELU-tanh (GeGLU).
+// act(g) * u, rounded to bf16; act 0 = SiLU (SwiGLU), 1 = GELU-tanh (GeGLU).
+__device__ __forceinline__ bf16 glu_one(bf16 g, bf16 u, u32 act) {
+    const float x = bf2f(g);
+    return f2bf((act == 0 ? silu(x) : gelu_tanh(x)) * bf2f(u));
+}
+
+// out[r, c] = act(gate[r, c]) * up[r, c] (glu_one).
 // gate/up rows are `in_stride` elements apart (2*cols for a fused [gate|up] GEMM output),
 // out [rows, cols]. A thread takes 8 consecutive columns of a row, with 16-byte loads and
 // stores when the rows allow (cols and in_stride multiples of 8, 16-byte-aligned pointers).
@@ -53,16 +54,10 @@ extern "C" __global__ void glu_bf16(const bf16* __restrict__ gate, const bf16* _
             uint4 ov;
             bf16* ob = reinterpret_cast<bf16*>(&ov);
 #pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                const float x = bf2f(gb[k]);
-                ob[k] = f2bf((act == 0 ? silu(x) : gelu_tanh(x)) * bf2f(ub[k]));
-            }
+            for (int k = 0; k < 8; ++k) ob[k] = glu_one(gb[k], ub[k], act);
             *reinterpret_cast<uint4*>(o) = ov;
         } else {
-            for (u32 k = 0; k < 8 && c0 + k < cols; ++k) {
-                const float x = bf2f(g[k]);
-                o[k] = f2bf((act == 0 ? silu(x) : gelu_tanh(x)) * bf2f(u[k]));
-            }
+            for (u32 k = 0; k < 8 && c0 + k < cols; ++k) o[k] = glu_one(g[k], u[k], act);
         }
     }
 }

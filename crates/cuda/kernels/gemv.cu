@@ -51,14 +51,9 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float a) {
 // with the L2 prefetch.
 // grid (ceil(out / 4)), block 256; in % 8 == 0.
 
-__device__ __forceinline__ float gf_silu(float x) { return x / (1.0f + __expf(-x)); }
-__device__ __forceinline__ float gf_gelu_tanh(float x) {
-    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-    return 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x)));
-}
 __device__ __forceinline__ u32 gf_glu2(u32 g, u32 u, bool gelu) {
     const float g0 = bf_lo(g), g1 = bf_hi(g);
-    const float a0 = gelu ? gf_gelu_tanh(g0) : gf_silu(g0), a1 = gelu ? gf_gelu_tanh(g1) : gf_silu(g1);
+    const float a0 = gelu ? gelu_tanh(g0) : silu(g0), a1 = gelu ? gelu_tanh(g1) : silu(g1);
     return pack_bf16x2(a0 * bf_lo(u), a1 * bf_hi(u));
 }
 __device__ __forceinline__ u32 gf_norm2(u32 x, float scale, float w0, float w1) {
