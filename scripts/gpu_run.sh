@@ -28,6 +28,14 @@ for p in $phases; do
     pbench)
       # the head-dim-128 prefill attention kernels side by side at 8K and 32K (cuda_bench prefill)
       .bin/cuda_bench prefill 2>&1 | tee "$OUT/prefill-bench.log" ;;
+    dbench)
+      # flash-decoding alone (cuda_bench decode): batch 1 at 8K / 32K / 128K and 33 keys past
+      # each, batch 8 at 8K / 32K; the host's whole-tile split (SLOWFAST_DECODE_BALANCE=0) then
+      # the default (even on the device)
+      for f in 0 1; do
+        echo "== SLOWFAST_DECODE_BALANCE=$f" | tee -a "$OUT/decode-bench.log"
+        SLOWFAST_DECODE_BALANCE=$f .bin/cuda_bench decode 2>&1 | tee -a "$OUT/decode-bench.log"
+      done ;;
     gemv)
       # the 1-row GEMV kernels against the pure read rate, shape by shape, and as a 36-layer chain
       .bin/cuda_bench gemv 2>&1 | tee "$OUT/gemv-bench.log" ;;

@@ -96,9 +96,9 @@ fn decode(
     let ms = ctx.time_ms(iters, || step(&mut ws, &mut out))?;
     let bytes = (per_seq * batch) as f64;
     let gbs = bytes / (ms as f64 * 1e-3) / 1e9;
-    let (splits, chunk) = ctx.decode_split(&p, &kv);
+    let (kernel, splits, chunk) = ctx.decode_plan(&p, &kv);
     println!(
-        "decode  b{batch:<2} ctx {:>4}K  {:>8.1} us  {:>6.0} GB/s  {:>5.1}% of copy  (splits {splits}{}, chunk {chunk})",
+        "decode  b{batch:<2} ctx {:>4}K  {:>8.1} us  {:>6.0} GB/s  {:>5.1}% of copy  ({kernel}, splits {splits}{}, chunk {chunk})",
         ctx_len / 1024,
         ms * 1e3,
         gbs,
@@ -348,10 +348,12 @@ fn main() -> Result<(), CudaError> {
         return Ok(());
     }
     if std::env::args().any(|a| a == "decode") {
-        for &b in &[1usize, 8] {
-            for c in [8192, 32768, 131072] {
-                decode(&ctx, b, c, bw, None)?;
-            }
+        // batch 1 also 33 keys past each size (the host chunk's extra tile)
+        for c in [8192, 8225, 32768, 32801, 131072, 131105] {
+            decode(&ctx, 1, c, bw, None)?;
+        }
+        for c in [8192, 32768] {
+            decode(&ctx, 8, c, bw, None)?;
         }
         return Ok(());
     }

@@ -10,7 +10,8 @@
 // part_o [batch, n_heads, splits, D] f32; part_ml [batch, n_heads, splits, 2] f32 (max in
 // log2 units of the scaled score, sum). Sequence b sees keys [lo, len) with
 // lo = window ? max(0, len - window) : 0; split s covers [lo + s*chunk, lo + (s+1)*chunk),
-// the last split up to len.
+// the last split up to len; chunk 0: split s covers [lo + s*per, lo + (s+1)*per), per =
+// ceil((len - lo) / splits), computed on the device at every step.
 // grid (splits, kv_heads * ceil(G / 16), batch), block 128,
 // dynamic smem (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes.
 // SPARSE (attn_sparse_decode_*): sequence b reads a virtual sequence of vlen = c + (len - rlo)
@@ -78,6 +79,15 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         const int ch = (per + BK - 1) / BK * BK;
         s_lo = split * ch;
         s_hi = min(vlen, s_lo + ch);
+    } else if (chunk == 0) {
+        // Balanced on every step: ceil(n / splits) keys a split, not rounded to the 64-key tiles
+        // (a split's last tile may be partial), so the longest split is at most one key longer
+        // than the mean whatever the length (a host chunk of 33 tiles for 32K + 1 keys left 15
+        // of 16 splits a tile longer than needed).
+        const int lo_seq = window ? max(0, len - (int)window) : 0;
+        const int per = (len - lo_seq + splits - 1) / splits;
+        s_lo = lo_seq + split * per;
+        s_hi = min(len, s_lo + per);
     } else {
         const int lo_seq = window ? max(0, len - (int)window) : 0;
         s_lo = lo_seq + split * (int)chunk;

@@ -60,6 +60,10 @@ pub struct CudaContext {
     /// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel (3, 4 or 6; 0
     /// chooses; `SLOWFAST_DECODE_STAGES`, default [`DECODE_DEFAULT_STAGES`]).
     pub(crate) decode_stages: usize,
+    /// Whether dense flash-decoding splits each sequence's keys evenly on the device at every
+    /// step (chunk 0) instead of by the host's chunk of whole 64-key tiles from `max_seq_len`
+    /// (`SLOWFAST_DECODE_BALANCE=0`, or [`CudaContext::set_decode_balance`]).
+    decode_balance: std::sync::atomic::AtomicBool,
     /// Shared memory a SM and reserved a block (bytes).
     pub(crate) smem_per_sm: u32,
     pub(crate) smem_reserved: u32,
@@ -244,6 +248,9 @@ impl CudaContext {
             pdl_allowed: major >= 9 && env_usize("SLOWFAST_PDL") != Some(0),
             pdl_now: std::sync::atomic::AtomicBool::new(false),
             decode_stages: env_usize("SLOWFAST_DECODE_STAGES").unwrap_or(DECODE_DEFAULT_STAGES),
+            decode_balance: std::sync::atomic::AtomicBool::new(
+                env_usize("SLOWFAST_DECODE_BALANCE") != Some(0),
+            ),
             smem_per_sm,
             smem_reserved,
             argmax_scratch,
@@ -379,6 +386,19 @@ impl CudaContext {
     /// by `SLOWFAST_PDL=0`).
     pub fn pdl_allowed(&self) -> bool {
         self.pdl_allowed
+    }
+
+    /// Dense flash-decoding's split: even on the device at every step (`true`, the default) or
+    /// the host's whole-tile chunk (for A/B runs and tests).
+    #[doc(hidden)]
+    pub fn set_decode_balance(&self, on: bool) {
+        self.decode_balance
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn decode_balance(&self) -> bool {
+        self.decode_balance
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Turns PDL on or off for the kernels launched from now on (on only where allowed); the

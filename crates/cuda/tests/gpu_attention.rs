@@ -146,14 +146,24 @@ fn decode_matches_reference() {
     let Some(ctx) = gpu("decode_matches_reference") else {
         return;
     };
-    let mut rng = Rng::new(11);
+    // Both splits: even on the device at every step (the default), and the host's chunk of
+    // whole tiles.
+    for balance in [true, false] {
+        ctx.set_decode_balance(balance);
+        decode_cases(&ctx, balance);
+    }
+    ctx.set_decode_balance(true);
+}
+
+fn decode_cases(ctx: &slowfast_cuda::CudaContext, balance: bool) {
+    let mut rng = Rng::new(11 + balance as u64);
     let lens: Vec<usize> = (0..5).map(|_| 1 + rng.below(3000)).collect();
-    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, None, None);
-    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, Some(700), None, None);
-    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, Some(1), None);
-    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, Some(7), None);
+    run_decode(ctx, &mut rng, 128, 32, 8, &lens, None, None, None);
+    run_decode(ctx, &mut rng, 128, 32, 8, &lens, Some(700), None, None);
+    run_decode(ctx, &mut rng, 128, 32, 8, &lens, None, Some(1), None);
+    run_decode(ctx, &mut rng, 128, 32, 8, &lens, None, Some(7), None);
     run_decode(
-        &ctx,
+        ctx,
         &mut rng,
         256,
         4,
@@ -164,7 +174,7 @@ fn decode_matches_reference() {
         None,
     );
     run_decode(
-        &ctx,
+        ctx,
         &mut rng,
         256,
         4,
@@ -174,12 +184,36 @@ fn decode_matches_reference() {
         None,
         None,
     );
-    run_decode(&ctx, &mut rng, 64, 32, 1, &[777, 0, 1500], None, None, None);
-    run_decode(&ctx, &mut rng, 128, 8, 8, &[4000], None, None, None);
+    run_decode(ctx, &mut rng, 64, 32, 1, &[777, 0, 1500], None, None, None);
+    run_decode(ctx, &mut rng, 128, 8, 8, &[4000], None, None, None);
     // a max_seq_len below the real lengths only unbalances the splits
-    run_decode(&ctx, &mut rng, 128, 32, 8, &lens, None, Some(4), Some(100));
+    run_decode(ctx, &mut rng, 128, 32, 8, &lens, None, Some(4), Some(100));
     let big: Vec<usize> = (0..64).map(|_| 1 + rng.below(600)).collect();
-    run_decode(&ctx, &mut rng, 128, 16, 2, &big, None, None, None);
+    run_decode(ctx, &mut rng, 128, 16, 2, &big, None, None, None);
+    // one key past a whole number of tiles a split, and splits that do not divide the keys
+    run_decode(
+        ctx,
+        &mut rng,
+        128,
+        32,
+        8,
+        &[4097],
+        None,
+        Some(16),
+        Some(4097),
+    );
+    run_decode(
+        ctx,
+        &mut rng,
+        128,
+        32,
+        8,
+        &[4097, 70],
+        None,
+        Some(7),
+        Some(4097),
+    );
+    run_decode(ctx, &mut rng, 64, 8, 2, &[5, 3], None, Some(16), None);
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -254,7 +254,12 @@ impl CudaContext {
             KArg::U(kv.capacity as u32),
             KArg::U(u32_of(OP, "num_slots", kv.num_slots)?),
             KArg::U(p.window.map_or(Ok(0), |w| u32_of(OP, "window", w))?),
-            KArg::U(u32_of(OP, "chunk", chunk)?),
+            // 0: the kernel splits each sequence's keys evenly itself
+            KArg::U(if self.decode_balance() {
+                0
+            } else {
+                u32_of(OP, "chunk", chunk)?
+            }),
             KArg::F(p.scale * LOG2E),
         ];
         let grid_y = u32_of(OP, "kv_heads * row groups", kv.kv_heads * row_groups)?;
