@@ -36,6 +36,9 @@ for p in $phases; do
         echo "== SLOWFAST_DECODE_BALANCE=$f" | tee -a "$OUT/decode-bench.log"
         SLOWFAST_DECODE_BALANCE=$f .bin/cuda_bench decode 2>&1 | tee -a "$OUT/decode-bench.log"
       done ;;
+    gemvb)
+      # 3-8 rows through each decode projection: cuBLAS against the tensor-core GEMV
+      .bin/cuda_bench gemvb 2>&1 | tee "$OUT/gemvb-bench.log" ;;
     gemv)
       # the 1-row GEMV kernels against the pure read rate, shape by shape, and as a 36-layer chain
       .bin/cuda_bench gemv 2>&1 | tee "$OUT/gemv-bench.log" ;;

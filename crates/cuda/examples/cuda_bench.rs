@@ -1,11 +1,11 @@
 //! Micro-benchmark of the CUDA crate at Qwen3-4B shapes: device-copy bandwidth (the
 //! roofline), flash-decoding GB/s for 8K..128K contexts at batch 1 and 8, cuBLAS GEMM
 //! TFLOP/s for 32K-token prefill projections and prefill flash-attention TFLOP/s.
-//! Usage: cuda_bench [quick | profile | gemv | prefill | decode]  (profile: one launch of each
-//! attention kernel, for ncu; gemv: the 1-row GEMV kernels against the pure read rate, shape by
-//! shape, then a 36-layer chain of the four projections; prefill: the head-dim-128 prefill
-//! kernels side by side at 8K and 32K, then the default at 128K; decode: flash-decoding alone
-//! at 8K-128K)
+//! Usage: cuda_bench [quick | profile | gemv | gemvb | prefill | decode]  (profile: one launch
+//! of each attention kernel, for ncu; gemv: the 1-row GEMV kernels against the pure read rate,
+//! shape by shape, then a 36-layer chain of the four projections; gemvb: 3-8 rows, cuBLAS
+//! against the tensor-core GEMV; prefill: the head-dim-128 prefill kernels side by side at 8K
+//! and 32K, then the default at 128K; decode: flash-decoding alone at 8K-128K)
 
 use slowfast_cuda::{
     bf16, AttnWorkspace, CudaContext, CudaError, DecodeAttn, GemvInput, GemvOutput, Glu, GpuBuffer,
@@ -206,6 +206,47 @@ fn gemv_once(
     ctx.gemv_fused(x, input, w, y, 1, in_f, out_f)
 }
 
+/// 3-8 rows through each Qwen3-4B decode projection: cuBLAS (what `linear` runs there by
+/// default) against the tensor-core GEMV, as a share of the copy rate.
+fn small_batch_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
+    let x = ctx.upload(&rand_bf16(8 * 9728, 11))?;
+    let mut y = ctx.alloc::<bf16>(8 * 151936)?;
+    for &(name, _, in_f, out_f, _) in &PROJ {
+        let bytes = in_f * out_f * 2;
+        // replicas enough that a sweep is >= 512 MiB: timings do not come from L2
+        let reps = (512usize << 20).div_ceil(bytes).max(2);
+        let w0 = ctx.upload(&rand_bf16(in_f * out_f, 12))?;
+        let mut ws = vec![];
+        for _ in 0..reps {
+            let mut w = ctx.alloc::<bf16>(in_f * out_f)?;
+            ctx.copy(&w0, &mut w)?;
+            ws.push(w);
+        }
+        let iters = (reps * 8).clamp(40, 400);
+        let pct = |ms: f32| 100.0 * bytes as f64 / (ms as f64 * 1e-3) / 1e9 / copy_gbs;
+        for n in [3usize, 4, 6, 8] {
+            let mut i = 0;
+            ctx.set_gemv_mma_rows(0);
+            let blas = ctx.time_ms(iters, || {
+                i += 1;
+                ctx.linear(&x, &ws[i % reps], &mut y, n, in_f, out_f)
+            })?;
+            let mma = ctx.time_ms(iters, || {
+                i += 1;
+                ctx.gemv_mma(&x, &ws[i % reps], &mut y, n, in_f, out_f)
+            })?;
+            println!(
+                "gemv    {name:<8} {in_f:>5} -> {out_f:>6}  n {n}  cublas {:>7.2} us {:>5.1}%  mma {:>7.2} us {:>5.1}%",
+                blas * 1e3,
+                pct(blas),
+                mma * 1e3,
+                pct(mma)
+            );
+        }
+    }
+    Ok(())
+}
+
 fn gemv_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
     let x = ctx.upload(&rand_bf16(2 * 9728, 11))?;
     let nw = ctx.upload(&vec![1.0f32; 9728])?;
@@ -328,6 +369,9 @@ fn main() -> Result<(), CudaError> {
     }
     let bw = copy_bw(&ctx)?;
     println!("copy    device-to-device {bw:.0} GB/s (read + write)");
+    if std::env::args().any(|a| a == "gemvb") {
+        return small_batch_ab(&ctx, bw);
+    }
     if std::env::args().any(|a| a == "gemv") {
         return gemv_ab(&ctx, bw);
     }

@@ -244,6 +244,91 @@ GEMV_ENTRY(gemv_bf16_n7, 7)
 GEMV_ENTRY(gemv_bf16_n8, 8)
 
 
+// gemv_mma_bf16: y[n, o] = sum_i x[n, i] w[o, i] for n < N <= 8 rows on tensor cores, for the
+// 3-8-row steps where the FMA kernels above run out of issue slots (4-6 FMAs and unpacks a weight
+// element). mma.m16n8k16 with A = 16 weight rows, B = the (up to) 8 input rows as its 8 columns.
+// The dot product does not care in which order k is summed, so the k order inside a 32-wide
+// slice is permuted to match what a thread loads: thread (g = lane / 4, t = lane % 4) loads the
+// 16-byte chunk t of the slice (8 consecutive k) from weight rows g and g + 8 and from input row g,
+// and hands its elements 0-3 to the first k16 step and 4-7 to the second, as the fragment
+// positions (2t, 2t + 1, 2t + 8, 2t + 9) of rows g / g + 8 (A) and column g (B). No shared memory
+// for the operands, no shuffles; each warp streams its k slices of 16 rows with GEMV_MMA_U slices
+// in flight. Block: 16 output rows, 8 warps split the input; their partial tiles are summed in
+// shared memory. y [n_rows, out] bf16, or f32 with out_f32. in % 8 == 0, 1 <= n_rows <= 8;
+// grid (ceil(out / 16)), block 256.
+#define GEMV_MMA_U 4
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_mma_bf16(const bf16* __restrict__ x, const bf16* __restrict__ w, void* y, u32 n_rows, u32 in, u32 out,
+                  u32 out_f32) {
+    __shared__ float red[8][16][8];
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 c8 = in / 8, o0 = blockIdx.x * 16;
+    const uint4* w0 = reinterpret_cast<const uint4*>(w + (u64)min(o0 + g, out - 1) * in);
+    const uint4* w1 = reinterpret_cast<const uint4*>(w + (u64)min(o0 + g + 8, out - 1) * in);
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (u64)min(g, n_rows - 1) * in);
+    const bool has_x = g < n_rows;
+    // Slice q (32 k: chunks 4q .. 4q + 3) of warp w's iteration it, unrolled u: q = (it U + u) 8 + w.
+    const u32 slices = (c8 + 3) / 4, iters = (slices + 8 * GEMV_MMA_U - 1) / (8 * GEMV_MMA_U);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint4 wa[GEMV_MMA_U], wb[GEMV_MMA_U];
+    auto load_w = [&](u32 it) {
+#pragma unroll
+        for (int u = 0; u < GEMV_MMA_U; ++u) {
+            const u32 c = 4 * ((it * GEMV_MMA_U + u) * 8 + warp) + t;
+            wa[u] = c < c8 ? ld_stream(w0 + c) : make_uint4(0, 0, 0, 0);
+            wb[u] = c < c8 ? ld_stream(w1 + c) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    // The first weights before the PDL wait (they are constant), the inputs after it.
+    load_w(0);
+    pdl_wait();
+    pdl_trigger();
+    for (u32 it = 0; it < iters; ++it) {
+        uint4 xv[GEMV_MMA_U];
+#pragma unroll
+        for (int u = 0; u < GEMV_MMA_U; ++u) {
+            const u32 c = 4 * ((it * GEMV_MMA_U + u) * 8 + warp) + t;
+            xv[u] = has_x && c < c8 ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
+        }
+        uint4 ca[GEMV_MMA_U], cb[GEMV_MMA_U];
+#pragma unroll
+        for (int u = 0; u < GEMV_MMA_U; ++u) {
+            ca[u] = wa[u];
+            cb[u] = wb[u];
+        }
+        if (it + 1 < iters) load_w(it + 1);
+#pragma unroll
+        for (int u = 0; u < GEMV_MMA_U; ++u) {
+            const u32 a0[4] = {ca[u].x, cb[u].x, ca[u].y, cb[u].y};
+            const u32 b0[2] = {xv[u].x, xv[u].y};
+            mma_16816(acc, a0, b0);
+            const u32 a1[4] = {ca[u].z, cb[u].z, ca[u].w, cb[u].w};
+            const u32 b1[2] = {xv[u].z, xv[u].w};
+            mma_16816(acc, a1, b1);
+        }
+    }
+    // acc: rows g, g + 8 of the block's 16, columns (input rows) 2t, 2t + 1.
+    red[warp][g][2 * t] = acc[0];
+    red[warp][g][2 * t + 1] = acc[1];
+    red[warp][g + 8][2 * t] = acc[2];
+    red[warp][g + 8][2 * t + 1] = acc[3];
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        const u32 r = threadIdx.x >> 3, n = threadIdx.x & 7, o = o0 + r;
+        float v = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v += red[k][r][n];
+        if (o < out && n < n_rows) {
+            const u64 i = (u64)n * out + o;
+            if (out_f32) {
+                reinterpret_cast<float*>(y)[i] = v;
+            } else {
+                reinterpret_cast<bf16*>(y)[i] = f2bf(v);
+            }
+        }
+    }
+}
+
 // stream_read_bench: reads n16 16-byte chunks (grid-stride, four loads in flight a thread) and
 // writes one word a block so the loads are kept: the read rate a GEMV of the same bytes could
 // reach at most (examples/cuda_bench.rs `gemv`). grid any, block 256.

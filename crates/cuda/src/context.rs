@@ -48,6 +48,10 @@ pub struct CudaContext {
     /// `linear` with at most this many rows runs the GEMV kernel instead of cuBLAS
     /// (`SLOWFAST_GEMV_MAX_ROWS`, 0 = always cuBLAS; at most 8).
     pub(crate) gemv_max_rows: usize,
+    /// `linear` with more rows than `gemv_max_rows` and at most this many runs the tensor-core
+    /// GEMV (`gemv_mma_bf16`) instead of cuBLAS (`SLOWFAST_GEMV_MMA_ROWS`, default
+    /// [`GEMV_MMA_DEFAULT_ROWS`]; at most 8).
+    gemv_mma_rows: std::sync::atomic::AtomicUsize,
     /// Whether decode steps at <= `gemv_max_rows` rows run the fused kernels
     /// (ops/fused.rs); `SLOWFAST_DECODE_FUSED=0` turns them off (A/B runs).
     pub(crate) decode_fused: bool,
@@ -79,6 +83,13 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// cuBLAS at 1 and 2 rows (4.14 vs 5.10 ms a step, 4.41 vs 5.04) and lost from 4 rows on
 /// (5.87 vs 5.61 at 4, 8.27 vs 6.61 at 8: its FMAs then bound it).
 pub const GEMV_DEFAULT_ROWS: usize = 2;
+
+/// Rows up to which `linear` runs the tensor-core GEMV above `GEMV_DEFAULT_ROWS`: 0 (off).
+/// Alone it beats cuBLAS at 3-8 rows on four of Qwen3-4B's five decode projections (run 47,
+/// 6 rows: o 9.4 vs 12.0 us, gate|up 30.5 vs 34.0, down 17.8 vs 20.0; LM head 197.9 vs 192.7),
+/// but the graph-captured step did not move (batch 6 at 32K 10.89 vs 10.94 ms, batch 8 12.94 /
+/// 12.98 vs 12.93 / 12.93 ms, runs 47-48), so cuBLAS stays the default.
+pub const GEMV_MMA_DEFAULT_ROWS: usize = 0;
 
 /// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel by default: 0 lets
 /// `decode_plan` choose 4 stages (143 KB of shared memory, one block a SM: run 25, Qwen3-4B
@@ -244,6 +255,11 @@ impl CudaContext {
             gemv_max_rows: env_usize("SLOWFAST_GEMV_MAX_ROWS")
                 .unwrap_or(GEMV_DEFAULT_ROWS)
                 .min(GEMV_MAX_ROWS),
+            gemv_mma_rows: std::sync::atomic::AtomicUsize::new(
+                env_usize("SLOWFAST_GEMV_MMA_ROWS")
+                    .unwrap_or(GEMV_MMA_DEFAULT_ROWS)
+                    .min(GEMV_MAX_ROWS),
+            ),
             decode_fused: env_usize("SLOWFAST_DECODE_FUSED") != Some(0),
             pdl_allowed: major >= 9 && env_usize("SLOWFAST_PDL") != Some(0),
             pdl_now: std::sync::atomic::AtomicBool::new(false),
@@ -386,6 +402,21 @@ impl CudaContext {
     /// by `SLOWFAST_PDL=0`).
     pub fn pdl_allowed(&self) -> bool {
         self.pdl_allowed
+    }
+
+    /// `linear` runs the tensor-core GEMV for more than `SLOWFAST_GEMV_MAX_ROWS` and at most
+    /// `rows` rows (0: never; at most 8), cuBLAS above; for A/B runs and tests.
+    #[doc(hidden)]
+    pub fn set_gemv_mma_rows(&self, rows: usize) {
+        self.gemv_mma_rows.store(
+            rows.min(GEMV_MAX_ROWS),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    pub(crate) fn gemv_mma_rows(&self) -> usize {
+        self.gemv_mma_rows
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Dense flash-decoding's split: even on the device at every step (`true`, the default) or

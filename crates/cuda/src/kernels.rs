@@ -68,6 +68,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_bf16_n6",
     "gemv_bf16_n7",
     "gemv_bf16_n8",
+    "gemv_mma_bf16",
     "gemv_fused_n1_m0",
     "gemv_fused_n1_m1",
     "gemv_fused_n2_m0",

@@ -538,3 +538,57 @@ fn small_batch_linear_matches_reference() {
         }
     }
 }
+
+/// The tensor-core GEMV at every row count (the input rows are the mma's 8 columns, unused
+/// ones zero), `in` not a multiple of its 32-wide slices or of a warp's 4 slices in flight,
+/// `out` not a multiple of the block's 16 rows; and `linear` through it when enabled.
+#[test]
+fn tensor_core_gemv_matches_reference() {
+    let Some(ctx) = gpu("tensor_core_gemv") else {
+        return;
+    };
+    let mut rng = Rng::new(8);
+    for &(k, m) in &[
+        (8usize, 1usize),
+        (24, 17),
+        (40, 33),
+        (136, 15),
+        (2560, 1027),
+        (4104, 16),
+        (9728, 300),
+    ] {
+        for n in 1..=8 {
+            let x = rng.vec_bf16(n * k, 1.0);
+            let w = rng.vec_bf16(m * k, 0.05);
+            let (dx, dw) = (ctx.upload(&x).unwrap(), ctx.upload(&w).unwrap());
+            let want = linear_ref(&x, &w, n, k, m);
+            let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
+            ctx.gemv_mma(&dx, &dw, &mut y32, n, k, m).unwrap();
+            let got = dl_f32(&ctx, &y32);
+            let what = format!("gemv_mma f32 out n {n} in {k} out {m}");
+            assert_close(&what, &got, &want, 1e-4);
+            let mut y16 = ctx.upload(&nan_bf16(n * m)).unwrap();
+            ctx.gemv_mma(&dx, &dw, &mut y16, n, k, m).unwrap();
+            let got = to_f64(&ctx.download(&y16).unwrap());
+            let what = format!("gemv_mma bf16 out n {n} in {k} out {m}");
+            assert_close(&what, &got, &want, 1e-2);
+        }
+    }
+    // `linear` at 6 rows through it, then back to cuBLAS
+    let (n, k, m) = (6, 2560, 1027);
+    let x = rng.vec_bf16(n * k, 1.0);
+    let w = rng.vec_bf16(m * k, 0.05);
+    let (dx, dw) = (ctx.upload(&x).unwrap(), ctx.upload(&w).unwrap());
+    let want = linear_ref(&x, &w, n, k, m);
+    ctx.set_gemv_mma_rows(8);
+    let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
+    ctx.linear(&dx, &dw, &mut y32, n, k, m).unwrap();
+    ctx.set_gemv_mma_rows(0);
+    assert_close("linear via gemv_mma", &dl_f32(&ctx, &y32), &want, 1e-4);
+    // bad shapes are refused, naming the input
+    let err = ctx
+        .gemv_mma(&dx, &dw, &mut y32, 9, k, m)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("9 rows"), "{err}");
+}

@@ -75,6 +75,15 @@ impl CudaContext {
         {
             return self.gemv_raw(px, pw, py, out_type, n, in_features, out_features);
         }
+        if n <= self.gemv_mma_rows()
+            && in_features % 8 == 0
+            && matches!(
+                out_type,
+                cudaDataType::CUDA_R_16BF | cudaDataType::CUDA_R_32F
+            )
+        {
+            return self.gemv_mma_raw(px, pw, py, out_type, n, in_features, out_features);
+        }
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Column-major view: Y^T[out, n] = W[out, in] · X^T[in, n], with W read transposed
         // from its column-major [in, out] storage.
@@ -168,5 +177,57 @@ impl CudaContext {
                 crate::context::KArg::U(f32_out),
             ],
         )
+    }
+
+    /// The tensor-core GEMV (kernels/gemv.cu `gemv_mma_bf16`) for 1..=8 rows: `y[n, out] =
+    /// x[n, in] · w[out, in]^T`, f32 accumulation, bf16 or f32 output; `in` a multiple of 8.
+    /// `linear` runs it at `SLOWFAST_GEMV_MAX_ROWS` < n <= `SLOWFAST_GEMV_MMA_ROWS`.
+    #[doc(hidden)]
+    pub fn gemv_mma<O: GemmOut>(
+        &self,
+        x: &GpuBuffer<bf16>,
+        w: &GpuBuffer<bf16>,
+        y: &mut GpuBuffer<O>,
+        n: usize,
+        in_features: usize,
+        out_features: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "gemv_mma";
+        if n == 0 || n > 8 || in_features == 0 || out_features == 0 || in_features % 8 != 0 {
+            return Err(CudaError::bad(
+                OP,
+                format!("{n} rows (1..=8), in = {in_features} (a positive multiple of 8), out = {out_features}"),
+            ));
+        }
+        let px = x.ptr_min(OP, "x [n, in]", n * in_features)?;
+        let pw = w.ptr_min(OP, "w [out, in]", out_features * in_features)?;
+        let py = y.ptr_min(OP, "y [n, out]", n * out_features)?;
+        self.gemv_mma_raw(px, pw, py, O::CUDA_TYPE, n, in_features, out_features)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_mma_raw(
+        &self,
+        px: u64,
+        pw: u64,
+        py: u64,
+        out_type: cudaDataType,
+        n: usize,
+        in_features: usize,
+        out_features: usize,
+    ) -> Result<(), CudaError> {
+        use crate::context::KArg;
+        let blocks = u32::try_from(out_features.div_ceil(16))
+            .map_err(|_| CudaError::bad("gemv_mma", format!("{out_features} output rows")))?;
+        let args = [
+            KArg::P(px),
+            KArg::P(pw),
+            KArg::P(py),
+            KArg::U(n as u32),
+            KArg::U(in_features as u32),
+            KArg::U(out_features as u32),
+            KArg::U((out_type == cudaDataType::CUDA_R_32F) as u32),
+        ];
+        self.launch("gemv_mma_bf16", (blocks, 1, 1), (256, 1, 1), 0, &args)
     }
 }
