@@ -32,13 +32,34 @@ struct SparseArgs {
     u32 lstride;
 };
 
-template <int D, int STAGES, bool SPARSE>
+// POST (attn_decode_post_*, dense): the step's q/k/v projection row goes straight in, and
+// the kernel does what qkv_post_bf16 would have done first (one kernel and one launch boundary
+// fewer a layer): each block normalises and rotates its query heads from the row into its Q
+// tile, and the blocks whose keys include the newest position (positions[b], which must be
+// seq_lens[b] - 1) do the same for the new key, take the new value, write both into the cache
+// (row group 0) and into their K/V tile in place of the row the tile read. The arithmetic is
+// qkv_post_bf16's (qk_head_post), so the results are bit-identical to qkv_post + attn_decode.
+// qkv [batch, qkv_stride]: q heads, k heads, v heads; kw / vw: the caches, written.
+struct PostArgs {
+    const bf16* qkv;
+    u32 qkv_stride;
+    const float* qn;
+    const float* kn;
+    float eps;
+    const u32* positions;
+    u32 rot;
+    const double* inv_freq;
+    bf16* kw;
+    bf16* vw;
+};
+
+template <int D, int STAGES, bool SPARSE, bool POST = false>
 __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                  const bf16* __restrict__ v_cache, const u32* __restrict__ seq_lens,
                                                  const u32* __restrict__ slots, float* __restrict__ part_o,
                                                  float* __restrict__ part_ml, u32 n_heads, u32 kv_heads,
                                                  u32 capacity, u32 num_slots, u32 window, u32 chunk,
-                                                 float scale_log2, SparseArgs sp) {
+                                                 float scale_log2, SparseArgs sp, PostArgs pa = {}) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr int CH = D / 8, STR = D + 8, DT = D / 8, BK = DEC_BK;
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [16][STR]
@@ -144,6 +165,20 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     // starts (each triggers its dependents only after its own wait), so lengths, slots and
     // older cache rows are final. Tiles wholly below len - 1 load before pdl_wait(), hiding
     // their DRAM latency behind the kernel before; the rest of the prologue after it.
+    // POST: past the V ring, the token's RoPE angles [2][128], a row buffer a warp [4][256] and
+    // the new key and value [2][D] (bf16). The angles before the wait: positions are final
+    // (written a step ago; the kernel before this one is the q/k/v projection).
+    float(*cs)[128] = reinterpret_cast<float(*)[128]>(vs + STAGES * BK * STR);
+    float* hbuf = reinterpret_cast<float*>(cs + 2) + warp * 256;
+    bf16* newk = reinterpret_cast<bf16*>(reinterpret_cast<float*>(cs + 2) + 4 * 256);
+    bf16* newv = newk + D;
+    u32 pos = 0;
+    bool has_new = false;
+    if constexpr (POST) {
+        pos = pa.positions[b];
+        rope_angles(pos, pa.inv_freq, pa.rot / 2, cs);
+        has_new = pos < capacity && slot < num_slots && (int)pos >= s_lo && (int)pos < s_hi;
+    }
     int st = 0;
     if constexpr (!SPARSE) {
         for (; st < STAGES - 1 && st < n_tiles && s_lo + (st + 1) * BK <= len - 1; ++st) {
@@ -158,11 +193,40 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         cp_async_commit();
     }
     // Q after the first K/V requests are in flight; the loop's first barrier publishes it.
-    for (int idx = threadIdx.x; idx < 16 * CH; idx += DEC_THREADS) {
-        const int r = idx / CH, c = idx % CH, hig = rg * 16 + r;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (hig < G) v = *reinterpret_cast<const uint4*>(q + ((u64)b * n_heads + kvh * G + hig) * D + c * 8);
-        *reinterpret_cast<uint4*>(qs + r * STR + c * 8) = v;
+    if constexpr (POST) {
+        __syncthreads();  // the angles
+        const bf16* row = pa.qkv + (u64)b * pa.qkv_stride;
+        const u32 half = pa.rot / 2;
+        for (int r = warp; r < 16; r += DEC_THREADS / 32) {
+            const int hig = rg * 16 + r;
+            if (hig < G) {
+                qk_head_post(row + (u64)(kvh * G + hig) * D, pa.qn, pa.eps, D, half, cs, hbuf, lane);
+                for (int c = lane; c < D; c += 32) qs[r * STR + c] = f2bf(hbuf[c]);
+                __syncwarp();
+            } else {
+                for (int c = lane; c < D; c += 32) qs[r * STR + c] = f2bf(0.0f);
+            }
+        }
+        if (has_new && warp == 0) {
+            qk_head_post(row + (u64)(n_heads + kvh) * D, pa.kn, pa.eps, D, half, cs, hbuf, lane);
+            const bf16* vrow = row + (u64)(n_heads + kv_heads + kvh) * D;
+            const u64 at = (((u64)slot * kv_heads + kvh) * capacity + pos) * D;
+            for (int c = lane; c < D; c += 32) {
+                newk[c] = f2bf(hbuf[c]);
+                newv[c] = vrow[c];
+                if (rg == 0) {
+                    pa.kw[at + c] = newk[c];
+                    pa.vw[at + c] = newv[c];
+                }
+            }
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < 16 * CH; idx += DEC_THREADS) {
+            const int r = idx / CH, c = idx % CH, hig = rg * 16 + r;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (hig < G) v = *reinterpret_cast<const uint4*>(q + ((u64)b * n_heads + kvh * G + hig) * D + c * 8);
+            *reinterpret_cast<uint4*>(qs + r * STR + c * 8) = v;
+        }
     }
 
     float m_r[2] = {NEG_INF, NEG_INF}, l_r[2] = {0.0f, 0.0f};
@@ -175,6 +239,18 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         __syncthreads();
         if (t + STAGES - 1 < n_tiles) load_tile(t + STAGES - 1);
         cp_async_commit();
+        if constexpr (POST) {
+            // The tile holding the new position read the cache row before anyone wrote it:
+            // put the new key and value in its place.
+            if (has_new && t == ((int)pos - s_lo) / BK) {
+                const int r = (int)pos - s_lo - t * BK;
+                for (int c = threadIdx.x; c < D; c += DEC_THREADS) {
+                    ks[(t % STAGES) * BK * STR + r * STR + c] = newk[c];
+                    vs[(t % STAGES) * BK * STR + r * STR + c] = newv[c];
+                }
+                __syncthreads();
+            }
+        }
         const bf16* kst = ks + (t % STAGES) * BK * STR + warp * 16 * STR;
         const bf16* vst = vs + (t % STAGES) * BK * STR + warp * 16 * STR;
         const int jw = s_lo + t * BK + warp * 16;
@@ -325,6 +401,25 @@ DECODE_ENTRY(attn_decode_d128, 128, 3)
 DECODE_ENTRY(attn_decode_d128_s4, 128, 4)
 DECODE_ENTRY(attn_decode_d128_s6, 128, 6)
 DECODE_ENTRY(attn_decode_d256, 256, 2)
+
+// The dense kernels with the q/k/v post-processing inside (POST above): the same grid and
+// partials; dynamic smem 6 KB (+ 2 D bf16) more.
+#define POST_DECODE_ENTRY(NAME, D, STAGES)                                                               \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS)                                            \
+        NAME(const bf16* qkv, bf16* k_cache, bf16* v_cache, const u32* seq_lens, const u32* slots,       \
+             float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity, u32 num_slots,      \
+             u32 window, u32 chunk, float scale_log2, u32 qkv_stride, const float* qn, const float* kn,  \
+             float eps, const u32* positions, u32 rot, const double* inv_freq) {                         \
+        SparseArgs sp = {};                                                                              \
+        PostArgs pa = {qkv, qkv_stride, qn, kn, eps, positions, rot, inv_freq, k_cache, v_cache};        \
+        attn_decode_impl<D, STAGES, false, true>(nullptr, k_cache, v_cache, seq_lens, slots, part_o,      \
+                                                 part_ml, n_heads, kv_heads, capacity, num_slots, window, \
+                                                 chunk, scale_log2, sp, pa);                              \
+    }
+POST_DECODE_ENTRY(attn_decode_post_d64, 64, 4)
+POST_DECODE_ENTRY(attn_decode_post_d128, 128, 3)
+POST_DECODE_ENTRY(attn_decode_post_d128_s4, 128, 4)
+POST_DECODE_ENTRY(attn_decode_post_d256, 256, 2)
 
 // The sparse / capturing variant (see SparseArgs above); same grid, smem and partials.
 #define SPARSE_DECODE_ENTRY(NAME, D, STAGES)                                                             \

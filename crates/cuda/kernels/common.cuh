@@ -109,3 +109,53 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+
+// RoPE angles of one position: cos / sin of pos * inv_freq[i] for i < half (f64, cast to float),
+// into cs[0][i] / cs[1][i]; threads of a block share the loop. The caller synchronises.
+__device__ __forceinline__ void rope_angles(u32 pos, const double* __restrict__ inv_freq, u32 half, float (*cs)[128]) {
+    for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
+        const double ang = (double)pos * inv_freq[i];
+        double sn, cn;
+        sincos(ang, &sn, &cn);
+        cs[0][i] = (float)cn;
+        cs[1][i] = (float)sn;
+    }
+}
+
+// One head after the q/k/v projection, by one warp: the per-head RMSNorm (when nw is given;
+// head_rmsnorm_bf16's arithmetic and rounding) and NeoX RoPE of the first 2 * half dims
+// (rope_neox_bf16's), leaving the bf16-exact results in buf [hd] (the warp's shared memory;
+// the caller rounds them to bf16). hd <= 256, a multiple of 32.
+__device__ __forceinline__ void qk_head_post(const bf16* __restrict__ x, const float* __restrict__ nw, float eps,
+                                             u32 hd, u32 half, const float (*cs)[128], float* buf, u32 lane) {
+    float vals[8];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const u32 c = lane + 32 * j;
+        vals[j] = c < hd ? bf2f(x[c]) : 0.0f;
+        ss += vals[j] * vals[j];
+    }
+    if (nw != nullptr) {
+        ss = warp_sum(ss);
+        const float scale = rsqrtf(ss / (float)hd + eps);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 c = lane + 32 * j;
+            if (c < hd) vals[j] = bf2f(f2bf(vals[j] * scale * nw[c]));
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const u32 c = lane + 32 * j;
+        if (c < hd) buf[c] = vals[j];
+    }
+    __syncwarp();
+    for (u32 i = lane; i < half; i += 32) {
+        const float c = cs[0][i], s = cs[1][i];
+        const float x1 = buf[i], x2 = buf[i + half];
+        buf[i] = bf2f(f2bf(x1 * c - x2 * s));
+        buf[i + half] = bf2f(f2bf(x2 * c + x1 * s));
+    }
+    __syncwarp();
+}

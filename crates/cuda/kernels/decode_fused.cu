@@ -25,13 +25,7 @@ extern "C" __global__ void __launch_bounds__(32 * QKV_POST_HEADS)
     const u32 t = blockIdx.x, lane = threadIdx.x & 31, h = blockIdx.y * QKV_POST_HEADS + (threadIdx.x >> 5);
     const u32 pos = positions[t], slot = slots[t];
     const u32 half = rot / 2;
-    for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
-        const double ang = (double)pos * inv_freq[i];
-        double sn, cn;
-        sincos(ang, &sn, &cn);
-        cs[0][i] = (float)cn;
-        cs[1][i] = (float)sn;
-    }
+    rope_angles(pos, inv_freq, half, cs);
     __syncthreads();
     if (h >= qh + 2 * kh) return;
     float* buf = bufs[threadIdx.x >> 5];
@@ -46,37 +40,7 @@ extern "C" __global__ void __launch_bounds__(32 * QKV_POST_HEADS)
         return;
     }
     const bool is_k = h >= qh;
-    const float* nw = is_k ? kn : qn;
-    float vals[8];
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const u32 c = lane + 32 * j;
-        vals[j] = c < hd ? bf2f(x[c]) : 0.0f;
-        ss += vals[j] * vals[j];
-    }
-    if (nw != nullptr) {
-        ss = warp_sum(ss);
-        const float scale = rsqrtf(ss / (float)hd + eps);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const u32 c = lane + 32 * j;
-            if (c < hd) vals[j] = bf2f(f2bf(vals[j] * scale * nw[c]));
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const u32 c = lane + 32 * j;
-        if (c < hd) buf[c] = vals[j];
-    }
-    __syncwarp();
-    for (u32 i = lane; i < half; i += 32) {
-        const float c = cs[0][i], s = cs[1][i];
-        const float x1 = buf[i], x2 = buf[i + half];
-        buf[i] = bf2f(f2bf(x1 * c - x2 * s));
-        buf[i + half] = bf2f(f2bf(x2 * c + x1 * s));
-    }
-    __syncwarp();
+    qk_head_post(x, is_k ? kn : qn, eps, hd, half, cs, buf, lane);
     bf16* dst = is_k ? (cached ? k_cache + (((u64)slot * kh + (h - qh)) * capacity + pos) * hd : nullptr)
                      : q_out + ((u64)t * qh + h) * hd;
     if (dst == nullptr) return;

@@ -68,6 +68,9 @@ pub struct CudaContext {
     /// step (chunk 0) instead of by the host's chunk of whole 64-key tiles from `max_seq_len`
     /// (`SLOWFAST_DECODE_BALANCE=0`, or [`CudaContext::set_decode_balance`]).
     decode_balance: std::sync::atomic::AtomicBool,
+    /// Whether the fused dense decode step runs qkv_post inside flash-decoding
+    /// (`attn_decode_post_*`; `SLOWFAST_ATTN_POST=1`, or [`CudaContext::set_attn_post`]).
+    attn_post: std::sync::atomic::AtomicBool,
     /// Shared memory a SM and reserved a block (bytes).
     pub(crate) smem_per_sm: u32,
     pub(crate) smem_reserved: u32,
@@ -91,6 +94,10 @@ pub const GEMV_DEFAULT_ROWS: usize = 2;
 /// 12.98 vs 12.93 / 12.93 ms, runs 47-48), so cuBLAS stays the default.
 pub const GEMV_MMA_DEFAULT_ROWS: usize = 0;
 
+/// Whether the fused dense decode step runs qkv_post inside flash-decoding by default: off
+/// until measured on the GPU (written in a session without device time left).
+pub const ATTN_POST_DEFAULT: bool = false;
+
 /// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel by default: 0 lets
 /// `decode_plan` choose 4 stages (143 KB of shared memory, one block a SM: run 25, Qwen3-4B
 /// batch-1 step 4.27 -> 4.19 ms at 32K, 7.87 -> 7.72 ms at 128K; 6 stages no better) when one
@@ -112,6 +119,10 @@ pub(crate) fn env_usize(name: &str) -> Option<usize> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
+/// The post flash-decoding kernels' shared memory past their K/V rings, before the new k and
+/// v rows: RoPE angles [2][128] and a row buffer a warp [4][256], f32.
+const POST_SMEM: u32 = (2 * 128 + 4 * 256) * 4;
+
 /// Dynamic shared memory (bytes) each attention kernel is launched with.
 pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
     let s = |rows: u32, d: u32| rows * (d + 8) * 2;
@@ -129,6 +140,11 @@ pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
         "attn_decode_d128_s4" => s(16 + 2 * 4 * 64, 128),
         "attn_decode_d128_s6" => s(16 + 2 * 6 * 64, 128),
         "attn_decode_d256" | "attn_sparse_decode_d256" => s(16 + 2 * 2 * 64, 256),
+        // the same rings, then RoPE angles [2][128] f32, a row a warp [4][256] f32, new k, v [2][d]
+        "attn_decode_post_d64" => s(16 + 2 * 4 * 64, 64) + POST_SMEM + 4 * 64,
+        "attn_decode_post_d128" => s(16 + 2 * 3 * 64, 128) + POST_SMEM + 4 * 128,
+        "attn_decode_post_d128_s4" => s(16 + 2 * 4 * 64, 128) + POST_SMEM + 4 * 128,
+        "attn_decode_post_d256" => s(16 + 2 * 2 * 64, 256) + POST_SMEM + 4 * 256,
         _ => return None,
     })
 }
@@ -264,6 +280,9 @@ impl CudaContext {
             pdl_allowed: major >= 9 && env_usize("SLOWFAST_PDL") != Some(0),
             pdl_now: std::sync::atomic::AtomicBool::new(false),
             decode_stages: env_usize("SLOWFAST_DECODE_STAGES").unwrap_or(DECODE_DEFAULT_STAGES),
+            attn_post: std::sync::atomic::AtomicBool::new(
+                env_usize("SLOWFAST_ATTN_POST").unwrap_or(ATTN_POST_DEFAULT as usize) != 0,
+            ),
             decode_balance: std::sync::atomic::AtomicBool::new(
                 env_usize("SLOWFAST_DECODE_BALANCE") != Some(0),
             ),
@@ -417,6 +436,19 @@ impl CudaContext {
     pub(crate) fn gemv_mma_rows(&self) -> usize {
         self.gemv_mma_rows
             .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The fused dense decode step: qkv_post inside flash-decoding (`true`) or before it (for
+    /// A/B runs and tests; default [`ATTN_POST_DEFAULT`], `SLOWFAST_ATTN_POST`). A decoder
+    /// captures its graph with the setting of that moment.
+    #[doc(hidden)]
+    pub fn set_attn_post(&self, on: bool) {
+        self.attn_post
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn attn_post(&self) -> bool {
+        self.attn_post.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Dense flash-decoding's split: even on the device at every step (`true`, the default) or

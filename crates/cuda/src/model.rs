@@ -970,9 +970,30 @@ impl GpuDecoder {
                 rot_dim: s.head_dim,
                 inv_freq: freqs,
             };
-            ctx.qkv_post(&a.qkv, &mut a.q, kc, vc, &a.pos, &a.slots, kv, &p)?;
             let sp = sparse.as_mut().filter(|sp| sp.covers(l));
+            let dp = DecodeAttn {
+                batch: n,
+                n_heads: nh,
+                scale: s.attn_scale,
+                window,
+                max_seq_len: *decode_span,
+                splits: None,
+            };
+            // The fused dense step may run qkv_post inside flash-decoding (SLOWFAST_ATTN_POST).
+            let post_in_attn = matches!(mode, Attn::Decode)
+                && fused
+                && sp.is_none()
+                && ctx.attn_post()
+                && ctx.decode_post_kernel(&dp, &kv).is_some();
+            if post_in_attn {
+                ctx.attn_decode_post(
+                    &a.qkv, kc, vc, kv, dec_lens, &a.slots, &a.pos, &mut a.att, None, ws, &dp, &p,
+                )?;
+            } else {
+                ctx.qkv_post(&a.qkv, &mut a.q, kc, vc, &a.pos, &a.slots, kv, &p)?;
+            }
             match (mode, sp) {
+                (Attn::Decode, None) if post_in_attn => {}
                 (Attn::Prefill { slot, pos0 }, sp) => {
                     let p = PrefillAttn {
                         n_tokens: n,
@@ -1001,16 +1022,8 @@ impl GpuDecoder {
                     sp.decode_layer(ctx, l, kc, vc, ws, io, n, nh, s.attn_scale, capture)?;
                 }
                 (Attn::Decode, None) => {
-                    let p = DecodeAttn {
-                        batch: n,
-                        n_heads: nh,
-                        scale: s.attn_scale,
-                        window,
-                        max_seq_len: *decode_span,
-                        splits: None,
-                    };
                     ctx.attn_decode(
-                        &a.q, kc, vc, kv, dec_lens, &a.slots, &mut a.att, None, ws, &p,
+                        &a.q, kc, vc, kv, dec_lens, &a.slots, &mut a.att, None, ws, &dp,
                     )?;
                 }
             }

@@ -273,3 +273,167 @@ fn qkv_post_matches_the_separate_kernels() {
         assert_eq!(pick(&vc2), pick(&vc1), "{tag}: v cache rows");
     }
 }
+
+/// Flash-decoding with the q/k/v post-processing inside (`attn_decode_post`) against
+/// `qkv_post` followed by `attn_decode`, on the same merged rows and caches: the attention
+/// output, its log-sum-exp and both caches bit-identical. The new position at and next to the
+/// 64-key tile edges and split ends, windows, batch 2 in permuted slots, 32 query heads on one
+/// kv head (two row groups), a partial rotation, with and without the head norms.
+#[test]
+fn attn_decode_post_equals_qkv_post_then_decode() {
+    use slowfast_cuda::{AttnWorkspace, DecodeAttn};
+    let Some(ctx) = gpu("attn_decode_post") else {
+        return;
+    };
+    let mut rng = Rng::new(31);
+    // (head_dim, q heads, kv heads, rot, norms, lens, window)
+    type Case = (
+        usize,
+        usize,
+        usize,
+        usize,
+        bool,
+        &'static [usize],
+        Option<usize>,
+    );
+    let cases: &[Case] = &[
+        (128, 32, 8, 128, true, &[1], None),
+        (128, 32, 8, 128, true, &[64], None),
+        (128, 32, 8, 128, true, &[65], None),
+        (128, 32, 8, 128, true, &[3001], None),
+        (128, 32, 8, 128, true, &[3001], Some(700)),
+        (128, 32, 8, 128, false, &[100, 2049], None),
+        (256, 4, 1, 256, true, &[600], Some(512)),
+        (64, 8, 2, 32, false, &[1000, 7], None),
+        (64, 32, 1, 64, true, &[257], None),
+    ];
+    for &(hd, hq, hk, rot, norms, lens, window) in cases {
+        let batch = lens.len();
+        let cap = lens.iter().max().unwrap() + 3;
+        let kv = KvLayout {
+            num_slots: batch + 1,
+            kv_heads: hk,
+            capacity: cap,
+            head_dim: hd,
+        };
+        let slots: Vec<u32> = (0..batch)
+            .map(|b| ((b + 1) % kv.num_slots) as u32)
+            .collect();
+        let lens32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+        let pos: Vec<u32> = lens32.iter().map(|&l| l - 1).collect();
+        let row = (hq + 2 * hk) * hd;
+        let qkv = rng.vec_bf16(batch * row, 1.0);
+        let init = |rng: &mut Rng| rng.vec_bf16(kv.elems(), 1.0);
+        let (init_k, init_v) = (init(&mut rng), init(&mut rng));
+        let qn: Vec<f32> = (0..hd).map(|_| 1.0 + rng.normal(0.3)).collect();
+        let kn: Vec<f32> = (0..hd).map(|_| 1.0 + rng.normal(0.3)).collect();
+        let freqs: Vec<f64> = (0..rot / 2)
+            .map(|i| 10000f64.powf(-2.0 * i as f64 / rot as f64))
+            .collect();
+        let (dqkv, dl, ds, dp) = (
+            ctx.upload(&qkv).unwrap(),
+            ctx.upload(&lens32).unwrap(),
+            ctx.upload(&slots).unwrap(),
+            ctx.upload(&pos).unwrap(),
+        );
+        let (dqn, dkn, df) = (
+            ctx.upload(&qn).unwrap(),
+            ctx.upload(&kn).unwrap(),
+            ctx.upload(&freqs).unwrap(),
+        );
+        let post = QkvPost {
+            n_tokens: batch,
+            q_heads: hq,
+            q_norm: norms.then_some(&dqn),
+            k_norm: norms.then_some(&dkn),
+            eps: 1e-6,
+            rot_dim: rot,
+            inv_freq: &df,
+        };
+        let p = DecodeAttn {
+            batch,
+            n_heads: hq,
+            scale: 0.09,
+            window,
+            max_seq_len: cap,
+            splits: None,
+        };
+        let rows = batch * hq;
+        let mut ws = AttnWorkspace::new();
+
+        // qkv_post, then flash-decoding
+        let (mut kc1, mut vc1) = (ctx.upload(&init_k).unwrap(), ctx.upload(&init_v).unwrap());
+        let mut q = ctx.upload(&nan_bf16(rows * hd)).unwrap();
+        ctx.qkv_post(&dqkv, &mut q, &mut kc1, &mut vc1, &dp, &ds, kv, &post)
+            .unwrap();
+        let mut o1 = ctx.upload(&nan_bf16(rows * hd)).unwrap();
+        let mut l1 = ctx.upload(&vec![f32::NAN; rows]).unwrap();
+        ctx.attn_decode(
+            &q,
+            &kc1,
+            &vc1,
+            kv,
+            &dl,
+            &ds,
+            &mut o1,
+            Some(&mut l1),
+            &mut ws,
+            &p,
+        )
+        .unwrap();
+
+        // the one kernel
+        let (mut kc2, mut vc2) = (ctx.upload(&init_k).unwrap(), ctx.upload(&init_v).unwrap());
+        let mut o2 = ctx.upload(&nan_bf16(rows * hd)).unwrap();
+        let mut l2 = ctx.upload(&vec![f32::NAN; rows]).unwrap();
+        let kernel = ctx.decode_post_kernel(&p, &kv).expect("a post kernel");
+        ctx.attn_decode_post(
+            &dqkv,
+            &mut kc2,
+            &mut vc2,
+            kv,
+            &dl,
+            &ds,
+            &dp,
+            &mut o2,
+            Some(&mut l2),
+            &mut ws,
+            &p,
+            &post,
+        )
+        .unwrap();
+
+        let tag =
+            format!("{kernel} hd {hd} heads {hq}/{hk} rot {rot} lens {lens:?} window {window:?}");
+        let bits = |b: &slowfast_cuda::GpuBuffer<bf16>| -> Vec<u16> {
+            ctx.download(b)
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        };
+        let fbits = |b: &slowfast_cuda::GpuBuffer<f32>| -> Vec<u32> {
+            ctx.download(b)
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        };
+        assert_eq!(bits(&o2), bits(&o1), "{tag}: attention output");
+        assert_eq!(fbits(&l2), fbits(&l1), "{tag}: lse");
+        assert_eq!(bits(&kc2), bits(&kc1), "{tag}: k cache");
+        assert_eq!(bits(&vc2), bits(&vc1), "{tag}: v cache");
+        // and the new rows were written at all (against the initial caches)
+        let k_new = bits(&kc2);
+        let at = ((slots[0] as usize * hk) * cap + pos[0] as usize) * hd;
+        assert_ne!(
+            &k_new[at..at + hd],
+            &init_k[at..at + hd]
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>()[..],
+            "{tag}: the new k row"
+        );
+        println!("{tag}: bit-identical");
+    }
+}

@@ -236,6 +236,21 @@ fn fixtures_match_cpu() {
     }
 }
 
+/// The same fixtures with q/k norm, RoPE and the KV append inside flash-decoding
+/// (`attn_decode_post`, off by default): the same agreement with the CPU.
+#[test]
+fn fixtures_match_cpu_with_qkv_post_in_attention() {
+    let Some(ctx) = gpu("fixtures_match_cpu_with_qkv_post_in_attention") else {
+        return;
+    };
+    ctx.set_attn_post(true);
+    for rel in ["hf/qwen3", "hf/llama", "hf/gemma3", "gguf/qwen3-tiny.gguf"] {
+        let m = load_fixture(rel);
+        let exact = check_model(&ctx, rel, &m, 100, 32);
+        assert!(exact >= 24, "{rel}: only {exact}/32 greedy tokens equal");
+    }
+}
+
 fn gemma3_270m_shape() -> ModelConfig {
     let layers = 18;
     ModelConfig {

@@ -7,6 +7,7 @@ use super::{u32_of, KvLayout};
 use crate::buffer::GpuBuffer;
 use crate::context::{attn_smem_bytes, CudaContext, KArg};
 use crate::error::CudaError;
+use crate::ops::fused::QkvPost;
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const DECODE_BK: usize = 64;
@@ -184,6 +185,52 @@ pub(crate) fn decode_plan(
     (k, s, c)
 }
 
+fn check_decode(op: &'static str, p: &DecodeAttn, kv: &KvLayout) -> Result<(), CudaError> {
+    check_heads(op, p.n_heads, kv, p.scale, p.window)?;
+    if p.batch == 0 || p.batch > 65535 {
+        return Err(CudaError::bad(op, format!("batch {} (1..=65535)", p.batch)));
+    }
+    Ok(())
+}
+
+/// Device addresses of a flash-decoding call's caches, lengths, slots and outputs (checked).
+struct DecodeIo {
+    k: u64,
+    v: u64,
+    lens: u64,
+    slots: u64,
+    out: u64,
+    lse: u64,
+}
+
+impl DecodeIo {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        op: &'static str,
+        k_cache: &GpuBuffer<bf16>,
+        v_cache: &GpuBuffer<bf16>,
+        seq_lens: &GpuBuffer<u32>,
+        slots: &GpuBuffer<u32>,
+        out: &mut GpuBuffer<bf16>,
+        lse: Option<&mut GpuBuffer<f32>>,
+        p: &DecodeAttn,
+        kv: &KvLayout,
+    ) -> Result<Self, CudaError> {
+        let rows = p.batch * p.n_heads;
+        Ok(DecodeIo {
+            k: k_cache.ptr_min(op, "k_cache", kv.elems())?,
+            v: v_cache.ptr_min(op, "v_cache", kv.elems())?,
+            lens: seq_lens.ptr_min(op, "seq_lens [batch]", p.batch)?,
+            slots: slots.ptr_min(op, "slots [batch]", p.batch)?,
+            out: out.ptr_min(op, "out [batch, n_heads, head_dim]", rows * kv.head_dim)?,
+            lse: match lse {
+                Some(b) => b.ptr_min(op, "lse [batch, n_heads]", rows)?,
+                None => 0,
+            },
+        })
+    }
+}
+
 impl CudaContext {
     /// The dense flash-decoding kernel and (splits, chunk) for `p` on layout `kv` on this
     /// device (see [`decode_plan`]).
@@ -221,48 +268,145 @@ impl CudaContext {
         p: &DecodeAttn,
     ) -> Result<(), CudaError> {
         const OP: &str = "attn_decode";
-        check_heads(OP, p.n_heads, &kv, p.scale, p.window)?;
-        if p.batch == 0 || p.batch > 65535 {
-            return Err(CudaError::bad(OP, format!("batch {} (1..=65535)", p.batch)));
+        check_decode(OP, p, &kv)?;
+        let pq = q.ptr_min(
+            OP,
+            "q [batch, n_heads, head_dim]",
+            p.batch * p.n_heads * kv.head_dim,
+        )?;
+        let io = DecodeIo::new(OP, k_cache, v_cache, seq_lens, slots, out, lse, p, &kv)?;
+        let (kernel, _, _) = self.decode_plan(p, &kv);
+        self.decode_launch(OP, kernel, pq, io, ws, p, kv, &[])
+    }
+
+    /// The flash-decoding kernel that takes the q/k/v projection row itself and does what
+    /// [`CudaContext::qkv_post`] does (q/k norms, RoPE, appending k and v to the caches) for a
+    /// decode step, when the plan has one (not for a forced 6-stage ring).
+    pub fn decode_post_kernel(&self, p: &DecodeAttn, kv: &KvLayout) -> Option<&'static str> {
+        match self.decode_plan(p, kv).0 {
+            "attn_decode_d64" => Some("attn_decode_post_d64"),
+            "attn_decode_d128" => Some("attn_decode_post_d128"),
+            "attn_decode_d128_s4" => Some("attn_decode_post_d128_s4"),
+            "attn_decode_d256" => Some("attn_decode_post_d256"),
+            _ => None,
         }
+    }
+
+    /// [`CudaContext::qkv_post`] of one decode step followed by [`CudaContext::attn_decode`], in
+    /// one kernel (and its reduce): `qkv [batch, (n_heads + 2 kv_heads) head_dim]` is the merged
+    /// projection row of each sequence, `positions[b]` must be `seq_lens[b] - 1` (the new
+    /// token, whose k and v are appended to the caches at `(slots[b], positions[b])`). The
+    /// outputs and the caches are bit-identical to the two calls. Errors when
+    /// [`CudaContext::decode_post_kernel`] has none.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_decode_post(
+        &self,
+        qkv: &GpuBuffer<bf16>,
+        k_cache: &mut GpuBuffer<bf16>,
+        v_cache: &mut GpuBuffer<bf16>,
+        kv: KvLayout,
+        seq_lens: &GpuBuffer<u32>,
+        slots: &GpuBuffer<u32>,
+        positions: &GpuBuffer<u32>,
+        out: &mut GpuBuffer<bf16>,
+        lse: Option<&mut GpuBuffer<f32>>,
+        ws: &mut AttnWorkspace,
+        p: &DecodeAttn,
+        post: &QkvPost,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "attn_decode_post";
+        check_decode(OP, p, &kv)?;
+        let hd = kv.head_dim;
+        if post.n_tokens != p.batch
+            || post.q_heads != p.n_heads
+            || post.rot_dim == 0
+            || post.rot_dim > hd
+            || post.rot_dim % 2 != 0
+            || post.eps.is_nan()
+            || post.eps < 0.0
+        {
+            return Err(CudaError::bad(
+                OP,
+                format!(
+                    "{} tokens / {} q heads for batch {} / {} heads, rot_dim {} of head_dim {hd}, eps {}",
+                    post.n_tokens, post.q_heads, p.batch, p.n_heads, post.rot_dim, post.eps
+                ),
+            ));
+        }
+        let Some(kernel) = self.decode_post_kernel(p, &kv) else {
+            return Err(CudaError::bad(
+                OP,
+                format!("no post kernel for plan {}", self.decode_plan(p, &kv).0),
+            ));
+        };
+        let stride = (p.n_heads + 2 * kv.kv_heads) * hd;
+        let pqkv = qkv.ptr_min(
+            OP,
+            "qkv [batch, (n_heads + 2 kv_heads) * head_dim]",
+            p.batch * stride,
+        )?;
+        let nrm = |b: Option<&GpuBuffer<f32>>, what: &str| -> Result<u64, CudaError> {
+            b.map_or(Ok(0), |b| b.ptr_min(OP, what, hd))
+        };
+        let extra = [
+            KArg::U(u32_of(OP, "qkv row", stride)?),
+            KArg::P(nrm(post.q_norm, "q_norm [head_dim]")?),
+            KArg::P(nrm(post.k_norm, "k_norm [head_dim]")?),
+            KArg::F(post.eps),
+            KArg::P(positions.ptr_min(OP, "positions [batch]", p.batch)?),
+            KArg::U(post.rot_dim as u32),
+            KArg::P(
+                post.inv_freq
+                    .ptr_min(OP, "inv_freq [rot_dim / 2]", post.rot_dim / 2)?,
+            ),
+        ];
+        let io = DecodeIo::new(OP, k_cache, v_cache, seq_lens, slots, out, lse, p, &kv)?;
+        self.decode_launch(OP, kernel, pqkv, io, ws, p, kv, &extra)
+    }
+
+    /// Launches flash-decoding kernel `kernel` (first argument `pq`: q, or the q/k/v row for the
+    /// post kernels, whose `extra` arguments follow the common ones) and its reduce.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_launch(
+        &self,
+        op: &'static str,
+        kernel: &'static str,
+        pq: u64,
+        io: DecodeIo,
+        ws: &mut AttnWorkspace,
+        p: &DecodeAttn,
+        kv: KvLayout,
+        extra: &[KArg],
+    ) -> Result<(), CudaError> {
         let d = kv.head_dim;
         let rows = p.batch * p.n_heads;
-        let pq = q.ptr_min(OP, "q [batch, n_heads, head_dim]", rows * d)?;
-        let pk = k_cache.ptr_min(OP, "k_cache", kv.elems())?;
-        let pv = v_cache.ptr_min(OP, "v_cache", kv.elems())?;
-        let pl = seq_lens.ptr_min(OP, "seq_lens [batch]", p.batch)?;
-        let ps = slots.ptr_min(OP, "slots [batch]", p.batch)?;
-        let po = out.ptr_min(OP, "out [batch, n_heads, head_dim]", rows * d)?;
-        let plse = match lse {
-            Some(b) => b.ptr_min(OP, "lse [batch, n_heads]", rows)?,
-            None => 0,
-        };
-        let (kernel, splits, chunk) = self.decode_plan(p, &kv);
+        let (_, splits, chunk) = self.decode_plan(p, &kv);
         let (part_o, part_ml) = ws.ensure(self, rows * splits * d, rows * splits * 2)?;
         let smem = attn_smem_bytes(kernel).unwrap_or(0);
         let row_groups = (p.n_heads / kv.kv_heads).div_ceil(16);
-        let args = [
+        let mut args = vec![
             KArg::P(pq),
-            KArg::P(pk),
-            KArg::P(pv),
-            KArg::P(pl),
-            KArg::P(ps),
+            KArg::P(io.k),
+            KArg::P(io.v),
+            KArg::P(io.lens),
+            KArg::P(io.slots),
             KArg::P(part_o),
             KArg::P(part_ml),
             KArg::U(p.n_heads as u32),
             KArg::U(kv.kv_heads as u32),
             KArg::U(kv.capacity as u32),
-            KArg::U(u32_of(OP, "num_slots", kv.num_slots)?),
-            KArg::U(p.window.map_or(Ok(0), |w| u32_of(OP, "window", w))?),
+            KArg::U(u32_of(op, "num_slots", kv.num_slots)?),
+            KArg::U(p.window.map_or(Ok(0), |w| u32_of(op, "window", w))?),
             // 0: the kernel splits each sequence's keys evenly itself
             KArg::U(if self.decode_balance() {
                 0
             } else {
-                u32_of(OP, "chunk", chunk)?
+                u32_of(op, "chunk", chunk)?
             }),
             KArg::F(p.scale * LOG2E),
         ];
-        let grid_y = u32_of(OP, "kv_heads * row groups", kv.kv_heads * row_groups)?;
+        args.extend_from_slice(extra);
+        let grid_y = u32_of(op, "kv_heads * row groups", kv.kv_heads * row_groups)?;
         self.launch(
             kernel,
             (splits as u32, grid_y, p.batch as u32),
@@ -270,7 +414,7 @@ impl CudaContext {
             smem,
             &args,
         )?;
-        self.attn_decode_reduce_raw(part_o, part_ml, po, plse, rows, p.n_heads, splits, d)
+        self.attn_decode_reduce_raw(part_o, part_ml, io.out, io.lse, rows, p.n_heads, splits, d)
     }
 
     /// Merges flash-decoding partials of `rows` = batch x n_heads rows into out (bf16) and,
