@@ -206,6 +206,24 @@ fn gemv_once(
     ctx.gemv_fused(x, input, w, y, 1, in_f, out_f)
 }
 
+/// Copies of one random `[out, in]` weight, enough that a sweep over them is >= 512 MiB (so
+/// timings do not come from L2), and the iteration count to time them with.
+fn weight_replicas(
+    ctx: &CudaContext,
+    in_f: usize,
+    out_f: usize,
+) -> Result<(Vec<GpuBuffer<bf16>>, usize), CudaError> {
+    let reps = (512usize << 20).div_ceil(in_f * out_f * 2).max(2);
+    let w0 = ctx.upload(&rand_bf16(in_f * out_f, 12))?;
+    let mut ws = vec![];
+    for _ in 0..reps {
+        let mut w = ctx.alloc::<bf16>(in_f * out_f)?;
+        ctx.copy(&w0, &mut w)?;
+        ws.push(w);
+    }
+    Ok((ws, (reps * 8).clamp(40, 400)))
+}
+
 /// 3-8 rows through each Qwen3-4B decode projection: cuBLAS (what `linear` runs there by
 /// default) against the tensor-core GEMV, as a share of the copy rate.
 fn small_batch_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
@@ -213,16 +231,8 @@ fn small_batch_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
     let mut y = ctx.alloc::<bf16>(8 * 151936)?;
     for &(name, _, in_f, out_f, _) in &PROJ {
         let bytes = in_f * out_f * 2;
-        // replicas enough that a sweep is >= 512 MiB: timings do not come from L2
-        let reps = (512usize << 20).div_ceil(bytes).max(2);
-        let w0 = ctx.upload(&rand_bf16(in_f * out_f, 12))?;
-        let mut ws = vec![];
-        for _ in 0..reps {
-            let mut w = ctx.alloc::<bf16>(in_f * out_f)?;
-            ctx.copy(&w0, &mut w)?;
-            ws.push(w);
-        }
-        let iters = (reps * 8).clamp(40, 400);
+        let (ws, iters) = weight_replicas(ctx, in_f, out_f)?;
+        let reps = ws.len();
         let pct = |ms: f32| 100.0 * bytes as f64 / (ms as f64 * 1e-3) / 1e9 / copy_gbs;
         for n in [3usize, 4, 6, 8] {
             let mut i = 0;
@@ -255,16 +265,8 @@ fn gemv_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
     let mut sink = ctx.alloc::<u32>(ctx.sm_count() as usize * 8)?;
     for &(name, mode, in_f, out_f, kind) in &PROJ {
         let bytes = in_f * out_f * 2;
-        // replicas enough that a sweep is >= 512 MiB: timings do not come from L2
-        let reps = (512usize << 20).div_ceil(bytes).max(2);
-        let w0 = ctx.upload(&rand_bf16(in_f * out_f, 12))?;
-        let mut ws = vec![];
-        for _ in 0..reps {
-            let mut w = ctx.alloc::<bf16>(in_f * out_f)?;
-            ctx.copy(&w0, &mut w)?;
-            ws.push(w);
-        }
-        let iters = (reps * 8).clamp(40, 400);
+        let (ws, iters) = weight_replicas(ctx, in_f, out_f)?;
+        let reps = ws.len();
         let gbs = |ms: f32| bytes as f64 / (ms as f64 * 1e-3) / 1e9;
         let mut i = 0;
         let ms = ctx.time_ms(iters, || {

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use slowfast_cuda::ops::sampling::uniform_from_seed;
-use slowfast_cuda::{bf16, Glu, KvLayout, RmsNorm, Rope};
+use slowfast_cuda::{bf16, CudaError, Glu, GpuBuffer, KvLayout, RmsNorm, Rope};
 
 #[test]
 fn embed_add_glu() {
@@ -513,30 +513,49 @@ fn small_batch_linear_matches_reference() {
     let mut rng = Rng::new(7);
     for &(k, m) in &[(2560usize, 1027usize), (9728, 300), (136, 33)] {
         for n in 1..=8 {
-            let x = rng.vec_bf16(n * k, 1.0);
-            let w = rng.vec_bf16(m * k, 0.05);
-            let (dx, dw) = (ctx.upload(&x).unwrap(), ctx.upload(&w).unwrap());
-            let want = linear_ref(&x, &w, n, k, m);
-            let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
-            ctx.linear(&dx, &dw, &mut y32, n, k, m).unwrap();
-            let got = dl_f32(&ctx, &y32);
-            assert_close(
-                &format!("gemv f32 out n {n} in {k} out {m}"),
-                &got,
-                &want,
-                1e-4,
-            );
-            let mut y16 = ctx.upload(&nan_bf16(n * m)).unwrap();
-            ctx.linear(&dx, &dw, &mut y16, n, k, m).unwrap();
-            let got = to_f64(&ctx.download(&y16).unwrap());
-            assert_close(
-                &format!("gemv bf16 out n {n} in {k} out {m}"),
-                &got,
-                &want,
-                1e-2,
+            check_small_linear(
+                &ctx,
+                &mut rng,
+                (n, k, m),
+                "gemv",
+                |x, w, y| ctx.linear(x, w, y, n, k, m),
+                |x, w, y| ctx.linear(x, w, y, n, k, m),
             );
         }
     }
+}
+
+/// Random `x [n, k]` and `w [m, k]` through `f32_out` and `bf16_out` against f64.
+fn check_small_linear(
+    ctx: &slowfast_cuda::CudaContext,
+    rng: &mut Rng,
+    (n, k, m): (usize, usize, usize),
+    what: &str,
+    f32_out: impl Fn(&GpuBuffer<bf16>, &GpuBuffer<bf16>, &mut GpuBuffer<f32>) -> Result<(), CudaError>,
+    bf16_out: impl Fn(&GpuBuffer<bf16>, &GpuBuffer<bf16>, &mut GpuBuffer<bf16>) -> Result<(), CudaError>,
+) {
+    let x = rng.vec_bf16(n * k, 1.0);
+    let w = rng.vec_bf16(m * k, 0.05);
+    let (dx, dw) = (ctx.upload(&x).unwrap(), ctx.upload(&w).unwrap());
+    let want = linear_ref(&x, &w, n, k, m);
+    let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
+    f32_out(&dx, &dw, &mut y32).unwrap();
+    let got = dl_f32(ctx, &y32);
+    assert_close(
+        &format!("{what} f32 out n {n} in {k} out {m}"),
+        &got,
+        &want,
+        1e-4,
+    );
+    let mut y16 = ctx.upload(&nan_bf16(n * m)).unwrap();
+    bf16_out(&dx, &dw, &mut y16).unwrap();
+    let got = to_f64(&ctx.download(&y16).unwrap());
+    assert_close(
+        &format!("{what} bf16 out n {n} in {k} out {m}"),
+        &got,
+        &want,
+        1e-2,
+    );
 }
 
 /// The tensor-core GEMV at every row count (the input rows are the mma's 8 columns, unused
@@ -558,20 +577,14 @@ fn tensor_core_gemv_matches_reference() {
         (9728, 300),
     ] {
         for n in 1..=8 {
-            let x = rng.vec_bf16(n * k, 1.0);
-            let w = rng.vec_bf16(m * k, 0.05);
-            let (dx, dw) = (ctx.upload(&x).unwrap(), ctx.upload(&w).unwrap());
-            let want = linear_ref(&x, &w, n, k, m);
-            let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
-            ctx.gemv_mma(&dx, &dw, &mut y32, n, k, m).unwrap();
-            let got = dl_f32(&ctx, &y32);
-            let what = format!("gemv_mma f32 out n {n} in {k} out {m}");
-            assert_close(&what, &got, &want, 1e-4);
-            let mut y16 = ctx.upload(&nan_bf16(n * m)).unwrap();
-            ctx.gemv_mma(&dx, &dw, &mut y16, n, k, m).unwrap();
-            let got = to_f64(&ctx.download(&y16).unwrap());
-            let what = format!("gemv_mma bf16 out n {n} in {k} out {m}");
-            assert_close(&what, &got, &want, 1e-2);
+            check_small_linear(
+                &ctx,
+                &mut rng,
+                (n, k, m),
+                "gemv_mma",
+                |x, w, y| ctx.gemv_mma(x, w, y, n, k, m),
+                |x, w, y| ctx.gemv_mma(x, w, y, n, k, m),
+            );
         }
     }
     // `linear` at 6 rows through it, then back to cuBLAS

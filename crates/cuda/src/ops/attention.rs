@@ -317,19 +317,13 @@ impl CudaContext {
         const OP: &str = "attn_decode_post";
         check_decode(OP, p, &kv)?;
         let hd = kv.head_dim;
-        if post.n_tokens != p.batch
-            || post.q_heads != p.n_heads
-            || post.rot_dim == 0
-            || post.rot_dim > hd
-            || post.rot_dim % 2 != 0
-            || post.eps.is_nan()
-            || post.eps < 0.0
-        {
+        post.check(OP, hd)?;
+        if post.n_tokens != p.batch || post.q_heads != p.n_heads {
             return Err(CudaError::bad(
                 OP,
                 format!(
-                    "{} tokens / {} q heads for batch {} / {} heads, rot_dim {} of head_dim {hd}, eps {}",
-                    post.n_tokens, post.q_heads, p.batch, p.n_heads, post.rot_dim, post.eps
+                    "{} tokens / {} q heads for batch {} / {} heads",
+                    post.n_tokens, post.q_heads, p.batch, p.n_heads
                 ),
             ));
         }

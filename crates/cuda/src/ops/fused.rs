@@ -51,6 +51,30 @@ pub struct QkvPost<'a> {
     pub inv_freq: &'a GpuBuffer<f64>,
 }
 
+impl QkvPost<'_> {
+    /// Refuses no tokens or q heads, a rotation that is odd, zero or wider than `head_dim`,
+    /// and a NaN or negative eps, naming them.
+    pub(crate) fn check(&self, op: &'static str, head_dim: usize) -> Result<(), CudaError> {
+        if self.n_tokens == 0
+            || self.q_heads == 0
+            || self.rot_dim == 0
+            || self.rot_dim > head_dim
+            || self.rot_dim % 2 != 0
+            || self.eps.is_nan()
+            || self.eps < 0.0
+        {
+            return Err(CudaError::bad(
+                op,
+                format!(
+                    "{} tokens, {} q heads, rot_dim {} of head_dim {head_dim}, eps {}",
+                    self.n_tokens, self.q_heads, self.rot_dim, self.eps
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl CudaContext {
     /// Whether a decode step of `n` rows runs the fused kernels (on unless
     /// `SLOWFAST_DECODE_FUSED=0`; `n` within the GEMV path's rows).
@@ -168,22 +192,7 @@ impl CudaContext {
         const OP: &str = "qkv_post";
         kv.check(OP)?;
         let (n, hd) = (p.n_tokens, kv.head_dim);
-        if n == 0
-            || p.q_heads == 0
-            || p.rot_dim == 0
-            || p.rot_dim > hd
-            || p.rot_dim % 2 != 0
-            || p.eps.is_nan()
-            || p.eps < 0.0
-        {
-            return Err(CudaError::bad(
-                OP,
-                format!(
-                    "{n} tokens, {} q heads, rot_dim {} of head_dim {hd}, eps {}",
-                    p.q_heads, p.rot_dim, p.eps
-                ),
-            ));
-        }
+        p.check(OP, hd)?;
         let nrm = |b: Option<&GpuBuffer<f32>>, what: &str| -> Result<u64, CudaError> {
             b.map_or(Ok(0), |b| b.ptr_min(OP, what, hd))
         };

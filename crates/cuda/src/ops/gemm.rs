@@ -22,6 +22,34 @@ impl GemmOut for f32 {
     const CUDA_TYPE: cudaDataType = cudaDataType::CUDA_R_32F;
 }
 
+/// The device addresses of a linear layer's `x [n, in]`, `w [out, in]` and `y [n, out]`,
+/// each checked to hold its shape.
+fn linear_ptrs<O: GemmOut>(
+    op: &'static str,
+    x: &GpuBuffer<bf16>,
+    w: &GpuBuffer<bf16>,
+    y: &mut GpuBuffer<O>,
+    n: usize,
+    in_features: usize,
+    out_features: usize,
+) -> Result<(u64, u64, u64), CudaError> {
+    Ok((
+        x.ptr_min(op, "x [n, in]", n * in_features)?,
+        w.ptr_min(op, "w [out, in]", out_features * in_features)?,
+        y.ptr_min(op, "y [n, out]", n * out_features)?,
+    ))
+}
+
+/// Whether the GEMV kernels can write `out_type` for `in` inputs (bf16 or f32, `in` a multiple
+/// of 8).
+fn gemv_fits(out_type: cudaDataType, in_features: usize) -> bool {
+    in_features % 8 == 0
+        && matches!(
+            out_type,
+            cudaDataType::CUDA_R_16BF | cudaDataType::CUDA_R_32F
+        )
+}
+
 impl CudaContext {
     /// `y[n, out] = x[n, in] · w[out, in]^T` (row-major everywhere), f32 accumulation.
     pub fn linear<O: GemmOut>(
@@ -47,9 +75,7 @@ impl CudaContext {
                 format!("shape n={n}, in={in_features}, out={out_features}"),
             ));
         }
-        let px = x.ptr_min(OP, "x [n, in]", n * in_features)?;
-        let pw = w.ptr_min(OP, "w [out, in]", out_features * in_features)?;
-        let py = y.ptr_min(OP, "y [n, out]", n * out_features)?;
+        let (px, pw, py) = linear_ptrs(OP, x, w, y, n, in_features, out_features)?;
         self.linear_raw(px, pw, py, O::CUDA_TYPE, n, in_features, out_features)
     }
 
@@ -66,22 +92,10 @@ impl CudaContext {
         out_features: usize,
     ) -> Result<(), CudaError> {
         const OP: &str = "linear";
-        if n <= self.gemv_max_rows
-            && in_features % 8 == 0
-            && matches!(
-                out_type,
-                cudaDataType::CUDA_R_16BF | cudaDataType::CUDA_R_32F
-            )
-        {
+        if n <= self.gemv_max_rows && gemv_fits(out_type, in_features) {
             return self.gemv_raw(px, pw, py, out_type, n, in_features, out_features);
         }
-        if n <= self.gemv_mma_rows()
-            && in_features % 8 == 0
-            && matches!(
-                out_type,
-                cudaDataType::CUDA_R_16BF | cudaDataType::CUDA_R_32F
-            )
-        {
+        if n <= self.gemv_mma_rows() && gemv_fits(out_type, in_features) {
             return self.gemv_mma_raw(px, pw, py, out_type, n, in_features, out_features);
         }
         let (alpha, beta) = (1.0f32, 0.0f32);
@@ -199,9 +213,7 @@ impl CudaContext {
                 format!("{n} rows (1..=8), in = {in_features} (a positive multiple of 8), out = {out_features}"),
             ));
         }
-        let px = x.ptr_min(OP, "x [n, in]", n * in_features)?;
-        let pw = w.ptr_min(OP, "w [out, in]", out_features * in_features)?;
-        let py = y.ptr_min(OP, "y [n, out]", n * out_features)?;
+        let (px, pw, py) = linear_ptrs(OP, x, w, y, n, in_features, out_features)?;
         self.gemv_mma_raw(px, pw, py, O::CUDA_TYPE, n, in_features, out_features)
     }
 
