@@ -244,7 +244,7 @@ GEMV_ENTRY(gemv_bf16_n7, 7)
 GEMV_ENTRY(gemv_bf16_n8, 8)
 
 
-// gemv_mma_bf16: y[n, o] = sum_i x[n, i] w[o, i] for n < N <= 8 rows on tensor cores, for the
+// gemv_mma_*: y[n, o] = sum_i xin[n, i] w[o, i] for n < N <= 8 rows on tensor cores, for the
 // 3-8-row steps where the FMA kernels above run out of issue slots (4-6 FMAs and unpacks a weight
 // element). mma.m16n8k16 with A = 16 weight rows, B = the (up to) 8 input rows as its 8 columns.
 // The dot product does not care in which order k is summed, so the k order inside a 32-wide
@@ -254,18 +254,30 @@ GEMV_ENTRY(gemv_bf16_n8, 8)
 // positions (2t, 2t + 1, 2t + 8, 2t + 9) of rows g / g + 8 (A) and column g (B). No shared memory
 // for the operands, no shuffles; each warp streams its k slices of 16 rows with GEMV_MMA_U slices
 // in flight. Block: 16 output rows, 8 warps split the input; their partial tiles are summed in
-// shared memory. y [n_rows, out] bf16, or f32 with out_f32. in % 8 == 0, 1 <= n_rows <= 8;
-// grid (ceil(out / 16)), block 256.
+// shared memory. Input modes and output flags as gemv_fused_impl's (MODE 1: the row RMS-normed
+// on the fly with nw, rounded to bf16; flags 1 f32 out, 2 residual add, 8 GLU of [gate; up] with
+// 16 for GELU-tanh: then block j's 16 rows are gate rows 8j .. 8j + 7 and their up rows).
+// in % 8 == 0, 1 <= n_rows <= 8; grid (ceil(out / 16)), with flag 8 (ceil(out / 2 / 8)); block 256.
 #define GEMV_MMA_U 4
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_mma_bf16(const bf16* __restrict__ x, const bf16* __restrict__ w, void* y, u32 n_rows, u32 in, u32 out,
-                  u32 out_f32) {
+template <int MODE>
+__device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const float* __restrict__ nw,
+                                              const bf16* __restrict__ w, void* y, u32 n_rows, u32 in, u32 out,
+                                              u32 flags, float eps) {
     __shared__ float red[8][16][8];
+    __shared__ float scratch[32];
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const u32 c8 = in / 8, o0 = blockIdx.x * 16;
-    const uint4* w0 = reinterpret_cast<const uint4*>(w + (u64)min(o0 + g, out - 1) * in);
-    const uint4* w1 = reinterpret_cast<const uint4*>(w + (u64)min(o0 + g + 8, out - 1) * in);
+    const u32 c8 = in / 8;
+    const bool glu_out = (flags & 8) != 0;
+    const u32 half = out / 2;
+    // Weight rows of A's rows g and g + 8: output rows o0 + g, o0 + g + 8, or (GLU) gate row
+    // j0 + g and its up row.
+    const u32 o0 = blockIdx.x * 16, j0 = blockIdx.x * 8;
+    const u32 ra = glu_out ? min(j0 + g, half - 1) : min(o0 + g, out - 1);
+    const u32 rb = glu_out ? half + min(j0 + g, half - 1) : min(o0 + g + 8, out - 1);
+    const uint4* w0 = reinterpret_cast<const uint4*>(w + (u64)ra * in);
+    const uint4* w1 = reinterpret_cast<const uint4*>(w + (u64)rb * in);
     const uint4* xr = reinterpret_cast<const uint4*>(x + (u64)min(g, n_rows - 1) * in);
+    const float4* nw4 = reinterpret_cast<const float4*>(nw);
     const bool has_x = g < n_rows;
     // Slice q (32 k: chunks 4q .. 4q + 3) of warp w's iteration it, unrolled u: q = (it U + u) 8 + w.
     const u32 slices = (c8 + 3) / 4, iters = (slices + 8 * GEMV_MMA_U - 1) / (8 * GEMV_MMA_U);
@@ -283,12 +295,39 @@ extern "C" __global__ void __launch_bounds__(256)
     load_w(0);
     pdl_wait();
     pdl_trigger();
+    // MODE 1: input row g's RMS scale (every block sums the rows' squares first).
+    float scale = 1.0f;
+    if (MODE == 1) {
+        const uint4* xv = reinterpret_cast<const uint4*>(x);
+        for (u32 n = 0; n < n_rows; ++n) {
+            float ss = 0.0f;
+            for (u32 c = threadIdx.x; c < c8; c += 256) {
+                const uint4 v = __ldg(xv + n * c8 + c);
+                const float e[8] = {bf_lo(v.x), bf_hi(v.x), bf_lo(v.y), bf_hi(v.y),
+                                    bf_lo(v.z), bf_hi(v.z), bf_lo(v.w), bf_hi(v.w)};
+#pragma unroll
+                for (int j = 0; j < 8; ++j) ss += e[j] * e[j];
+            }
+            ss = block_sum(ss, scratch);
+            if (n == g) scale = rsqrtf(ss / (float)in + eps);
+        }
+    }
     for (u32 it = 0; it < iters; ++it) {
         uint4 xv[GEMV_MMA_U];
 #pragma unroll
         for (int u = 0; u < GEMV_MMA_U; ++u) {
             const u32 c = 4 * ((it * GEMV_MMA_U + u) * 8 + warp) + t;
-            xv[u] = has_x && c < c8 ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
+            xv[u] = make_uint4(0, 0, 0, 0);
+            if (has_x && c < c8) {
+                const uint4 v = __ldg(xr + c);
+                if (MODE == 1) {
+                    const float4 na = __ldg(nw4 + 2 * c), nb = __ldg(nw4 + 2 * c + 1);
+                    xv[u] = make_uint4(gf_norm2(v.x, scale, na.x, na.y), gf_norm2(v.y, scale, na.z, na.w),
+                                       gf_norm2(v.z, scale, nb.x, nb.y), gf_norm2(v.w, scale, nb.z, nb.w));
+                } else {
+                    xv[u] = v;
+                }
+            }
         }
         uint4 ca[GEMV_MMA_U], cb[GEMV_MMA_U];
 #pragma unroll
@@ -307,12 +346,30 @@ extern "C" __global__ void __launch_bounds__(256)
             mma_16816(acc, a1, b1);
         }
     }
-    // acc: rows g, g + 8 of the block's 16, columns (input rows) 2t, 2t + 1.
+    // acc: A rows g, g + 8 of the block's 16, columns (input rows) 2t, 2t + 1.
     red[warp][g][2 * t] = acc[0];
     red[warp][g][2 * t + 1] = acc[1];
     red[warp][g + 8][2 * t] = acc[2];
     red[warp][g + 8][2 * t + 1] = acc[3];
     __syncthreads();
+    if (glu_out) {
+        // glu [n_rows, half] = act(bf16(gate)) * bf16(up), rounded as glu_bf16 writes it.
+        if (threadIdx.x < 64) {
+            const u32 r = threadIdx.x >> 3, n = threadIdx.x & 7, j = j0 + r;
+            float gt = 0.0f, up = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                gt += red[k][r][n];
+                up += red[k][r + 8][n];
+            }
+            if (j < half && n < n_rows) {
+                const u32 gu = pack_bf16x2(gt, up);
+                const u32 a = gf_glu2(gu & 0xffffu, gu >> 16, (flags & 16) != 0);
+                reinterpret_cast<bf16*>(y)[(u64)n * half + j] = __ushort_as_bfloat16((unsigned short)(a & 0xffffu));
+            }
+        }
+        return;
+    }
     if (threadIdx.x < 128) {
         const u32 r = threadIdx.x >> 3, n = threadIdx.x & 7, o = o0 + r;
         float v = 0.0f;
@@ -320,14 +377,33 @@ extern "C" __global__ void __launch_bounds__(256)
         for (int k = 0; k < 8; ++k) v += red[k][r][n];
         if (o < out && n < n_rows) {
             const u64 i = (u64)n * out + o;
-            if (out_f32) {
+            if (flags & 1) {
                 reinterpret_cast<float*>(y)[i] = v;
+            } else if (flags & 2) {
+                bf16* res = reinterpret_cast<bf16*>(y);
+                res[i] = f2bf(bf2f(res[i]) + bf2f(f2bf(v)));
             } else {
                 reinterpret_cast<bf16*>(y)[i] = f2bf(v);
             }
         }
     }
 }
+
+// The plain product for `linear` (bf16 or f32 out).
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_mma_bf16(const bf16* x, const bf16* w, void* y, u32 n_rows, u32 in, u32 out, u32 out_f32) {
+    gemv_mma_impl<0>(x, nullptr, w, y, n_rows, in, out, out_f32 ? 1u : 0u, 0.0f);
+}
+
+// The fused decode step's GEMV at 3-8 rows (gemv_fused_n*_m*'s arguments plus n_rows).
+#define GEMV_MMA_FUSED_ENTRY(NAME, MODE)                                                           \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        NAME(const bf16* x, const float* nw, const bf16* w, void* y, u32 n_rows, u32 in, u32 out,   \
+             u32 flags, float eps) {                                                               \
+        gemv_mma_impl<MODE>(x, nw, w, y, n_rows, in, out, flags, eps);                             \
+    }
+GEMV_MMA_FUSED_ENTRY(gemv_mma_fused_m0, 0)
+GEMV_MMA_FUSED_ENTRY(gemv_mma_fused_m1, 1)
 
 // stream_read_bench: reads n16 16-byte chunks (grid-stride, four loads in flight a thread) and
 // writes one word a block so the loads are kept: the read rate a GEMV of the same bytes could

@@ -91,7 +91,9 @@ pub const GEMV_DEFAULT_ROWS: usize = 2;
 /// Alone it beats cuBLAS at 3-8 rows on four of Qwen3-4B's five decode projections (run 47,
 /// 6 rows: o 9.4 vs 12.0 us, gate|up 30.5 vs 34.0, down 17.8 vs 20.0; LM head 197.9 vs 192.7),
 /// but the graph-captured step did not move (batch 6 at 32K 10.89 vs 10.94 ms, batch 8 12.94 /
-/// 12.98 vs 12.93 / 12.93 ms, runs 47-48), so cuBLAS stays the default.
+/// 12.98 vs 12.93 / 12.93 ms, runs 47-48), so cuBLAS stays the default. A setting of N also
+/// runs decode steps of 3..=N rows as the fused step (norm, residual add and GLU inside the
+/// tensor-core GEMVs, `gemv_mma_fused_m*`; not yet run on the GPU).
 pub const GEMV_MMA_DEFAULT_ROWS: usize = 0;
 
 /// Whether the fused dense decode step runs qkv_post inside flash-decoding by default: off

@@ -859,7 +859,7 @@ impl GpuDecoder {
         staged: bool,
     ) -> Result<Option<cudarc::driver::CudaEvent>, CudaError> {
         self.ctx
-            .set_pdl(self.ctx.decode_fused_rows(self.kv.num_slots));
+            .set_pdl(self.ctx.decode_pdl_rows(self.kv.num_slots));
         let r = self.queue_step_kernels(refresh, staged);
         self.ctx.set_pdl(false);
         r

@@ -1,6 +1,6 @@
 //! The fused decode kernels (ops/fused.rs) against plain references on fresh random
-//! inputs: the GEMV in each input mode (plain, RMS-normed, GLU) and output form (bf16, f32,
-//! residual add) against f64, and the q/k norm + RoPE + KV append kernel (on a merged q/k/v
+//! inputs: the GEMV at 1-8 rows in each input mode (plain, RMS-normed, GLU) and output form
+//! (bf16, f32, residual add) against f64, and the q/k norm + RoPE + KV append kernel (on a merged q/k/v
 //! row) against the chain of separate kernels it replaces.
 #![cfg(feature = "cuda")]
 #![allow(clippy::needless_range_loop)]
@@ -35,7 +35,8 @@ fn fused_gemv_matches_reference() {
     let eps = 1e-6f32;
     // (in, out): a decode q/k/v shape, an odd out, a small one, the down projection's in.
     for &(k, m) in &[(2560usize, 6144usize), (2560, 1027), (136, 33), (9728, 300)] {
-        for n in 1..=2 {
+        // 1-2 rows: the CUDA-core kernels; 3-8: the tensor-core ones
+        for n in 1..=8 {
             let x = rng.vec_bf16(n * k, 1.0);
             let w = rng.vec_bf16(m * k, 0.05);
             let nw: Vec<f32> = (0..k).map(|_| 1.0 + rng.normal(0.3)).collect();
@@ -132,23 +133,23 @@ fn fused_gemv_matches_reference() {
     }
     // bad shapes are refused with a message naming them
     let (dx, dw) = (
-        ctx.upload(&nan_bf16(3 * 100)).unwrap(),
-        ctx.upload(&nan_bf16(100)).unwrap(),
+        ctx.upload(&nan_bf16(9 * 104)).unwrap(),
+        ctx.upload(&nan_bf16(104)).unwrap(),
     );
-    let mut y = ctx.alloc::<f32>(3).unwrap();
+    let mut y = ctx.alloc::<f32>(9).unwrap();
     let err = ctx
         .gemv_fused(
             &dx,
             GemvInput::Plain,
             &dw,
             GemvOutput::F32(&mut y),
-            3,
-            100,
+            9,
+            104,
             1,
         )
         .unwrap_err()
         .to_string();
-    assert!(err.contains("n=3"), "{err}");
+    assert!(err.contains("n=9"), "{err}");
 }
 
 #[test]

@@ -310,7 +310,15 @@ fn batched_decode_matches_cpu() {
     let Some(ctx) = gpu("batched_decode_matches_cpu") else {
         return;
     };
-    for rel in ["hf/qwen3", "hf/gemma3"] {
+    // 3 rows through cuBLAS (the default), then through the fused tensor-core step
+    // (SLOWFAST_GEMV_MMA_ROWS=8).
+    for (mma, rel) in [
+        (0, "hf/qwen3"),
+        (0, "hf/gemma3"),
+        (8, "hf/qwen3"),
+        (8, "hf/gemma3"),
+    ] {
+        ctx.set_gemv_mma_rows(mma);
         let m = load_fixture(rel);
         let r = bf16_reference(&m);
         let v = r.cfg.vocab_size;
@@ -346,9 +354,13 @@ fn batched_decode_matches_cpu() {
                 worst = worst.max(row_err(&g[slot * v..(slot + 1) * v], l));
             }
         }
-        eprintln!("{rel}: batch of 3 (lengths {lens:?}), {steps} decode steps: worst logits error {worst:.4}");
-        assert!(worst < 0.35, "{rel}: batched decode logits off");
+        eprintln!("{rel} (mma rows {mma}): batch of 3 (lengths {lens:?}), {steps} decode steps: worst logits error {worst:.4}");
+        assert!(
+            worst < 0.35,
+            "{rel} (mma rows {mma}): batched decode logits off"
+        );
     }
+    ctx.set_gemv_mma_rows(0);
 }
 
 /// Decodes `steps` teacher-forced tokens on two decoders built from the same model and

@@ -13,8 +13,11 @@ use crate::buffer::GpuBuffer;
 use crate::context::{CudaContext, KArg};
 use crate::error::CudaError;
 
-/// Rows the fused GEMV takes (its `gemv_fused_n{1,2}` entry points).
+/// Rows the fused GEMV's CUDA-core kernels take (its `gemv_fused_n{1,2}` entry points).
 pub const FUSED_MAX_ROWS: usize = 2;
+/// Rows the fused GEMV takes in all: 3 to this many run the tensor-core kernels
+/// (`gemv_mma_fused_m*`).
+pub const MMA_MAX_ROWS: usize = 8;
 
 /// The input row of [`CudaContext::gemv_fused`], made on the fly from `x` by every block.
 #[derive(Clone, Copy)]
@@ -77,13 +80,21 @@ impl QkvPost<'_> {
 
 impl CudaContext {
     /// Whether a decode step of `n` rows runs the fused kernels (on unless
-    /// `SLOWFAST_DECODE_FUSED=0`; `n` within the GEMV path's rows).
+    /// `SLOWFAST_DECODE_FUSED=0`; `n` within the GEMV path's rows, or within
+    /// `SLOWFAST_GEMV_MMA_ROWS` for the tensor-core kernels).
     pub fn decode_fused_rows(&self, n: usize) -> bool {
+        self.decode_pdl_rows(n) || (self.decode_fused && n <= self.gemv_mma_rows())
+    }
+
+    /// Whether a decode step of `n` rows launches its fused kernels with PDL: at 1-2 rows
+    /// only (at 6, with cuBLAS, PDL cost SFI's schedule 16 %: gpu-notes.md run 22).
+    pub fn decode_pdl_rows(&self, n: usize) -> bool {
         self.decode_fused && n <= self.gemv_max_rows.min(FUSED_MAX_ROWS)
     }
 
-    /// `y = xin · wᵀ` for `n` <= [`FUSED_MAX_ROWS`] rows, `xin` prepared from `x` as `input`
-    /// says, `w [out, in]` bf16, f32 accumulation, written as `y` says; `in % 8 == 0`.
+    /// `y = xin · wᵀ` for `n` <= [`MMA_MAX_ROWS`] rows (3 and more on tensor cores), `xin`
+    /// prepared from `x` as `input` says, `w [out, in]` bf16, f32 accumulation, written as `y`
+    /// says; `in % 8 == 0`.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_fused(
         &self,
@@ -97,7 +108,7 @@ impl CudaContext {
     ) -> Result<(), CudaError> {
         const OP: &str = "gemv_fused";
         if n == 0
-            || n > FUSED_MAX_ROWS
+            || n > MMA_MAX_ROWS
             || in_features == 0
             || in_features % 8 != 0
             || out_features == 0
@@ -105,7 +116,7 @@ impl CudaContext {
             return Err(CudaError::bad(
                 OP,
                 format!(
-                    "n={n} (1..={FUSED_MAX_ROWS}), in={in_features} (a multiple of 8), \
+                    "n={n} (1..={MMA_MAX_ROWS}), in={in_features} (a multiple of 8), \
                      out={out_features}"
                 ),
             ));
@@ -140,15 +151,39 @@ impl CudaContext {
                 (b.ptr_min(OP, "glu [n, out / 2]", m / 2)?, 8 | act)
             }
         };
+        let out = KArg::U(u32_of(OP, "out", out_features)?);
+        let (inf, flag, e) = (KArg::U(in_features as u32), KArg::U(flags), KArg::F(eps));
+        if n > FUSED_MAX_ROWS {
+            // 3-8 rows: the tensor-core kernels, 16 output rows (8 GLU outputs) a block.
+            let args = [
+                KArg::P(px),
+                KArg::P(nw),
+                KArg::P(pw),
+                KArg::P(py),
+                KArg::U(n as u32),
+                inf,
+                out,
+                flag,
+                e,
+            ];
+            let blocks = if flags & 8 != 0 {
+                (out_features / 2).div_ceil(8)
+            } else {
+                out_features.div_ceil(16)
+            };
+            let name = ["gemv_mma_fused_m0", "gemv_mma_fused_m1"][mode];
+            let grid = (u32_of(OP, "blocks", blocks)?, 1, 1);
+            return self.launch(name, grid, (256, 1, 1), 0, &args);
+        }
         let args = [
             KArg::P(px),
             KArg::P(nw),
             KArg::P(pw),
             KArg::P(py),
-            KArg::U(in_features as u32),
-            KArg::U(u32_of(OP, "out", out_features)?),
-            KArg::U(flags),
-            KArg::F(eps),
+            inf,
+            out,
+            flag,
+            e,
         ];
         self.gemv_launch(n, mode, out_features, &args)
     }
