@@ -60,6 +60,22 @@ __device__ __forceinline__ u32 gf_norm2(u32 x, float scale, float w0, float w1) 
     return pack_bf16x2(bf_lo(x) * scale * w0, bf_hi(x) * scale * w1);
 }
 
+// The RMSNorm scale of one input row (c8 16-byte chunks, `in` elements): every thread of the
+// 256-thread block sums its chunks' squares in element order, then the block adds them.
+__device__ __forceinline__ float gf_rms_scale(const uint4* __restrict__ row, u32 c8, u32 in, float eps,
+                                              float* scratch) {
+    float ss = 0.0f;
+    for (u32 c = threadIdx.x; c < c8; c += 256) {
+        const uint4 v = __ldg(row + c);
+        const float e[8] = {bf_lo(v.x), bf_hi(v.x), bf_lo(v.y), bf_hi(v.y),
+                            bf_lo(v.z), bf_hi(v.z), bf_lo(v.w), bf_hi(v.w)};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss += e[j] * e[j];
+    }
+    ss = block_sum(ss, scratch);
+    return rsqrtf(ss / (float)in + eps);
+}
+
 // The 16-byte input chunk c of row n.
 template <int MODE>
 __device__ __forceinline__ uint4 gf_x(const uint4* __restrict__ xv, const float4* __restrict__ nw4, u32 c8,
@@ -112,18 +128,7 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, cons
     pdl_trigger();
     if (MODE == 1) {
 #pragma unroll
-        for (int n = 0; n < N; ++n) {
-            float ss = 0.0f;
-            for (u32 c = threadIdx.x; c < c8; c += 256) {
-                const uint4 v = __ldg(xv + n * c8 + c);
-                const float e[8] = {bf_lo(v.x), bf_hi(v.x), bf_lo(v.y), bf_hi(v.y),
-                                    bf_lo(v.z), bf_hi(v.z), bf_lo(v.w), bf_hi(v.w)};
-#pragma unroll
-                for (int j = 0; j < 8; ++j) ss += e[j] * e[j];
-            }
-            ss = block_sum(ss, scratch);
-            scale[n] = rsqrtf(ss / (float)in + eps);
-        }
+        for (int n = 0; n < N; ++n) scale[n] = gf_rms_scale(xv + n * c8, c8, in, eps, scratch);
     }
     float acc[GEMV_GR][N];
 #pragma unroll
@@ -300,16 +305,8 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     if (MODE == 1) {
         const uint4* xv = reinterpret_cast<const uint4*>(x);
         for (u32 n = 0; n < n_rows; ++n) {
-            float ss = 0.0f;
-            for (u32 c = threadIdx.x; c < c8; c += 256) {
-                const uint4 v = __ldg(xv + n * c8 + c);
-                const float e[8] = {bf_lo(v.x), bf_hi(v.x), bf_lo(v.y), bf_hi(v.y),
-                                    bf_lo(v.z), bf_hi(v.z), bf_lo(v.w), bf_hi(v.w)};
-#pragma unroll
-                for (int j = 0; j < 8; ++j) ss += e[j] * e[j];
-            }
-            ss = block_sum(ss, scratch);
-            if (n == g) scale = rsqrtf(ss / (float)in + eps);
+            const float sc = gf_rms_scale(xv + n * c8, c8, in, eps, scratch);
+            if (n == g) scale = sc;
         }
     }
     for (u32 it = 0; it < iters; ++it) {
