@@ -76,6 +76,19 @@ __device__ __forceinline__ float gf_rms_scale(const uint4* __restrict__ row, u32
     return rsqrtf(ss / (float)in + eps);
 }
 
+// Output element i of a fused GEMV: f32 (flag 1), added to the bf16 residual stream as
+// rmsnorm's residual add rounds it (flag 2), or bf16.
+__device__ __forceinline__ void gf_store(void* y, u64 i, float v, u32 flags) {
+    if (flags & 1) {
+        reinterpret_cast<float*>(y)[i] = v;
+    } else if (flags & 2) {
+        bf16* res = reinterpret_cast<bf16*>(y);
+        res[i] = f2bf(bf2f(res[i]) + bf2f(f2bf(v)));
+    } else {
+        reinterpret_cast<bf16*>(y)[i] = f2bf(v);
+    }
+}
+
 // The 16-byte input chunk c of row n.
 template <int MODE>
 __device__ __forceinline__ uint4 gf_x(const uint4* __restrict__ xv, const float4* __restrict__ nw4, u32 c8,
@@ -211,14 +224,7 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, cons
         for (int k = 0; k < 8; ++k) v += red[k][threadIdx.x];
         if (o < out) {
             const u64 i = (u64)n * out + o;
-            if (flags & 1) {
-                reinterpret_cast<float*>(y)[i] = v;
-            } else if (flags & 2) {
-                bf16* res = reinterpret_cast<bf16*>(y);
-                res[i] = f2bf(bf2f(res[i]) + bf2f(f2bf(v)));
-            } else {
-                reinterpret_cast<bf16*>(y)[i] = f2bf(v);
-            }
+            gf_store(y, i, v, flags);
         }
     }
 }
@@ -374,14 +380,7 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
         for (int k = 0; k < 8; ++k) v += red[k][r][n];
         if (o < out && n < n_rows) {
             const u64 i = (u64)n * out + o;
-            if (flags & 1) {
-                reinterpret_cast<float*>(y)[i] = v;
-            } else if (flags & 2) {
-                bf16* res = reinterpret_cast<bf16*>(y);
-                res[i] = f2bf(bf2f(res[i]) + bf2f(f2bf(v)));
-            } else {
-                reinterpret_cast<bf16*>(y)[i] = f2bf(v);
-            }
+            gf_store(y, i, v, flags);
         }
     }
 }
