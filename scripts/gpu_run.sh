@@ -106,6 +106,15 @@ PY
         --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b1.json" 2>&1 | tee "$OUT/sfi.log"
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
         --batch "${SB:-6}" --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b${SB:-6}.json" 2>&1 | tee -a "$OUT/sfi.log" ;;
+    sfi-ab)
+      # SFI at batch SB (default 6) and CTX_SB (default 128k) under each of AB_CFGS
+      # (VAR=value settings, e.g. SLOWFAST_GEMV_MMA_ROWS=0 SLOWFAST_GEMV_MMA_ROWS=8)
+      SFI_ARGS="--policies full,sfi --kv-budget ${BUDGET:-2048} --sfi-refresh-interval ${RI:-32}"
+      for cfg in ${AB_CFGS:-SLOWFAST_GEMV_MMA_ROWS=0 SLOWFAST_GEMV_MMA_ROWS=8}; do
+        echo "== $cfg" | tee -a "$OUT/sfi-ab.log"
+        env "$cfg" .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
+          --batch "${SB:-6}" --new-tokens "$N" $SFI_ARGS 2>&1 | tee -a "$OUT/sfi-ab.log"
+      done ;;
     torch)
       python3 .bin/torch_reference.py --contexts "$CTX" --new-tokens "$N" --json "$OUT/torch.json" 2>&1 | tee "$OUT/torch.log" ;;
     gen)
