@@ -12,6 +12,8 @@ mkdir -p "$OUT"
 phases="${*:-tests bench torch}"
 CTX="${CTX:-8k,16k,32k,64k,128k}"
 N="${N:-64}"
+# SFI's memory budget a head and its slow-step interval (the paper's sweep setting)
+SFI_OPTS="--kv-budget ${BUDGET:-2048} --sfi-refresh-interval ${RI:-32}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 rc=0
 for p in $phases; do
@@ -101,7 +103,7 @@ PY
       # SFI on the GPU (issue 6): full, sfi, streaming side by side at batch 1 and at the
       # largest batch that fits at 128K (SB, default 6), budget 2048 tokens a head, a slow
       # step every 32 steps per sequence (the paper's sweep setting).
-      SFI_ARGS="--policies full,sfi,streaming --kv-budget ${BUDGET:-2048} --sfi-refresh-interval ${RI:-32}"
+      SFI_ARGS="--policies full,sfi,streaming $SFI_OPTS"
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "$CTX" --batch 1 \
         --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b1.json" 2>&1 | tee "$OUT/sfi.log"
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
@@ -109,7 +111,7 @@ PY
     sfi-ab)
       # SFI at batch SB (default 6) and CTX_SB (default 128k) under each of AB_CFGS
       # (VAR=value settings, e.g. SLOWFAST_GEMV_MMA_ROWS=0 SLOWFAST_GEMV_MMA_ROWS=8)
-      SFI_ARGS="--policies full,sfi --kv-budget ${BUDGET:-2048} --sfi-refresh-interval ${RI:-32}"
+      SFI_ARGS="--policies full,sfi $SFI_OPTS"
       for cfg in ${AB_CFGS:-SLOWFAST_GEMV_MMA_ROWS=0 SLOWFAST_GEMV_MMA_ROWS=8}; do
         echo "== $cfg" | tee -a "$OUT/sfi-ab.log"
         env "$cfg" .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \

@@ -100,20 +100,22 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         const int ch = (per + BK - 1) / BK * BK;
         s_lo = split * ch;
         s_hi = min(vlen, s_lo + ch);
-    } else if (chunk == 0) {
-        // Balanced on every step: ceil(n / splits) keys a split, not rounded to the 64-key tiles
-        // (a split's last tile may be partial), so the longest split is at most one key longer
-        // than the mean whatever the length (a host chunk of 33 tiles for 32K + 1 keys left 15
-        // of 16 splits a tile longer than needed).
-        const int lo_seq = window ? max(0, len - (int)window) : 0;
-        const int per = (len - lo_seq + splits - 1) / splits;
-        s_lo = lo_seq + split * per;
-        s_hi = min(len, s_lo + per);
     } else {
         const int lo_seq = window ? max(0, len - (int)window) : 0;
-        s_lo = lo_seq + split * (int)chunk;
-        // The last split runs to the end, so a max_seq_len below a real length costs balance, not keys.
-        s_hi = split == splits - 1 ? len : min(len, s_lo + (int)chunk);
+        if (chunk == 0) {
+            // Balanced on every step: ceil(n / splits) keys a split, not rounded to the 64-key
+            // tiles (a split's last tile may be partial), so the longest split is at most one key
+            // longer than the mean whatever the length (a host chunk of 33 tiles for 32K + 1
+            // keys left 15 of 16 splits a tile longer than needed).
+            const int per = (len - lo_seq + splits - 1) / splits;
+            s_lo = lo_seq + split * per;
+            s_hi = min(len, s_lo + per);
+        } else {
+            s_lo = lo_seq + split * (int)chunk;
+            // The last split runs to the end, so a max_seq_len below a real length costs
+            // balance, not keys.
+            s_hi = split == splits - 1 ? len : min(len, s_lo + (int)chunk);
+        }
     }
 
     if (s_lo >= s_hi) {

@@ -89,6 +89,14 @@ __device__ __forceinline__ void gf_store(void* y, u64 i, float v, u32 flags) {
     }
 }
 
+// GLU output element i of a fused GEMV (flag 8): act(bf16(gate)) * bf16(up) as glu_bf16 writes
+// it, act GELU-tanh with flag 16, else SiLU.
+__device__ __forceinline__ void gf_store_glu(void* y, u64 i, float gate, float up, u32 flags) {
+    const u32 gu = pack_bf16x2(gate, up);
+    const u32 a = gf_glu2(gu & 0xffffu, gu >> 16, (flags & 16) != 0);
+    reinterpret_cast<bf16*>(y)[i] = __ushort_as_bfloat16((unsigned short)(a & 0xffffu));
+}
+
 // The 16-byte input chunk c of row n.
 template <int MODE>
 __device__ __forceinline__ uint4 gf_x(const uint4* __restrict__ xv, const float4* __restrict__ nw4, u32 c8,
@@ -209,11 +217,7 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ x, cons
                 g += red[k][jj * N + n];
                 u += red[k][(2 + jj) * N + n];
             }
-            if (j < half) {
-                const u32 gu = pack_bf16x2(g, u);
-                const u32 a = gf_glu2(gu & 0xffffu, gu >> 16, (flags & 16) != 0);
-                reinterpret_cast<bf16*>(y)[(u64)n * half + j] = __ushort_as_bfloat16((unsigned short)(a & 0xffffu));
-            }
+            if (j < half) gf_store_glu(y, (u64)n * half + j, g, u, flags);
         }
         return;
     }
@@ -287,7 +291,7 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     const u32 rb = glu_out ? half + min(j0 + g, half - 1) : min(o0 + g + 8, out - 1);
     const uint4* w0 = reinterpret_cast<const uint4*>(w + (u64)ra * in);
     const uint4* w1 = reinterpret_cast<const uint4*>(w + (u64)rb * in);
-    const uint4* xr = reinterpret_cast<const uint4*>(x + (u64)min(g, n_rows - 1) * in);
+    const uint4* xs = reinterpret_cast<const uint4*>(x);
     const float4* nw4 = reinterpret_cast<const float4*>(nw);
     const bool has_x = g < n_rows;
     // Slice q (32 k: chunks 4q .. 4q + 3) of warp w's iteration it, unrolled u: q = (it U + u) 8 + w.
@@ -309,9 +313,8 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     // MODE 1: input row g's RMS scale (every block sums the rows' squares first).
     float scale = 1.0f;
     if (MODE == 1) {
-        const uint4* xv = reinterpret_cast<const uint4*>(x);
         for (u32 n = 0; n < n_rows; ++n) {
-            const float sc = gf_rms_scale(xv + n * c8, c8, in, eps, scratch);
+            const float sc = gf_rms_scale(xs + n * c8, c8, in, eps, scratch);
             if (n == g) scale = sc;
         }
     }
@@ -320,17 +323,7 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
 #pragma unroll
         for (int u = 0; u < GEMV_MMA_U; ++u) {
             const u32 c = 4 * ((it * GEMV_MMA_U + u) * 8 + warp) + t;
-            xv[u] = make_uint4(0, 0, 0, 0);
-            if (has_x && c < c8) {
-                const uint4 v = __ldg(xr + c);
-                if (MODE == 1) {
-                    const float4 na = __ldg(nw4 + 2 * c), nb = __ldg(nw4 + 2 * c + 1);
-                    xv[u] = make_uint4(gf_norm2(v.x, scale, na.x, na.y), gf_norm2(v.y, scale, na.z, na.w),
-                                       gf_norm2(v.z, scale, nb.x, nb.y), gf_norm2(v.w, scale, nb.z, nb.w));
-                } else {
-                    xv[u] = v;
-                }
-            }
+            xv[u] = has_x && c < c8 ? gf_x<MODE>(xs, nw4, c8, g, c, scale) : make_uint4(0, 0, 0, 0);
         }
         uint4 ca[GEMV_MMA_U], cb[GEMV_MMA_U];
 #pragma unroll
@@ -365,11 +358,7 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
                 gt += red[k][r][n];
                 up += red[k][r + 8][n];
             }
-            if (j < half && n < n_rows) {
-                const u32 gu = pack_bf16x2(gt, up);
-                const u32 a = gf_glu2(gu & 0xffffu, gu >> 16, (flags & 16) != 0);
-                reinterpret_cast<bf16*>(y)[(u64)n * half + j] = __ushort_as_bfloat16((unsigned short)(a & 0xffffu));
-            }
+            if (j < half && n < n_rows) gf_store_glu(y, (u64)n * half + j, gt, up, flags);
         }
         return;
     }
@@ -385,13 +374,8 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     }
 }
 
-// The plain product for `linear` (bf16 or f32 out).
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_mma_bf16(const bf16* x, const bf16* w, void* y, u32 n_rows, u32 in, u32 out, u32 out_f32) {
-    gemv_mma_impl<0>(x, nullptr, w, y, n_rows, in, out, out_f32 ? 1u : 0u, 0.0f);
-}
-
-// The fused decode step's GEMV at 3-8 rows (gemv_fused_n*_m*'s arguments plus n_rows).
+// gemv_mma_fused_m0 / _m1: gemv_fused_n*_m*'s arguments plus n_rows; m0 with flags 0 / 1 is
+// the plain product `linear` runs at 3-8 rows.
 #define GEMV_MMA_FUSED_ENTRY(NAME, MODE)                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         NAME(const bf16* x, const float* nw, const bf16* w, void* y, u32 n_rows, u32 in, u32 out,   \

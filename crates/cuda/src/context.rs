@@ -49,7 +49,7 @@ pub struct CudaContext {
     /// (`SLOWFAST_GEMV_MAX_ROWS`, 0 = always cuBLAS; at most 8).
     pub(crate) gemv_max_rows: usize,
     /// `linear` with more rows than `gemv_max_rows` and at most this many runs the tensor-core
-    /// GEMV (`gemv_mma_bf16`) instead of cuBLAS (`SLOWFAST_GEMV_MMA_ROWS`, default
+    /// GEMV (`gemv_mma_fused_m0`) instead of cuBLAS (`SLOWFAST_GEMV_MMA_ROWS`, default
     /// [`GEMV_MMA_DEFAULT_ROWS`]; at most 8).
     gemv_mma_rows: std::sync::atomic::AtomicUsize,
     /// Whether decode steps at <= `gemv_max_rows` rows run the fused kernels

@@ -72,7 +72,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_bf16_n6",
     "gemv_bf16_n7",
     "gemv_bf16_n8",
-    "gemv_mma_bf16",
     "gemv_mma_fused_m0",
     "gemv_mma_fused_m1",
     "gemv_fused_n1_m0",

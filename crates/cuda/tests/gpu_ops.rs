@@ -589,16 +589,22 @@ fn tensor_core_gemv_matches_reference() {
     }
     // `linear` at 6 rows through it, then back to cuBLAS
     let (n, k, m) = (6, 2560, 1027);
-    let x = rng.vec_bf16(n * k, 1.0);
-    let w = rng.vec_bf16(m * k, 0.05);
-    let (dx, dw) = (ctx.upload(&x).unwrap(), ctx.upload(&w).unwrap());
-    let want = linear_ref(&x, &w, n, k, m);
     ctx.set_gemv_mma_rows(8);
-    let mut y32 = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
-    ctx.linear(&dx, &dw, &mut y32, n, k, m).unwrap();
+    check_small_linear(
+        &ctx,
+        &mut rng,
+        (n, k, m),
+        "linear via gemv_mma",
+        |x, w, y| ctx.linear(x, w, y, n, k, m),
+        |x, w, y| ctx.linear(x, w, y, n, k, m),
+    );
     ctx.set_gemv_mma_rows(0);
-    assert_close("linear via gemv_mma", &dl_f32(&ctx, &y32), &want, 1e-4);
     // bad shapes are refused, naming the input
+    let (dx, dw) = (
+        ctx.upload(&nan_bf16(9 * k)).unwrap(),
+        ctx.upload(&nan_bf16(m * k)).unwrap(),
+    );
+    let mut y32 = ctx.alloc::<f32>(9 * m).unwrap();
     let err = ctx
         .gemv_mma(&dx, &dw, &mut y32, 9, k, m)
         .unwrap_err()

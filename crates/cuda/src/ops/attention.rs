@@ -317,7 +317,7 @@ impl CudaContext {
         const OP: &str = "attn_decode_post";
         check_decode(OP, p, &kv)?;
         let hd = kv.head_dim;
-        post.check(OP, hd)?;
+        let [qn, kn, freq] = post.check(OP, hd)?;
         if post.n_tokens != p.batch || post.q_heads != p.n_heads {
             return Err(CudaError::bad(
                 OP,
@@ -339,20 +339,14 @@ impl CudaContext {
             "qkv [batch, (n_heads + 2 kv_heads) * head_dim]",
             p.batch * stride,
         )?;
-        let nrm = |b: Option<&GpuBuffer<f32>>, what: &str| -> Result<u64, CudaError> {
-            b.map_or(Ok(0), |b| b.ptr_min(OP, what, hd))
-        };
         let extra = [
             KArg::U(u32_of(OP, "qkv row", stride)?),
-            KArg::P(nrm(post.q_norm, "q_norm [head_dim]")?),
-            KArg::P(nrm(post.k_norm, "k_norm [head_dim]")?),
+            KArg::P(qn),
+            KArg::P(kn),
             KArg::F(post.eps),
             KArg::P(positions.ptr_min(OP, "positions [batch]", p.batch)?),
             KArg::U(post.rot_dim as u32),
-            KArg::P(
-                post.inv_freq
-                    .ptr_min(OP, "inv_freq [rot_dim / 2]", post.rot_dim / 2)?,
-            ),
+            KArg::P(freq),
         ];
         let io = DecodeIo::new(OP, k_cache, v_cache, seq_lens, slots, out, lse, p, &kv)?;
         self.decode_launch(OP, kernel, pqkv, io, ws, p, kv, &extra)

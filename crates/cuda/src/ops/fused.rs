@@ -56,8 +56,9 @@ pub struct QkvPost<'a> {
 
 impl QkvPost<'_> {
     /// Refuses no tokens or q heads, a rotation that is odd, zero or wider than `head_dim`,
-    /// and a NaN or negative eps, naming them.
-    pub(crate) fn check(&self, op: &'static str, head_dim: usize) -> Result<(), CudaError> {
+    /// and a NaN or negative eps, naming them; else the device addresses of the q and k norm
+    /// weights (0 when absent) and of the inverse frequencies, each checked for its length.
+    pub(crate) fn check(&self, op: &'static str, head_dim: usize) -> Result<[u64; 3], CudaError> {
         if self.n_tokens == 0
             || self.q_heads == 0
             || self.rot_dim == 0
@@ -74,7 +75,15 @@ impl QkvPost<'_> {
                 ),
             ));
         }
-        Ok(())
+        let nrm = |b: Option<&GpuBuffer<f32>>, what: &str| -> Result<u64, CudaError> {
+            b.map_or(Ok(0), |b| b.ptr_min(op, what, head_dim))
+        };
+        Ok([
+            nrm(self.q_norm, "q_norm [head_dim]")?,
+            nrm(self.k_norm, "k_norm [head_dim]")?,
+            self.inv_freq
+                .ptr_min(op, "inv_freq [rot_dim / 2]", self.rot_dim / 2)?,
+        ])
     }
 }
 
@@ -151,41 +160,58 @@ impl CudaContext {
                 (b.ptr_min(OP, "glu [n, out / 2]", m / 2)?, 8 | act)
             }
         };
-        let out = KArg::U(u32_of(OP, "out", out_features)?);
-        let (inf, flag, e) = (KArg::U(in_features as u32), KArg::U(flags), KArg::F(eps));
         if n > FUSED_MAX_ROWS {
-            // 3-8 rows: the tensor-core kernels, 16 output rows (8 GLU outputs) a block.
-            let args = [
-                KArg::P(px),
-                KArg::P(nw),
-                KArg::P(pw),
-                KArg::P(py),
-                KArg::U(n as u32),
-                inf,
-                out,
-                flag,
-                e,
-            ];
-            let blocks = if flags & 8 != 0 {
-                (out_features / 2).div_ceil(8)
-            } else {
-                out_features.div_ceil(16)
-            };
-            let name = ["gemv_mma_fused_m0", "gemv_mma_fused_m1"][mode];
-            let grid = (u32_of(OP, "blocks", blocks)?, 1, 1);
-            return self.launch(name, grid, (256, 1, 1), 0, &args);
+            let ptrs = [px, nw, pw, py];
+            return self.gemv_mma_launch(mode, ptrs, n, in_features, out_features, flags, eps);
         }
         let args = [
             KArg::P(px),
             KArg::P(nw),
             KArg::P(pw),
             KArg::P(py),
-            inf,
-            out,
-            flag,
-            e,
+            KArg::U(in_features as u32),
+            KArg::U(u32_of(OP, "out", out_features)?),
+            KArg::U(flags),
+            KArg::F(eps),
         ];
         self.gemv_launch(n, mode, out_features, &args)
+    }
+
+    /// Launches the tensor-core GEMV (`gemv_mma_fused_m{mode}`) for `n` <= 8 rows: `ptrs` are
+    /// x, the norm weight (0 in mode 0), w and y; `flags` as `gemv_fused_*`'s. 16 output rows a
+    /// block, or with the GLU flag 8 GLU outputs (their gate and up rows).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemv_mma_launch(
+        &self,
+        mode: usize,
+        ptrs: [u64; 4],
+        n: usize,
+        in_features: usize,
+        out_features: usize,
+        flags: u32,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "gemv_mma";
+        let [px, nw, pw, py] = ptrs;
+        let args = [
+            KArg::P(px),
+            KArg::P(nw),
+            KArg::P(pw),
+            KArg::P(py),
+            KArg::U(n as u32),
+            KArg::U(in_features as u32),
+            KArg::U(u32_of(OP, "out", out_features)?),
+            KArg::U(flags),
+            KArg::F(eps),
+        ];
+        let blocks = if flags & 8 != 0 {
+            (out_features / 2).div_ceil(8)
+        } else {
+            out_features.div_ceil(16)
+        };
+        let name = ["gemv_mma_fused_m0", "gemv_mma_fused_m1"][mode];
+        let grid = (u32_of(OP, "blocks", blocks)?, 1, 1);
+        self.launch(name, grid, (256, 1, 1), 0, &args)
     }
 
     /// Launches the fused GEMV for `n` rows in input mode `mode` (0 plain, 1 norm)
@@ -227,10 +253,7 @@ impl CudaContext {
         const OP: &str = "qkv_post";
         kv.check(OP)?;
         let (n, hd) = (p.n_tokens, kv.head_dim);
-        p.check(OP, hd)?;
-        let nrm = |b: Option<&GpuBuffer<f32>>, what: &str| -> Result<u64, CudaError> {
-            b.map_or(Ok(0), |b| b.ptr_min(OP, what, hd))
-        };
+        let [qn, kn, freq] = p.check(OP, hd)?;
         let row = (p.q_heads + 2 * kv.kv_heads) * hd;
         let args = [
             KArg::P(qkv.ptr_min(OP, "qkv [n, (q_heads + 2 kv_heads) * head_dim]", n * row)?),
@@ -238,8 +261,8 @@ impl CudaContext {
             KArg::P(q.ptr_min(OP, "q [n, q_heads, head_dim]", n * p.q_heads * hd)?),
             KArg::P(k_cache.ptr_min(OP, "k_cache", kv.elems())?),
             KArg::P(v_cache.ptr_min(OP, "v_cache", kv.elems())?),
-            KArg::P(nrm(p.q_norm, "q_norm [head_dim]")?),
-            KArg::P(nrm(p.k_norm, "k_norm [head_dim]")?),
+            KArg::P(qn),
+            KArg::P(kn),
             KArg::F(p.eps),
             KArg::P(positions.ptr_min(OP, "positions [n]", n)?),
             KArg::P(slots.ptr_min(OP, "slots [n]", n)?),
@@ -247,10 +270,7 @@ impl CudaContext {
             KArg::U(kv.kv_heads as u32),
             KArg::U(hd as u32),
             KArg::U(p.rot_dim as u32),
-            KArg::P(
-                p.inv_freq
-                    .ptr_min(OP, "inv_freq [rot_dim / 2]", p.rot_dim / 2)?,
-            ),
+            KArg::P(freq),
             KArg::U(kv.capacity as u32),
             KArg::U(kv.num_slots as u32),
         ];

@@ -9,6 +9,7 @@ use half::bf16;
 use crate::buffer::{GpuBuffer, GpuElem};
 use crate::context::CudaContext;
 use crate::error::CudaError;
+use crate::ops::fused::MMA_MAX_ROWS;
 
 /// Output element types of [`CudaContext::linear`].
 pub trait GemmOut: GpuElem {
@@ -193,7 +194,7 @@ impl CudaContext {
         )
     }
 
-    /// The tensor-core GEMV (kernels/gemv.cu `gemv_mma_bf16`) for 1..=8 rows: `y[n, out] =
+    /// The tensor-core GEMV (kernels/gemv.cu `gemv_mma_fused_m0`) for 1..=8 rows: `y[n, out] =
     /// x[n, in] · w[out, in]^T`, f32 accumulation, bf16 or f32 output; `in` a multiple of 8.
     /// `linear` runs it at `SLOWFAST_GEMV_MAX_ROWS` < n <= `SLOWFAST_GEMV_MMA_ROWS`.
     #[doc(hidden)]
@@ -207,16 +208,22 @@ impl CudaContext {
         out_features: usize,
     ) -> Result<(), CudaError> {
         const OP: &str = "gemv_mma";
-        if n == 0 || n > 8 || in_features == 0 || out_features == 0 || in_features % 8 != 0 {
+        if n == 0
+            || n > MMA_MAX_ROWS
+            || in_features == 0
+            || out_features == 0
+            || in_features % 8 != 0
+        {
             return Err(CudaError::bad(
                 OP,
-                format!("{n} rows (1..=8), in = {in_features} (a positive multiple of 8), out = {out_features}"),
+                format!("{n} rows (1..={MMA_MAX_ROWS}), in = {in_features} (a positive multiple of 8), out = {out_features}"),
             ));
         }
         let (px, pw, py) = linear_ptrs(OP, x, w, y, n, in_features, out_features)?;
         self.gemv_mma_raw(px, pw, py, O::CUDA_TYPE, n, in_features, out_features)
     }
 
+    /// The plain tensor-core GEMV (`gemv_mma_fused_m0`, no norm, bf16 or f32 out).
     #[allow(clippy::too_many_arguments)]
     fn gemv_mma_raw(
         &self,
@@ -228,18 +235,8 @@ impl CudaContext {
         in_features: usize,
         out_features: usize,
     ) -> Result<(), CudaError> {
-        use crate::context::KArg;
-        let blocks = u32::try_from(out_features.div_ceil(16))
-            .map_err(|_| CudaError::bad("gemv_mma", format!("{out_features} output rows")))?;
-        let args = [
-            KArg::P(px),
-            KArg::P(pw),
-            KArg::P(py),
-            KArg::U(n as u32),
-            KArg::U(in_features as u32),
-            KArg::U(out_features as u32),
-            KArg::U((out_type == cudaDataType::CUDA_R_32F) as u32),
-        ];
-        self.launch("gemv_mma_bf16", (blocks, 1, 1), (256, 1, 1), 0, &args)
+        let f32_out = (out_type == cudaDataType::CUDA_R_32F) as u32;
+        let ptrs = [px, 0, pw, py];
+        self.gemv_mma_launch(0, ptrs, n, in_features, out_features, f32_out, 0.0)
     }
 }
