@@ -19,7 +19,8 @@ rc=0
 for p in $phases; do
   case "$p" in
     tests)
-      for t in .bin/slowfast_cuda-* .bin/slowfast_engine-*; do
+      # TESTS: the test binaries to run (default: all of them)
+      for t in ${TESTS:-.bin/slowfast_cuda-* .bin/slowfast_engine-*}; do
         echo "== $t" | tee -a "$OUT/tests.log"
         $t --test-threads=1 --nocapture 2>&1 | tee -a "$OUT/tests.log"
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
@@ -50,15 +51,40 @@ for p in $phases; do
         .bin/cuda_bench profile > "$OUT/ncu-attn.txt" 2>&1
       grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Stall|Warp Cycles|Registers|Theoretical Occupancy|Block Limit|L2 Hit|Eligible|Issued Warp" "$OUT/ncu-attn.txt" | head -60 ;;
     prof)
-      # per-kernel times and DRAM bytes of a batch-1 decode at CTX_PROF under ncu (the machine
-      # has no nsys): kernels one at a time (no PDL overlap), warm caches, free clocks
+      # per-kernel times and DRAM bytes of a decode at CTX_PROF, batch PROF_BATCH (default 1)
+      # under ncu (the machine has no nsys): kernels one at a time (no PDL overlap), warm caches,
+      # free clocks; PROF_ARGS: more bench flags (e.g. --policies streaming), PROF_TAG: a name
+      # for the output files. Summed by kernel name at the end.
+      tag="${PROF_TAG:-prof}"
       /usr/local/cuda/bin/ncu --graph-profiling node --cache-control none --clock-control none \
         -k regex:"${PROF_K:-gemv|attn_decode|qkv_post|argmax|rmsnorm|embed|advance}" \
         --launch-skip "${PROF_SKIP:-1500}" --launch-count "${PROF_N:-300}" \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active \
         --csv .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_PROF:-32k}" \
-        --batch 1 --new-tokens 32 > "$OUT/prof-ncu.csv" 2> "$OUT/prof-run.log"
-      tail -3 "$OUT/prof-run.log" ;;
+        --batch "${PROF_BATCH:-1}" --new-tokens 32 ${PROF_ARGS:-} > "$OUT/$tag-ncu.csv" 2> "$OUT/$tag-run.log"
+      tail -3 "$OUT/$tag-run.log"
+      python3 - "$OUT/$tag-ncu.csv" <<'PY' | tee "$OUT/$tag-summary.txt"
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head = rows[0]; ki = head.index("Kernel Name"); mi = head.index("Metric Name")
+vi = head.index("Metric Value"); ui = head.index("Metric Unit")
+tot = collections.defaultdict(float); byt = collections.defaultdict(float); cnt = collections.Counter()
+for r in rows[1:]:
+    try: v = float(r[vi].replace(",", ""))
+    except ValueError: continue
+    name = r[ki].split("(")[0][:70]
+    if r[mi] == "gpu__time_duration.sum":
+        v *= {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[r[ui]]
+        tot[name] += v; cnt[name] += 1
+    elif r[mi] == "dram__bytes_read.sum":
+        v *= {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(r[ui], 1)
+        byt[name] += v
+all_us = sum(tot.values())
+for n, us in sorted(tot.items(), key=lambda x: -x[1]):
+    print(f"{us:10.1f} us {100*us/all_us:6.2f} % {cnt[n]:5d} x {us/cnt[n]:8.2f} us  {byt[n]/us/1e3 if us else 0:7.0f} GB/s  {n}")
+print(f"{all_us:10.1f} us total over {sum(cnt.values())} kernels")
+PY
+      ;;
     prof-prefill)
       # per-kernel times of a CTX_PROF (default 32k) prefill under ncu, kernels one at a time:
       # where the time outside attention and the GEMMs goes. Summed by kernel name at the end.
@@ -109,12 +135,13 @@ PY
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
         --batch "${SB:-6}" --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b${SB:-6}.json" 2>&1 | tee -a "$OUT/sfi.log" ;;
     sfi-ab)
-      # SFI at batch SB (default 6) and CTX_SB (default 128k) under each of AB_CFGS
-      # (VAR=value settings, e.g. SLOWFAST_GEMV_MMA_ROWS=0 SLOWFAST_GEMV_MMA_ROWS=8)
-      SFI_ARGS="--policies full,sfi $SFI_OPTS"
-      for cfg in ${AB_CFGS:-SLOWFAST_GEMV_MMA_ROWS=0 SLOWFAST_GEMV_MMA_ROWS=8}; do
+      # SFI at batch SB (default 6) and CTX_SB (default 128k) under each of SFI_CFGS
+      # (VAR=value settings, several joined by commas, e.g. "SLOWFAST_GEMV_MMA_ROWS=0
+      # SLOWFAST_GEMV_MMA_ROWS=8,SLOWFAST_SFI_SPLIT=0"); SFI_POLICIES (default full,sfi)
+      SFI_ARGS="--policies ${SFI_POLICIES:-full,sfi} $SFI_OPTS"
+      for cfg in ${SFI_CFGS:-SLOWFAST_GEMV_MMA_ROWS=0 SLOWFAST_GEMV_MMA_ROWS=8}; do
         echo "== $cfg" | tee -a "$OUT/sfi-ab.log"
-        env "$cfg" .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
+        env ${cfg//,/ } .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
           --batch "${SB:-6}" --new-tokens "$N" $SFI_ARGS 2>&1 | tee -a "$OUT/sfi-ab.log"
       done ;;
     torch)

@@ -82,14 +82,21 @@ extern "C" __global__ void sfi_rowstats(const float* __restrict__ logits, float2
     logits += (u64)blockIdx.z * ls;
     stats += (u64)blockIdx.z * gridDim.y * rows;
     const float* z = sfi_row(logits, kvh, rr, G, n_heads, lstride);
-    float m = NEG_INF;
+    // One pass: each thread's sum relative to its running max, rescaled when the max rises,
+    // then to the row's max.
+    float mt = NEG_INF;
+    double st = 0.0;
     #pragma unroll 4
-    for (u32 j = lo + threadIdx.x; j < hi; j += blockDim.x) m = fmaxf(m, z[j]);
-    m = block_max(m, scratch);
-    double s = 0.0;
-    if (m != NEG_INF)
-        #pragma unroll 4
-        for (u32 j = lo + threadIdx.x; j < hi; j += blockDim.x) s += (double)exp2f(z[j] - m);
+    for (u32 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        const float v = z[j];
+        if (v > mt) {
+            st *= (double)exp2f(mt - v);
+            mt = v;
+        }
+        if (v != NEG_INF) st += (double)exp2f(v - mt);
+    }
+    const float m = block_max(mt, scratch);
+    double s = mt == NEG_INF ? 0.0 : st * (double)exp2f(mt - m);
     s = block_sum_d(s, dscratch);
     if (threadIdx.x == 0) {
         float c = 0.0f;
@@ -158,6 +165,62 @@ __device__ __forceinline__ SelCfg sfi_cfg(const double* c) {
     return r;
 }
 
+// The number of captured rows of a head that see the domain (stats.x != -inf).
+__device__ __forceinline__ u32 sfi_valid_rows(const float2* stats, u32 rows) {
+    u32 valid = 0;
+    for (u32 rr = 0; rr < rows; ++rr) valid += stats[rr].x != NEG_INF;
+    return valid;
+}
+
+// The position part of the log prior of domain position i of n.
+__device__ __forceinline__ double sfi_pos(const SelCfg& cfg, u32 i, u32 n) {
+    const double span = n > 1 ? (double)(n - 1) : 1.0;
+    const double p = fmax(cfg.pos_power, 1.0);
+    const double u = fmin(fmax((double)i / span, 0.0), 1.0);
+    const double tail = fmax((double)(n - 1 - i) / span, cfg.eps);
+    return -cfg.beta * exp(p * log(u)) + cfg.pos_eta * log(tail);
+}
+
+// Domain position i (evidence a, key norm kn, position prior pos = sfi_pos): the evidence term
+// fv (sq: the linear a^2 of the alpha = 0.5 path; geo: the mean log-probability; else
+// log(a) / alpha) and the log prior rv (key norm and position); hidden tokens (a is NaN):
+// fv = 0 (sq) or -inf, rv = -inf.
+__device__ __forceinline__ void sfi_fr(const SelCfg& cfg, double a, float kn, double pos, bool sq, u32 geo,
+                                       u32 valid, double& fv, double& rv) {
+    const bool hid = (a != a);
+    if (sq)
+        fv = hid ? 0.0 : a * a;  // the CPU's alpha = 0.5 path: linear, no max shift
+    else if (geo)
+        fv = hid ? -D_INF : a / (double)valid;
+    else
+        fv = hid ? -D_INF : log(a) / cfg.alpha;
+    rv = hid ? -D_INF : -cfg.gamma * cfg.w_l2 * log(fmax((double)kn, cfg.eps)) + cfg.w_pos * pos;
+}
+
+// lambda from the normalised f / r moments (clipped, optionally softened).
+__device__ __forceinline__ double sfi_lambda(const SelCfg& cfg, double ff, double rr2, double fr, u32 valid) {
+    const double star = (ff - fr) / fmax(ff - 2.0 * fr + rr2, cfg.eps);
+    const double lmax = valid <= 1 ? cfg.lclip_single : cfg.lclip_multi;
+    double lam = fmin(fmax(star, 0.0), lmax);
+    if (cfg.lambda_soft && lmax > 0.0) lam = lmax * tanh(lam / lmax);
+    return fmin(lam, 1.0 - cfg.eps);
+}
+
+// Cross-head exclusivity of one position: s[h * stride], h < kv_heads, in place.
+__device__ __forceinline__ void sfi_cross_one(double* s, u64 stride, u32 kv_heads, const SelCfg& cfg) {
+    const double a = cfg.cross_a, inv_t = cfg.cross_inv_t, leps = log(cfg.eps);
+    double mx = -D_INF;
+    for (u32 h = 0; h < kv_heads; ++h) mx = fmax(mx, s[h * stride] * inv_t);
+    if (mx == -D_INF) mx = 0.0;
+    double sum = 0.0;
+    for (u32 h = 0; h < kv_heads; ++h) sum += exp(s[h * stride] * inv_t - mx);
+    const double lse = log(sum) + mx;
+    for (u32 h = 0; h < kv_heads; ++h) {
+        const double v = s[h * stride];
+        if (v != -D_INF) s[h * stride] = v + a * fmax(v * inv_t - lse, leps);
+    }
+}
+
 // Per kv head (one block): f from the evidence, r from the key norms and the position prior,
 // lambda, log s = log((1 - lambda) f + (lambda + eps) r) normalised, soft-NMS with the pooled max
 // over [i - half, i + half]. a, b: scratch [kv_heads, n]; out: scores [kv_heads, n]; cnt[kvh] =
@@ -184,8 +247,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     double* r = fb + (u64)h * n;
     double* s = out + (u64)h * n;
     const float* kn = norms + (u64)h * capacity + lo;
-    u32 valid = 0;
-    for (u32 rr = 0; rr < rows; ++rr) valid += stats[(u64)h * rows + rr].x != NEG_INF;
+    const u32 valid = sfi_valid_rows(stats + (u64)h * rows, rows);
     if (valid == 0) {
         #pragma unroll 4
         for (u32 i = threadIdx.x; i < n; i += T) s[i] = -D_INF;
@@ -193,26 +255,13 @@ extern "C" __global__ void __launch_bounds__(1024)
         return;
     }
     const bool sq = !geo && cfg.alpha == 0.5;
-    const double span = n > 1 ? (double)(n - 1) : 1.0;
-    const double p = fmax(cfg.pos_power, 1.0);
     double fmx = -D_INF, rmx = -D_INF;
     #pragma unroll 4
     for (u32 i = threadIdx.x; i < n; i += T) {
-        const double a = e[i];
-        const bool hid = (a != a);
-        double fv;
-        if (sq)
-            fv = hid ? 0.0 : a * a;  // the CPU's alpha = 0.5 path: linear, no max shift
-        else if (geo)
-            fv = hid ? -D_INF : a / (double)valid;
-        else
-            fv = hid ? -D_INF : log(a) / cfg.alpha;
+        double fv, rv;
+        sfi_fr(cfg, e[i], kn[i], sfi_pos(cfg, i, n), sq, geo, valid, fv, rv);
         f[i] = fv;
         fmx = fmax(fmx, fv);
-        const double u = fmin(fmax((double)i / span, 0.0), 1.0);
-        const double tail = fmax((double)(n - 1 - i) / span, cfg.eps);
-        const double pos = -cfg.beta * exp(p * log(u)) + cfg.pos_eta * log(tail);
-        const double rv = hid ? -D_INF : -cfg.gamma * cfg.w_l2 * log(fmax((double)kn[i], cfg.eps)) + cfg.w_pos * pos;
         r[i] = rv;
         rmx = fmax(rmx, rv);
     }
@@ -245,11 +294,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     ff = block_sum_d(ff, ds);
     rr2 = block_sum_d(rr2, ds);
     fr = block_sum_d(fr, ds);
-    const double star = (ff - fr) / fmax(ff - 2.0 * fr + rr2, cfg.eps);
-    const double lmax = valid <= 1 ? cfg.lclip_single : cfg.lclip_multi;
-    double lam = fmin(fmax(star, 0.0), lmax);
-    if (cfg.lambda_soft && lmax > 0.0) lam = lmax * tanh(lam / lmax);
-    lam = fmin(lam, 1.0 - cfg.eps);
+    const double lam = sfi_lambda(cfg, ff, rr2, fr, valid);
     const double wf = 1.0 - lam, wr = lam + cfg.eps;
     double zs = 0.0;
     #pragma unroll 4
@@ -299,17 +344,7 @@ extern "C" __global__ void sfi_cross_head(double* __restrict__ scores, u32 kv_he
     if (i >= n) return;
     scores += (u64)blockIdx.z * kv_heads * n;
     const SelCfg cfg = sfi_cfg(cfgp);
-    const double a = cfg.cross_a, inv_t = cfg.cross_inv_t, leps = log(cfg.eps);
-    double mx = -D_INF;
-    for (u32 h = 0; h < kv_heads; ++h) mx = fmax(mx, scores[(u64)h * n + i] * inv_t);
-    if (mx == -D_INF) mx = 0.0;
-    double sum = 0.0;
-    for (u32 h = 0; h < kv_heads; ++h) sum += exp(scores[(u64)h * n + i] * inv_t - mx);
-    const double lse = log(sum) + mx;
-    for (u32 h = 0; h < kv_heads; ++h) {
-        const double v = scores[(u64)h * n + i];
-        if (v != -D_INF) scores[(u64)h * n + i] = v + a * fmax(v * inv_t - lse, leps);
-    }
+    sfi_cross_one(scores + i, n, kv_heads, cfg);
 }
 
 // Order-preserving u64 of a double (greater score, greater key); -inf maps to 0 (never chosen).
@@ -319,14 +354,48 @@ __device__ __forceinline__ u64 sfi_key(double v) {
     return (b >> 63) ? ~b : (b | 0x8000000000000000ull);
 }
 
+// Radix select over one head's n scores by one block: the m-th largest key (8 bits at a time
+// from the top) into `prefix`, and in `rem` how many of the keys equal to it are taken.
+__device__ __noinline__ void sfi_radix_select(const double* __restrict__ s, u32 n, u32 m, u64& prefix, u32& rem) {
+    __shared__ u32 hist[256];
+    __shared__ u32 sh_digit, sh_rem;
+    const u32 T = blockDim.x;
+    u64 mask = 0;
+    prefix = 0;
+    rem = m;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (u32 b = threadIdx.x; b < 256; b += T) hist[b] = 0;
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < n; i += T) {
+            const u64 key = sfi_key(s[i]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 acc = 0;
+            int d = 255;
+            for (; d > 0; --d) {
+                if (acc + hist[d] >= rem) break;
+                acc += hist[d];
+            }
+            sh_digit = (u32)d;
+            sh_rem = rem - acc;
+        }
+        __syncthreads();
+        prefix |= (u64)sh_digit << shift;
+        mask |= (u64)255 << shift;
+        rem = sh_rem;
+        __syncthreads();
+    }
+}
+
 // Per kv head (one block): m = min over heads of min(k, cnt[h]) (the equalised count); the m
 // highest scores (ties: lower position first) as ascending positions lo + i into sel[h, :m];
 // mcount[0] = m. grid (kv_heads, layers), block 1024.
 extern "C" __global__ void __launch_bounds__(1024)
     sfi_topk(const double* __restrict__ scores, const u32* __restrict__ cnt, u32* __restrict__ sel,
              u32* __restrict__ mcount, u32 kv_heads, u32 n, u32 k, u32 lo) {
-    __shared__ u32 hist[256];
-    __shared__ u32 sh_digit, sh_rem, sh_base;
+    __shared__ u32 sh_rem, sh_base;
     __shared__ u32 wsum[32];
     const u32 h = blockIdx.x, T = blockDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     {
@@ -341,7 +410,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     if (h == 0 && threadIdx.x == 0) mcount[0] = m;
     if (m == 0) return;
         const double* s = scores + (u64)h * n;
-    u64 prefix = 0, mask = 0;
+    u64 prefix = 0;
     u32 rem = m;
     // Bucket pass: 4096 equal-width bins over the finite scores locate the bin holding the
     // m-th largest; when that bin has at most TOPK_CAP members they are ranked in shared memory,
@@ -417,31 +486,7 @@ extern "C" __global__ void __launch_bounds__(1024)
             __syncthreads();
         }
     }
-    // Radix select of the m-th largest key, 8 bits at a time from the top.
-    for (int shift = 56; !bucketed && shift >= 0; shift -= 8) {
-        for (u32 b = threadIdx.x; b < 256; b += T) hist[b] = 0;
-        __syncthreads();
-        for (u32 i = threadIdx.x; i < n; i += T) {
-            const u64 key = sfi_key(s[i]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            u32 acc = 0;
-            int d = 255;
-            for (; d > 0; --d) {
-                if (acc + hist[d] >= rem) break;
-                acc += hist[d];
-            }
-            sh_digit = (u32)d;
-            sh_rem = rem - acc;
-        }
-        __syncthreads();
-        prefix |= (u64)sh_digit << shift;
-        mask |= (u64)255 << shift;
-        rem = sh_rem;
-        __syncthreads();
-    }
+    if (!bucketed) sfi_radix_select(s, n, m, prefix, rem);
     // prefix is the threshold key; take every key above it and the first `rem` equal to it.
     u32* out = sel + (u64)h * k;
     if (threadIdx.x == 0) sh_base = 0;
@@ -477,6 +522,521 @@ extern "C" __global__ void __launch_bounds__(1024)
         eq_seen += eq_tile;
         __syncthreads();
         if (threadIdx.x == 0) sh_base += tile;
+        __syncthreads();
+    }
+}
+
+// ---- The Selector split over many blocks (the default; SLOWFAST_SFI_SPLIT=0 runs sfi_score,
+// sfi_cross_head and sfi_topk above, one block per (layer, kv head) walking its whole domain in
+// six and four dependent passes). The same arithmetic, each pass spread over chunks of the
+// domain, and f, r and log s recomputed from the evidence instead of stored:
+//   sfi_pos_prior     the position part of the prior, once for the domain
+//   sfi_score_part    per (layer, kv head, chunk of SFI_SC positions): f and r, the chunk's
+//                     maxima and its sums (f, f^2, r, r^2, f r relative to them)
+//   sfi_score_lambda  per (layer, kv head): the chunks merged -> normalisers, lambda, weights
+//   sfi_score_fin     per (layer, span of positions), every kv head: log s (plus a halo of the
+//                     soft-NMS half window), soft-NMS, cross-head exclusivity, the final scores,
+//                     each head's finite count and min / max (atomics)
+//   sfi_topk_hist     per chunk: histogram of the finite scores, TOPK_BINS bins over [min, max]
+//   sfi_topk_cand     per chunk: the bin b* holding the m-th largest score, the chunk's count of
+//                     scores in higher bins, the members of b* as candidates (key, position)
+//   sfi_topk_rank     per (layer, kv head): the threshold key and the last position taken at it
+//                     (ties: lower positions first), taken candidates counted per chunk; when b*
+//                     holds more than TOPK_CAP scores, sfi_radix_select over the whole row instead
+//   sfi_topk_write    per chunk: its chosen positions, in order, after the chunks before it
+// Zeroed before sfi_score_part (one memset): min / max (u64 [lh][2]: the max key and the max of
+// ~key), finite counts and candidate counts (u32 [lh] each), histograms ([lh][TOPK_BINS]) and
+// taken counts ([lh][nch]), lh = layers x kv heads.
+#define SFI_SC 2048
+#define SFI_PER (SFI_SC / 256)
+
+__device__ __forceinline__ u32 block_sum_u(u32 v, u32* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    u32 r = lane < nw ? scratch[lane] : 0u;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+    return r;
+}
+
+// The key of sfi_key back to its double.
+__device__ __forceinline__ double sfi_unkey(u64 key) {
+    const u64 b = (key >> 63) ? (key & 0x7fffffffffffffffull) : ~key;
+    return __longlong_as_double((long long)b);
+}
+
+// The range of a head's finite scores from its min / max pair; false when they do not span an
+// interval (no finite score, or all equal).
+__device__ __forceinline__ bool sfi_range(const u64* mm, double& mn, double& mx) {
+    const u64 kmax = mm[0], kmin = ~mm[1];
+    if (kmax == 0) return false;
+    mn = sfi_unkey(kmin);
+    mx = sfi_unkey(kmax);
+    return mx > mn;
+}
+
+__device__ __forceinline__ u32 sfi_equal_count(const u32* cnt, u32 kv_heads, u32 k) {
+    u32 m = k;
+    for (u32 t = 0; t < kv_heads; ++t) m = min(m, cnt[t]);
+    return m;
+}
+
+// pp[i] = sfi_pos(i, n) for the domain (every layer and head shares it). grid ceil(n / 256), block 256.
+extern "C" __global__ void sfi_pos_prior(double* __restrict__ pp, u32 n, const double* __restrict__ cfgp) {
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) pp[i] = sfi_pos(sfi_cfg(cfgp), i, n);
+}
+
+// part[(lh, c)][0..7] = (max f, sum F, sum F^2, max r, sum R, sum R^2, sum F R, 0), F = exp(f - max f)
+// (sq: F = f, max f = 0), R = exp(r - max r) over the chunk. grid (nch, kv_heads, layers), block 256.
+extern "C" __global__ void __launch_bounds__(256)
+    sfi_score_part(const double* __restrict__ ev, const float2* __restrict__ stats, const float* __restrict__ norms,
+                   const double* __restrict__ pp, double* __restrict__ part, u32 rows, u32 capacity, u32 lo, u32 hi,
+                   const double* __restrict__ cfgp, u32 geo, u32 ns) {
+    __shared__ double ds[32];
+    const SelCfg cfg = sfi_cfg(cfgp);
+    const u32 c = blockIdx.x, nch = gridDim.x, h = blockIdx.y, z = blockIdx.z, n = hi - lo;
+    const u64 zh = (u64)z * gridDim.y + h;
+    const u32 valid = sfi_valid_rows(stats + zh * rows, rows);
+    if (valid == 0) return;  // sfi_score_lambda marks the head; its chunks are not read
+    const double* e = ev + zh * n;
+    const float* kn = norms + (u64)z * ns + (u64)h * capacity + lo;
+    const bool sq = !geo && cfg.alpha == 0.5;
+    double fv[SFI_PER], rv[SFI_PER];
+    double fmx = -D_INF, rmx = -D_INF;
+#pragma unroll
+    for (int t = 0; t < SFI_PER; ++t) {
+        const u32 i = c * SFI_SC + t * 256 + threadIdx.x;
+        if (i < n) {
+            sfi_fr(cfg, e[i], kn[i], pp[i], sq, geo, valid, fv[t], rv[t]);
+        } else {
+            fv[t] = sq ? 0.0 : -D_INF;
+            rv[t] = -D_INF;
+        }
+        fmx = fmax(fmx, fv[t]);
+        rmx = fmax(rmx, rv[t]);
+    }
+    fmx = sq ? 0.0 : block_max_d(fmx, ds);
+    rmx = block_max_d(rmx, ds);
+    double s1f = 0.0, s2f = 0.0, s1r = 0.0, s2r = 0.0, sfr = 0.0;
+#pragma unroll
+    for (int t = 0; t < SFI_PER; ++t) {
+        const double F = sq ? fv[t] : (fmx == -D_INF ? 0.0 : exp(fv[t] - fmx));
+        const double R = rmx == -D_INF ? 0.0 : exp(rv[t] - rmx);
+        s1f += F;
+        s2f += F * F;
+        s1r += R;
+        s2r += R * R;
+        sfr += F * R;
+    }
+    s1f = block_sum_d(s1f, ds);
+    s2f = block_sum_d(s2f, ds);
+    s1r = block_sum_d(s1r, ds);
+    s2r = block_sum_d(s2r, ds);
+    sfr = block_sum_d(sfr, ds);
+    if (threadIdx.x == 0) {
+        double* o = part + (zh * nch + c) * 8;
+        o[0] = fmx;
+        o[1] = s1f;
+        o[2] = s2f;
+        o[3] = rmx;
+        o[4] = s1r;
+        o[5] = s2r;
+        o[6] = sfr;
+        o[7] = 0.0;
+    }
+}
+
+__device__ __forceinline__ double warp_max_d(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ double warp_sum_d(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// hc[lh][0..7] = (max f, 1 / Z_f, max r, 1 / Z_r, w_f, w_r, 1 / Z_s, valid rows) from the chunk
+// sums: f = F / Z_f, r = R / Z_r, s = (w_f f + w_r r) / Z_s as sfi_score computes them.
+// grid (kv_heads, layers), block 32.
+extern "C" __global__ void __launch_bounds__(32)
+    sfi_score_lambda(const double* __restrict__ part, const float2* __restrict__ stats, double* __restrict__ hc,
+                     u32 rows, u32 nch, const double* __restrict__ cfgp, u32 geo) {
+    const SelCfg cfg = sfi_cfg(cfgp);
+    const u64 zh = (u64)blockIdx.y * gridDim.x + blockIdx.x;
+    double* o = hc + zh * 8;
+    const u32 valid = sfi_valid_rows(stats + zh * rows, rows);
+    if (valid == 0) {
+        if (threadIdx.x == 0) o[7] = 0.0;
+        return;
+    }
+    const bool sq = !geo && cfg.alpha == 0.5;
+    const double* pp = part + zh * nch * 8;
+    double fmx = -D_INF, rmx = -D_INF;
+    for (u32 c = threadIdx.x; c < nch; c += 32) {
+        fmx = fmax(fmx, pp[c * 8]);
+        rmx = fmax(rmx, pp[c * 8 + 3]);
+    }
+    fmx = warp_max_d(fmx);
+    rmx = warp_max_d(rmx);
+    double zf = 0.0, sff = 0.0, zr = 0.0, srr = 0.0, sfr = 0.0;
+    for (u32 c = threadIdx.x; c < nch; c += 32) {
+        const double* q = pp + c * 8;
+        const double wF = sq ? 1.0 : (q[0] == -D_INF ? 0.0 : exp(q[0] - fmx));
+        const double wR = q[3] == -D_INF ? 0.0 : exp(q[3] - rmx);
+        zf += q[1] * wF;
+        sff += q[2] * wF * wF;
+        zr += q[4] * wR;
+        srr += q[5] * wR * wR;
+        sfr += q[6] * wF * wR;
+    }
+    zf = warp_sum_d(zf);
+    sff = warp_sum_d(sff);
+    zr = warp_sum_d(zr);
+    srr = warp_sum_d(srr);
+    sfr = warp_sum_d(sfr);
+    const double inv_f = zf > 0.0 ? 1.0 / zf : 0.0, inv_r = 1.0 / zr;
+    const double lam = sfi_lambda(cfg, sff * inv_f * inv_f, srr * inv_r * inv_r, sfr * inv_f * inv_r, valid);
+    const double wf = 1.0 - lam, wr = lam + cfg.eps;
+    if (threadIdx.x == 0) {
+        o[0] = fmx;
+        o[1] = inv_f;
+        o[2] = rmx;
+        o[3] = inv_r;
+        o[4] = wf;
+        o[5] = wr;
+        o[6] = 1.0 / (wf * (zf * inv_f) + wr * (zr * inv_r));
+        o[7] = (double)valid;
+    }
+}
+
+// The final scores of positions [c0, c0 + span) of every kv head of layer z (see above).
+// Dynamic smem (kv_heads * span + span + 2 * half) doubles. grid (ceil(n / span), layers), block 256.
+extern "C" __global__ void __launch_bounds__(256)
+    sfi_score_fin(const double* __restrict__ ev, const float* __restrict__ norms, const double* __restrict__ pp,
+                  const double* __restrict__ hc,
+                  double* __restrict__ out, u32* __restrict__ cnt, u64* __restrict__ mm, u32 kv_heads,
+                  u32 capacity, u32 lo, u32 hi, u32 span, const double* __restrict__ cfgp, u32 geo, u32 ns) {
+    extern __shared__ double fsm[];
+    const SelCfg cfg = sfi_cfg(cfgp);
+    const u32 z = blockIdx.y, n = hi - lo, half = cfg.half, lane = threadIdx.x & 31;
+    const u32 c0 = blockIdx.x * span, cn = min(span, n - c0);
+    const bool sq = !geo && cfg.alpha == 0.5, nms = half > 0 && cfg.soft_alpha != 0.0;
+    const u32 a0 = nms && c0 > half ? c0 - half : (nms ? 0 : c0);
+    const u32 a1 = nms ? min(n, c0 + cn + half) : c0 + cn;
+    double* fin = fsm;                        // [kv_heads][span]
+    double* pre = fsm + (u64)kv_heads * span;  // [span + 2 half]: log s before soft-NMS
+    for (u32 h = 0; h < kv_heads; ++h) {
+        const u64 zh = (u64)z * kv_heads + h;
+        const double* k = hc + zh * 8;
+        double* fh = fin + (u64)h * span;
+        if (k[7] == 0.0) {
+            for (u32 i = threadIdx.x; i < cn; i += 256) fh[i] = -D_INF;
+            continue;
+        }
+        const u32 valid = (u32)k[7];
+        const double fmx = k[0], inv_f = k[1], rmx = k[2], inv_r = k[3], wf = k[4], wr = k[5], inv_s = k[6];
+        const double* e = ev + zh * n;
+        const float* kn = norms + (u64)z * ns + (u64)h * capacity + lo;
+        for (u32 i = a0 + threadIdx.x; i < a1; i += 256) {
+            const double a = e[i];
+            double v = -D_INF;
+            if (a == a) {
+                double fv, rv;
+                sfi_fr(cfg, a, kn[i], pp[i], sq, geo, valid, fv, rv);
+                const double F = sq ? fv : (fmx == -D_INF ? 0.0 : exp(fv - fmx));
+                const double R = rmx == -D_INF ? 0.0 : exp(rv - rmx);
+                v = log((wf * (F * inv_f) + wr * (R * inv_r)) * inv_s);
+            }
+            pre[i - a0] = v;
+        }
+        __syncthreads();
+        u32 finite = 0;
+        for (u32 i = c0 + threadIdx.x; i < c0 + cn; i += 256) {
+            double v = pre[i - a0];
+            if (nms && v != -D_INF) {
+                const u32 a = i > half ? i - half : 0, b = min(i + half, n - 1);
+                double pooled = -D_INF;
+                for (u32 t = a; t <= b; ++t) pooled = fmax(pooled, pre[t - a0]);
+                v = v - cfg.soft_alpha * fmax(pooled - v, 0.0);
+            }
+            fh[i - c0] = v;
+            finite += v != -D_INF;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) finite += __shfl_xor_sync(0xffffffffu, finite, o);
+        if (lane == 0 && finite) atomicAdd(&cnt[zh], finite);
+        __syncthreads();  // pre is the next head's
+    }
+    // Each thread owns the positions i = threadIdx.x + 256 j from here on: no barrier needed.
+    if (kv_heads > 2)
+        for (u32 i = threadIdx.x; i < cn; i += 256) sfi_cross_one(fin + i, span, kv_heads, cfg);
+    for (u32 h = 0; h < kv_heads; ++h) {
+        const u64 zh = (u64)z * kv_heads + h;
+        u64 kmax = 0, kminc = 0;
+        for (u32 i = threadIdx.x; i < cn; i += 256) {
+            const double v = fin[(u64)h * span + i];
+            out[zh * n + c0 + i] = v;
+            if (v != -D_INF) {
+                const u64 key = sfi_key(v);
+                kmax = max(kmax, key);
+                kminc = max(kminc, ~key);
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, o));
+            kminc = max(kminc, __shfl_xor_sync(0xffffffffu, kminc, o));
+        }
+        if (lane == 0 && kmax != 0) {
+            atomicMax(reinterpret_cast<unsigned long long*>(&mm[zh * 2]), (unsigned long long)kmax);
+            atomicMax(reinterpret_cast<unsigned long long*>(&mm[zh * 2 + 1]), (unsigned long long)kminc);
+        }
+    }
+}
+
+__device__ __forceinline__ int sfi_bin(double v, double mn, double scale) {
+    return min(TOPK_BINS - 1, (int)((v - mn) * scale));
+}
+
+// hist[lh][b] += the chunk's finite scores in bin b. grid (nch, kv_heads, layers), block 256.
+extern "C" __global__ void __launch_bounds__(256)
+    sfi_topk_hist(const double* __restrict__ scores, const u32* __restrict__ cnt, const u64* __restrict__ mm,
+                  u32* __restrict__ hist, u32 n, u32 k) {
+    __shared__ u32 bins[TOPK_BINS];
+    const u32 c = blockIdx.x, kvh = gridDim.y, z = blockIdx.z;
+    const u64 zh = (u64)z * kvh + blockIdx.y;
+    double mn, mx;
+    if (sfi_equal_count(cnt + (u64)z * kvh, kvh, k) == 0 || !sfi_range(mm + zh * 2, mn, mx)) return;
+    const double scale = (double)TOPK_BINS / (mx - mn);
+    for (u32 b = threadIdx.x; b < TOPK_BINS; b += 256) bins[b] = 0;
+    __syncthreads();
+    const double* s = scores + zh * n;
+#pragma unroll
+    for (int t = 0; t < SFI_PER; ++t) {
+        const u32 i = c * SFI_SC + t * 256 + threadIdx.x;
+        if (i < n) {
+            const double v = s[i];
+            if (v != -D_INF) atomicAdd(&bins[sfi_bin(v, mn, scale)], 1u);
+        }
+    }
+    __syncthreads();
+    u32* hh = hist + zh * TOPK_BINS;
+    for (u32 b = threadIdx.x; b < TOPK_BINS; b += 256)
+        if (bins[b]) atomicAdd(&hh[b], bins[b]);
+}
+
+// The bin b* of the m-th largest score (and the count in higher bins, into tinfo[lh] by chunk
+// 0); above[lh][c] = the chunk's scores in higher bins; its members of b* appended to
+// cand / cpos[lh][..TOPK_CAP] (ccount[lh] counts them all). Without a range (all finite scores
+// equal) every finite score is in b* = 0. grid (nch, kv_heads, layers), block 256.
+extern "C" __global__ void __launch_bounds__(256)
+    sfi_topk_cand(const double* __restrict__ scores, const u32* __restrict__ cnt, const u64* __restrict__ mm,
+                  const u32* __restrict__ hist, u32* __restrict__ above, u32* __restrict__ tinfo,
+                  u64* __restrict__ cand, u32* __restrict__ cpos, u32* __restrict__ ccount, u32 n, u32 k) {
+    __shared__ u32 tsum[256];
+    __shared__ u32 sh_b, sh_above;
+    __shared__ u32 red[32];
+    const u32 c = blockIdx.x, nch = gridDim.x, kvh = gridDim.y, z = blockIdx.z, tid = threadIdx.x;
+    const u64 zh = (u64)z * kvh + blockIdx.y;
+    const u32 m = sfi_equal_count(cnt + (u64)z * kvh, kvh, k);
+    if (m == 0) return;
+    double mn = 0.0, mx = 0.0;
+    const bool ranged = sfi_range(mm + zh * 2, mn, mx);
+    const double scale = ranged ? (double)TOPK_BINS / (mx - mn) : 0.0;
+    if (tid == 0) sh_b = sh_above = 0;
+    if (ranged) {
+        // Thread t holds bins [16 t, 16 t + 16); a suffix scan over the threads finds the one
+        // whose bins hold the m-th largest, which walks them from the top.
+        const u32* hh = hist + zh * TOPK_BINS;
+        u32 loc[TOPK_BINS / 256], ts = 0;
+#pragma unroll
+        for (int j = 0; j < TOPK_BINS / 256; ++j) {
+            loc[j] = hh[tid * (TOPK_BINS / 256) + j];
+            ts += loc[j];
+        }
+        tsum[tid] = ts;
+        __syncthreads();
+        for (u32 off = 1; off < 256; off <<= 1) {
+            const u32 v = tid + off < 256 ? tsum[tid + off] : 0u;
+            __syncthreads();
+            tsum[tid] += v;
+            __syncthreads();
+        }
+        const u32 incl = tsum[tid], excl = incl - ts;
+        if (excl < m && m <= incl) {
+            u32 acc = excl;
+            int b = TOPK_BINS / 256 - 1;
+            for (; b > 0; --b) {
+                if (acc + loc[b] >= m) break;
+                acc += loc[b];
+            }
+            sh_b = tid * (TOPK_BINS / 256) + b;
+            sh_above = acc;
+        }
+    }
+    __syncthreads();
+    const int bstar = (int)sh_b;
+    if (c == 0 && tid == 0) {
+        tinfo[zh * 2] = sh_b;
+        tinfo[zh * 2 + 1] = sh_above;
+    }
+    const double* s = scores + zh * n;
+    u32 up = 0;
+#pragma unroll
+    for (int t = 0; t < SFI_PER; ++t) {
+        const u32 i = c * SFI_SC + t * 256 + tid;
+        if (i < n) {
+            const double v = s[i];
+            if (v != -D_INF) {
+                const int b = ranged ? sfi_bin(v, mn, scale) : 0;
+                up += b > bstar;
+                if (b == bstar) {
+                    const u32 q = atomicAdd(&ccount[zh], 1u);
+                    if (q < TOPK_CAP) {
+                        cand[zh * TOPK_CAP + q] = sfi_key(v);
+                        cpos[zh * TOPK_CAP + q] = i;
+                    }
+                }
+            }
+        }
+    }
+    up = block_sum_u(up, red);
+    if (tid == 0) above[zh * nch + c] = up;
+}
+
+// The threshold of head lh: tres[lh] = (the m-th largest key, the last domain position taken
+// among the keys equal to it: ties go to lower positions), taken[lh][c] += the chunk's taken
+// candidates; mcount[layer] = m. When b* overflowed the candidate buffer, sfi_radix_select over
+// the row, and taken[lh][c] the chunk's whole count (above[lh][c] zeroed).
+// grid (kv_heads, layers), block 1024.
+extern "C" __global__ void __launch_bounds__(1024)
+    sfi_topk_rank(const double* __restrict__ scores, const u32* __restrict__ cnt, const u32* __restrict__ tinfo,
+                  const u64* __restrict__ cand, const u32* __restrict__ cpos, const u32* __restrict__ ccount,
+                  u32* __restrict__ above, u32* __restrict__ taken, u64* __restrict__ tres, u32* __restrict__ mcount,
+                  u32 n, u32 k, u32 nch) {
+    __shared__ u64 ck[TOPK_CAP];
+    __shared__ u32 cp[TOPK_CAP];
+    __shared__ u64 sh_key;
+    __shared__ u32 sh_rem, sh_cut;
+    __shared__ u32 wsum[32];
+    const u32 kvh = gridDim.x, z = blockIdx.y, T = blockDim.x, tid = threadIdx.x;
+    const u32 lane = tid & 31, warp = tid >> 5;
+    const u64 zh = (u64)z * kvh + blockIdx.x;
+    const u32 m = sfi_equal_count(cnt + (u64)z * kvh, kvh, k);
+    if (blockIdx.x == 0 && tid == 0) mcount[z] = m;
+    if (m == 0) return;
+    const u32 cc = ccount[zh];
+    u32* tk = taken + zh * nch;
+    u64 thr;
+    u32 cut;
+    if (cc <= TOPK_CAP) {
+        const u32 r = m - tinfo[zh * 2 + 1];
+        for (u32 t = tid; t < cc; t += T) {
+            ck[t] = cand[zh * TOPK_CAP + t];
+            cp[t] = cpos[zh * TOPK_CAP + t];
+        }
+        __syncthreads();
+        for (u32 t = tid; t < cc; t += T) {
+            const u64 kt = ck[t];
+            u32 g = 0, e = 0;
+            for (u32 j = 0; j < cc; ++j) {
+                g += ck[j] > kt;
+                e += ck[j] == kt;
+            }
+            if (g < r && r <= g + e) {
+                sh_key = kt;
+                sh_rem = r - g;
+            }
+        }
+        __syncthreads();
+        thr = sh_key;
+        for (u32 t = tid; t < cc; t += T) {
+            if (ck[t] != thr) continue;
+            u32 q = 0;
+            for (u32 j = 0; j < cc; ++j) q += ck[j] == thr && cp[j] < cp[t];
+            if (q + 1 == sh_rem) sh_cut = cp[t];
+        }
+        __syncthreads();
+        cut = sh_cut;
+        for (u32 t = tid; t < cc; t += T)
+            if (ck[t] > thr || (ck[t] == thr && cp[t] <= cut)) atomicAdd(&tk[cp[t] / SFI_SC], 1u);
+    } else {
+        const double* s = scores + zh * n;
+        u32 rem;
+        sfi_radix_select(s, n, m, thr, rem);
+        // Walk the row in order: the rem-th key equal to the threshold is the cut; each tile
+        // (T divides SFI_SC, so one chunk) adds its taken count.
+        u32 eq_seen = 0;
+        for (u32 t0 = 0; t0 < n; t0 += T) {
+            const u32 i = t0 + tid;
+            const u64 key = i < n ? sfi_key(s[i]) : 0;
+            const bool eq = i < n && key == thr;
+            const u32 be = __ballot_sync(0xffffffffu, eq);
+            if (lane == 0) wsum[warp] = __popc(be);
+            __syncthreads();
+            u32 before = eq_seen + __popc(be & ((1u << lane) - 1)), tile = 0;
+            for (u32 w = 0; w < T / 32; ++w) {
+                if (w < warp) before += wsum[w];
+                tile += wsum[w];
+            }
+            if (eq && before + 1 == rem) sh_cut = i;
+            const bool take = key > thr || (eq && before < rem);
+            const u32 nt = __syncthreads_count(take);
+            if (tid == 0) tk[t0 / SFI_SC] += nt;
+            eq_seen += tile;
+        }
+        for (u32 c = tid; c < nch; c += T) above[zh * nch + c] = 0;
+        __syncthreads();
+        cut = sh_cut;
+    }
+    if (tid == 0) {
+        tres[zh * 2] = thr;
+        tres[zh * 2 + 1] = cut;
+    }
+}
+
+// sel[lh][..m]: the chunk's taken positions (lo + i, ascending) after those of the chunks before
+// it. grid (nch, kv_heads, layers), block 256.
+extern "C" __global__ void __launch_bounds__(256)
+    sfi_topk_write(const double* __restrict__ scores, const u32* __restrict__ cnt, const u32* __restrict__ above,
+                   const u32* __restrict__ taken, const u64* __restrict__ tres, u32* __restrict__ sel, u32 n,
+                   u32 k, u32 lo) {
+    __shared__ u32 wsum[8];
+    __shared__ u32 red[32];
+    const u32 c = blockIdx.x, nch = gridDim.x, kvh = gridDim.y, z = blockIdx.z, tid = threadIdx.x;
+    const u32 lane = tid & 31, warp = tid >> 5;
+    const u64 zh = (u64)z * kvh + blockIdx.y;
+    const u32 m = sfi_equal_count(cnt + (u64)z * kvh, kvh, k);
+    if (m == 0) return;
+    const u64 thr = tres[zh * 2];
+    const u32 cut = (u32)tres[zh * 2 + 1];
+    u32 base = 0;
+    for (u32 j = tid; j < c; j += 256) base += above[zh * nch + j] + taken[zh * nch + j];
+    base = block_sum_u(base, red);
+    const double* s = scores + zh * n;
+    u32* out = sel + zh * k;
+#pragma unroll 1
+    for (int t = 0; t < SFI_PER; ++t) {
+        const u32 i = c * SFI_SC + t * 256 + tid;
+        const u64 key = i < n ? sfi_key(s[i]) : 0;
+        const bool take = i < n && (key > thr || (key == thr && i <= cut));
+        const u32 bt = __ballot_sync(0xffffffffu, take);
+        if (lane == 0) wsum[warp] = __popc(bt);
+        __syncthreads();
+        u32 before = base + __popc(bt & ((1u << lane) - 1)), tile = 0;
+        for (u32 w = 0; w < 8; ++w) {
+            if (w < warp) before += wsum[w];
+            tile += wsum[w];
+        }
+        if (take && before < m) out[before] = lo + i;
+        base += tile;
         __syncthreads();
     }
 }

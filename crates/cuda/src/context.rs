@@ -147,6 +147,8 @@ pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
         "attn_decode_post_d128" => s(16 + 2 * 3 * 64, 128) + POST_SMEM + 4 * 128,
         "attn_decode_post_d128_s4" => s(16 + 2 * 4 * 64, 128) + POST_SMEM + 4 * 128,
         "attn_decode_post_d256" => s(16 + 2 * 2 * 64, 256) + POST_SMEM + 4 * 256,
+        // the most it may ask for (the launch passes what its kv heads and span need)
+        "sfi_score_fin" => crate::ops::sfi::SCORE_FIN_SMEM as u32,
         _ => return None,
     })
 }
@@ -318,6 +320,16 @@ impl CudaContext {
     /// The stream every operation is queued on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// The raw stream `launch` queues on now (the side stream between `side_begin` and
+    /// `side_end`), for driver calls that go with those launches.
+    pub(crate) fn current_stream(&self) -> cudarc::driver::sys::CUstream {
+        if self.on_side.load(std::sync::atomic::Ordering::Relaxed) {
+            self.side.cu_stream()
+        } else {
+            self.stream.cu_stream()
+        }
     }
 
     /// Waits for all queued work; surfaces asynchronous kernel faults.

@@ -111,6 +111,12 @@ pub(crate) struct SparseState {
     /// SFI with asynchronous refresh: where the side stream's gather writes.
     stage: Option<Stage>,
     pub splits: usize,
+    /// Splits of a step with capturing (dense) rows, one entry per count of them: enough for
+    /// those rows' blocks alone to fill the device (the fast step's `splits` is sized for the
+    /// whole batch, which left one dense 128K sequence of six 40 blocks).
+    cap_splits: Vec<usize>,
+    /// The splits of the current step (set with the capture flags).
+    step_splits: usize,
     /// Memory refreshes so far (one per slot and forward, all layers together).
     pub refreshes: usize,
 }
@@ -249,6 +255,16 @@ impl SparseState {
             sel,
             stage,
             splits: ctx.sparse_splits(ns, n_heads, &kv),
+            cap_splits: (0..=ns)
+                .map(|c| {
+                    let fast = ctx.sparse_splits(ns, n_heads, &kv);
+                    match std::env::var("SLOWFAST_CAPTURE_SPLITS").as_deref() {
+                        Ok("0") => fast,
+                        _ => ctx.sparse_splits(c.max(1), n_heads, &kv).max(fast),
+                    }
+                })
+                .collect(),
+            step_splits: ctx.sparse_splits(ns, n_heads, &kv),
             refreshes: 0,
         }))
     }
@@ -282,6 +298,8 @@ impl SparseState {
     /// Sets which slots capture (attend densely and refresh) in the next plain decode step.
     pub fn set_capture(&mut self, ctx: &CudaContext, flags: &[bool]) -> Result<(), CudaError> {
         let v: Vec<u32> = flags.iter().map(|&f| f as u32).collect();
+        self.step_splits =
+            self.cap_splits[flags.iter().filter(|&&f| f).count().min(self.num_slots)];
         ctx.upload_into(&v, &mut self.capture)
     }
 
@@ -385,7 +403,11 @@ impl SparseState {
             batch,
             n_heads,
             scale,
-            splits: self.splits,
+            splits: if capture {
+                self.step_splits
+            } else {
+                self.splits
+            },
             q,
             out,
             seq_lens,
@@ -404,6 +426,17 @@ impl SparseState {
             capture: self.capture.device_ptr(),
             lstride: kv.capacity,
         };
+        // The partials at the most splits any step uses, from the first step on: a later
+        // capturing step must not reallocate what a captured fast-step graph points at.
+        let most = self
+            .cap_splits
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(1)
+            .clamp(1, 1024);
+        let rows = batch * n_heads * most;
+        ws.ensure(ctx, rows * kv.head_dim, rows * 2)?;
         ctx.attn_sparse_decode(kc, vc, kv, ws, &p)
     }
 

@@ -228,16 +228,25 @@ fn selector_matches_cpu() {
         lambda_soft: true,
         ..SelectorConfig::default()
     };
-    // (config, n_heads, kv_heads, rows per query head, len, sinks, recent, k)
+    // Equal logits and key norms and no position prior: the domain is one class of exactly
+    // equal scores apart from a few peaks and their soft-NMS neighbours, so the split top-k's
+    // threshold bin overflows its candidate buffer (the radix select path) and ties decide.
+    let flat = SelectorConfig {
+        prior_weight_pos: 0.0,
+        ..SelectorConfig::default()
+    };
+    // (config, n_heads, kv_heads, rows per query head, len, sinks, recent, k, tied)
     let cases = [
-        (paper, 32, 8, 1, 5000, 4, 256, 700),
-        (pooled, 32, 8, 1, 9000, 4, 256, 1500),
-        (pooled, 4, 1, 16, 3000, 4, 256, 500),
-        (geo, 16, 2, 4, 2000, 4, 100, 300),
-        (alpha07, 12, 4, 2, 4000, 8, 128, 900),
-        (paper, 8, 8, 1, 1200, 4, 256, 5000), // k above the domain: everything
+        (paper, 32, 8, 1, 5000, 4, 256, 700, false),
+        (pooled, 32, 8, 1, 9000, 4, 256, 1500, false),
+        (pooled, 4, 1, 16, 3000, 4, 256, 500, false),
+        (geo, 16, 2, 4, 2000, 4, 100, 300, false),
+        (alpha07, 12, 4, 2, 4000, 8, 128, 900, false),
+        (paper, 8, 8, 1, 1200, 4, 256, 5000, false), // k above the domain: everything
+        (flat, 32, 8, 1, 9000, 4, 256, 1500, true),
+        (paper, 32, 8, 1, 40000, 4, 256, 2000, false), // 20 chunks a head
     ];
-    for (ci, &(cfg, nh, nkv, r, len, sinks, recent, k)) in cases.iter().enumerate() {
+    for (ci, &(cfg, nh, nkv, r, len, sinks, recent, k, tied)) in cases.iter().enumerate() {
         let g = nh / nkv;
         let rows = g * r;
         let layers = 2; // two layers in one launch, each checked against its own CPU run
@@ -250,11 +259,21 @@ fn selector_matches_cpu() {
         for z in 0..layers {
             // CPU layout [nkv, rows, len] (natural units); peaky rows so the choice is not flat.
             let mut logits = vec![0.0f32; nkv * rows * len];
-            for x in logits.iter_mut() {
+            for (i, x) in logits.iter_mut().enumerate() {
                 let u = rng.uniform();
-                *x = rng.normal(1.5) + if u > 0.995 { 6.0 } else { 0.0 };
+                *x = if tied {
+                    if i % len % 997 == 500 {
+                        8.0
+                    } else {
+                        0.0
+                    }
+                } else {
+                    rng.normal(1.5) + if u > 0.995 { 6.0 } else { 0.0 }
+                };
             }
-            let norms: Vec<f32> = (0..nkv * len).map(|_| 5.0 + 3.0 * rng.uniform()).collect();
+            let norms: Vec<f32> = (0..nkv * len)
+                .map(|_| if tied { 6.0 } else { 5.0 + 3.0 * rng.uniform() })
+                .collect();
             let inp = SelectorInput {
                 n_kv_heads: nkv,
                 rows,
@@ -297,22 +316,42 @@ fn selector_matches_cpu() {
             norm_stride: len,
             norm_layer_stride: nkv * len,
         };
-        ctx.sfi_select(&a, &mut gsc).unwrap();
-        let (sel, ms) = gsc.download(&ctx).unwrap();
-        for z in 0..layers {
-            let m = ms[z];
-            assert_eq!(
-                m,
-                cpu_sel[z].per_head[0].len(),
-                "case {ci} layer {z}: equalised count"
-            );
-            for h in 0..nkv {
-                let o = (z * nkv + h) * k;
-                check_sets(
-                    &format!("case {ci} layer {z} head {h}"),
-                    &sel[o..o + m],
-                    &cpu_sel[z].per_head[h],
+        // The one-block-per-head kernels, then the split Selector (left on for the gather).
+        let (mut sel, mut ms) = (Vec::new(), Vec::new());
+        for split in [false, true] {
+            gsc.set_split(&ctx, split).unwrap();
+            ctx.sfi_select(&a, &mut gsc).unwrap();
+            (sel, ms) = gsc.download(&ctx).unwrap();
+            let fallbacks = gsc.radix_fallbacks(&ctx, layers).unwrap();
+            println!("case {ci} split {split}: {fallbacks} heads through the radix select");
+            if split && tied {
+                assert!(
+                    fallbacks > 0,
+                    "case {ci}: the tied case never overflowed the bin"
                 );
+            }
+            for z in 0..layers {
+                let m = ms[z];
+                assert_eq!(
+                    m,
+                    cpu_sel[z].per_head[0].len(),
+                    "case {ci} split {split} layer {z}: equalised count"
+                );
+                for h in 0..nkv {
+                    let o = (z * nkv + h) * k;
+                    check_sets(
+                        &format!("case {ci} split {split} layer {z} head {h}"),
+                        &sel[o..o + m],
+                        &cpu_sel[z].per_head[h],
+                    );
+                    if tied {
+                        assert_eq!(
+                            sel[o..o + m],
+                            cpu_sel[z].per_head[h][..],
+                            "case {ci} split {split} layer {z} head {h}: ties go to lower positions"
+                        );
+                    }
+                }
             }
         }
         // The gather: sinks then the chosen rows of both layers; clen / rstart published.

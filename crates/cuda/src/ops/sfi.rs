@@ -45,15 +45,76 @@ pub struct SelectorScratch {
     k: usize,
     stats: GpuBuffer<f32>, // [kv_heads, rows] (m, c) pairs
     ev: GpuBuffer<f64>,    // [kv_heads, n]
-    fa: GpuBuffer<f64>,
-    fb: GpuBuffer<f64>,
+    /// The one-block-per-head kernels' f and r (only when `split` is off).
+    fa: Option<GpuBuffer<f64>>,
+    fb: Option<GpuBuffer<f64>>,
     scores: GpuBuffer<f64>,
+    /// The split Selector (kernels/sfi.cu, "split over many blocks"), else sfi_score /
+    /// sfi_cross_head / sfi_topk.
+    split: Option<Split>,
     cnt: GpuBuffer<u32>,    // [kv_heads]
     sel: GpuBuffer<u32>,    // [kv_heads, k]
     mcount: GpuBuffer<u32>, // [1]
     /// With `SLOWFAST_SFI_PROFILE=1`: milliseconds per stage (see [`SFI_STAGES`]), summed
     /// over runs, each stage timed alone between events (synchronising).
     pub(crate) profile: std::cell::RefCell<Option<[f64; 7]>>,
+}
+
+/// Chunk of the domain (positions) of the split Selector's per-chunk kernels (`SFI_SC`).
+const SFI_SC: usize = 2048;
+/// Candidate buffer a head (`TOPK_CAP`) and histogram bins (`TOPK_BINS`) of kernels/sfi.cu.
+const TOPK_CAP: usize = 2048;
+const TOPK_BINS: usize = 4096;
+/// Most dynamic shared memory `sfi_score_fin` may use (its attribute, context.rs).
+pub(crate) const SCORE_FIN_SMEM: usize = 160 * 1024;
+
+/// Scratch of the split Selector for `lh` = layers x kv heads and up to `nch` chunks a head.
+struct Split {
+    /// Positions a `sfi_score_fin` block handles: its smem holds every kv head's span.
+    span: usize,
+    pos: GpuBuffer<f64>,  // [max_n] position prior of the domain
+    part: GpuBuffer<f64>, // [lh, nch, 8] chunk sums
+    hc: GpuBuffer<f64>,   // [lh, 8] per-head constants
+    /// Zeroed at every run: min / max [lh, 2] u64, counts and candidate counts [lh] u32 each,
+    /// histograms [lh, TOPK_BINS], taken counts [lh, nch] (u32 units).
+    zero: GpuBuffer<u32>,
+    above: GpuBuffer<u32>, // [lh, nch]
+    tinfo: GpuBuffer<u32>, // [lh, 2] b*, count above it
+    cand: GpuBuffer<u64>,  // [lh, TOPK_CAP] candidate keys
+    cpos: GpuBuffer<u32>,  // [lh, TOPK_CAP] their positions
+    tres: GpuBuffer<u64>,  // [lh, 2] threshold key, last position taken at it
+}
+
+impl Split {
+    /// The split Selector for `kv_heads` heads and soft-NMS half window `half`, or None when
+    /// `sfi_score_fin`'s shared memory cannot hold the smallest span.
+    fn span(kv_heads: usize, half: usize) -> Option<usize> {
+        let bytes = |span: usize| (kv_heads * span + span + 2 * half) * 8;
+        // 40 KiB when it fits (several blocks a SM), else the most the attribute allows.
+        let fit = |budget: usize| {
+            (256..=2048)
+                .rev()
+                .step_by(256)
+                .find(|&sp| bytes(sp) <= budget)
+        };
+        fit(40 * 1024).or_else(|| fit(SCORE_FIN_SMEM))
+    }
+
+    fn new(ctx: &CudaContext, lh: usize, max_n: usize, span: usize) -> Result<Self, CudaError> {
+        let nch = max_n.div_ceil(SFI_SC).max(1);
+        Ok(Split {
+            span,
+            pos: ctx.alloc(max_n)?,
+            part: ctx.alloc(lh * nch * 8)?,
+            hc: ctx.alloc(lh * 8)?,
+            zero: ctx.alloc(lh * (4 + 2 + TOPK_BINS + nch))?,
+            above: ctx.alloc(lh * nch)?,
+            tinfo: ctx.alloc(lh * 2)?,
+            cand: ctx.alloc(lh * TOPK_CAP)?,
+            cpos: ctx.alloc(lh * TOPK_CAP)?,
+            tres: ctx.alloc(lh * 2)?,
+        })
+    }
 }
 
 /// The stages [`SelectorScratch`] profiles.
@@ -91,6 +152,14 @@ impl SelectorScratch {
         }
         let n = max_n.max(1);
         let lh = layers * kv_heads;
+        let span = Split::span(kv_heads, params.nms_window / 2);
+        let split = match (span, std::env::var("SLOWFAST_SFI_SPLIT").as_deref()) {
+            (Some(sp), r) if r != Ok("0") => Some(Split::new(ctx, lh, n, sp)?),
+            _ => None,
+        };
+        let pair = |on: bool| -> Result<Option<GpuBuffer<f64>>, CudaError> {
+            Ok(if on { Some(ctx.alloc(lh * n)?) } else { None })
+        };
         Ok(SelectorScratch {
             cfg: ctx.upload(&cfg_array(&params))?,
             params,
@@ -101,9 +170,10 @@ impl SelectorScratch {
             k,
             stats: ctx.alloc(lh * rows * 2)?,
             ev: ctx.alloc(lh * n)?,
-            fa: ctx.alloc(lh * n)?,
-            fb: ctx.alloc(lh * n)?,
+            fa: pair(split.is_none())?,
+            fb: pair(split.is_none())?,
             scores: ctx.alloc(lh * n)?,
+            split,
             cnt: ctx.alloc(lh)?,
             sel: ctx.alloc(lh * k)?,
             mcount: ctx.alloc(layers)?,
@@ -128,6 +198,50 @@ impl SelectorScratch {
     /// The per-stage milliseconds summed so far, when profiling.
     pub fn profile(&self) -> Option<[f64; 7]> {
         *self.profile.borrow()
+    }
+
+    /// Whether the split Selector runs (`SLOWFAST_SFI_SPLIT=0` or a configuration its shared
+    /// memory cannot hold runs the one-block-per-head kernels).
+    pub fn is_split(&self) -> bool {
+        self.split.is_some()
+    }
+
+    /// Switches between the split Selector and the one-block-per-head kernels (A/B, tests);
+    /// allocates what the chosen one needs. Err when the split one cannot hold the
+    /// configuration.
+    pub fn set_split(&mut self, ctx: &CudaContext, on: bool) -> Result<(), CudaError> {
+        let lh = self.layers * self.kv_heads;
+        if on && self.split.is_none() {
+            let span = Split::span(self.kv_heads, self.params.nms_window / 2).ok_or_else(|| {
+                CudaError::bad(
+                    "sfi selector",
+                    format!(
+                        "{} kv heads with a soft-NMS window of {}: too large for the split Selector",
+                        self.kv_heads, self.params.nms_window
+                    ),
+                )
+            })?;
+            self.split = Some(Split::new(ctx, lh, self.max_n, span)?);
+        } else if !on {
+            self.split = None;
+            if self.fa.is_none() {
+                self.fa = Some(ctx.alloc(lh * self.max_n)?);
+                self.fb = Some(ctx.alloc(lh * self.max_n)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// How many (layer, kv head) of the last split run had more than `TOPK_CAP` scores in the
+    /// threshold's bin and went through the radix select (downloads; for tests).
+    pub fn radix_fallbacks(&self, ctx: &CudaContext, layers: usize) -> Result<usize, CudaError> {
+        let Some(sp) = &self.split else {
+            return Ok(0);
+        };
+        let lh = layers * self.kv_heads;
+        let z = ctx.download(&sp.zero)?;
+        let cc = &z[4 * lh + lh..4 * lh + 2 * lh];
+        Ok(cc.iter().filter(|&&c| c as usize > TOPK_CAP).count())
     }
 }
 
@@ -463,6 +577,18 @@ impl CudaContext {
                 ],
             )
         })?;
+        if let Some(sp) = &sc.split {
+            return self.sfi_select_split(a, sc, sp, n, rows, geo);
+        }
+        let (fa, fb) = match (&sc.fa, &sc.fb) {
+            (Some(fa), Some(fb)) => (fa.device_ptr(), fb.device_ptr()),
+            _ => {
+                return Err(CudaError::bad(
+                    OP,
+                    "no f / r scratch for the per-head kernels",
+                ))
+            }
+        };
         self.sfi_stage(sc, 3, || {
             self.launch(
                 "sfi_score",
@@ -473,8 +599,8 @@ impl CudaContext {
                     KArg::P(sc.ev.device_ptr()),
                     KArg::P(sc.stats.device_ptr()),
                     KArg::P(a.norms),
-                    KArg::P(sc.fa.device_ptr()),
-                    KArg::P(sc.fb.device_ptr()),
+                    KArg::P(fa),
+                    KArg::P(fb),
                     KArg::P(sc.scores.device_ptr()),
                     KArg::P(sc.cnt.device_ptr()),
                     KArg::U(rows as u32),
@@ -518,6 +644,182 @@ impl CudaContext {
                     KArg::U(n as u32),
                     KArg::U(sc.k as u32),
                     KArg::U(lo as u32),
+                ],
+            )
+        })
+    }
+
+    /// The split Selector's score and top-k stages (after the row stats and the evidence):
+    /// see kernels/sfi.cu, "split over many blocks".
+    fn sfi_select_split(
+        &self,
+        a: &SelectArgs,
+        sc: &SelectorScratch,
+        sp: &Split,
+        n: usize,
+        rows: usize,
+        geo: u32,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "sfi_select";
+        let (kvh, nl) = (a.kv_heads as u32, a.layers as u32);
+        let lh = a.layers * a.kv_heads;
+        let nch = n.div_ceil(SFI_SC);
+        let zero = sp.zero.device_ptr();
+        let (mm, cnt) = (zero, zero + (16 * lh) as u64);
+        let ccount = cnt + (4 * lh) as u64;
+        let hist = ccount + (4 * lh) as u64;
+        let taken = hist + (4 * lh * TOPK_BINS) as u64;
+        let zero_bytes = 4 * lh * (4 + 2 + TOPK_BINS + nch);
+        let (lo, hi) = (a.sinks as u32, a.recent_start as u32);
+        let (n32, k32, nch32) = (n as u32, sc.k as u32, nch as u32);
+        let cfg = sc.cfg.device_ptr();
+        let ns = u32_of(OP, "norm layer stride", a.norm_layer_stride)?;
+        let norm_stride = u32_of(OP, "norm_stride", a.norm_stride)?;
+        let stream = self.current_stream();
+        self.sfi_stage(sc, 3, || {
+            // SAFETY: `zero_bytes` lies inside `sp.zero` (sized for the scratch's most layers
+            // and chunks), on the stream the kernels below run on.
+            unsafe { cudarc::driver::result::memset_d8_async(zero, 0, zero_bytes, stream) }
+                .map_err(crate::context::drv("cuMemsetD8Async (sfi selector)"))?;
+            self.launch(
+                "sfi_pos_prior",
+                (n.div_ceil(256) as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[KArg::P(sp.pos.device_ptr()), KArg::U(n32), KArg::P(cfg)],
+            )?;
+            self.launch(
+                "sfi_score_part",
+                (nch32, kvh, nl),
+                (256, 1, 1),
+                0,
+                &[
+                    KArg::P(sc.ev.device_ptr()),
+                    KArg::P(sc.stats.device_ptr()),
+                    KArg::P(a.norms),
+                    KArg::P(sp.pos.device_ptr()),
+                    KArg::P(sp.part.device_ptr()),
+                    KArg::U(rows as u32),
+                    KArg::U(norm_stride),
+                    KArg::U(lo),
+                    KArg::U(hi),
+                    KArg::P(cfg),
+                    KArg::U(geo),
+                    KArg::U(ns),
+                ],
+            )?;
+            self.launch(
+                "sfi_score_lambda",
+                (kvh, nl, 1),
+                (32, 1, 1),
+                0,
+                &[
+                    KArg::P(sp.part.device_ptr()),
+                    KArg::P(sc.stats.device_ptr()),
+                    KArg::P(sp.hc.device_ptr()),
+                    KArg::U(rows as u32),
+                    KArg::U(nch32),
+                    KArg::P(cfg),
+                    KArg::U(geo),
+                ],
+            )?;
+            let half = sc.params.nms_window / 2;
+            let smem = (a.kv_heads * sp.span + sp.span + 2 * half) * 8;
+            self.launch(
+                "sfi_score_fin",
+                (n.div_ceil(sp.span) as u32, nl, 1),
+                (256, 1, 1),
+                smem as u32,
+                &[
+                    KArg::P(sc.ev.device_ptr()),
+                    KArg::P(a.norms),
+                    KArg::P(sp.pos.device_ptr()),
+                    KArg::P(sp.hc.device_ptr()),
+                    KArg::P(sc.scores.device_ptr()),
+                    KArg::P(cnt),
+                    KArg::P(mm),
+                    KArg::U(kvh),
+                    KArg::U(norm_stride),
+                    KArg::U(lo),
+                    KArg::U(hi),
+                    KArg::U(sp.span as u32),
+                    KArg::P(cfg),
+                    KArg::U(geo),
+                    KArg::U(ns),
+                ],
+            )
+        })?;
+        let scores = sc.scores.device_ptr();
+        self.sfi_stage(sc, 5, || {
+            self.launch(
+                "sfi_topk_hist",
+                (nch32, kvh, nl),
+                (256, 1, 1),
+                0,
+                &[
+                    KArg::P(scores),
+                    KArg::P(cnt),
+                    KArg::P(mm),
+                    KArg::P(hist),
+                    KArg::U(n32),
+                    KArg::U(k32),
+                ],
+            )?;
+            self.launch(
+                "sfi_topk_cand",
+                (nch32, kvh, nl),
+                (256, 1, 1),
+                0,
+                &[
+                    KArg::P(scores),
+                    KArg::P(cnt),
+                    KArg::P(mm),
+                    KArg::P(hist),
+                    KArg::P(sp.above.device_ptr()),
+                    KArg::P(sp.tinfo.device_ptr()),
+                    KArg::P(sp.cand.device_ptr()),
+                    KArg::P(sp.cpos.device_ptr()),
+                    KArg::P(ccount),
+                    KArg::U(n32),
+                    KArg::U(k32),
+                ],
+            )?;
+            self.launch(
+                "sfi_topk_rank",
+                (kvh, nl, 1),
+                (1024, 1, 1),
+                0,
+                &[
+                    KArg::P(scores),
+                    KArg::P(cnt),
+                    KArg::P(sp.tinfo.device_ptr()),
+                    KArg::P(sp.cand.device_ptr()),
+                    KArg::P(sp.cpos.device_ptr()),
+                    KArg::P(ccount),
+                    KArg::P(sp.above.device_ptr()),
+                    KArg::P(taken),
+                    KArg::P(sp.tres.device_ptr()),
+                    KArg::P(sc.mcount.device_ptr()),
+                    KArg::U(n32),
+                    KArg::U(k32),
+                    KArg::U(nch32),
+                ],
+            )?;
+            self.launch(
+                "sfi_topk_write",
+                (nch32, kvh, nl),
+                (256, 1, 1),
+                0,
+                &[
+                    KArg::P(scores),
+                    KArg::P(cnt),
+                    KArg::P(sp.above.device_ptr()),
+                    KArg::P(taken),
+                    KArg::P(sp.tres.device_ptr()),
+                    KArg::P(sc.sel.device_ptr()),
+                    KArg::U(n32),
+                    KArg::U(k32),
+                    KArg::U(lo),
                 ],
             )
         })
