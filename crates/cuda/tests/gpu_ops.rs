@@ -180,7 +180,15 @@ fn rmsnorm_variants() {
         return;
     };
     let mut rng = Rng::new(3);
-    for &(rows, dim, gemma) in &[(7usize, 640usize, true), (5, 2560, false), (3, 4096, false)] {
+    // Hidden sizes of the real models, and two that are not multiples of 8 / 16 with more rows.
+    let cases = [
+        (7usize, 640usize, true),
+        (5, 2560, false),
+        (3, 4096, false),
+        (2, 100, false),
+        (33, 264, true),
+    ];
+    for &(rows, dim, gemma) in &cases {
         let cfg = RmsNorm { eps: 1e-6, gemma };
         let x = rng.vec_bf16(rows * dim, 1.5);
         let res = rng.vec_bf16(rows * dim, 3.0);
