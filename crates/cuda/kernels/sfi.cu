@@ -18,19 +18,24 @@
 #define TOPK_CAP 2048
 #define D_NAN __longlong_as_double(0x7ff8000000000000ll)
 
-// Double-precision block reductions (every thread gets the result; scratch >= 32 doubles).
-__device__ __forceinline__ double block_sum_d(double v, double* scratch) {
+// Block sums (every thread gets the result; scratch >= 32 values): double, and u32 counts.
+template <typename T>
+__device__ __forceinline__ T block_sum_t(T v, T* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    double r = lane < nw ? scratch[lane] : 0.0;
+    T r = lane < nw ? scratch[lane] : T(0);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
     return r;
 }
+__device__ __forceinline__ double block_sum_d(double v, double* scratch) { return block_sum_t(v, scratch); }
+__device__ __forceinline__ u32 block_sum_u(u32 v, u32* scratch) { return block_sum_t(v, scratch); }
+
+// Double-precision block max (every thread gets the result; scratch >= 32 doubles).
 __device__ __forceinline__ double block_max_d(double v, double* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
 #pragma unroll
@@ -354,6 +359,24 @@ __device__ __forceinline__ u64 sfi_key(double v) {
     return (b >> 63) ? ~b : (b | 0x8000000000000000ull);
 }
 
+// Of the c candidate keys in shared memory, the r-th largest (1 <= r <= c): its key into *key
+// and into *rem how many of the keys equal to it are taken (r - the keys above it). Every
+// thread of the block takes part; synchronise before reading the results.
+__device__ __forceinline__ void sfi_rank_cand(const u64* cand, u32 c, u32 r, u64* key, u32* rem) {
+    for (u32 t = threadIdx.x; t < c; t += blockDim.x) {
+        const u64 kt = cand[t];
+        u32 g = 0, e = 0;
+        for (u32 j = 0; j < c; ++j) {
+            g += cand[j] > kt;
+            e += cand[j] == kt;
+        }
+        if (g < r && r <= g + e) {
+            *key = kt;
+            *rem = r - g;
+        }
+    }
+}
+
 // Radix select over one head's n scores by one block: the m-th largest key (8 bits at a time
 // from the top) into `prefix`, and in `rem` how many of the keys equal to it are taken.
 __device__ __noinline__ void sfi_radix_select(const double* __restrict__ s, u32 n, u32 m, u64& prefix, u32& rem) {
@@ -466,19 +489,7 @@ extern "C" __global__ void __launch_bounds__(1024)
             __syncthreads();
             // The r-th largest candidate (r = m - keys in higher bins) is the threshold key; of
             // the keys equal to it, take r - (candidates above it), lowest positions first.
-            const u32 c = sh_cnum, r = m - sh_above;
-            for (u32 t = threadIdx.x; t < c; t += T) {
-                const u64 kt = cand[t];
-                u32 g = 0, e = 0;
-                for (u32 j = 0; j < c; ++j) {
-                    g += cand[j] > kt;
-                    e += cand[j] == kt;
-                }
-                if (g < r && r <= g + e) {
-                    sh_key = kt;
-                    sh_rem = r - g;
-                }
-            }
+            sfi_rank_cand(cand, sh_cnum, m - sh_above, &sh_key, &sh_rem);
             __syncthreads();
             prefix = sh_key;
             rem = sh_rem;
@@ -549,19 +560,6 @@ extern "C" __global__ void __launch_bounds__(1024)
 // taken counts ([lh][nch]), lh = layers x kv heads.
 #define SFI_SC 2048
 #define SFI_PER (SFI_SC / 256)
-
-__device__ __forceinline__ u32 block_sum_u(u32 v, u32* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    u32 r = lane < nw ? scratch[lane] : 0u;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
-    return r;
-}
 
 // The key of sfi_key back to its double.
 __device__ __forceinline__ double sfi_unkey(u64 key) {
@@ -943,18 +941,7 @@ extern "C" __global__ void __launch_bounds__(1024)
             cp[t] = cpos[zh * TOPK_CAP + t];
         }
         __syncthreads();
-        for (u32 t = tid; t < cc; t += T) {
-            const u64 kt = ck[t];
-            u32 g = 0, e = 0;
-            for (u32 j = 0; j < cc; ++j) {
-                g += ck[j] > kt;
-                e += ck[j] == kt;
-            }
-            if (g < r && r <= g + e) {
-                sh_key = kt;
-                sh_rem = r - g;
-            }
-        }
+        sfi_rank_cand(ck, cc, r, &sh_key, &sh_rem);
         __syncthreads();
         thr = sh_key;
         for (u32 t = tid; t < cc; t += T) {
