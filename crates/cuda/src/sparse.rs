@@ -229,6 +229,9 @@ impl SparseState {
         } else {
             1
         };
+        // Capturing rows get their own split count unless SLOWFAST_CAPTURE_SPLITS=0 (A/B).
+        let fast_splits = ctx.sparse_splits(ns, n_heads, &kv);
+        let own_splits = std::env::var("SLOWFAST_CAPTURE_SPLITS").as_deref() != Ok("0");
         Ok(Some(SparseState {
             policy,
             num_slots: ns,
@@ -254,17 +257,17 @@ impl SparseState {
             refreshed_len: vec![0; ns],
             sel,
             stage,
-            splits: ctx.sparse_splits(ns, n_heads, &kv),
+            splits: fast_splits,
             cap_splits: (0..=ns)
                 .map(|c| {
-                    let fast = ctx.sparse_splits(ns, n_heads, &kv);
-                    match std::env::var("SLOWFAST_CAPTURE_SPLITS").as_deref() {
-                        Ok("0") => fast,
-                        _ => ctx.sparse_splits(c.max(1), n_heads, &kv).max(fast),
+                    if own_splits {
+                        ctx.sparse_splits(c.max(1), n_heads, &kv).max(fast_splits)
+                    } else {
+                        fast_splits
                     }
                 })
                 .collect(),
-            step_splits: ctx.sparse_splits(ns, n_heads, &kv),
+            step_splits: fast_splits,
             refreshes: 0,
         }))
     }
