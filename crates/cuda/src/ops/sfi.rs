@@ -676,6 +676,10 @@ impl CudaContext {
         let ns = u32_of(OP, "norm layer stride", a.norm_layer_stride)?;
         let norm_stride = u32_of(OP, "norm_stride", a.norm_stride)?;
         let stream = self.current_stream();
+        // The per-chunk kernels: grid (chunks, kv heads, layers), 256 threads.
+        let per_chunk = |name: &'static str, args: &[KArg]| {
+            self.launch(name, (nch32, kvh, nl), (256, 1, 1), 0, args)
+        };
         self.sfi_stage(sc, 3, || {
             // SAFETY: `zero_bytes` lies inside `sp.zero` (sized for the scratch's most layers
             // and chunks), on the stream the kernels below run on.
@@ -688,11 +692,8 @@ impl CudaContext {
                 0,
                 &[KArg::P(sp.pos.device_ptr()), KArg::U(n32), KArg::P(cfg)],
             )?;
-            self.launch(
+            per_chunk(
                 "sfi_score_part",
-                (nch32, kvh, nl),
-                (256, 1, 1),
-                0,
                 &[
                     KArg::P(sc.ev.device_ptr()),
                     KArg::P(sc.stats.device_ptr()),
@@ -751,11 +752,8 @@ impl CudaContext {
         })?;
         let scores = sc.scores.device_ptr();
         self.sfi_stage(sc, 5, || {
-            self.launch(
+            per_chunk(
                 "sfi_topk_hist",
-                (nch32, kvh, nl),
-                (256, 1, 1),
-                0,
                 &[
                     KArg::P(scores),
                     KArg::P(cnt),
@@ -765,11 +763,8 @@ impl CudaContext {
                     KArg::U(k32),
                 ],
             )?;
-            self.launch(
+            per_chunk(
                 "sfi_topk_cand",
-                (nch32, kvh, nl),
-                (256, 1, 1),
-                0,
                 &[
                     KArg::P(scores),
                     KArg::P(cnt),
@@ -805,11 +800,8 @@ impl CudaContext {
                     KArg::U(nch32),
                 ],
             )?;
-            self.launch(
+            per_chunk(
                 "sfi_topk_write",
-                (nch32, kvh, nl),
-                (256, 1, 1),
-                0,
                 &[
                     KArg::P(scores),
                     KArg::P(cnt),
