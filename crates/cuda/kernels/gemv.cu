@@ -60,18 +60,20 @@ __device__ __forceinline__ u32 gf_norm2(u32 x, float scale, float w0, float w1) 
     return pack_bf16x2(bf_lo(x) * scale * w0, bf_hi(x) * scale * w1);
 }
 
+// ss plus the squares of a 16-byte chunk's 8 bf16 elements, in element order.
+__device__ __forceinline__ float gf_sq8(uint4 v, float ss) {
+    const float e[8] = {bf_lo(v.x), bf_hi(v.x), bf_lo(v.y), bf_hi(v.y), bf_lo(v.z), bf_hi(v.z), bf_lo(v.w), bf_hi(v.w)};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ss += e[j] * e[j];
+    return ss;
+}
+
 // The RMSNorm scale of one input row (c8 16-byte chunks, `in` elements): every thread of the
 // 256-thread block sums its chunks' squares in element order, then the block adds them.
 __device__ __forceinline__ float gf_rms_scale(const uint4* __restrict__ row, u32 c8, u32 in, float eps,
                                               float* scratch) {
     float ss = 0.0f;
-    for (u32 c = threadIdx.x; c < c8; c += 256) {
-        const uint4 v = __ldg(row + c);
-        const float e[8] = {bf_lo(v.x), bf_hi(v.x), bf_lo(v.y), bf_hi(v.y),
-                            bf_lo(v.z), bf_hi(v.z), bf_lo(v.w), bf_hi(v.w)};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) ss += e[j] * e[j];
-    }
+    for (u32 c = threadIdx.x; c < c8; c += 256) ss = gf_sq8(__ldg(row + c), ss);
     ss = block_sum(ss, scratch);
     return rsqrtf(ss / (float)in + eps);
 }
@@ -88,13 +90,7 @@ __device__ __forceinline__ float gf_rms_scales8(const uint4* __restrict__ rows, 
     for (u32 c = threadIdx.x; c < c8; c += 256) {
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
-            if ((u32)n < n_rows) {
-                const uint4 v = __ldg(rows + n * c8 + c);
-                const float e[8] = {bf_lo(v.x), bf_hi(v.x), bf_lo(v.y), bf_hi(v.y),
-                                    bf_lo(v.z), bf_hi(v.z), bf_lo(v.w), bf_hi(v.w)};
-#pragma unroll
-                for (int j = 0; j < 8; ++j) ss[n] += e[j] * e[j];
-            }
+            if ((u32)n < n_rows) ss[n] = gf_sq8(__ldg(rows + n * c8 + c), ss[n]);
         }
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

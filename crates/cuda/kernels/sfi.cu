@@ -18,35 +18,38 @@
 #define TOPK_CAP 2048
 #define D_NAN __longlong_as_double(0x7ff8000000000000ll)
 
-// Block sums (every thread gets the result; scratch >= 32 values): double, and u32 counts.
+// Warp and block reductions (every thread gets the result; block scratch >= 32 values).
+template <typename T>
+__device__ __forceinline__ T warp_sum_t(T v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ double warp_max_d(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// Block sums: double, and u32 counts.
 template <typename T>
 __device__ __forceinline__ T block_sum_t(T v, T* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = warp_sum_t(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    T r = lane < nw ? scratch[lane] : T(0);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
-    return r;
+    return warp_sum_t(lane < nw ? scratch[lane] : T(0));
 }
 __device__ __forceinline__ double block_sum_d(double v, double* scratch) { return block_sum_t(v, scratch); }
 __device__ __forceinline__ u32 block_sum_u(u32 v, u32* scratch) { return block_sum_t(v, scratch); }
-
-// Double-precision block max (every thread gets the result; scratch >= 32 doubles).
+// Double-precision block max.
 __device__ __forceinline__ double block_max_d(double v, double* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+    v = warp_max_d(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    double r = lane < nw ? scratch[lane] : -D_INF;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) r = fmax(r, __shfl_xor_sync(0xffffffffu, r, o));
-    return r;
+    return warp_max_d(lane < nw ? scratch[lane] : -D_INF);
 }
 
 // norms[kvh, p] = |k[slot, kvh, p, :hd]| for p in [p0, p1). kptrs[layer]: that layer's cache
@@ -359,6 +362,18 @@ __device__ __forceinline__ u64 sfi_key(double v) {
     return (b >> 63) ? ~b : (b | 0x8000000000000000ull);
 }
 
+// The equalised count: min over the layer's heads of min(k, finite scores of the head).
+__device__ __forceinline__ u32 sfi_equal_count(const u32* cnt, u32 kv_heads, u32 k) {
+    u32 m = k;
+    for (u32 t = 0; t < kv_heads; ++t) m = min(m, cnt[t]);
+    return m;
+}
+
+// The top-k histogram bin of finite score v over [mn, mn + TOPK_BINS / scale].
+__device__ __forceinline__ int sfi_bin(double v, double mn, double scale) {
+    return min(TOPK_BINS - 1, (int)((v - mn) * scale));
+}
+
 // Of the c candidate keys in shared memory, the r-th largest (1 <= r <= c): its key into *key
 // and into *rem how many of the keys equal to it are taken (r - the keys above it). Every
 // thread of the block takes part; synchronise before reading the results.
@@ -428,8 +443,7 @@ extern "C" __global__ void __launch_bounds__(1024)
         sel += z * kv_heads * k;
         mcount += z;
     }
-    u32 m = k;
-    for (u32 t = 0; t < kv_heads; ++t) m = min(m, cnt[t]);
+    const u32 m = sfi_equal_count(cnt, kv_heads, k);
     if (h == 0 && threadIdx.x == 0) mcount[0] = m;
     if (m == 0) return;
         const double* s = scores + (u64)h * n;
@@ -458,14 +472,13 @@ extern "C" __global__ void __launch_bounds__(1024)
     bool bucketed = false;
     if (mx > mn) {
         const double scale = (double)TOPK_BINS / (mx - mn);
-        auto bin_of = [&](double v) { return min(TOPK_BINS - 1, (int)((v - mn) * scale)); };
         for (u32 b = threadIdx.x; b < TOPK_BINS; b += T) bins[b] = 0;
         if (threadIdx.x == 0) sh_cnum = 0;
         __syncthreads();
 #pragma unroll 4
         for (u32 i = threadIdx.x; i < n; i += T) {
             const double v = s[i];
-            if (v != -D_INF) atomicAdd(&bins[bin_of(v)], 1u);
+            if (v != -D_INF) atomicAdd(&bins[sfi_bin(v, mn, scale)], 1u);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -484,7 +497,7 @@ extern "C" __global__ void __launch_bounds__(1024)
             const int bstar = (int)sh_bstar;
             for (u32 i = threadIdx.x; i < n; i += T) {
                 const double v = s[i];
-                if (v != -D_INF && bin_of(v) == bstar) cand[atomicAdd(&sh_cnum, 1u)] = sfi_key(v);
+                if (v != -D_INF && sfi_bin(v, mn, scale) == bstar) cand[atomicAdd(&sh_cnum, 1u)] = sfi_key(v);
             }
             __syncthreads();
             // The r-th largest candidate (r = m - keys in higher bins) is the threshold key; of
@@ -577,12 +590,6 @@ __device__ __forceinline__ bool sfi_range(const u64* mm, double& mn, double& mx)
     return mx > mn;
 }
 
-__device__ __forceinline__ u32 sfi_equal_count(const u32* cnt, u32 kv_heads, u32 k) {
-    u32 m = k;
-    for (u32 t = 0; t < kv_heads; ++t) m = min(m, cnt[t]);
-    return m;
-}
-
 // pp[i] = sfi_pos(i, n) for the domain (every layer and head shares it). grid ceil(n / 256), block 256.
 extern "C" __global__ void sfi_pos_prior(double* __restrict__ pp, u32 n, const double* __restrict__ cfgp) {
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -649,17 +656,6 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-__device__ __forceinline__ double warp_max_d(double v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-__device__ __forceinline__ double warp_sum_d(double v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // hc[lh][0..7] = (max f, 1 / Z_f, max r, 1 / Z_r, w_f, w_r, 1 / Z_s, valid rows) from the chunk
 // sums: f = F / Z_f, r = R / Z_r, s = (w_f f + w_r r) / Z_s as sfi_score computes them.
 // grid (kv_heads, layers), block 32.
@@ -694,11 +690,11 @@ extern "C" __global__ void __launch_bounds__(32)
         srr += q[5] * wR * wR;
         sfr += q[6] * wF * wR;
     }
-    zf = warp_sum_d(zf);
-    sff = warp_sum_d(sff);
-    zr = warp_sum_d(zr);
-    srr = warp_sum_d(srr);
-    sfr = warp_sum_d(sfr);
+    zf = warp_sum_t(zf);
+    sff = warp_sum_t(sff);
+    zr = warp_sum_t(zr);
+    srr = warp_sum_t(srr);
+    sfr = warp_sum_t(sfr);
     const double inv_f = zf > 0.0 ? 1.0 / zf : 0.0, inv_r = 1.0 / zr;
     const double lam = sfi_lambda(cfg, sff * inv_f * inv_f, srr * inv_r * inv_r, sfr * inv_f * inv_r, valid);
     const double wf = 1.0 - lam, wr = lam + cfg.eps;
@@ -767,8 +763,7 @@ extern "C" __global__ void __launch_bounds__(256)
             fh[i - c0] = v;
             finite += v != -D_INF;
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) finite += __shfl_xor_sync(0xffffffffu, finite, o);
+        finite = warp_sum_t(finite);
         if (lane == 0 && finite) atomicAdd(&cnt[zh], finite);
         __syncthreads();  // pre is the next head's
     }
@@ -797,10 +792,6 @@ extern "C" __global__ void __launch_bounds__(256)
             atomicMax(reinterpret_cast<unsigned long long*>(&mm[zh * 2 + 1]), (unsigned long long)kminc);
         }
     }
-}
-
-__device__ __forceinline__ int sfi_bin(double v, double mn, double scale) {
-    return min(TOPK_BINS - 1, (int)((v - mn) * scale));
 }
 
 // hist[lh][b] += the chunk's finite scores in bin b. grid (nch, kv_heads, layers), block 256.

@@ -93,11 +93,12 @@ pub const GEMV_DEFAULT_ROWS: usize = 2;
 /// but the graph-captured step did not move (batch 6 at 32K 10.89 vs 10.94 ms, batch 8 12.94 /
 /// 12.98 vs 12.93 / 12.93 ms, runs 47-48), so cuBLAS stays the default. A setting of N also
 /// runs decode steps of 3..=N rows as the fused step (norm, residual add and GLU inside the
-/// tensor-core GEMVs, `gemv_mma_fused_m*`; not yet run on the GPU).
+/// tensor-core GEMVs, `gemv_mma_fused_m*`), slower than cuBLAS's: SFI's batch-6 fast step at
+/// 128K 4.50 vs 4.16 ms, batch 8 full KV 6.41 vs 6.05 ms at 8K (run 53).
 pub const GEMV_MMA_DEFAULT_ROWS: usize = 0;
 
 /// Whether the fused dense decode step runs qkv_post inside flash-decoding by default: off
-/// until measured on the GPU (written in a session without device time left).
+/// (run 49, batch 1: 8K 3.129 -> 3.094 ms but 32K 3.812 -> 3.853 and 128K 7.294 -> 7.317).
 pub const ATTN_POST_DEFAULT: bool = false;
 
 /// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel by default: 0 lets

@@ -85,11 +85,26 @@ struct Split {
     tres: GpuBuffer<u64>,  // [lh, 2] threshold key, last position taken at it
 }
 
+/// Where the zeroed scratch keeps each array for `lh` heads and `nch` chunks a head, in u32
+/// units: (min / max, finite counts, candidate counts, histograms, taken counts, total).
+fn zero_layout(lh: usize, nch: usize) -> [usize; 6] {
+    let cnt = 4 * lh; // after min / max: [lh, 2] u64
+    let (ccount, hist) = (cnt + lh, cnt + 2 * lh);
+    let taken = hist + lh * TOPK_BINS;
+    [0, cnt, ccount, hist, taken, taken + lh * nch]
+}
+
 impl Split {
+    /// `sfi_score_fin`'s dynamic shared memory (bytes): every kv head's `span` final scores and
+    /// one head's log s with a soft-NMS halo of `half` on each side.
+    fn fin_smem(kv_heads: usize, span: usize, half: usize) -> usize {
+        (kv_heads * span + span + 2 * half) * 8
+    }
+
     /// The split Selector for `kv_heads` heads and soft-NMS half window `half`, or None when
     /// `sfi_score_fin`'s shared memory cannot hold the smallest span.
     fn span(kv_heads: usize, half: usize) -> Option<usize> {
-        let bytes = |span: usize| (kv_heads * span + span + 2 * half) * 8;
+        let bytes = |span: usize| Self::fin_smem(kv_heads, span, half);
         // 40 KiB when it fits (several blocks a SM), else the most the attribute allows.
         let fit = |budget: usize| {
             (256..=2048)
@@ -107,7 +122,7 @@ impl Split {
             pos: ctx.alloc(max_n)?,
             part: ctx.alloc(lh * nch * 8)?,
             hc: ctx.alloc(lh * 8)?,
-            zero: ctx.alloc(lh * (4 + 2 + TOPK_BINS + nch))?,
+            zero: ctx.alloc(zero_layout(lh, nch)[5])?,
             above: ctx.alloc(lh * nch)?,
             tinfo: ctx.alloc(lh * 2)?,
             cand: ctx.alloc(lh * TOPK_CAP)?,
@@ -200,12 +215,6 @@ impl SelectorScratch {
         *self.profile.borrow()
     }
 
-    /// Whether the split Selector runs (`SLOWFAST_SFI_SPLIT=0` or a configuration its shared
-    /// memory cannot hold runs the one-block-per-head kernels).
-    pub fn is_split(&self) -> bool {
-        self.split.is_some()
-    }
-
     /// Switches between the split Selector and the one-block-per-head kernels (A/B, tests);
     /// allocates what the chosen one needs. Err when the split one cannot hold the
     /// configuration.
@@ -240,7 +249,8 @@ impl SelectorScratch {
         };
         let lh = layers * self.kv_heads;
         let z = ctx.download(&sp.zero)?;
-        let cc = &z[4 * lh + lh..4 * lh + 2 * lh];
+        let [_, _, ccount, hist, _, _] = zero_layout(lh, 1);
+        let cc = &z[ccount..hist];
         Ok(cc.iter().filter(|&&c| c as usize > TOPK_CAP).count())
     }
 }
@@ -665,11 +675,8 @@ impl CudaContext {
         let lh = a.layers * a.kv_heads;
         let nch = n.div_ceil(SFI_SC);
         let zero = sp.zero.device_ptr();
-        let (mm, cnt) = (zero, zero + (16 * lh) as u64);
-        let ccount = cnt + (4 * lh) as u64;
-        let hist = ccount + (4 * lh) as u64;
-        let taken = hist + (4 * lh * TOPK_BINS) as u64;
-        let zero_bytes = 4 * lh * (4 + 2 + TOPK_BINS + nch);
+        let [mm, cnt, ccount, hist, taken, len] = zero_layout(lh, nch).map(|u| zero + 4 * u as u64);
+        let zero_bytes = (len - zero) as usize;
         let (lo, hi) = (a.sinks as u32, a.recent_start as u32);
         let (n32, k32, nch32) = (n as u32, sc.k as u32, nch as u32);
         let cfg = sc.cfg.device_ptr();
@@ -724,8 +731,7 @@ impl CudaContext {
                     KArg::U(geo),
                 ],
             )?;
-            let half = sc.params.nms_window / 2;
-            let smem = (a.kv_heads * sp.span + sp.span + 2 * half) * 8;
+            let smem = Split::fin_smem(a.kv_heads, sp.span, sc.params.nms_window / 2);
             self.launch(
                 "sfi_score_fin",
                 (n.div_ceil(sp.span) as u32, nl, 1),
