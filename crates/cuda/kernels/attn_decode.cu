@@ -326,9 +326,14 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     cp_async_wait<0>();
     __syncthreads();
 
-    // Merge the four warps' partials in shared memory (the K stages are free now).
-    float* obuf = reinterpret_cast<float*>(ks);  // [16][D]
-    float* mls = obuf + 16 * D;                  // m [4][16], then l [4][16]
+    // Merge the four warps' partials (the K/V rings are free now): each warp scales its rows to
+    // the block's max and stores the valid ones (query heads < G) in its own slice
+    // [16][D + 8] f32, as float2 (row g of the warp lands 8 floats further mod 32 banks: no bank
+    // conflicts; one slice for all four warps cost four barriers and 8-way conflicts, run 24's
+    // 85 % conflicted shared stores); one barrier, then the slices are summed in warp order.
+    constexpr int OSTR = D + 8;
+    float* obuf = reinterpret_cast<float*>(ks);  // [4][16][OSTR]
+    float* mls = obuf + 4 * 16 * OSTR;           // m [4][16], then l [4][16]
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         l_r[i] += __shfl_xor_sync(0xffffffffu, l_r[i], 1);
@@ -341,33 +346,28 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         mls[64 + warp * 16 + g + 8] = l_r[1];
     }
     __syncthreads();
-    float wsc[2];
+    const int nrows = min(16, G - rg * 16);
+    float* ow = obuf + warp * 16 * OSTR;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int row = g + 8 * i;
         float M = NEG_INF;
         for (int w = 0; w < 4; ++w) M = fmaxf(M, mls[w * 16 + row]);
         const float base = M == NEG_INF ? 0.0f : M;
-        wsc[i] = m_r[i] == NEG_INF ? 0.0f : exp2f(m_r[i] - base);
-    }
-    for (int w = 0; w < 4; ++w) {
-        if (warp == w) {
+        const float wsc = m_r[i] == NEG_INF ? 0.0f : exp2f(m_r[i] - base);
+        if (row < nrows) {
 #pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = g + (e >> 1) * 8, col = dt * 8 + 2 * tig + (e & 1);
-                    const float v = acc[dt][e] * wsc[e >> 1];
-                    obuf[row * D + col] = w == 0 ? v : obuf[row * D + col] + v;
-                }
-            }
+            for (int dt = 0; dt < DT; ++dt)
+                *reinterpret_cast<float2*>(ow + row * OSTR + dt * 8 + 2 * tig) =
+                    make_float2(acc[dt][2 * i] * wsc, acc[dt][2 * i + 1] * wsc);
         }
-        __syncthreads();
     }
-    for (int idx = threadIdx.x; idx < 16 * D; idx += DEC_THREADS) {
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < nrows * D; idx += DEC_THREADS) {
         const int r = idx / D, d = idx % D, hig = rg * 16 + r;
-        if (hig >= G) continue;
-        part_o[(((u64)b * n_heads + kvh * G + hig) * splits + split) * D + d] = obuf[idx];
+        const float* o = obuf + r * OSTR + d;
+        part_o[(((u64)b * n_heads + kvh * G + hig) * splits + split) * D + d] =
+            o[0] + o[16 * OSTR] + o[32 * OSTR] + o[48 * OSTR];
     }
     if (threadIdx.x < 16) {
         const int r = threadIdx.x, hig = rg * 16 + r;
@@ -439,49 +439,63 @@ SPARSE_DECODE_ENTRY(attn_sparse_decode_d128, 128, 3)
 SPARSE_DECODE_ENTRY(attn_sparse_decode_d256, 256, 2)
 
 // Merges the splits: out [batch, n_heads, D] bf16, lse [batch, n_heads] (natural log) or null.
-// Weights in shared memory; warp w sums splits w, w + 8, ... with float4 loads; then the
-// eight warp partials are added. splits <= 1024, D <= 256. grid (n_heads, batch), block 256.
+// Warp w sums splits w, w + 8, ... with float4 loads; its first RED_U rows are loaded before
+// the max, so their trip to L2 overlaps the trip for the (max, sum) pairs. Each warp finds the
+// max and the weighted sum over all splits itself (lanes stride the splits), so one barrier
+// remains: the eight warp partials are added. D <= 256. grid (n_heads, batch), block 256.
+#define RED_U 4
 extern "C" __global__ void __launch_bounds__(256) attn_decode_reduce(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, bf16* __restrict__ out,
     float* __restrict__ lse, u32 n_heads, u32 splits, u32 head_dim) {
-    __shared__ float scratch[32];
-    __shared__ float wts[1024];
     __shared__ float4 red[8][64];
     pdl_wait();
     pdl_trigger();
     const u64 bh = (u64)blockIdx.y * n_heads + blockIdx.x;
-    const float* ml = part_ml + bh * splits * 2;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float m = NEG_INF;
-    for (u32 s = threadIdx.x; s < splits; s += blockDim.x) m = fmaxf(m, ml[2 * s]);
-    const float M = block_max(m, scratch);
-    const float base = M == NEG_INF ? 0.0f : M;
-    float l = 0.0f;
-    for (u32 s = threadIdx.x; s < splits; s += blockDim.x) {
-        const float ms = ml[2 * s];
-        const float w = ms == NEG_INF ? 0.0f : exp2f(ms - base);
-        wts[s] = w;
-        l += w * ml[2 * s + 1];
-    }
-    const float L = block_sum(l, scratch);  // its barriers also publish wts
-    const u32 d4 = head_dim / 4;
-    float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
-#pragma unroll 4
-    for (u32 s = warp; s < splits; s += 8) {
-        const float w = wts[s];
-        if (w == 0.0f) continue;  // empty split: its O was never written
-        const float4* row = reinterpret_cast<const float4*>(part_o + (bh * splits + s) * head_dim);
+    const float2* ml = reinterpret_cast<const float2*>(part_ml) + bh * splits;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, d4 = head_dim / 4;
+    const float4* po = reinterpret_cast<const float4*>(part_o) + bh * splits * d4;
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    float pm[RED_U];
+    float4 pre[RED_U][2];
+#pragma unroll
+    for (int u = 0; u < RED_U; ++u) {
+        const u32 s = warp + 8 * u;
+        pm[u] = s < splits ? ml[s].x : NEG_INF;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const u32 c = lane + 32 * i;
-            if (c < d4) {
-                const float4 v = row[c];
-                acc[i].x += w * v.x;
-                acc[i].y += w * v.y;
-                acc[i].z += w * v.z;
-                acc[i].w += w * v.w;
-            }
+            pre[u][i] = s < splits && c < d4 ? po[s * d4 + c] : zero;
         }
+    }
+    float m = NEG_INF;
+    for (u32 s = lane; s < splits; s += 32) m = fmaxf(m, ml[s].x);
+    const float M = warp_max(m);
+    const float base = M == NEG_INF ? 0.0f : M;
+    float l = 0.0f;
+    for (u32 s = lane; s < splits; s += 32) {
+        const float2 v = ml[s];
+        if (v.x != NEG_INF) l += exp2f(v.x - base) * v.y;
+    }
+    const float L = warp_sum(l);
+    float4 acc[2] = {zero, zero};
+    auto add = [&](float ms, const float4* v) {
+        const float w = ms == NEG_INF ? 0.0f : exp2f(ms - base);
+        if (w == 0.0f) return;  // empty split: its O was never written
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            acc[i].x += w * v[i].x;
+            acc[i].y += w * v[i].y;
+            acc[i].z += w * v[i].z;
+            acc[i].w += w * v[i].w;
+        }
+    };
+#pragma unroll
+    for (int u = 0; u < RED_U; ++u) add(pm[u], pre[u]);
+    for (u32 s = warp + 8 * RED_U; s < splits; s += 8) {
+        float4 v[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) v[i] = lane + 32 * i < d4 ? po[s * d4 + lane + 32 * i] : zero;
+        add(ml[s].x, v);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i)
