@@ -61,6 +61,13 @@ pub struct CudaContext {
     /// Set while a fused decode step is being queued; `launch` then adds the attribute to
     /// the kernels `kernels::is_pdl_kernel` names.
     pdl_now: std::sync::atomic::AtomicBool,
+    /// PDL in decode steps of 3+ rows (cuBLAS GEMMs), `SLOWFAST_PDL_WIDE`: 0 none, 1 the
+    /// attention kernels (q/k post-processing, flash-decoding, its reduce), 2 every PDL kernel
+    /// of the step; unset: [`pdl_wide_default`].
+    pdl_wide: Option<usize>,
+    /// Set while such a step is queued with `pdl_wide` 1: `launch` adds the attribute to the
+    /// kernels `kernels::is_attn_pdl_kernel` names.
+    pdl_attn_now: std::sync::atomic::AtomicBool,
     /// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel (3, 4 or 6; 0
     /// chooses; `SLOWFAST_DECODE_STAGES`, default [`DECODE_DEFAULT_STAGES`]).
     pub(crate) decode_stages: usize,
@@ -96,6 +103,18 @@ pub const GEMV_DEFAULT_ROWS: usize = 2;
 /// tensor-core GEMVs, `gemv_mma_fused_m*`), slower than cuBLAS's: SFI's batch-6 fast step at
 /// 128K 4.50 vs 4.16 ms, batch 8 full KV 6.41 vs 6.05 ms at 8K (run 53).
 pub const GEMV_MMA_DEFAULT_ROWS: usize = 0;
+
+/// PDL mode of decode steps of 3+ rows when `SLOWFAST_PDL_WIDE` is unset: 2 (every PDL kernel)
+/// in steps that run sparse attention (SFI, StreamingLLM), 0 in dense ones. Batch 6 at 128K
+/// (runs 60-61): SFI 1090-1094 -> 1104-1105 tok/s, full KV 187.3 -> 182.5. (Run 22, with the
+/// old Selector, had SFI lose 16 % to mode 2: early-launched blocks starved the side stream.)
+pub fn pdl_wide_default(sparse: bool) -> usize {
+    if sparse {
+        2
+    } else {
+        0
+    }
+}
 
 /// Whether the fused dense decode step runs qkv_post inside flash-decoding by default: off
 /// (run 49, batch 1: 8K 3.129 -> 3.094 ms but 32K 3.812 -> 3.853 and 128K 7.294 -> 7.317).
@@ -284,6 +303,8 @@ impl CudaContext {
             decode_fused: env_usize("SLOWFAST_DECODE_FUSED") != Some(0),
             pdl_allowed: major >= 9 && env_usize("SLOWFAST_PDL") != Some(0),
             pdl_now: std::sync::atomic::AtomicBool::new(false),
+            pdl_wide: env_usize("SLOWFAST_PDL_WIDE"),
+            pdl_attn_now: std::sync::atomic::AtomicBool::new(false),
             decode_stages: env_usize("SLOWFAST_DECODE_STAGES").unwrap_or(DECODE_DEFAULT_STAGES),
             attn_post: std::sync::atomic::AtomicBool::new(
                 env_usize("SLOWFAST_ATTN_POST").unwrap_or(ATTN_POST_DEFAULT as usize) != 0,
@@ -486,6 +507,17 @@ impl CudaContext {
             .store(on && self.pdl_allowed, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// The PDL mode of a decode step of 3+ rows (see `pdl_wide`).
+    pub(crate) fn pdl_wide(&self, sparse: bool) -> usize {
+        self.pdl_wide.unwrap_or_else(|| pdl_wide_default(sparse))
+    }
+
+    /// Like [`CudaContext::set_pdl`] for the attention kernels only (`kernels::is_attn_pdl_kernel`).
+    pub fn set_pdl_attn(&self, on: bool) {
+        self.pdl_attn_now
+            .store(on && self.pdl_allowed, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Starts queueing side work: the side stream waits for everything queued on the decode
     /// stream so far, and kernels launched until [`CudaContext::side_end`] go to the side stream.
     pub(crate) fn side_begin(&self) -> Result<(), CudaError> {
@@ -533,9 +565,10 @@ impl CudaContext {
             return Ok(());
         }
         let side = self.on_side.load(std::sync::atomic::Ordering::Relaxed);
+        let relaxed = std::sync::atomic::Ordering::Relaxed;
         if !side
-            && self.pdl_now.load(std::sync::atomic::Ordering::Relaxed)
-            && crate::kernels::is_pdl_kernel(name)
+            && ((self.pdl_now.load(relaxed) && crate::kernels::is_pdl_kernel(name))
+                || (self.pdl_attn_now.load(relaxed) && crate::kernels::is_attn_pdl_kernel(name)))
         {
             return self.launch_pdl(name, f, grid, block, shared_mem_bytes, args);
         }

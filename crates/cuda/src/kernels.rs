@@ -102,6 +102,14 @@ pub fn is_pdl_kernel(name: &str) -> bool {
         )
 }
 
+/// The attention kernels of a decode step (q/k post-processing, flash-decoding and its reduce,
+/// dense or sparse): the kernels `SLOWFAST_PDL_WIDE=1` launches with PDL at 3+ rows.
+pub fn is_attn_pdl_kernel(name: &str) -> bool {
+    name.starts_with("attn_decode_")
+        || name.starts_with("attn_sparse_decode_")
+        || name == "qkv_post_bf16"
+}
+
 /// The single translation unit handed to NVRTC: the common header followed by every file.
 pub fn kernel_source() -> String {
     let mut src = String::with_capacity(64 * 1024);

@@ -848,9 +848,9 @@ impl GpuDecoder {
     }
 
     /// Queues one decode step; the fused step (1-2 rows) launches its kernels with PDL where
-    /// the device allows it. Not at 3+ rows: there (cuBLAS GEMMs) PDL gained nothing on the
-    /// fast step and cost SFI's schedule 16 % at batch 6 (run 22: the early-launched blocks
-    /// waiting on the decode stream hold the SMs the side stream's Selector needs).
+    /// the device allows it. At 3+ rows (cuBLAS GEMMs) the step's own PDL kernels get it when
+    /// the model runs sparse attention, not in dense steps (`CudaContext::pdl_wide`: batch 6
+    /// at 128K, SFI +1.2 %, full KV -2.6 %, runs 60-61).
     /// `refresh`: the slots whose memory this step rebuilds, on the side stream with `staged`
     /// (then the event that ends that work comes back).
     fn queue_step(
@@ -858,10 +858,17 @@ impl GpuDecoder {
         refresh: &[Refresh],
         staged: bool,
     ) -> Result<Option<cudarc::driver::CudaEvent>, CudaError> {
-        self.ctx
-            .set_pdl(self.ctx.decode_pdl_rows(self.kv.num_slots));
+        let all = self.ctx.decode_pdl_rows(self.kv.num_slots);
+        let wide = if all {
+            0
+        } else {
+            self.ctx.pdl_wide(self.sparse.is_some())
+        };
+        self.ctx.set_pdl(all || wide >= 2);
+        self.ctx.set_pdl_attn(wide == 1);
         let r = self.queue_step_kernels(refresh, staged);
         self.ctx.set_pdl(false);
+        self.ctx.set_pdl_attn(false);
         r
     }
 
