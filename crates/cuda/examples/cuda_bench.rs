@@ -4,7 +4,7 @@
 //! Usage: cuda_bench [quick | profile | gemv | gemvb | prefill | decode]  (profile: one launch
 //! of each attention kernel, for ncu; gemv: the 1-row GEMV kernels against the pure read rate,
 //! shape by shape, then a 36-layer chain of the four projections; gemvb: 3-8 rows, cuBLAS
-//! against the tensor-core GEMV; prefill: the head-dim-128 prefill kernels side by side at 8K
+//! against the tensor-core GEMV, shape by shape and as a graph of a 6-row step's 144; prefill: the head-dim-128 prefill kernels side by side at 8K
 //! and 32K, then the default at 128K; decode: flash-decoding alone at 8K-128K)
 
 use slowfast_cuda::{
@@ -253,6 +253,87 @@ fn small_batch_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
                 pct(mma)
             );
         }
+    }
+    small_batch_chain(ctx, copy_gbs, &x, &mut y)
+}
+
+/// The weight side of a 6-row decode step as the step runs it, from a CUDA graph: 36 layers of
+/// q/k/v, o, gate|up and down (each layer its own weights, 7.3 GB), through cuBLAS, the
+/// tensor-core GEMV, and the tensor-core GEMV under PDL. Per-kernel times (above, or ncu) do not
+/// tell what a chain of them costs in a graph: the batch-6 step did not follow them (runs 47,
+/// 59, 67).
+fn small_batch_chain(
+    ctx: &CudaContext,
+    copy_gbs: f64,
+    x: &GpuBuffer<bf16>,
+    y: &mut GpuBuffer<bf16>,
+) -> Result<(), CudaError> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let (rows, layers) = (6usize, 36usize);
+    let mut lw = vec![];
+    for _ in 0..layers {
+        let mut l = vec![];
+        for &(_, _, in_f, out_f, _) in &PROJ[..4] {
+            l.push(ctx.alloc::<bf16>(in_f * out_f)?);
+        }
+        lw.push(l);
+    }
+    let total = PROJ[..4].iter().map(|p| p.2 * p.3 * 2).sum::<usize>() * layers;
+    for (label, mma, pdl) in [
+        ("cublas", false, false),
+        ("mma", true, false),
+        ("mma pdl", true, true),
+    ] {
+        let mut chain = || -> Result<(), CudaError> {
+            for l in &lw {
+                for (j, &(_, _, in_f, out_f, _)) in PROJ[..4].iter().enumerate() {
+                    if mma {
+                        ctx.gemv_mma(x, &l[j], y, rows, in_f, out_f)?;
+                    } else {
+                        ctx.linear(x, &l[j], y, rows, in_f, out_f)?;
+                    }
+                }
+            }
+            Ok(())
+        };
+        ctx.set_gemv_mma_rows(0);
+        ctx.set_pdl(pdl);
+        chain()?; // warm up (cuBLAS workspaces, first launches) outside the capture
+        let stream = ctx.stream().clone();
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|e| CudaError::Driver {
+                op: "cuStreamBeginCapture",
+                reason: format!("{e:?}"),
+            })?;
+        let queued = chain();
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(|e| CudaError::Driver {
+                op: "cuStreamEndCapture",
+                reason: format!("{e:?}"),
+            })?;
+        ctx.set_pdl(false);
+        queued?;
+        let graph = graph.ok_or_else(|| CudaError::Driver {
+            op: "cuStreamEndCapture",
+            reason: "no graph".into(),
+        })?;
+        let ms = ctx.time_ms(20, || {
+            graph.launch().map_err(|e| CudaError::Driver {
+                op: "cuGraphLaunch",
+                reason: format!("{e:?}"),
+            })
+        })?;
+        let g = total as f64 / (ms as f64 * 1e-3) / 1e9;
+        println!(
+            "gemv    graph of {} {label} GEMMs at {rows} rows ({:.2} GB): {:>7.3} ms {:>5.0} GB/s {:>5.1}% of copy",
+            4 * layers,
+            total as f64 / 1e9,
+            ms,
+            g,
+            100.0 * g / copy_gbs
+        );
     }
     Ok(())
 }
