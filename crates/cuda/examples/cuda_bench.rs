@@ -257,6 +257,18 @@ fn small_batch_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
     small_batch_chain(ctx, copy_gbs, &x, &mut y)
 }
 
+/// `layers` layers of the four projections' weights (values irrelevant: timing only).
+fn layer_weights(ctx: &CudaContext, layers: usize) -> Result<Vec<Vec<GpuBuffer<bf16>>>, CudaError> {
+    (0..layers)
+        .map(|_| {
+            PROJ[..4]
+                .iter()
+                .map(|&(_, _, in_f, out_f, _)| ctx.alloc::<bf16>(in_f * out_f))
+                .collect()
+        })
+        .collect()
+}
+
 /// The weight side of a 6-row decode step as the step runs it, from a CUDA graph: 36 layers of
 /// q/k/v, o, gate|up and down (each layer its own weights, 7.3 GB), through cuBLAS, the
 /// tensor-core GEMV, and the tensor-core GEMV under PDL. Per-kernel times (above, or ncu) do not
@@ -270,14 +282,7 @@ fn small_batch_chain(
 ) -> Result<(), CudaError> {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let (rows, layers) = (6usize, 36usize);
-    let mut lw = vec![];
-    for _ in 0..layers {
-        let mut l = vec![];
-        for &(_, _, in_f, out_f, _) in &PROJ[..4] {
-            l.push(ctx.alloc::<bf16>(in_f * out_f)?);
-        }
-        lw.push(l);
-    }
+    let lw = layer_weights(ctx, layers)?;
     let total = PROJ[..4].iter().map(|p| p.2 * p.3 * 2).sum::<usize>() * layers;
     for (label, mma, pdl) in [
         ("cublas", false, false),
@@ -388,14 +393,7 @@ fn gemv_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
     // The weight side of a decode step: 36 layers of q/k/v, o, gate|up, down, each layer with
     // its own weights (7.3 GB), then the LM head, under PDL as the fused step runs them.
     let layers = 36;
-    let mut lw = vec![];
-    for _ in 0..layers {
-        let mut l = vec![];
-        for &(_, _, in_f, out_f, _) in &PROJ[..4] {
-            l.push(ctx.alloc::<bf16>(in_f * out_f)?);
-        }
-        lw.push(l);
-    }
+    let lw = layer_weights(ctx, layers)?;
     let (_, _, hin, hout, _) = PROJ[4];
     let head = ctx.alloc::<bf16>(hin * hout)?;
     let total: usize =
