@@ -280,7 +280,6 @@ fn small_batch_chain(
     x: &GpuBuffer<bf16>,
     y: &mut GpuBuffer<bf16>,
 ) -> Result<(), CudaError> {
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let (rows, layers) = (6usize, 36usize);
     let lw = layer_weights(ctx, layers)?;
     let total = PROJ[..4].iter().map(|p| p.2 * p.3 * 2).sum::<usize>() * layers;
@@ -304,26 +303,9 @@ fn small_batch_chain(
         ctx.set_gemv_mma_rows(0);
         ctx.set_pdl(pdl);
         chain()?; // warm up (cuBLAS workspaces, first launches) outside the capture
-        let stream = ctx.stream().clone();
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(|e| CudaError::Driver {
-                op: "cuStreamBeginCapture",
-                reason: format!("{e:?}"),
-            })?;
-        let queued = chain();
-        let graph = stream
-            .end_capture(CUgraphInstantiate_flags(0))
-            .map_err(|e| CudaError::Driver {
-                op: "cuStreamEndCapture",
-                reason: format!("{e:?}"),
-            })?;
+        let graph = ctx.capture_graph(&mut chain);
         ctx.set_pdl(false);
-        queued?;
-        let graph = graph.ok_or_else(|| CudaError::Driver {
-            op: "cuStreamEndCapture",
-            reason: "no graph".into(),
-        })?;
+        let graph = graph?;
         let ms = ctx.time_ms(20, || {
             graph.launch().map_err(|e| CudaError::Driver {
                 op: "cuGraphLaunch",

@@ -455,17 +455,21 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode_reduce(
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, d4 = head_dim / 4;
     const float4* po = reinterpret_cast<const float4*>(part_o) + bh * splits * d4;
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    // This lane's float4 columns of split s's partial row (zero past the splits or the row).
+    auto load_row = [&](u32 s, float4* v) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const u32 c = lane + 32 * i;
+            v[i] = s < splits && c < d4 ? po[s * d4 + c] : zero;
+        }
+    };
     float pm[RED_U];
     float4 pre[RED_U][2];
 #pragma unroll
     for (int u = 0; u < RED_U; ++u) {
         const u32 s = warp + 8 * u;
         pm[u] = s < splits ? ml[s].x : NEG_INF;
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const u32 c = lane + 32 * i;
-            pre[u][i] = s < splits && c < d4 ? po[s * d4 + c] : zero;
-        }
+        load_row(s, pre[u]);
     }
     float m = NEG_INF;
     for (u32 s = lane; s < splits; s += 32) m = fmaxf(m, ml[s].x);
@@ -493,8 +497,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode_reduce(
     for (int u = 0; u < RED_U; ++u) add(pm[u], pre[u]);
     for (u32 s = warp + 8 * RED_U; s < splits; s += 8) {
         float4 v[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) v[i] = lane + 32 * i < d4 ? po[s * d4 + lane + 32 * i] : zero;
+        load_row(s, v);
         add(ml[s].x, v);
     }
 #pragma unroll

@@ -58,16 +58,11 @@ pub struct CudaContext {
     /// Whether the fused decode step launches its kernels with programmatic dependent launch
     /// (sm_90+, `SLOWFAST_PDL`, default on there).
     pdl_allowed: bool,
-    /// Set while a fused decode step is being queued; `launch` then adds the attribute to
-    /// the kernels `kernels::is_pdl_kernel` names.
-    pdl_now: std::sync::atomic::AtomicBool,
+    /// The [`PdlMode`] of the kernels being launched (as u8), set around a decode step.
+    pdl_now: std::sync::atomic::AtomicU8,
     /// PDL in decode steps of 3+ rows (cuBLAS GEMMs), `SLOWFAST_PDL_WIDE`: 0 none, 1 the
-    /// attention kernels (q/k post-processing, flash-decoding, its reduce), 2 every PDL kernel
-    /// of the step; unset: [`pdl_wide_default`].
-    pdl_wide: Option<usize>,
-    /// Set while such a step is queued with `pdl_wide` 1: `launch` adds the attribute to the
-    /// kernels `kernels::is_attn_pdl_kernel` names.
-    pdl_attn_now: std::sync::atomic::AtomicBool,
+    /// attention kernels, 2 every PDL kernel of the step; unset: [`pdl_wide_default`].
+    pdl_wide: Option<PdlMode>,
     /// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel (3, 4 or 6; 0
     /// chooses; `SLOWFAST_DECODE_STAGES`, default [`DECODE_DEFAULT_STAGES`]).
     pub(crate) decode_stages: usize,
@@ -104,15 +99,26 @@ pub const GEMV_DEFAULT_ROWS: usize = 2;
 /// 128K 4.50 vs 4.16 ms, batch 8 full KV 6.41 vs 6.05 ms at 8K (run 53).
 pub const GEMV_MMA_DEFAULT_ROWS: usize = 0;
 
-/// PDL mode of decode steps of 3+ rows when `SLOWFAST_PDL_WIDE` is unset: 2 (every PDL kernel)
-/// in steps that run sparse attention (SFI, StreamingLLM), 0 in dense ones. Batch 6 at 128K
+/// Which kernels `launch` gives programmatic dependent launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PdlMode {
+    Off = 0,
+    /// The attention kernels (`kernels::is_attn_pdl_kernel`: q/k post-processing,
+    /// flash-decoding, its reduce).
+    Attention = 1,
+    /// Every kernel `kernels::is_pdl_kernel` names.
+    All = 2,
+}
+
+/// PDL mode of decode steps of 3+ rows when `SLOWFAST_PDL_WIDE` is unset: every PDL kernel in
+/// steps that run sparse attention (SFI, StreamingLLM), none in dense ones. Batch 6 at 128K
 /// (runs 60-61): SFI 1090-1094 -> 1104-1105 tok/s, full KV 187.3 -> 182.5. (Run 22, with the
-/// old Selector, had SFI lose 16 % to mode 2: early-launched blocks starved the side stream.)
-pub fn pdl_wide_default(sparse: bool) -> usize {
+/// old Selector, had SFI lose 16 % to it: early-launched blocks starved the side stream.)
+pub(crate) fn pdl_wide_default(sparse: bool) -> PdlMode {
     if sparse {
-        2
+        PdlMode::All
     } else {
-        0
+        PdlMode::Off
     }
 }
 
@@ -302,9 +308,12 @@ impl CudaContext {
             ),
             decode_fused: env_usize("SLOWFAST_DECODE_FUSED") != Some(0),
             pdl_allowed: major >= 9 && env_usize("SLOWFAST_PDL") != Some(0),
-            pdl_now: std::sync::atomic::AtomicBool::new(false),
-            pdl_wide: env_usize("SLOWFAST_PDL_WIDE"),
-            pdl_attn_now: std::sync::atomic::AtomicBool::new(false),
+            pdl_now: std::sync::atomic::AtomicU8::new(PdlMode::Off as u8),
+            pdl_wide: env_usize("SLOWFAST_PDL_WIDE").map(|m| match m {
+                0 => PdlMode::Off,
+                1 => PdlMode::Attention,
+                _ => PdlMode::All,
+            }),
             decode_stages: env_usize("SLOWFAST_DECODE_STAGES").unwrap_or(DECODE_DEFAULT_STAGES),
             attn_post: std::sync::atomic::AtomicBool::new(
                 env_usize("SLOWFAST_ATTN_POST").unwrap_or(ATTN_POST_DEFAULT as usize) != 0,
@@ -503,19 +512,41 @@ impl CudaContext {
     /// Turns PDL on or off for the kernels launched from now on (on only where allowed); the
     /// decode step sets it around its fused kernels, benchmarks around the kernels they time.
     pub fn set_pdl(&self, on: bool) {
+        self.set_pdl_mode(if on { PdlMode::All } else { PdlMode::Off });
+    }
+
+    /// [`CudaContext::set_pdl`] with a choice of kernels (Off where PDL is not allowed).
+    pub(crate) fn set_pdl_mode(&self, mode: PdlMode) {
+        let mode = if self.pdl_allowed { mode } else { PdlMode::Off };
         self.pdl_now
-            .store(on && self.pdl_allowed, std::sync::atomic::Ordering::Relaxed);
+            .store(mode as u8, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The PDL mode of a decode step of 3+ rows (see `pdl_wide`).
-    pub(crate) fn pdl_wide(&self, sparse: bool) -> usize {
+    pub(crate) fn pdl_wide(&self, sparse: bool) -> PdlMode {
         self.pdl_wide.unwrap_or_else(|| pdl_wide_default(sparse))
     }
 
-    /// Like [`CudaContext::set_pdl`] for the attention kernels only (`kernels::is_attn_pdl_kernel`).
-    pub fn set_pdl_attn(&self, on: bool) {
-        self.pdl_attn_now
-            .store(on && self.pdl_allowed, std::sync::atomic::Ordering::Relaxed);
+    /// Captures the work `f` queues on the decode stream as a CUDA graph (relaxed stream
+    /// capture), instantiated and uploaded; `CudaGraph::launch` replays it.
+    pub fn capture_graph(
+        &self,
+        f: impl FnOnce() -> Result<(), CudaError>,
+    ) -> Result<cudarc::driver::CudaGraph, CudaError> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(drv("cuStreamBeginCapture"))?;
+        let queued = f();
+        let graph = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(drv("cuStreamEndCapture"))?;
+        queued?;
+        let g = graph
+            .ok_or_else(|| CudaError::bad("gpu decoder", "stream capture produced no graph"))?;
+        g.upload().map_err(drv("cuGraphUpload"))?;
+        Ok(g)
     }
 
     /// Starts queueing side work: the side stream waits for everything queued on the decode
@@ -565,11 +596,12 @@ impl CudaContext {
             return Ok(());
         }
         let side = self.on_side.load(std::sync::atomic::Ordering::Relaxed);
-        let relaxed = std::sync::atomic::Ordering::Relaxed;
-        if !side
-            && ((self.pdl_now.load(relaxed) && crate::kernels::is_pdl_kernel(name))
-                || (self.pdl_attn_now.load(relaxed) && crate::kernels::is_attn_pdl_kernel(name)))
-        {
+        let pdl = match self.pdl_now.load(std::sync::atomic::Ordering::Relaxed) {
+            m if m == PdlMode::All as u8 => crate::kernels::is_pdl_kernel(name),
+            m if m == PdlMode::Attention as u8 => crate::kernels::is_attn_pdl_kernel(name),
+            _ => false,
+        };
+        if !side && pdl {
             return self.launch_pdl(name, f, grid, block, shared_mem_bytes, args);
         }
         let stream = if side { &self.side } else { &self.stream };

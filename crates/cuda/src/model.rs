@@ -13,7 +13,7 @@ use cudarc::cublas::sys::cudaDataType;
 use half::bf16;
 
 use crate::buffer::GpuBuffer;
-use crate::context::CudaContext;
+use crate::context::{CudaContext, PdlMode};
 use crate::error::CudaError;
 use crate::ops::attention::{AttnWorkspace, DecodeAttn, PrefillAttn};
 use crate::ops::elementwise::Glu;
@@ -825,19 +825,9 @@ impl GpuDecoder {
     /// instead of ~15 per layer). Call after `begin_decode` and one plain `decode_step` (which
     /// sizes the attention workspace); `begin_decode` drops the graph.
     pub fn capture_decode(&mut self) -> Result<(), CudaError> {
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         self.graph = None;
-        let stream = self.ctx.stream().clone();
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(crate::context::drv("cuStreamBeginCapture"))?;
-        let queued = self.queue_step(&[], false);
-        let graph = stream
-            .end_capture(CUgraphInstantiate_flags(0))
-            .map_err(crate::context::drv("cuStreamEndCapture"))?;
-        queued?;
-        let g = graph.ok_or_else(|| bad("stream capture produced no graph".into()))?;
-        g.upload().map_err(crate::context::drv("cuGraphUpload"))?;
+        let ctx = self.ctx.clone();
+        let g = ctx.capture_graph(|| self.queue_step(&[], false).map(|_| ()))?;
         self.graph = Some(g);
         Ok(())
     }
@@ -858,17 +848,14 @@ impl GpuDecoder {
         refresh: &[Refresh],
         staged: bool,
     ) -> Result<Option<cudarc::driver::CudaEvent>, CudaError> {
-        let all = self.ctx.decode_pdl_rows(self.kv.num_slots);
-        let wide = if all {
-            0
+        let mode = if self.ctx.decode_pdl_rows(self.kv.num_slots) {
+            PdlMode::All
         } else {
             self.ctx.pdl_wide(self.sparse.is_some())
         };
-        self.ctx.set_pdl(all || wide >= 2);
-        self.ctx.set_pdl_attn(wide == 1);
+        self.ctx.set_pdl_mode(mode);
         let r = self.queue_step_kernels(refresh, staged);
-        self.ctx.set_pdl(false);
-        self.ctx.set_pdl_attn(false);
+        self.ctx.set_pdl_mode(PdlMode::Off);
         r
     }
 

@@ -62,7 +62,7 @@ impl GpuKvPolicy {
     }
 }
 
-/// 64-key tiles a block of the sparse fast step streams at least (when the wave allows fewer
+/// Key tiles (`DECODE_BK`, 64 keys) a block of the sparse fast step streams at least (when the wave allows fewer
 /// blocks): run 68, StreamingLLM at 8K with 2048 tokens a head, Qwen3-4B shapes, batch 1, split
 /// count 33 (one wave, one tile a block) / 16 / 8 / 4: 2.742 / 2.693 / **2.589** / 2.723 ms a
 /// step; batch 6, 2 / 3 / 5 (one wave) / 8: 4.033 / 4.049 / **3.931** / 4.018 ms.
@@ -71,7 +71,7 @@ const FAST_TILES_PER_SPLIT: usize = 4;
 /// The sparse fast step's split count: one wave of blocks (`wave`), but no more splits than
 /// leave each block [`FAST_TILES_PER_SPLIT`] tiles of the `attended` keys a head.
 fn fast_step_splits(wave: usize, attended: usize) -> usize {
-    let tiles = attended.div_ceil(64);
+    let tiles = attended.div_ceil(crate::ops::attention::DECODE_BK);
     wave.min(tiles / FAST_TILES_PER_SPLIT).max(1)
 }
 
@@ -242,13 +242,13 @@ impl SparseState {
         } else {
             1
         };
-        // Capturing rows get their own split count unless SLOWFAST_CAPTURE_SPLITS=0 (A/B).
         // SLOWFAST_SPARSE_SPLITS=N sets the fast step's split count (A/B runs).
         let fast_splits = crate::context::env_usize("SLOWFAST_SPARSE_SPLITS")
             .map(|n| n.clamp(1, 1024))
             .unwrap_or_else(|| {
                 fast_step_splits(ctx.sparse_splits(ns, n_heads, &kv), policy.dense_below())
             });
+        // Capturing rows get their own split count unless SLOWFAST_CAPTURE_SPLITS=0 (A/B).
         let own_splits = std::env::var("SLOWFAST_CAPTURE_SPLITS").as_deref() != Ok("0");
         Ok(Some(SparseState {
             policy,

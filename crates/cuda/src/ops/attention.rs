@@ -10,7 +10,8 @@ use crate::error::CudaError;
 use crate::ops::fused::QkvPost;
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
-const DECODE_BK: usize = 64;
+/// Keys a flash-decoding tile holds (`DEC_BK` in kernels/attn_decode.cu).
+pub(crate) const DECODE_BK: usize = 64;
 
 /// Prefill kernels: (name, head_dim, query rows per block).
 pub const PREFILL_VARIANTS: &[(&str, usize, usize)] = &[
