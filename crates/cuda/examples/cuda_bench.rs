@@ -245,20 +245,12 @@ fn small_batch_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
                 i += 1;
                 ctx.gemv_mma(&x, &ws[i % reps], &mut y, n, in_f, out_f)
             })?;
-            ctx.set_gemv_sk(true);
-            let sk = ctx.time_ms(iters, || {
-                i += 1;
-                ctx.linear(&x, &ws[i % reps], &mut y, n, in_f, out_f)
-            })?;
-            ctx.set_gemv_sk(false);
             println!(
-                "gemv    {name:<8} {in_f:>5} -> {out_f:>6}  n {n}  cublas {:>7.2} us {:>5.1}%  mma {:>7.2} us {:>5.1}%  stream-K {:>7.2} us {:>5.1}%",
+                "gemv    {name:<8} {in_f:>5} -> {out_f:>6}  n {n}  cublas {:>7.2} us {:>5.1}%  mma {:>7.2} us {:>5.1}%",
                 blas * 1e3,
                 pct(blas),
                 mma * 1e3,
-                pct(mma),
-                sk * 1e3,
-                pct(sk)
+                pct(mma)
             );
         }
     }
@@ -279,7 +271,7 @@ fn layer_weights(ctx: &CudaContext, layers: usize) -> Result<Vec<Vec<GpuBuffer<b
 
 /// The weight side of a 6-row decode step as the step runs it, from a CUDA graph: 36 layers of
 /// q/k/v, o, gate|up and down (each layer its own weights, 7.3 GB), through cuBLAS, the
-/// tensor-core GEMV, and the tensor-core GEMV under PDL; the stream-K GEMV without and with PDL. Per-kernel times (above, or ncu) do not
+/// tensor-core GEMV, and the tensor-core GEMV under PDL. Per-kernel times (above, or ncu) do not
 /// tell what a chain of them costs in a graph: the batch-6 step did not follow them (runs 47,
 /// 59, 67).
 fn small_batch_chain(
@@ -291,12 +283,10 @@ fn small_batch_chain(
     let (rows, layers) = (6usize, 36usize);
     let lw = layer_weights(ctx, layers)?;
     let total = PROJ[..4].iter().map(|p| p.2 * p.3 * 2).sum::<usize>() * layers;
-    for (label, mma, sk, pdl) in [
-        ("cublas", false, false, false),
-        ("mma", true, false, false),
-        ("mma pdl", true, false, true),
-        ("stream-K", false, true, false),
-        ("stream-K pdl", false, true, true),
+    for (label, mma, pdl) in [
+        ("cublas", false, false),
+        ("mma", true, false),
+        ("mma pdl", true, true),
     ] {
         let mut chain = || -> Result<(), CudaError> {
             for l in &lw {
@@ -311,12 +301,10 @@ fn small_batch_chain(
             Ok(())
         };
         ctx.set_gemv_mma_rows(0);
-        ctx.set_gemv_sk(sk);
         ctx.set_pdl(pdl);
         chain()?; // warm up (cuBLAS workspaces, first launches) outside the capture
         let graph = ctx.capture_graph(&mut chain);
         ctx.set_pdl(false);
-        ctx.set_gemv_sk(false);
         let graph = graph?;
         let ms = ctx.time_ms(20, || {
             graph.launch().map_err(|e| CudaError::Driver {
@@ -360,10 +348,8 @@ fn gemv_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
             gbs(ms),
             100.0 * gbs(ms) / copy_gbs
         );
-        for sk in [false, true] {
-            ctx.set_gemv_sk(sk);
-            let label = if sk { "stream-K gemv" } else { "fused gemv" };
-            let mut line = format!("gemv    {name:<8} {label:<14}");
+        {
+            let mut line = format!("gemv    {name:<8} {:<14}", "fused gemv");
             for pdl in [false, true] {
                 ctx.set_pdl(pdl);
                 gemv_once(
@@ -385,7 +371,6 @@ fn gemv_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
             }
             println!("{line}");
         }
-        ctx.set_gemv_sk(false);
     }
     // The weight side of a decode step: 36 layers of q/k/v, o, gate|up, down, each layer with
     // its own weights (7.3 GB), then the LM head, under PDL as the fused step runs them.
@@ -403,18 +388,15 @@ fn gemv_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
         }
         gemv_once(ctx, 0, &x, &nw, &head, y16, y32, 1, hin, hout)
     };
-    for sk in [false, true] {
-        ctx.set_gemv_sk(sk);
+    {
         ctx.set_pdl(true);
         chain(&mut y16, &mut y32)?;
         let ms = ctx.time_ms(10, || chain(&mut y16, &mut y32))?;
         ctx.set_pdl(false);
-        ctx.set_gemv_sk(false);
         let g = total as f64 / (ms as f64 * 1e-3) / 1e9;
         println!(
-            "gemv    chain of {} {} GEMVs ({:.2} GB) pdl: {:>7.3} ms {:>5.0} GB/s {:>5.1}% of copy",
+            "gemv    chain of {} GEMVs ({:.2} GB) pdl: {:>7.3} ms {:>5.0} GB/s {:>5.1}% of copy",
             4 * layers + 1,
-            if sk { "stream-K" } else { "fused" },
             total as f64 / 1e9,
             ms,
             g,

@@ -80,18 +80,7 @@ pub struct CudaContext {
     pub(crate) argmax_scratch: GpuBuffer<u32>,
     /// Whether the kernels were built for sm_90a (warpgroup MMA: the Hopper prefill kernels).
     pub(crate) wgmma: bool,
-    /// Whether `linear` and the fused GEMV run the stream-K GEMV (`gemv_sk_m*`) at 1-8 rows
-    /// (`SLOWFAST_GEMV_SK`, default [`GEMV_SK_DEFAULT`]).
-    gemv_sk: std::sync::atomic::AtomicBool,
-    /// The stream-K GEMV's merge scratch: partial tiles `[2 sm_count][2][16][8]` f32 and one
-    /// counter a tile (zero between launches).
-    pub(crate) sk_part: GpuBuffer<f32>,
-    pub(crate) sk_cnt: GpuBuffer<u32>,
 }
-
-/// Whether the stream-K GEMV (kernels/gemv_sk.cu) serves 1-8-row products by default: off until
-/// measured on the GPU.
-pub const GEMV_SK_DEFAULT: bool = false;
 
 /// Rows up to which `linear` can stream the weights with the GEMV kernel.
 pub const GEMV_MAX_ROWS: usize = 8;
@@ -285,19 +274,6 @@ impl CudaContext {
                 .map_err(drv("cuMemAlloc (argmax scratch)"))?;
             GpuBuffer::from_slice(slice, &stream)
         };
-        let sk_scratch = {
-            use crate::ops::fused::{SK_BLOCKS_PER_SM, SK_PART_FLOATS, SK_TILES_MAX};
-            let part = stream
-                .alloc_zeros::<f32>(SK_BLOCKS_PER_SM * sm_count as usize * SK_PART_FLOATS)
-                .map_err(drv("cuMemAlloc (stream-K GEMV partials)"))?;
-            let cnt = stream
-                .alloc_zeros::<u32>(SK_TILES_MAX)
-                .map_err(drv("cuMemAlloc (stream-K GEMV counters)"))?;
-            (
-                GpuBuffer::from_slice(part, &stream),
-                GpuBuffer::from_slice(cnt, &stream),
-            )
-        };
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(CudaError::LibraryMissing {
                 library: "cuBLAS (libcublas.so.13)",
@@ -349,11 +325,6 @@ impl CudaContext {
             smem_reserved,
             argmax_scratch,
             wgmma,
-            gemv_sk: std::sync::atomic::AtomicBool::new(
-                env_usize("SLOWFAST_GEMV_SK").map_or(GEMV_SK_DEFAULT, |v| v != 0),
-            ),
-            sk_part: sk_scratch.0,
-            sk_cnt: sk_scratch.1,
         })
     }
 
@@ -505,20 +476,6 @@ impl CudaContext {
             rows.min(GEMV_MAX_ROWS),
             std::sync::atomic::Ordering::Relaxed,
         );
-    }
-
-    /// `linear` and the fused GEMV run the stream-K GEMV at 1-8 rows (`true`) or the
-    /// multi-wave kernels and cuBLAS (for A/B runs and tests; default [`GEMV_SK_DEFAULT`],
-    /// `SLOWFAST_GEMV_SK`). A decoder captures its graph with the setting of that moment.
-    #[doc(hidden)]
-    pub fn set_gemv_sk(&self, on: bool) {
-        self.gemv_sk.store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Whether the stream-K GEMV is on (see [`CudaContext::set_gemv_sk`]).
-    #[doc(hidden)]
-    pub fn gemv_sk(&self) -> bool {
-        self.gemv_sk.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub(crate) fn gemv_mma_rows(&self) -> usize {

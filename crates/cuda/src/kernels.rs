@@ -20,7 +20,6 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attn_decode.cu", include_str!("../kernels/attn_decode.cu")),
     ("sfi.cu", include_str!("../kernels/sfi.cu")),
     ("gemv.cu", include_str!("../kernels/gemv.cu")),
-    ("gemv_sk.cu", include_str!("../kernels/gemv_sk.cu")),
     (
         "decode_fused.cu",
         include_str!("../kernels/decode_fused.cu"),
@@ -87,8 +86,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_fused_n1_m1",
     "gemv_fused_n2_m0",
     "gemv_fused_n2_m1",
-    "gemv_sk_m0",
-    "gemv_sk_m1",
     "qkv_post_bf16",
     "stream_read_bench",
 ];

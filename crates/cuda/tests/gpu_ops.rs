@@ -607,22 +607,6 @@ fn tensor_core_gemv_matches_reference() {
         |x, w, y| ctx.linear(x, w, y, n, k, m),
     );
     ctx.set_gemv_mma_rows(0);
-    // `linear` at 1-8 rows through the stream-K GEMV (kernels/gemv_sk.cu), then back
-    let sk_default = ctx.gemv_sk();
-    ctx.set_gemv_sk(true);
-    for &(k, m) in &[(8usize, 1usize), (136, 15), (2560, 1027), (9728, 300)] {
-        for n in 1..=8 {
-            check_small_linear(
-                &ctx,
-                &mut rng,
-                (n, k, m),
-                "linear via gemv_sk",
-                |x, w, y| ctx.linear(x, w, y, n, k, m),
-                |x, w, y| ctx.linear(x, w, y, n, k, m),
-            );
-        }
-    }
-    ctx.set_gemv_sk(sk_default);
     // bad shapes are refused, naming the input
     let (dx, dw) = (
         ctx.upload(&nan_bf16(9 * k)).unwrap(),

@@ -251,31 +251,6 @@ fn fixtures_match_cpu_with_qkv_post_in_attention() {
     }
 }
 
-/// The fixtures and the Gemma 3 270M shapes with every 1-8-row product on the stream-K GEMV
-/// (`SLOWFAST_GEMV_SK=1`, kernels/gemv_sk.cu): the same agreement with the CPU.
-#[test]
-fn fixtures_match_cpu_with_stream_k_gemv() {
-    let Some(ctx) = gpu("fixtures_match_cpu_with_stream_k_gemv") else {
-        return;
-    };
-    let sk_default = ctx.gemv_sk();
-    ctx.set_gemv_sk(true);
-    for rel in ["hf/qwen3", "hf/llama", "hf/gemma3", "gguf/qwen3-tiny.gguf"] {
-        let m = load_fixture(rel);
-        let exact = check_model(&ctx, rel, &m, 100, 32);
-        assert!(exact >= 24, "{rel}: only {exact}/32 greedy tokens equal");
-    }
-    let cfg = gemma3_270m_shape();
-    let w = slowfast_model::random::random_weights(&cfg, GgmlType::BF16, 7).unwrap();
-    let m = Model::new(cfg, w).unwrap();
-    let exact = check_model(&ctx, "random gemma3-270m shape (stream-K)", &m, 700, 256);
-    ctx.set_gemv_sk(sk_default);
-    assert!(
-        exact >= 24,
-        "gemma3-270m shape: only {exact}/32 greedy tokens equal"
-    );
-}
-
 fn gemma3_270m_shape() -> ModelConfig {
     let layers = 18;
     ModelConfig {
@@ -335,19 +310,15 @@ fn batched_decode_matches_cpu() {
     let Some(ctx) = gpu("batched_decode_matches_cpu") else {
         return;
     };
-    // 3 rows through cuBLAS, then through the fused tensor-core step
-    // (SLOWFAST_GEMV_MMA_ROWS=8), then through the fused step on the stream-K GEMV.
-    let sk_default = ctx.gemv_sk();
-    for (mma, sk, rel) in [
-        (0, false, "hf/qwen3"),
-        (0, false, "hf/gemma3"),
-        (8, false, "hf/qwen3"),
-        (8, false, "hf/gemma3"),
-        (0, true, "hf/qwen3"),
-        (0, true, "hf/gemma3"),
+    // 3 rows through cuBLAS (the default), then through the fused tensor-core step
+    // (SLOWFAST_GEMV_MMA_ROWS=8).
+    for (mma, rel) in [
+        (0, "hf/qwen3"),
+        (0, "hf/gemma3"),
+        (8, "hf/qwen3"),
+        (8, "hf/gemma3"),
     ] {
         ctx.set_gemv_mma_rows(mma);
-        ctx.set_gemv_sk(sk);
         let m = load_fixture(rel);
         let r = bf16_reference(&m);
         let v = r.cfg.vocab_size;
@@ -383,14 +354,13 @@ fn batched_decode_matches_cpu() {
                 worst = worst.max(row_err(&g[slot * v..(slot + 1) * v], l));
             }
         }
-        eprintln!("{rel} (mma rows {mma}, stream-K {sk}): batch of 3 (lengths {lens:?}), {steps} decode steps: worst logits error {worst:.4}");
+        eprintln!("{rel} (mma rows {mma}): batch of 3 (lengths {lens:?}), {steps} decode steps: worst logits error {worst:.4}");
         assert!(
             worst < 0.35,
-            "{rel} (mma rows {mma}, stream-K {sk}): batched decode logits off"
+            "{rel} (mma rows {mma}): batched decode logits off"
         );
     }
     ctx.set_gemv_mma_rows(0);
-    ctx.set_gemv_sk(sk_default);
 }
 
 /// Decodes `steps` teacher-forced tokens on two decoders built from the same model and

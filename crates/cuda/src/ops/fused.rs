@@ -19,17 +19,6 @@ pub const FUSED_MAX_ROWS: usize = 2;
 /// (`gemv_mma_fused_m*`).
 pub const MMA_MAX_ROWS: usize = 8;
 
-/// The stream-K GEMV (kernels/gemv_sk.cu): threads a block (SK_THREADS), output rows a tile
-/// (SK_ROWS), inputs a unit of work (SK_KC), blocks a SM (two fit by registers).
-const SK_THREADS: u32 = 256;
-const SK_ROWS: usize = 16;
-const SK_KC: usize = 1024;
-pub(crate) const SK_BLOCKS_PER_SM: usize = 2;
-/// Floats of merge scratch a block: its partial first and last tiles, `[2][SK_ROWS][8]`.
-pub(crate) const SK_PART_FLOATS: usize = 2 * SK_ROWS * 8;
-/// Tiles (counters) the stream-K GEMV can merge: outputs up to 1M rows.
-pub(crate) const SK_TILES_MAX: usize = 1 << 16;
-
 /// The input row of [`CudaContext::gemv_fused`], made on the fly from `x` by every block.
 #[derive(Clone, Copy)]
 pub enum GemvInput<'a> {
@@ -103,9 +92,7 @@ impl CudaContext {
     /// `SLOWFAST_DECODE_FUSED=0`; `n` within the GEMV path's rows, or within
     /// `SLOWFAST_GEMV_MMA_ROWS` for the tensor-core kernels).
     pub fn decode_fused_rows(&self, n: usize) -> bool {
-        self.decode_pdl_rows(n)
-            || (self.decode_fused
-                && (n <= self.gemv_mma_rows() || (self.gemv_sk() && n <= MMA_MAX_ROWS)))
+        self.decode_pdl_rows(n) || (self.decode_fused && n <= self.gemv_mma_rows())
     }
 
     /// Whether a decode step of `n` rows launches its fused kernels with PDL: at 1-2 rows
@@ -173,11 +160,8 @@ impl CudaContext {
                 (b.ptr_min(OP, "glu [n, out / 2]", m / 2)?, 8 | act)
             }
         };
-        let ptrs = [px, nw, pw, py];
-        if self.gemv_sk() {
-            return self.gemv_sk_launch(mode, ptrs, n, in_features, out_features, flags, eps);
-        }
         if n > FUSED_MAX_ROWS {
+            let ptrs = [px, nw, pw, py];
             return self.gemv_mma_launch(mode, ptrs, n, in_features, out_features, flags, eps);
         }
         let args = [
@@ -228,56 +212,6 @@ impl CudaContext {
         let name = ["gemv_mma_fused_m0", "gemv_mma_fused_m1"][mode];
         let grid = (u32_of(OP, "blocks", blocks)?, 1, 1);
         self.launch(name, grid, (256, 1, 1), 0, &args)
-    }
-
-    /// Launches the stream-K GEMV (`gemv_sk_m{mode}`) for `n` <= 8 rows: arguments as
-    /// [`CudaContext::gemv_mma_launch`]'s. Two blocks a SM (fewer when the product has fewer
-    /// units of work), each streaming the same share of the weights.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemv_sk_launch(
-        &self,
-        mode: usize,
-        ptrs: [u64; 4],
-        n: usize,
-        in_features: usize,
-        out_features: usize,
-        flags: u32,
-        eps: f32,
-    ) -> Result<(), CudaError> {
-        const OP: &str = "gemv_sk";
-        let [px, nw, pw, py] = ptrs;
-        let tiles = if flags & 8 != 0 {
-            (out_features / 2).div_ceil(SK_ROWS / 2)
-        } else {
-            out_features.div_ceil(SK_ROWS)
-        };
-        if tiles > SK_TILES_MAX {
-            return Err(CudaError::bad(
-                OP,
-                format!(
-                    "{out_features} output rows (at most {})",
-                    SK_TILES_MAX * SK_ROWS
-                ),
-            ));
-        }
-        let total = tiles * in_features.div_ceil(SK_KC);
-        let total = u32_of(OP, "units of work", total)?;
-        let args = [
-            KArg::P(px),
-            KArg::P(nw),
-            KArg::P(pw),
-            KArg::P(py),
-            KArg::U(n as u32),
-            KArg::U(in_features as u32),
-            KArg::U(u32_of(OP, "out", out_features)?),
-            KArg::U(flags),
-            KArg::F(eps),
-            KArg::P(self.sk_part.device_ptr()),
-            KArg::P(self.sk_cnt.device_ptr()),
-        ];
-        let name = ["gemv_sk_m0", "gemv_sk_m1"][mode];
-        let grid = (total.min(SK_BLOCKS_PER_SM as u32 * self.sm_count()), 1, 1);
-        self.launch(name, grid, (SK_THREADS, 1, 1), 0, &args)
     }
 
     /// Launches the fused GEMV for `n` rows in input mode `mode` (0 plain, 1 norm)

@@ -93,14 +93,6 @@ impl CudaContext {
         out_features: usize,
     ) -> Result<(), CudaError> {
         const OP: &str = "linear";
-        if n <= crate::ops::fused::MMA_MAX_ROWS
-            && self.gemv_sk()
-            && gemv_fits(out_type, in_features)
-        {
-            let f32_out = (out_type == cudaDataType::CUDA_R_32F) as u32;
-            let ptrs = [px, 0, pw, py];
-            return self.gemv_sk_launch(0, ptrs, n, in_features, out_features, f32_out, 0.0);
-        }
         if n <= self.gemv_max_rows && gemv_fits(out_type, in_features) {
             return self.gemv_raw(px, pw, py, out_type, n, in_features, out_features);
         }
