@@ -30,77 +30,7 @@ struct SparseArgs {
     float* logits;
     const u32* capture;
     u32 lstride;
-    // Non-null: the launch is one thread-block cluster a (sequence, kv group) over its splits
-    // (cluster dims (splits, 1, 1), splits <= 8, no capture), and the cluster merges its splits
-    // through distributed shared memory into cl_out [batch, n_heads, D] (bf16), as
-    // attn_decode_reduce would from the partials (which are then not written).
-    bf16* cl_out;
 };
-
-// Thread-block cluster helpers (sm_90+): the cluster barrier (release / acquire: each block's
-// shared-memory writes before it are visible to every block of the cluster after it), and a
-// float of block `rank`'s shared memory at the address `p` has in this block's.
-__device__ __forceinline__ void cluster_sync() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ float ld_dsmem(const float* p, u32 rank) {
-#if __CUDA_ARCH__ >= 900
-    // volatile (kept after the cluster barrier, in order) but no memory clobber: a run of these
-    // loads issues back to back and waits once.
-    u32 a;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a));
-    return v;
-#else
-    return 0.0f;
-#endif
-}
-
-// The cluster merge (SparseArgs::cl_out): every block of the cluster (one a split, rank =
-// split, at most 8) has put its rows' summed O into o [16][ostr] (rows < nrows) and their
-// (max, sum) into ml [16][2] (max NEG_INF: an empty split, its O unwritten). Block `rank` writes
-// the merged rows rank, rank + splits, ...: the weights and the division as attn_decode_reduce's,
-// the splits added in split order. Each thread reads the splits' (max, sum) pairs once, then
-// its columns' values of all splits in one run of loads (run 76: reading them split by split,
-// each load behind the last, cost 7-10 us a layer). Block 128 threads.
-__device__ __forceinline__ void cluster_merge(const float* o, int ostr, const float* ml, int nrows, int D,
-                                              int rank, int splits, bf16* out) {
-    cluster_sync();
-    for (int r = rank; r < nrows; r += splits) {
-        float mc[8], lc[8];
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-            mc[c] = c < splits ? ld_dsmem(ml + 2 * r, c) : NEG_INF;
-            lc[c] = c < splits ? ld_dsmem(ml + 2 * r + 1, c) : 0.0f;
-        }
-        float M = NEG_INF;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) M = fmaxf(M, mc[c]);
-        const float base = M == NEG_INF ? 0.0f : M;
-        float wc[8], L = 0.0f;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-            wc[c] = mc[c] == NEG_INF ? 0.0f : exp2f(mc[c] - base);
-            if (wc[c] != 0.0f) L += wc[c] * lc[c];
-        }
-        const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-        for (int d = threadIdx.x; d < D; d += DEC_THREADS) {
-            float v[8];
-#pragma unroll
-            for (int c = 0; c < 8; ++c) v[c] = wc[c] != 0.0f ? ld_dsmem(o + r * ostr + d, c) : 0.0f;
-            float a = 0.0f;
-#pragma unroll
-            for (int c = 0; c < 8; ++c)
-                if (wc[c] != 0.0f) a += wc[c] * v[c];
-            out[(u64)r * D + d] = f2bf(a * inv);
-        }
-    }
-    // Every block's shared memory stays until the whole cluster has read it.
-    cluster_sync();
-}
 
 // POST (attn_decode_post_*, dense): the step's q/k/v projection row goes straight in, and
 // the kernel does what qkv_post_bf16 would have done first (one kernel and one launch boundary
@@ -192,19 +122,6 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         if constexpr (!SPARSE) {
             pdl_wait();
             pdl_trigger();
-        }
-        if constexpr (SPARSE) {
-            if (sp.cl_out != nullptr) {
-                // Nothing to add, but the cluster's barriers count this block. The merge reads
-                // every block's rows and (max, sum) at the same offsets (see the epilogue).
-                float* obuf = reinterpret_cast<float*>(ks);
-                float* ml = obuf + 4 * 16 * (D + 8) + 128;
-                if (threadIdx.x < 16) ml[2 * threadIdx.x] = NEG_INF;
-                const int nr = min(16, G - rg * 16);
-                bf16* out = sp.cl_out + ((u64)b * n_heads + kvh * G + rg * 16) * D;
-                cluster_merge(obuf, D + 8, ml, nr, D, split, splits, out);
-                return;
-            }
         }
         for (int r = threadIdx.x; r < 16; r += DEC_THREADS) {
             const int hig = rg * 16 + r;
@@ -446,33 +363,6 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         }
     }
     __syncthreads();
-    if constexpr (SPARSE) {
-        if (sp.cl_out != nullptr) {
-            // The block's rows (the warp slices added in warp order, into slice 0) and their
-            // (max, sum) stay in shared memory for the cluster merge.
-            for (int idx = threadIdx.x; idx < nrows * D; idx += DEC_THREADS) {
-                float* o = obuf + (idx / D) * OSTR + idx % D;
-                o[0] = o[0] + o[16 * OSTR] + o[32 * OSTR] + o[48 * OSTR];
-            }
-            float* ml = mls + 128;  // [16][2], past the warps' m and l
-            if (threadIdx.x < 16) {
-                const int r = threadIdx.x;
-                float M = NEG_INF;
-                for (int w = 0; w < 4; ++w) M = fmaxf(M, mls[w * 16 + r]);
-                const float base = M == NEG_INF ? 0.0f : M;
-                float L = 0.0f;
-                for (int w = 0; w < 4; ++w) {
-                    const float mw = mls[w * 16 + r];
-                    if (mw != NEG_INF) L += mls[64 + w * 16 + r] * exp2f(mw - base);
-                }
-                ml[2 * r] = M;
-                ml[2 * r + 1] = L;
-            }
-            bf16* out = sp.cl_out + ((u64)b * n_heads + kvh * G + rg * 16) * D;
-            cluster_merge(obuf, OSTR, ml, nrows, D, split, splits, out);
-            return;
-        }
-    }
     for (int idx = threadIdx.x; idx < nrows * D; idx += DEC_THREADS) {
         const int r = idx / D, d = idx % D, hig = rg * 16 + r;
         const float* o = obuf + r * OSTR + d;
@@ -539,9 +429,8 @@ POST_DECODE_ENTRY(attn_decode_post_d256, 256, 2)
         NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, const u32* seq_lens,               \
              const u32* slots, float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity,    \
              u32 num_slots, float scale_log2, const bf16* ck, const bf16* cv, const u32* clen,            \
-             const u32* rstart, u32 ccap, u32 rwin, float* logits, const u32* capture, u32 lstride,        \
-             bf16* cl_out) {                                                                             \
-        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride, cl_out};            \
+             const u32* rstart, u32 ccap, u32 rwin, float* logits, const u32* capture, u32 lstride) {      \
+        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride};                    \
         attn_decode_impl<D, STAGES, true>(q, k_cache, v_cache, seq_lens, slots, part_o, part_ml, n_heads, \
                                           kv_heads, capacity, num_slots, 0, 0, scale_log2, sp);          \
     }

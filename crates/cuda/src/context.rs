@@ -80,14 +80,7 @@ pub struct CudaContext {
     pub(crate) argmax_scratch: GpuBuffer<u32>,
     /// Whether the kernels were built for sm_90a (warpgroup MMA: the Hopper prefill kernels).
     pub(crate) wgmma: bool,
-    /// Whether sparse fast-step flash-decoding merges its splits in a thread-block cluster
-    /// instead of the reduce kernel (sm_90+; `SLOWFAST_SPARSE_CLUSTER`, default
-    /// [`SPARSE_CLUSTER_DEFAULT`]).
-    sparse_cluster: std::sync::atomic::AtomicBool,
 }
-
-/// Whether sparse fast steps merge flash-decoding's splits in thread-block clusters by default.
-pub const SPARSE_CLUSTER_DEFAULT: bool = false;
 
 /// Rows up to which `linear` can stream the weights with the GEMV kernel.
 pub const GEMV_MAX_ROWS: usize = 8;
@@ -332,9 +325,6 @@ impl CudaContext {
             smem_reserved,
             argmax_scratch,
             wgmma,
-            sparse_cluster: std::sync::atomic::AtomicBool::new(
-                env_usize("SLOWFAST_SPARSE_CLUSTER").map_or(SPARSE_CLUSTER_DEFAULT, |v| v != 0),
-            ),
         })
     }
 
@@ -488,25 +478,6 @@ impl CudaContext {
         );
     }
 
-    /// Sparse fast-step flash-decoding merges its splits in thread-block clusters (`true`) or
-    /// with the reduce kernel (for A/B runs and tests; default [`SPARSE_CLUSTER_DEFAULT`],
-    /// `SLOWFAST_SPARSE_CLUSTER`). Ignored before sm_90. A decoder captures its graph with the
-    /// setting of that moment.
-    #[doc(hidden)]
-    pub fn set_sparse_cluster(&self, on: bool) {
-        self.sparse_cluster
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Whether the cluster merge is on (see [`CudaContext::set_sparse_cluster`]).
-    #[doc(hidden)]
-    pub fn sparse_cluster(&self) -> bool {
-        self.compute_capability.0 >= 9
-            && self
-                .sparse_cluster
-                .load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     pub(crate) fn gemv_mma_rows(&self) -> usize {
         self.gemv_mma_rows
             .load(std::sync::atomic::Ordering::Relaxed)
@@ -625,8 +596,13 @@ impl CudaContext {
             return Ok(());
         }
         let side = self.on_side.load(std::sync::atomic::Ordering::Relaxed);
-        if !side && self.pdl_for(name) {
-            return self.launch_ex(name, f, grid, block, shared_mem_bytes, args, true, 0);
+        let pdl = match self.pdl_now.load(std::sync::atomic::Ordering::Relaxed) {
+            m if m == PdlMode::All as u8 => crate::kernels::is_pdl_kernel(name),
+            m if m == PdlMode::Attention as u8 => crate::kernels::is_attn_pdl_kernel(name),
+            _ => false,
+        };
+        if !side && pdl {
+            return self.launch_pdl(name, f, grid, block, shared_mem_bytes, args);
         }
         let stream = if side { &self.side } else { &self.stream };
         let mut b = stream.launch_builder(f);
@@ -649,53 +625,10 @@ impl CudaContext {
         Ok(())
     }
 
-    /// Whether kernel `name` launches with PDL now (the current [`PdlMode`]).
-    fn pdl_for(&self, name: &str) -> bool {
-        match self.pdl_now.load(std::sync::atomic::Ordering::Relaxed) {
-            m if m == PdlMode::All as u8 => crate::kernels::is_pdl_kernel(name),
-            m if m == PdlMode::Attention as u8 => crate::kernels::is_attn_pdl_kernel(name),
-            _ => false,
-        }
-    }
-
-    /// `launch` with thread-block clusters of `cluster_x` blocks along x (grid.0 a multiple of
-    /// it, at most 8; sm_90+), with PDL as `launch` would give it.
-    pub(crate) fn launch_cluster(
-        &self,
-        name: &'static str,
-        grid: (u32, u32, u32),
-        block: (u32, u32, u32),
-        shared_mem_bytes: u32,
-        args: &[KArg],
-        cluster_x: u32,
-    ) -> Result<(), CudaError> {
-        let f = self
-            .funcs
-            .get(name)
-            .ok_or_else(|| CudaError::bad("launch", format!("unknown kernel {name}")))?;
-        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
-            return Ok(());
-        }
-        if cluster_x == 0 || cluster_x > 8 || grid.0 % cluster_x != 0 {
-            return Err(CudaError::bad(
-                name,
-                format!(
-                    "cluster of {cluster_x} blocks for a grid of {} along x",
-                    grid.0
-                ),
-            ));
-        }
-        let side = self.on_side.load(std::sync::atomic::Ordering::Relaxed);
-        let pdl = !side && self.pdl_for(name);
-        self.launch_ex(name, f, grid, block, shared_mem_bytes, args, pdl, cluster_x)
-    }
-
-    /// A launch through cuLaunchKernelEx: with `pdl` the programmatic-stream-serialization
-    /// attribute (the kernel may start before the previous one in the stream has finished; it
-    /// calls `pdl_wait()` before depending on it), with `cluster_x` > 0 thread-block clusters of
-    /// that many blocks along x. On the side stream between `side_begin` and `side_end`.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_ex(
+    /// `launch` with the programmatic-stream-serialization attribute (cuLaunchKernelEx): the
+    /// kernel may start before the previous one in the stream has finished; it calls
+    /// `pdl_wait()` before depending on it.
+    fn launch_pdl(
         &self,
         name: &'static str,
         f: &cudarc::driver::CudaFunction,
@@ -703,8 +636,6 @@ impl CudaContext {
         block: (u32, u32, u32),
         shared_mem_bytes: u32,
         args: &[KArg],
-        pdl: bool,
-        cluster_x: u32,
     ) -> Result<(), CudaError> {
         use cudarc::driver::sys;
         // Each argument in its own 8-byte slot; u32 / f32 occupy the first four bytes.
@@ -720,24 +651,10 @@ impl CudaContext {
             .iter_mut()
             .map(|s| s as *mut u64 as *mut std::ffi::c_void)
             .collect();
-        // SAFETY: a zeroed attribute is valid plain data; ids and values are set below.
-        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
-        let mut n = 0;
-        if pdl {
-            attrs[n].id =
-                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attrs[n].value.programmaticStreamSerializationAllowed = 1;
-            n += 1;
-        }
-        if cluster_x > 0 {
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[n].value.clusterDim.x = cluster_x;
-            attrs[n].value.clusterDim.y = 1;
-            attrs[n].value.clusterDim.z = 1;
-            n += 1;
-        }
-        let side = self.on_side.load(std::sync::atomic::Ordering::Relaxed);
-        let stream = if side { &self.side } else { &self.stream };
+        // SAFETY: a zeroed attribute is valid plain data; id and value are set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -746,9 +663,9 @@ impl CudaContext {
             blockDimY: block.1,
             blockDimZ: block.2,
             sharedMemBytes: shared_mem_bytes,
-            hStream: stream.cu_stream(),
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: n as u32,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
         };
         // SAFETY: `params` points at one live slot per kernel parameter, in order, and every
         // kernel parameter is a pointer, u32 or f32 (little-endian: the low bytes come first).
@@ -763,7 +680,7 @@ impl CudaContext {
         .result()
         .map_err(|e| CudaError::Driver {
             op: name,
-            reason: format!("launch (PDL {pdl}, cluster {cluster_x}) failed: {e:?}"),
+            reason: format!("launch (PDL) failed: {e:?}"),
         })
     }
 }

@@ -94,21 +94,7 @@ fn sparse_decode_matches_reference() {
         let out = ctx.upload(&nan_bf16(batch * nh * d)).unwrap();
         let logits = ctx.upload(&vec![f32::NAN; batch * nh * cap]).unwrap();
         let mut ws = AttnWorkspace::new();
-        let cluster_default = ctx.sparse_cluster();
-        // (splits, capture on, cluster merge): capturing launches (never clustered) at one
-        // wave, 1 and 7 splits; then fast-step launches (no capture: row 3 attends sparsely too)
-        // merged by thread-block clusters at 8 (some splits empty), 5 and 1 splits, and by the
-        // reduce kernel at 8.
-        for (splits, cap_on, cluster) in [
-            (ctx.sparse_splits(batch, nh, &kv), true, false),
-            (1, true, false),
-            (7, true, false),
-            (8, false, true),
-            (5, false, true),
-            (1, false, true),
-            (8, false, false),
-        ] {
-            ctx.set_sparse_cluster(cluster);
+        for splits in [ctx.sparse_splits(batch, nh, &kv), 1, 7] {
             let p = SparseDecode {
                 batch,
                 n_heads: nh,
@@ -124,12 +110,11 @@ fn sparse_decode_matches_reference() {
                 clen: dclen.device_ptr(),
                 rstart: drs.device_ptr(),
                 rwin,
-                logits: if cap_on { logits.device_ptr() } else { 0 },
+                logits: logits.device_ptr(),
                 capture: dcap.device_ptr(),
                 lstride: cap,
             };
             ctx.attn_sparse_decode(&dk, &dv, kv, &mut ws, &p).unwrap();
-            ctx.set_sparse_cluster(cluster_default);
             let got = to_f64(&ctx.download(&out).unwrap());
             let got_logits = ctx.download(&logits).unwrap();
             let g = nh / nkv;
@@ -138,8 +123,7 @@ fn sparse_decode_matches_reference() {
                 for hq in 0..nh {
                     let h = hq / g;
                     // Key rows: (buffer, row) pairs of the virtual sequence.
-                    let capture = v.capture && cap_on;
-                    let keys: Vec<(bool, usize)> = if capture {
+                    let keys: Vec<(bool, usize)> = if v.capture {
                         (0..v.len).map(|p| (false, p)).collect()
                     } else {
                         let rlo = if rwin > 0 {
@@ -179,7 +163,7 @@ fn sparse_decode_matches_reference() {
                         }
                     }
                     want.extend(o);
-                    if capture {
+                    if v.capture {
                         for (p, &sv) in s.iter().enumerate() {
                             let gl = got_logits[(b * nh + hq) * cap + p] as f64;
                             let wl = sv * std::f64::consts::LOG2_E;
@@ -192,10 +176,7 @@ fn sparse_decode_matches_reference() {
                 }
             }
             assert_close(
-                &format!(
-                    "sparse decode d{d} {nh}/{nkv} rwin {rwin} splits {splits} capture {cap_on} \
-                     cluster {cluster}"
-                ),
+                &format!("sparse decode d{d} {nh}/{nkv} rwin {rwin} splits {splits}"),
                 &got,
                 &want,
                 2e-2,

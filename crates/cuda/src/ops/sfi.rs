@@ -300,10 +300,6 @@ pub struct GatherArgs {
     pub rstart: u64,
 }
 
-/// The most splits a sparse fast-step launch merges inside a thread-block cluster (the portable
-/// cluster size).
-pub const SPARSE_CLUSTER_MAX: usize = 8;
-
 /// A sparse / capturing decode launch (`attn_sparse_decode_*`), see kernels/attn_decode.cu.
 #[derive(Clone, Copy, Debug)]
 pub struct SparseDecode {
@@ -408,9 +404,6 @@ impl CudaContext {
             _ => "attn_sparse_decode_d256",
         };
         let row_groups = (p.n_heads / kv.kv_heads).div_ceil(16);
-        // Fast-step launches of at most 8 splits merge them in a thread-block cluster a
-        // (sequence, kv group) instead of the reduce kernel (SLOWFAST_SPARSE_CLUSTER).
-        let cluster = self.sparse_cluster() && p.logits == 0 && splits <= SPARSE_CLUSTER_MAX;
         let args = [
             KArg::P(p.q),
             KArg::P(k_cache.ptr_min(OP, "k_cache", kv.elems())?),
@@ -433,18 +426,18 @@ impl CudaContext {
             KArg::P(p.logits),
             KArg::P(p.capture),
             KArg::U(u32_of(OP, "lstride", p.lstride)?),
-            KArg::P(if cluster { p.out } else { 0 }),
         ];
-        let grid = (
-            splits as u32,
-            u32_of(OP, "kv_heads * row groups", kv.kv_heads * row_groups)?,
-            p.batch as u32,
-        );
-        let smem = attn_smem_bytes(kernel).unwrap_or(0);
-        if cluster {
-            return self.launch_cluster(kernel, grid, (128, 1, 1), smem, &args, splits as u32);
-        }
-        self.launch(kernel, grid, (128, 1, 1), smem, &args)?;
+        self.launch(
+            kernel,
+            (
+                splits as u32,
+                u32_of(OP, "kv_heads * row groups", kv.kv_heads * row_groups)?,
+                p.batch as u32,
+            ),
+            (128, 1, 1),
+            attn_smem_bytes(kernel).unwrap_or(0),
+            &args,
+        )?;
         self.attn_decode_reduce_raw(part_o, part_ml, p.out, 0, rows, p.n_heads, splits, d)
     }
 
