@@ -65,12 +65,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [16][STR]
     bf16* ks = qs + 16 * STR;                       // [STAGES][BK][STR]
     bf16* vs = ks + STAGES * BK * STR;              // [STAGES][BK][STR]
-    // Dense: the first K/V tiles stream before pdl_wait() (see the prologue below); the sparse
-    // variant reads buffers the step's earlier kernels may write, so it waits first.
-    if constexpr (SPARSE) {
-        pdl_wait();
-        pdl_trigger();
-    }
+    // The first K/V tiles stream before pdl_wait() (see the prologue below).
 
     const int split = blockIdx.x, splits = gridDim.x, b = blockIdx.z;
     const int G = n_heads / kv_heads;
@@ -84,6 +79,9 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     // Dense: keys [s_lo, s_hi) are cache rows. Sparse: virtual indices (compact rows, then the
     // recent rows from rlo); `n_c` compact rows come first.
     int s_lo, s_hi, n_c = 0, rlo = 0;
+    // Keys (cache rows, or the sparse variant's virtual indices) [0, vend): the last is the
+    // newest position, the only one the kernel before this one (qkv_post) writes.
+    int vend = len;
     float* lrow = nullptr;
     if constexpr (SPARSE) {
         if (sp.logits != nullptr && sp.capture[b] != 0) {
@@ -96,6 +94,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
             n_c = min(n_c, rlo);  // compact rows are positions below the recent window
         }
         const int vlen = n_c + len - rlo;
+        vend = vlen;
         const int per = (vlen + splits - 1) / splits;
         const int ch = (per + BK - 1) / BK * BK;
         s_lo = split * ch;
@@ -119,10 +118,8 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     }
 
     if (s_lo >= s_hi) {
-        if constexpr (!SPARSE) {
-            pdl_wait();
-            pdl_trigger();
-        }
+        pdl_wait();
+        pdl_trigger();
         for (int r = threadIdx.x; r < 16; r += DEC_THREADS) {
             const int hig = rg * 16 + r;
             if (hig >= G) continue;
@@ -162,11 +159,13 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
             }
         }
     };
-    // The prologue. Dense, under PDL: the kernel before (qkv_post) writes q and the cache row of
-    // the newest position (len - 1); every kernel before that one has finished when this one
-    // starts (each triggers its dependents only after its own wait), so lengths, slots and
-    // older cache rows are final. Tiles wholly below len - 1 load before pdl_wait(), hiding
-    // their DRAM latency behind the kernel before; the rest of the prologue after it.
+    // The prologue. Under PDL the kernel before (qkv_post) writes q and the cache row of the
+    // newest position (len - 1); every kernel before that one has finished when this one starts
+    // (each triggers its dependents only after its own wait), so lengths, slots, older cache
+    // rows and (sparse) the compact buffers, their lengths and the recent starts (published by
+    // earlier kernels of the stream) are final. Tiles wholly below the newest key load before
+    // pdl_wait(), hiding their DRAM latency behind the kernel before; the rest of the prologue
+    // after it.
     // POST: past the V ring, the token's RoPE angles [2][128], a row buffer a warp [4][256] and
     // the new key and value [2][D] (bf16). The angles before the wait: positions are final
     // (written a step ago; the kernel before this one is the q/k/v projection).
@@ -182,14 +181,12 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         has_new = pos < capacity && slot < num_slots && (int)pos >= s_lo && (int)pos < s_hi;
     }
     int st = 0;
-    if constexpr (!SPARSE) {
-        for (; st < STAGES - 1 && st < n_tiles && s_lo + (st + 1) * BK <= len - 1; ++st) {
-            load_tile(st);
-            cp_async_commit();
-        }
-        pdl_wait();
-        pdl_trigger();
+    for (; st < STAGES - 1 && st < n_tiles && s_lo + (st + 1) * BK <= vend - 1; ++st) {
+        load_tile(st);
+        cp_async_commit();
     }
+    pdl_wait();
+    pdl_trigger();
     for (; st < STAGES - 1; ++st) {
         if (st < n_tiles) load_tile(st);
         cp_async_commit();
