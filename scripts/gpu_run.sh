@@ -144,6 +144,18 @@ PY
         env ${cfg//,/ } .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
           --batch "${SB:-6}" --new-tokens "$N" $SFI_ARGS 2>&1 | tee -a "$OUT/sfi-ab.log"
       done ;;
+    binab)
+      # two builds side by side, alternated (old, new, old, new): .bin/slowfast_old (copy an
+      # earlier .bin/slowfast there; gpu_test.sh keeps it) against .bin/slowfast, each compiling
+      # its own kernels (the cache is keyed by source). AB_CTX (default 8k), AB_BATCH (1),
+      # AB_POL (streaming,sfi); SFI budget and interval as `sfi`.
+      for b in old new old new; do
+        bin=.bin/slowfast
+        [ "$b" = old ] && bin=.bin/slowfast_old
+        echo "== $b" | tee -a "$OUT/binab.log"
+        $bin bench --device cuda --model random:qwen3-4b --contexts "${AB_CTX:-8k}" --batch "${AB_BATCH:-1}" \
+          --new-tokens "$N" --policies "${AB_POL:-streaming,sfi}" $SFI_OPTS 2>&1 | tee -a "$OUT/binab.log"
+      done ;;
     torch)
       python3 .bin/torch_reference.py --contexts "$CTX" --new-tokens "$N" --json "$OUT/torch.json" 2>&1 | tee "$OUT/torch.log" ;;
     gen)

@@ -67,6 +67,6 @@ ls -la "$bin" >&2
 du -sh "$bin" >&2
 
 cat <<'CMD'
-# run tool, carry [".bin"], timeout_s 600 (phases: tests kbench bench torch gen; env CTX, N, BATCH):
+# run tool, carry [".bin"], timeout_s 600 (phases: tests kbench bench torch gen sfi sfi-ab binab ...; env CTX, N, BATCH):
 bash .bin/gpu_run.sh tests bench torch
 CMD
