@@ -175,10 +175,14 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     bf16* newv = newk + D;
     u32 pos = 0;
     bool has_new = false;
+    // The new key's index among this sequence's keys: its position (dense), or the last
+    // virtual index (sparse: the recent part runs to len, and pos must be len - 1).
+    int jnew = 0;
     if constexpr (POST) {
         pos = pa.positions[b];
         rope_angles(pos, pa.inv_freq, pa.rot / 2, cs);
-        has_new = pos < capacity && slot < num_slots && (int)pos >= s_lo && (int)pos < s_hi;
+        jnew = SPARSE ? vend - 1 : (int)pos;
+        has_new = pos < capacity && slot < num_slots && jnew >= s_lo && jnew < s_hi;
     }
     int st = 0;
     for (; st < STAGES - 1 && st < n_tiles && s_lo + (st + 1) * BK <= vend - 1; ++st) {
@@ -241,8 +245,8 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         if constexpr (POST) {
             // The tile holding the new position read the cache row before anyone wrote it:
             // put the new key and value in its place.
-            if (has_new && t == ((int)pos - s_lo) / BK) {
-                const int r = (int)pos - s_lo - t * BK;
+            if (has_new && t == (jnew - s_lo) / BK) {
+                const int r = jnew - s_lo - t * BK;
                 for (int c = threadIdx.x; c < D; c += DEC_THREADS) {
                     ks[(t % STAGES) * BK * STR + r * STR + c] = newk[c];
                     vs[(t % STAGES) * BK * STR + r * STR + c] = newv[c];
@@ -434,6 +438,28 @@ POST_DECODE_ENTRY(attn_decode_post_d256, 256, 2)
 SPARSE_DECODE_ENTRY(attn_sparse_decode_d64, 64, 4)
 SPARSE_DECODE_ENTRY(attn_sparse_decode_d128, 128, 3)
 SPARSE_DECODE_ENTRY(attn_sparse_decode_d256, 256, 2)
+
+// The sparse kernels with the q/k/v post-processing inside (POST above; positions[b] must be
+// seq_lens[b] - 1, and the new key is the last of the sequence's virtual keys): the sparse
+// entry's arguments with the q/k/v row in place of q, then the post arguments; dynamic smem as
+// the sparse kernel's plus the post kernels' 6 KB (+ 2 D bf16).
+#define SPARSE_POST_DECODE_ENTRY(NAME, D, STAGES)                                                        \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS)                                            \
+        NAME(const bf16* qkv, bf16* k_cache, bf16* v_cache, const u32* seq_lens, const u32* slots,       \
+             float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity, u32 num_slots,      \
+             float scale_log2, const bf16* ck, const bf16* cv, const u32* clen, const u32* rstart,       \
+             u32 ccap, u32 rwin, float* logits, const u32* capture, u32 lstride, u32 qkv_stride,        \
+             const float* qn, const float* kn, float eps, const u32* positions, u32 rot,                \
+             const double* inv_freq) {                                                                  \
+        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride};                    \
+        PostArgs pa = {qkv, qkv_stride, qn, kn, eps, positions, rot, inv_freq, k_cache, v_cache};        \
+        attn_decode_impl<D, STAGES, true, true>(nullptr, k_cache, v_cache, seq_lens, slots, part_o,       \
+                                                part_ml, n_heads, kv_heads, capacity, num_slots, 0, 0,    \
+                                                scale_log2, sp, pa);                                      \
+    }
+SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d64, 64, 4)
+SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d128, 128, 3)
+SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d256, 256, 2)
 
 // Merges the splits: out [batch, n_heads, D] bf16, lse [batch, n_heads] (natural log) or null.
 // Warp w sums splits w, w + 8, ... with float4 loads; its first RED_U rows are loaded before

@@ -80,6 +80,10 @@ pub struct CudaContext {
     pub(crate) argmax_scratch: GpuBuffer<u32>,
     /// Whether the kernels were built for sm_90a (warpgroup MMA: the Hopper prefill kernels).
     pub(crate) wgmma: bool,
+    /// Whether sparse decode steps run qkv_post inside sparse flash-decoding
+    /// (`attn_sparse_decode_post_*`; `SLOWFAST_SPARSE_POST=1`, or
+    /// [`CudaContext::set_sparse_post`]).
+    sparse_post: std::sync::atomic::AtomicBool,
 }
 
 /// Rows up to which `linear` can stream the weights with the GEMV kernel.
@@ -121,6 +125,11 @@ pub(crate) fn pdl_wide_default(sparse: bool) -> PdlMode {
         PdlMode::Off
     }
 }
+
+/// Whether sparse decode steps (SFI, StreamingLLM) run qkv_post inside sparse flash-decoding by
+/// default: off until measured on the GPU (written after the device budget of that session was
+/// spent; docs/gpu-notes.md, runs 69-79).
+pub const SPARSE_POST_DEFAULT: bool = false;
 
 /// Whether the fused dense decode step runs qkv_post inside flash-decoding by default: off
 /// (run 49, batch 1: 8K 3.129 -> 3.094 ms but 32K 3.812 -> 3.853 and 128K 7.294 -> 7.317).
@@ -173,6 +182,9 @@ pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
         "attn_decode_post_d128" => s(16 + 2 * 3 * 64, 128) + POST_SMEM + 4 * 128,
         "attn_decode_post_d128_s4" => s(16 + 2 * 4 * 64, 128) + POST_SMEM + 4 * 128,
         "attn_decode_post_d256" => s(16 + 2 * 2 * 64, 256) + POST_SMEM + 4 * 256,
+        "attn_sparse_decode_post_d64" => s(16 + 2 * 4 * 64, 64) + POST_SMEM + 4 * 64,
+        "attn_sparse_decode_post_d128" => s(16 + 2 * 3 * 64, 128) + POST_SMEM + 4 * 128,
+        "attn_sparse_decode_post_d256" => s(16 + 2 * 2 * 64, 256) + POST_SMEM + 4 * 256,
         // the most it may ask for (the launch passes what its kv heads and span need)
         "sfi_score_fin" => crate::ops::sfi::SCORE_FIN_SMEM as u32,
         _ => return None,
@@ -325,6 +337,9 @@ impl CudaContext {
             smem_reserved,
             argmax_scratch,
             wgmma,
+            sparse_post: std::sync::atomic::AtomicBool::new(
+                env_usize("SLOWFAST_SPARSE_POST").map_or(SPARSE_POST_DEFAULT, |v| v != 0),
+            ),
         })
     }
 
@@ -494,6 +509,22 @@ impl CudaContext {
 
     pub(crate) fn attn_post(&self) -> bool {
         self.attn_post.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sparse decode steps: qkv_post inside sparse flash-decoding (`true`) or before it (for
+    /// A/B runs and tests; default [`SPARSE_POST_DEFAULT`], `SLOWFAST_SPARSE_POST`). A decoder
+    /// captures its graph with the setting of that moment.
+    #[doc(hidden)]
+    pub fn set_sparse_post(&self, on: bool) {
+        self.sparse_post
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether sparse decode steps run qkv_post inside sparse flash-decoding (see
+    /// [`CudaContext::set_sparse_post`]).
+    #[doc(hidden)]
+    pub fn sparse_post(&self) -> bool {
+        self.sparse_post.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Dense flash-decoding's split: even on the device at every step (`true`, the default) or

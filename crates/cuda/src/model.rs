@@ -19,6 +19,7 @@ use crate::ops::attention::{AttnWorkspace, DecodeAttn, PrefillAttn};
 use crate::ops::elementwise::Glu;
 use crate::ops::fused::{GemvInput, GemvOutput, QkvPost};
 use crate::ops::norm::RmsNorm;
+use crate::ops::sfi::SparsePost;
 use crate::ops::KvLayout;
 use crate::sparse::{GpuKvPolicy, Refresh, SparseState};
 
@@ -979,11 +980,27 @@ impl GpuDecoder {
                 && sp.is_none()
                 && ctx.attn_post()
                 && ctx.decode_post_kernel(&dp, &kv).is_some();
+            // Sparse decode steps may run it inside sparse flash-decoding (SLOWFAST_SPARSE_POST).
+            let sparse_post = if matches!(mode, Attn::Decode) && sp.is_some() && ctx.sparse_post() {
+                let [q_norm, k_norm, inv_freq] = p.check("sparse decode", s.head_dim)?;
+                Some(SparsePost {
+                    qkv: a.qkv.device_ptr(),
+                    qkv_stride: qd + 2 * kd,
+                    q_norm,
+                    k_norm,
+                    eps: p.eps,
+                    positions: a.pos.device_ptr(),
+                    rot_dim: p.rot_dim,
+                    inv_freq,
+                })
+            } else {
+                None
+            };
             if post_in_attn {
                 ctx.attn_decode_post(
                     &a.qkv, kc, vc, kv, dec_lens, &a.slots, &a.pos, &mut a.att, None, ws, &dp, &p,
                 )?;
-            } else {
+            } else if sparse_post.is_none() {
                 ctx.qkv_post(&a.qkv, &mut a.q, kc, vc, &a.pos, &a.slots, kv, &p)?;
             }
             match (mode, sp) {
@@ -1013,7 +1030,8 @@ impl GpuDecoder {
                         a.slots.device_ptr(),
                     );
                     let capture = !refresh.is_empty();
-                    sp.decode_layer(ctx, l, kc, vc, ws, io, n, nh, s.attn_scale, capture)?;
+                    let scale = s.attn_scale;
+                    sp.decode_layer(ctx, l, kc, vc, ws, io, n, nh, scale, capture, sparse_post)?;
                 }
                 (Attn::Decode, None) => {
                     ctx.attn_decode(

@@ -25,7 +25,9 @@ use crate::buffer::GpuBuffer;
 use crate::context::CudaContext;
 use crate::error::CudaError;
 use crate::ops::attention::AttnWorkspace;
-use crate::ops::sfi::{GatherArgs, SelectArgs, SelectorConfig, SelectorScratch, SparseDecode};
+use crate::ops::sfi::{
+    GatherArgs, SelectArgs, SelectorConfig, SelectorScratch, SparseDecode, SparsePost,
+};
 use crate::ops::KvLayout;
 
 /// SFI on the GPU: S sinks + k Selector-chosen tokens + a recent window (page-aligned start).
@@ -386,6 +388,9 @@ impl SparseState {
 
     /// Decode attention of global layer `l` for `batch` slots (row b = slot b); with
     /// `capture` the capturing slots attend densely and leave their scores for the Selector.
+    /// With `post` the kernel does `qkv_post`'s work first (q from the projection rows, the new
+    /// key and value written into `kc` / `vc`, which the caller holds mutably); `io.0` is then
+    /// unused.
     #[allow(clippy::too_many_arguments)]
     pub fn decode_layer(
         &self,
@@ -399,6 +404,7 @@ impl SparseState {
         n_heads: usize,
         scale: f32,
         capture: bool,
+        post: Option<SparsePost>,
     ) -> Result<(), CudaError> {
         let (q, out, seq_lens, slots) = io;
         let (kv, ns) = (self.kv, self.num_slots);
@@ -446,6 +452,7 @@ impl SparseState {
             },
             capture: self.capture.device_ptr(),
             lstride: kv.capacity,
+            post,
         };
         // The partials at the most splits any step uses, from the first step on: a later
         // capturing step must not reallocate what a captured fast-step graph points at.
@@ -504,6 +511,7 @@ impl SparseState {
             logits: self.logits.device_ptr(),
             capture: self.ones.device_ptr(),
             lstride: kv.capacity,
+            post: None,
         };
         ctx.attn_sparse_decode(kc, vc, kv, ws, &p)?;
         self.select_gather(ctx, gi, 1, r, self.logits.device_ptr(), 0, n_heads, false)

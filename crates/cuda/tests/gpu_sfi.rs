@@ -113,6 +113,7 @@ fn sparse_decode_matches_reference() {
                 logits: logits.device_ptr(),
                 capture: dcap.device_ptr(),
                 lstride: cap,
+                post: None,
             };
             ctx.attn_sparse_decode(&dk, &dv, kv, &mut ws, &p).unwrap();
             let got = to_f64(&ctx.download(&out).unwrap());
@@ -181,6 +182,157 @@ fn sparse_decode_matches_reference() {
                 &want,
                 2e-2,
             );
+        }
+    }
+}
+
+/// The sparse kernel with `qkv_post` inside (`SparsePost`) against `qkv_post` followed by the
+/// plain sparse launch: the same output, captured scores and caches bit for bit, with the new
+/// cache row NaN until one of them writes it (so a tile that read it before the new key was
+/// put in its place would poison the output). A compact row, a dense row and a capturing row
+/// (or, without capture, a third sparse one); capturing launches at one wave and 7 splits, fast
+/// ones at 8 and 1; head dims 128, 256 and 64 (with a sliding recent window and no q/k norms).
+#[test]
+fn sparse_decode_post_equals_qkv_post_then_sparse_decode() {
+    use slowfast_cuda::ops::sfi::SparsePost;
+    use slowfast_cuda::QkvPost;
+    let Some(ctx) = gpu("sparse_decode_post") else {
+        return;
+    };
+    let mut rng = Rng::new(62);
+    for &(d, nh, nkv, rwin, norms) in &[
+        (128usize, 32usize, 8usize, 0usize, true),
+        (256, 4, 1, 0, true),
+        (64, 16, 2, 300, false),
+    ] {
+        let (batch, cap, ccap) = (3usize, 1200usize, 200usize);
+        let kv = KvLayout {
+            num_slots: batch,
+            kv_heads: nkv,
+            capacity: cap,
+            head_dim: d,
+        };
+        let lens = [700usize, 333, 1100];
+        let clens = [50usize, 0, 120];
+        let rstarts = [600usize, 0, 900];
+        // caches random below each length, the new row (len - 1) NaN
+        let mut init_k = rng.vec_bf16(kv.elems(), 1.0);
+        let mut init_v = rng.vec_bf16(kv.elems(), 1.0);
+        for (b, &len) in lens.iter().enumerate() {
+            for h in 0..nkv {
+                let at = ((b * nkv + h) * cap + len - 1) * d;
+                for i in at..at + d {
+                    init_k[i] = bf16::NAN;
+                    init_v[i] = bf16::NAN;
+                }
+            }
+        }
+        let ck = rng.vec_bf16(batch * nkv * ccap * d, 1.0);
+        let cv = rng.vec_bf16(batch * nkv * ccap * d, 1.0);
+        let row = (nh + 2 * nkv) * d;
+        let qkv = rng.vec_bf16(batch * row, 1.0);
+        let qn: Vec<f32> = (0..d).map(|_| 1.0 + rng.normal(0.3)).collect();
+        let kn: Vec<f32> = (0..d).map(|_| 1.0 + rng.normal(0.3)).collect();
+        let freqs: Vec<f64> = (0..d / 2)
+            .map(|i| 10000f64.powf(-2.0 * i as f64 / d as f64))
+            .collect();
+        let u32s = |v: &[usize]| -> Vec<u32> { v.iter().map(|&x| x as u32).collect() };
+        let pos: Vec<usize> = lens.iter().map(|&l| l - 1).collect();
+        let (dl, dclen, drs, dpos) = (
+            ctx.upload(&u32s(&lens)).unwrap(),
+            ctx.upload(&u32s(&clens)).unwrap(),
+            ctx.upload(&u32s(&rstarts)).unwrap(),
+            ctx.upload(&u32s(&pos)).unwrap(),
+        );
+        let dslots = ctx.upload(&[0u32, 1, 2]).unwrap();
+        let dcap = ctx.upload(&[0u32, 0, 1]).unwrap();
+        let (dck, dcv) = (ctx.upload(&ck).unwrap(), ctx.upload(&cv).unwrap());
+        let dqkv = ctx.upload(&qkv).unwrap();
+        let (dqn, dkn, df) = (
+            ctx.upload(&qn).unwrap(),
+            ctx.upload(&kn).unwrap(),
+            ctx.upload(&freqs).unwrap(),
+        );
+        let qp = QkvPost {
+            n_tokens: batch,
+            q_heads: nh,
+            q_norm: norms.then_some(&dqn),
+            k_norm: norms.then_some(&dkn),
+            eps: 1e-6,
+            rot_dim: d,
+            inv_freq: &df,
+        };
+        let sp = SparsePost {
+            qkv: dqkv.device_ptr(),
+            qkv_stride: row,
+            q_norm: if norms { dqn.device_ptr() } else { 0 },
+            k_norm: if norms { dkn.device_ptr() } else { 0 },
+            eps: 1e-6,
+            positions: dpos.device_ptr(),
+            rot_dim: d,
+            inv_freq: df.device_ptr(),
+        };
+        let mut ws = AttnWorkspace::new();
+        for (splits, cap_on) in [
+            (ctx.sparse_splits(batch, nh, &kv), true),
+            (7, true),
+            (8, false),
+            (1, false),
+        ] {
+            // (out, scores, k cache, v cache) bits of one way
+            let mut run = |post: bool| -> (Vec<u16>, Vec<u32>, Vec<u16>, Vec<u16>) {
+                let (mut kc, mut vc) = (ctx.upload(&init_k).unwrap(), ctx.upload(&init_v).unwrap());
+                let mut q = ctx.upload(&nan_bf16(batch * nh * d)).unwrap();
+                if !post {
+                    ctx.qkv_post(&dqkv, &mut q, &mut kc, &mut vc, &dpos, &dslots, kv, &qp)
+                        .unwrap();
+                }
+                let out = ctx.upload(&nan_bf16(batch * nh * d)).unwrap();
+                let logits = ctx.upload(&vec![f32::NAN; batch * nh * cap]).unwrap();
+                let p = SparseDecode {
+                    batch,
+                    n_heads: nh,
+                    scale: 0.09,
+                    splits,
+                    q: q.device_ptr(),
+                    out: out.device_ptr(),
+                    seq_lens: dl.device_ptr(),
+                    slots: dslots.device_ptr(),
+                    ck: dck.device_ptr(),
+                    cv: dcv.device_ptr(),
+                    ccap,
+                    clen: dclen.device_ptr(),
+                    rstart: drs.device_ptr(),
+                    rwin,
+                    logits: if cap_on { logits.device_ptr() } else { 0 },
+                    capture: dcap.device_ptr(),
+                    lstride: cap,
+                    post: post.then_some(sp),
+                };
+                ctx.attn_sparse_decode(&kc, &vc, kv, &mut ws, &p).unwrap();
+                let b16 = |v: Vec<bf16>| -> Vec<u16> { v.iter().map(|x| x.to_bits()).collect() };
+                (
+                    b16(ctx.download(&out).unwrap()),
+                    ctx.download(&logits)
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect(),
+                    b16(ctx.download(&kc).unwrap()),
+                    b16(ctx.download(&vc).unwrap()),
+                )
+            };
+            let (want, got) = (run(false), run(true));
+            let tag = format!("d{d} {nh}/{nkv} rwin {rwin} splits {splits} capture {cap_on}");
+            assert!(
+                want.0.iter().all(|&x| !bf16::from_bits(x).is_nan()),
+                "{tag}: the reference output has NaNs"
+            );
+            assert_eq!(want.0, got.0, "{tag}: outputs differ");
+            assert_eq!(want.1, got.1, "{tag}: captured scores differ");
+            assert_eq!(want.2, got.2, "{tag}: k caches differ");
+            assert_eq!(want.3, got.3, "{tag}: v caches differ");
+            println!("{tag}: bit-identical");
         }
     }
 }

@@ -417,40 +417,47 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
     let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
         .unwrap()
         .model;
-    let n = 300;
-    let prompt = tokens(n, m.cfg.vocab_size, 0xABCD);
-    let steps = 24;
-    let cap = n + steps + 2;
-    let mut full = load_decoder(ctx.clone(), &m, 1, cap, 128).unwrap();
-    let mut sfi = load_decoder(ctx.clone(), &m, 1, cap, 128).unwrap();
-    // S + k + W = n - 1 < n, so the prompt gets a memory; the page-aligned recent start leaves
-    // a domain of at most k tokens while the length stays below 304 (recent start 224, domain
-    // 220 <= k = 231), so every refresh up to there keeps every key: fast steps are dense in
-    // effect and must match full KV up to the order of the float sums. Slow steps at lengths
-    // 302 and 303; later fast steps read that memory plus the growing recent window.
+    // Both ways of a sparse step's q/k/v post-processing: qkv_post before sparse
+    // flash-decoding, and inside it (SLOWFAST_SPARSE_POST).
+    let post_default = ctx.sparse_post();
+    for post in [false, true] {
+        ctx.set_sparse_post(post);
+        let n = 300;
+        let prompt = tokens(n, m.cfg.vocab_size, 0xABCD);
+        let steps = 24;
+        let cap = n + steps + 2;
+        let mut full = load_decoder(ctx.clone(), &m, 1, cap, 128).unwrap();
+        let mut sfi = load_decoder(ctx.clone(), &m, 1, cap, 128).unwrap();
+        // S + k + W = n - 1 < n, so the prompt gets a memory; the page-aligned recent start leaves
+        // a domain of at most k tokens while the length stays below 304 (recent start 224, domain
+        // 220 <= k = 231), so every refresh up to there keeps every key: fast steps are dense in
+        // effect and must match full KV up to the order of the float sums. Slow steps at lengths
+        // 302 and 303; later fast steps read that memory plus the growing recent window.
 
-    let (sinks, recent) = (4, 64);
-    let selector = default_selector();
-    let cfg = GpuSfiConfig {
-        sinks,
-        recent,
-        selected: n - 1 - sinks - recent,
-        page: 16,
-        bootstrap_rows: 16,
-        selector,
-    };
-    sfi.set_policy(GpuKvPolicy::Sfi(cfg)).unwrap();
-    let worst = decode_pair(&mut full, &mut sfi, &prompt, steps, &[1, 2]);
-    let (slow, fast, refreshes) = sfi.step_counts();
-    eprintln!("sfi (whole domain) vs full: worst logits error {worst:.5}; {slow} slow / {fast} fast steps, {refreshes} refreshes");
-    assert_eq!((slow, fast), (2, steps - 2), "slow steps where asked");
-    assert_eq!(refreshes, 3, "the bootstrap and two slow steps");
-    // Two GPU paths over the same keys (bf16 activations, different split sums); a missing
-    // or wrong key gives errors of order 1.
-    assert!(
-        worst < 0.1,
-        "SFI holding every key differs from full KV by {worst}"
-    );
+        let (sinks, recent) = (4, 64);
+        let selector = default_selector();
+        let cfg = GpuSfiConfig {
+            sinks,
+            recent,
+            selected: n - 1 - sinks - recent,
+            page: 16,
+            bootstrap_rows: 16,
+            selector,
+        };
+        sfi.set_policy(GpuKvPolicy::Sfi(cfg)).unwrap();
+        let worst = decode_pair(&mut full, &mut sfi, &prompt, steps, &[1, 2]);
+        let (slow, fast, refreshes) = sfi.step_counts();
+        eprintln!("sfi (whole domain, qkv_post inside: {post}) vs full: worst logits error {worst:.5}; {slow} slow / {fast} fast steps, {refreshes} refreshes");
+        assert_eq!((slow, fast), (2, steps - 2), "slow steps where asked");
+        assert_eq!(refreshes, 3, "the bootstrap and two slow steps");
+        // Two GPU paths over the same keys (bf16 activations, different split sums); a missing
+        // or wrong key gives errors of order 1.
+        assert!(
+            worst < 0.1,
+            "SFI holding every key (qkv_post inside: {post}) differs from full KV by {worst}"
+        );
+    }
+    ctx.set_sparse_post(post_default);
 }
 
 /// SFI's asynchronous refresh: the Selector of a slow step runs on the side stream and its
@@ -548,33 +555,39 @@ fn streaming_matches_cpu_streaming() {
         .model;
     let r = bf16_reference(&m);
     let v = m.cfg.vocab_size;
-    let n = 400;
-    let prompt = tokens(n, v, 0x5151);
-    let steps = 16;
-    let (sinks, recent) = (4, 100);
-    let mut dec = load_decoder(ctx.clone(), &m, 1, n + steps + 2, 128).unwrap();
-    dec.set_policy(slowfast_cuda::GpuKvPolicy::Streaming { sinks, recent })
-        .unwrap();
-    dec.prefill(0, &prompt, false).unwrap();
-    dec.begin_decode().unwrap();
-    let spec = PolicySpec::Streaming { sinks, recent };
-    let mut s = Session::try_with_policy(&r, n + steps + 2, KvDtype::F32, 128, &spec).unwrap();
-    s.prefill(&prompt, &mut |_, _| {}).unwrap();
-    let mut worst = 0.0f64;
-    for (i, &t) in tokens(steps, v, 0x77).iter().enumerate() {
-        dec.set_next(&[t]).unwrap();
-        dec.decode_step().unwrap();
-        if i == 1 {
-            dec.capture_decode().unwrap();
+    // qkv_post before sparse flash-decoding, then inside it (SLOWFAST_SPARSE_POST)
+    let post_default = ctx.sparse_post();
+    for post in [false, true] {
+        ctx.set_sparse_post(post);
+        let n = 400;
+        let prompt = tokens(n, v, 0x5151);
+        let steps = 16;
+        let (sinks, recent) = (4, 100);
+        let mut dec = load_decoder(ctx.clone(), &m, 1, n + steps + 2, 128).unwrap();
+        dec.set_policy(slowfast_cuda::GpuKvPolicy::Streaming { sinks, recent })
+            .unwrap();
+        dec.prefill(0, &prompt, false).unwrap();
+        dec.begin_decode().unwrap();
+        let spec = PolicySpec::Streaming { sinks, recent };
+        let mut s = Session::try_with_policy(&r, n + steps + 2, KvDtype::F32, 128, &spec).unwrap();
+        s.prefill(&prompt, &mut |_, _| {}).unwrap();
+        let mut worst = 0.0f64;
+        for (i, &t) in tokens(steps, v, 0x77).iter().enumerate() {
+            dec.set_next(&[t]).unwrap();
+            dec.decode_step().unwrap();
+            if i == 1 {
+                dec.capture_decode().unwrap();
+            }
+            let c = s.step(t).unwrap().to_vec();
+            worst = worst.max(row_err(&dec.logits().unwrap(), &c));
         }
-        let c = s.step(t).unwrap().to_vec();
-        worst = worst.max(row_err(&dec.logits().unwrap(), &c));
+        eprintln!("streaming on the GPU (qkv_post inside: {post}) vs the CPU: worst decode logits error {worst:.4}");
+        assert!(
+            worst < 0.35,
+            "GPU streaming (qkv_post inside: {post}) differs from CPU streaming: {worst}"
+        );
     }
-    eprintln!("streaming on the GPU vs the CPU: worst decode logits error {worst:.4}");
-    assert!(
-        worst < 0.35,
-        "GPU streaming differs from CPU streaming: {worst}"
-    );
+    ctx.set_sparse_post(post_default);
 }
 
 /// The default model (Gemma 3 270M, Q4_K_M GGUF) when `SLOWFAST_DEFAULT_MODEL` names its file

@@ -328,6 +328,26 @@ pub struct SparseDecode {
     pub logits: u64,
     pub capture: u64,
     pub lstride: usize,
+    /// The q/k/v post-processing inside the kernel (`attn_sparse_decode_post_*`): q comes from
+    /// the projection row instead of `q`, and the new key and value go into the cache.
+    pub post: Option<SparsePost>,
+}
+
+/// What `qkv_post` would do before a sparse decode launch, done inside it: `qkv [batch,
+/// qkv_stride]` the merged projection rows, `positions[b] = seq_lens[b] - 1` (the new token, its
+/// k and v written to the cache at `(slots[b], positions[b])`), the per-head norm weights (0:
+/// none), RoPE over the first `rot_dim` dims with `inv_freq [rot_dim / 2]`. Outputs, scores and
+/// caches are bit-identical to `qkv_post` followed by the plain launch.
+#[derive(Clone, Copy, Debug)]
+pub struct SparsePost {
+    pub qkv: u64,
+    pub qkv_stride: usize,
+    pub q_norm: u64,
+    pub k_norm: u64,
+    pub eps: f32,
+    pub positions: u64,
+    pub rot_dim: usize,
+    pub inv_freq: u64,
 }
 
 impl CudaContext {
@@ -375,7 +395,7 @@ impl CudaContext {
             ));
         }
         for (what, v) in [
-            ("q", p.q),
+            ("q", p.post.map_or(p.q, |pp| pp.qkv)),
             ("out", p.out),
             ("seq_lens", p.seq_lens),
             ("slots", p.slots),
@@ -398,14 +418,42 @@ impl CudaContext {
         let rows = p.batch * p.n_heads;
         let splits = p.splits.clamp(1, 1024);
         let (part_o, part_ml) = ws.ensure(self, rows * splits * d, rows * splits * 2)?;
-        let kernel = match d {
-            64 => "attn_sparse_decode_d64",
-            128 => "attn_sparse_decode_d128",
-            _ => "attn_sparse_decode_d256",
+        if let Some(pp) = p.post {
+            let row = (p.n_heads + 2 * kv.kv_heads) * d;
+            if pp.positions == 0
+                || pp.inv_freq == 0
+                || pp.qkv_stride < row
+                || pp.rot_dim == 0
+                || pp.rot_dim > d
+                || pp.rot_dim % 2 != 0
+                || pp.eps.is_nan()
+                || pp.eps < 0.0
+            {
+                return Err(CudaError::bad(
+                    OP,
+                    format!(
+                        "post: qkv row {} (at least {row}), rot_dim {} of {d}, eps {}, \
+                         positions / inv_freq set: {} / {}",
+                        pp.qkv_stride,
+                        pp.rot_dim,
+                        pp.eps,
+                        pp.positions != 0,
+                        pp.inv_freq != 0
+                    ),
+                ));
+            }
+        }
+        let kernel = match (d, p.post.is_some()) {
+            (64, false) => "attn_sparse_decode_d64",
+            (128, false) => "attn_sparse_decode_d128",
+            (_, false) => "attn_sparse_decode_d256",
+            (64, true) => "attn_sparse_decode_post_d64",
+            (128, true) => "attn_sparse_decode_post_d128",
+            (_, true) => "attn_sparse_decode_post_d256",
         };
         let row_groups = (p.n_heads / kv.kv_heads).div_ceil(16);
-        let args = [
-            KArg::P(p.q),
+        let mut args = vec![
+            KArg::P(p.post.map_or(p.q, |pp| pp.qkv)),
             KArg::P(k_cache.ptr_min(OP, "k_cache", kv.elems())?),
             KArg::P(v_cache.ptr_min(OP, "v_cache", kv.elems())?),
             KArg::P(p.seq_lens),
@@ -427,6 +475,17 @@ impl CudaContext {
             KArg::P(p.capture),
             KArg::U(u32_of(OP, "lstride", p.lstride)?),
         ];
+        if let Some(pp) = p.post {
+            args.extend_from_slice(&[
+                KArg::U(u32_of(OP, "qkv row", pp.qkv_stride)?),
+                KArg::P(pp.q_norm),
+                KArg::P(pp.k_norm),
+                KArg::F(pp.eps),
+                KArg::P(pp.positions),
+                KArg::U(pp.rot_dim as u32),
+                KArg::P(pp.inv_freq),
+            ]);
+        }
         self.launch(
             kernel,
             (
