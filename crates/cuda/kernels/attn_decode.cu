@@ -176,13 +176,15 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     u32 pos = 0;
     bool has_new = false;
     // The new key's index among this sequence's keys: its position (dense), or the last
-    // virtual index (sparse: the recent part runs to len, and pos must be len - 1).
+    // virtual index (sparse: the recent part runs to len, pos must be len - 1, and the recent
+    // part must hold it, rstart[b] < seq_lens[b], as every fast step's does; a row whose recent
+    // part is empty would leave the new row unwritten).
     int jnew = 0;
     if constexpr (POST) {
         pos = pa.positions[b];
         rope_angles(pos, pa.inv_freq, pa.rot / 2, cs);
         jnew = SPARSE ? vend - 1 : (int)pos;
-        has_new = pos < capacity && slot < num_slots && jnew >= s_lo && jnew < s_hi;
+        has_new = pos < capacity && slot < num_slots && jnew >= s_lo && jnew < s_hi && (!SPARSE || rlo < len);
     }
     int st = 0;
     for (; st < STAGES - 1 && st < n_tiles && s_lo + (st + 1) * BK <= vend - 1; ++st) {

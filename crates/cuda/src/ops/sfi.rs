@@ -337,7 +337,9 @@ pub struct SparseDecode {
 /// qkv_stride]` the merged projection rows, `positions[b] = seq_lens[b] - 1` (the new token, its
 /// k and v written to the cache at `(slots[b], positions[b])`), the per-head norm weights (0:
 /// none), RoPE over the first `rot_dim` dims with `inv_freq [rot_dim / 2]`. Outputs, scores and
-/// caches are bit-identical to `qkv_post` followed by the plain launch.
+/// caches are bit-identical to `qkv_post` followed by the plain launch, provided every row
+/// attends its newest key (`rstart[b] < seq_lens[b]`, as SFI's and StreamingLLM's recent windows
+/// do): the block that attends it is the one that writes it.
 #[derive(Clone, Copy, Debug)]
 pub struct SparsePost {
     pub qkv: u64,
