@@ -982,7 +982,7 @@ impl GpuDecoder {
                 && ctx.decode_post_kernel(&dp, &kv).is_some();
             // Sparse decode steps may run it inside sparse flash-decoding (SLOWFAST_SPARSE_POST).
             let sparse_post = if matches!(mode, Attn::Decode) && sp.is_some() && ctx.sparse_post() {
-                let [q_norm, k_norm, inv_freq] = p.check("sparse decode", s.head_dim)?;
+                let [q_norm, k_norm, inv_freq] = p.check("sparse decode", kv.head_dim)?;
                 Some(SparsePost {
                     qkv: a.qkv.device_ptr(),
                     qkv_stride: qd + 2 * kd,
