@@ -271,6 +271,27 @@ fn layer_weights(ctx: &CudaContext, layers: usize) -> Result<Vec<Vec<GpuBuffer<b
         .collect()
 }
 
+/// Milliseconds a replay of `chain` captured as a CUDA graph takes (20 replays), its kernels
+/// launched with PDL when `pdl`; one run first, outside the capture (cuBLAS workspaces, first
+/// launches).
+fn time_graph(
+    ctx: &CudaContext,
+    pdl: bool,
+    chain: &mut dyn FnMut() -> Result<(), CudaError>,
+) -> Result<f32, CudaError> {
+    ctx.set_pdl(pdl);
+    chain()?;
+    let graph = ctx.capture_graph(&mut *chain);
+    ctx.set_pdl(false);
+    let graph = graph?;
+    ctx.time_ms(20, || {
+        graph.launch().map_err(|e| CudaError::Driver {
+            op: "cuGraphLaunch",
+            reason: format!("{e:?}"),
+        })
+    })
+}
+
 /// The weight side of a 6-row decode step as the step runs it, from a CUDA graph: 36 layers of
 /// q/k/v, o, gate|up and down (each layer its own weights, 7.3 GB), through cuBLAS, the
 /// tensor-core GEMV, and the tensor-core GEMV under PDL. Per-kernel times (above, or ncu) do not
@@ -303,17 +324,7 @@ fn small_batch_chain(
             Ok(())
         };
         ctx.set_gemv_mma_rows(0);
-        ctx.set_pdl(pdl);
-        chain()?; // warm up (cuBLAS workspaces, first launches) outside the capture
-        let graph = ctx.capture_graph(&mut chain);
-        ctx.set_pdl(false);
-        let graph = graph?;
-        let ms = ctx.time_ms(20, || {
-            graph.launch().map_err(|e| CudaError::Driver {
-                op: "cuGraphLaunch",
-                reason: format!("{e:?}"),
-            })
-        })?;
+        let ms = time_graph(ctx, pdl, &mut chain)?;
         let g = total as f64 / (ms as f64 * 1e-3) / 1e9;
         println!(
             "gemv    graph of {} {label} GEMMs at {rows} rows ({:.2} GB): {:>7.3} ms {:>5.0} GB/s {:>5.1}% of copy",
@@ -396,17 +407,7 @@ fn gemv_tma_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
             }
             Ok(())
         };
-        ctx.set_pdl(pdl);
-        chain()?;
-        let graph = ctx.capture_graph(&mut chain);
-        ctx.set_pdl(false);
-        let graph = graph?;
-        let ms = ctx.time_ms(20, || {
-            graph.launch().map_err(|e| CudaError::Driver {
-                op: "cuGraphLaunch",
-                reason: format!("{e:?}"),
-            })
-        })?;
+        let ms = time_graph(ctx, pdl, &mut chain)?;
         let g = total as f64 / (ms as f64 * 1e-3) / 1e9;
         println!(
             "gemvt   graph of {} tma GEMMs at {rows} rows{} ({:.2} GB): {:>7.3} ms {:>5.0} GB/s {:>5.1}% of copy",

@@ -89,6 +89,18 @@ __device__ __forceinline__ void mma_16816(float* c, const u32* a, const u32* b) 
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+// One 32-wide k slice of the tensor-core GEMVs (gemv_mma_impl, gemv_tma_bench): a and b hold
+// 16-byte chunk t of the slice from A rows g and g + 8, x the same chunk of input row g (B's
+// column g); elements 0-3 of each chunk go to the first k16 step and 4-7 to the second, as the
+// fragment positions (2t, 2t + 1, 2t + 8, 2t + 9). The k order is permuted, the sum is not.
+__device__ __forceinline__ void mma_k32_slice(float* acc, uint4 a, uint4 b, uint4 x) {
+    const u32 a0[4] = {a.x, b.x, a.y, b.y};
+    const u32 b0[2] = {x.x, x.y};
+    mma_16816(acc, a0, b0);
+    const u32 a1[4] = {a.z, b.z, a.w, b.w};
+    const u32 b1[2] = {x.z, x.w};
+    mma_16816(acc, a1, b1);
+}
 __device__ __forceinline__ void ldmatrix_x4(u32* r, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

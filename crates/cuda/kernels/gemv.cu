@@ -362,14 +362,7 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
         }
         if (it + 1 < iters) load_w(it + 1);
 #pragma unroll
-        for (int u = 0; u < GEMV_MMA_U; ++u) {
-            const u32 a0[4] = {ca[u].x, cb[u].x, ca[u].y, cb[u].y};
-            const u32 b0[2] = {xv[u].x, xv[u].y};
-            mma_16816(acc, a0, b0);
-            const u32 a1[4] = {ca[u].z, cb[u].z, ca[u].w, cb[u].w};
-            const u32 b1[2] = {xv[u].z, xv[u].w};
-            mma_16816(acc, a1, b1);
-        }
+        for (int u = 0; u < GEMV_MMA_U; ++u) mma_k32_slice(acc, ca[u], cb[u], xv[u]);
     }
     // acc: A rows g, g + 8 of the block's 16, columns (input rows) 2t, 2t + 1.
     red[warp][g][2 * t] = acc[0];

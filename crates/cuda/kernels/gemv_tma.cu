@@ -84,12 +84,7 @@ extern "C" __global__ void __launch_bounds__(128)
         for (int q = 0; q < 2; ++q) {
             const uint4 a = *reinterpret_cast<const uint4*>(ra + (4 * q + t) * 8);
             const uint4 b = *reinterpret_cast<const uint4*>(rb + (4 * q + t) * 8);
-            const u32 a0[4] = {a.x, b.x, a.y, b.y};
-            const u32 b0[2] = {xv[q].x, xv[q].y};
-            mma_16816(acc, a0, b0);
-            const u32 a1[4] = {a.z, b.z, a.w, b.w};
-            const u32 b1[2] = {xv[q].z, xv[q].w};
-            mma_16816(acc, a1, b1);
+            mma_k32_slice(acc, a, b, xv[q]);
         }
     }
     red[warp][g][2 * t] = acc[0];
