@@ -292,6 +292,24 @@ fn time_graph(
     })
 }
 
+/// One line for a graph of `gemms` products of `rows` rows streaming `bytes` in `ms`.
+fn print_graph(
+    tag: &str,
+    label: &str,
+    gemms: usize,
+    rows: usize,
+    bytes: usize,
+    ms: f32,
+    copy_gbs: f64,
+) {
+    let g = bytes as f64 / (ms as f64 * 1e-3) / 1e9;
+    println!(
+        "{tag:<7} graph of {gemms} {label} GEMMs at {rows} rows ({:.2} GB): {ms:>7.3} ms {g:>5.0} GB/s {:>5.1}% of copy",
+        bytes as f64 / 1e9,
+        100.0 * g / copy_gbs
+    );
+}
+
 /// The weight side of a 6-row decode step as the step runs it, from a CUDA graph: 36 layers of
 /// q/k/v, o, gate|up and down (each layer its own weights, 7.3 GB), through cuBLAS, the
 /// tensor-core GEMV, and the tensor-core GEMV under PDL. Per-kernel times (above, or ncu) do not
@@ -325,15 +343,7 @@ fn small_batch_chain(
         };
         ctx.set_gemv_mma_rows(0);
         let ms = time_graph(ctx, pdl, &mut chain)?;
-        let g = total as f64 / (ms as f64 * 1e-3) / 1e9;
-        println!(
-            "gemv    graph of {} {label} GEMMs at {rows} rows ({:.2} GB): {:>7.3} ms {:>5.0} GB/s {:>5.1}% of copy",
-            4 * layers,
-            total as f64 / 1e9,
-            ms,
-            g,
-            100.0 * g / copy_gbs
-        );
+        print_graph("gemv", label, 4 * layers, rows, total, ms, copy_gbs);
     }
     Ok(())
 }
@@ -408,16 +418,8 @@ fn gemv_tma_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
             Ok(())
         };
         let ms = time_graph(ctx, pdl, &mut chain)?;
-        let g = total as f64 / (ms as f64 * 1e-3) / 1e9;
-        println!(
-            "gemvt   graph of {} tma GEMMs at {rows} rows{} ({:.2} GB): {:>7.3} ms {:>5.0} GB/s {:>5.1}% of copy",
-            4 * layers,
-            if pdl { " pdl" } else { "" },
-            total as f64 / 1e9,
-            ms,
-            g,
-            100.0 * g / copy_gbs
-        );
+        let label = if pdl { "tma pdl" } else { "tma" };
+        print_graph("gemvt", label, 4 * layers, rows, total, ms, copy_gbs);
     }
     Ok(())
 }

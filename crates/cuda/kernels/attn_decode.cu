@@ -155,6 +155,14 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         }
     }
 
+    // After this block's partials are written: the last-block merge of its group (SparseArgs::lm_cnt).
+    auto merge_if_last = [&]() {
+        if constexpr (SPARSE) {
+            if (sp.lm_cnt != nullptr)
+                sparse_last_merge(part_o, part_ml, (u32)b * n_heads + kvh * G + rg * 16, min(16, G - rg * 16), splits,
+                                  D, sp.lm_out, sp.lm_cnt + ((u32)b * kv_heads + kvh) * row_groups + rg);
+        }
+    };
     if (s_lo >= s_hi) {
         pdl_wait();
         pdl_trigger();
@@ -165,13 +173,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
             part_ml[idx * 2] = NEG_INF;
             part_ml[idx * 2 + 1] = 0.0f;
         }
-        if constexpr (SPARSE) {
-            if (sp.lm_cnt != nullptr) {
-                const u32 grp = ((u32)b * kv_heads + kvh) * row_groups + rg;
-                sparse_last_merge(part_o, part_ml, (u32)b * n_heads + kvh * G + rg * 16, min(16, G - rg * 16),
-                                  splits, D, sp.lm_out, sp.lm_cnt + grp);
-            }
-        }
+        merge_if_last();
         return;
     }
     const bf16* kc = k_cache + ((u64)slot * kv_heads + kvh) * capacity * D;
@@ -433,13 +435,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
             part_ml[idx * 2 + 1] = L;
         }
     }
-    if constexpr (SPARSE) {
-        if (sp.lm_cnt != nullptr) {
-            const u32 grp = ((u32)b * kv_heads + kvh) * row_groups + rg;
-            sparse_last_merge(part_o, part_ml, (u32)b * n_heads + kvh * G + rg * 16, nrows, splits, D, sp.lm_out,
-                              sp.lm_cnt + grp);
-        }
-    }
+    merge_if_last();
 }
 
 #define DECODE_ENTRY(NAME, D, STAGES)                                                                    \

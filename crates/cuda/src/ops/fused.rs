@@ -54,6 +54,12 @@ pub struct QkvPost<'a> {
     pub inv_freq: &'a GpuBuffer<f64>,
 }
 
+/// Whether a q/k post-processing's RoPE width and norm eps are usable for heads of `head_dim`:
+/// the rotation even, non-zero and no wider than the head, eps neither NaN nor negative.
+pub(crate) fn post_scalars_ok(rot_dim: usize, eps: f32, head_dim: usize) -> bool {
+    rot_dim != 0 && rot_dim <= head_dim && rot_dim % 2 == 0 && !eps.is_nan() && eps >= 0.0
+}
+
 impl QkvPost<'_> {
     /// Refuses no tokens or q heads, a rotation that is odd, zero or wider than `head_dim`,
     /// and a NaN or negative eps, naming them; else the device addresses of the q and k norm
@@ -61,11 +67,7 @@ impl QkvPost<'_> {
     pub(crate) fn check(&self, op: &'static str, head_dim: usize) -> Result<[u64; 3], CudaError> {
         if self.n_tokens == 0
             || self.q_heads == 0
-            || self.rot_dim == 0
-            || self.rot_dim > head_dim
-            || self.rot_dim % 2 != 0
-            || self.eps.is_nan()
-            || self.eps < 0.0
+            || !post_scalars_ok(self.rot_dim, self.eps, head_dim)
         {
             return Err(CudaError::bad(
                 op,

@@ -425,11 +425,7 @@ impl CudaContext {
             if pp.positions == 0
                 || pp.inv_freq == 0
                 || pp.qkv_stride < row
-                || pp.rot_dim == 0
-                || pp.rot_dim > d
-                || pp.rot_dim % 2 != 0
-                || pp.eps.is_nan()
-                || pp.eps < 0.0
+                || !crate::ops::fused::post_scalars_ok(pp.rot_dim, pp.eps, d)
             {
                 return Err(CudaError::bad(
                     OP,
