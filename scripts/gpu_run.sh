@@ -42,9 +42,6 @@ for p in $phases; do
     gemvb)
       # 3-8 rows through each decode projection: cuBLAS against the tensor-core GEMV
       .bin/cuda_bench gemvb 2>&1 | tee "$OUT/gemvb-bench.log" ;;
-    gemvt)
-      # the 2-D tensor-copy GEMV experiment (kernels/gemv_tma.cu) at 1 and 6 rows, and as a graph
-      .bin/cuda_bench gemvt 2>&1 | tee "$OUT/gemvt-bench.log" ;;
     gemv)
       # the 1-row GEMV kernels against the pure read rate, shape by shape, and as a 36-layer chain
       .bin/cuda_bench gemv 2>&1 | tee "$OUT/gemv-bench.log" ;;

@@ -1,13 +1,11 @@
 //! Micro-benchmark of the CUDA crate at Qwen3-4B shapes: device-copy bandwidth (the
 //! roofline), flash-decoding GB/s for 8K..128K contexts at batch 1 and 8, cuBLAS GEMM
 //! TFLOP/s for 32K-token prefill projections and prefill flash-attention TFLOP/s.
-//! Usage: cuda_bench [quick | profile | gemv | gemvb | gemvt | prefill | decode]  (profile: one launch
+//! Usage: cuda_bench [quick | profile | gemv | gemvb | prefill | decode]  (profile: one launch
 //! of each attention kernel, for ncu; gemv: the 1-row GEMV kernels against the pure read rate,
 //! shape by shape, then a 36-layer chain of the four projections; gemvb: 3-8 rows, cuBLAS
-//! against the tensor-core GEMV, shape by shape and as a graph of a 6-row step's 144; gemvt: the
-//! 2-D tensor-copy GEMV experiment against `linear` at 1 and 6 rows, and as that graph; prefill:
-//! the head-dim-128 prefill kernels side by side at 8K and 32K, then the default at 128K;
-//! decode: flash-decoding alone at 8K-128K)
+//! against the tensor-core GEMV, shape by shape and as a graph of a 6-row step's 144; prefill: the head-dim-128 prefill kernels side by side at 8K
+//! and 32K, then the default at 128K; decode: flash-decoding alone at 8K-128K)
 
 use slowfast_cuda::{
     bf16, AttnWorkspace, CudaContext, CudaError, DecodeAttn, GemvInput, GemvOutput, Glu, GpuBuffer,
@@ -348,82 +346,6 @@ fn small_batch_chain(
     Ok(())
 }
 
-/// The 2-D tensor-copy GEMV experiment (kernels/gemv_tma.cu) against what `linear` runs (the
-/// fused GEMV at 1 row, cuBLAS at 6), shape by shape with its largest difference from `linear`'s
-/// f32 output, then the 144 GEMMs of a 6-row step as a CUDA graph with it, without and with PDL
-/// (cuBLAS's graph is `gemvb`'s first line). Asks: do 8 KiB tensor copies stream where the
-/// stream-K kernel's 512-byte and 2 KiB bulk copies did not (runs 72-74)?
-fn gemv_tma_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
-    let x = ctx.upload(&rand_bf16(8 * 9728, 11))?;
-    let mut y = ctx.alloc::<f32>(8 * 151936)?;
-    let mut y2 = ctx.alloc::<f32>(8 * 151936)?;
-    for &(name, _, in_f, out_f, _) in &PROJ {
-        let bytes = in_f * out_f * 2;
-        let (ws, iters) = weight_replicas(ctx, in_f, out_f)?;
-        let maps = ws
-            .iter()
-            .map(|w| ctx.gemv_tma_map(w, out_f, in_f))
-            .collect::<Result<Vec<_>, _>>()?;
-        let reps = ws.len();
-        let pct = |ms: f32| 100.0 * bytes as f64 / (ms as f64 * 1e-3) / 1e9 / copy_gbs;
-        for n in [1usize, 6] {
-            ctx.linear(&x, &ws[0], &mut y, n, in_f, out_f)?;
-            ctx.gemv_tma_bench(&maps[0], &x, &mut y2, n, in_f, out_f)?;
-            let (a, b) = (ctx.download(&y)?, ctx.download(&y2)?);
-            let m = n * out_f;
-            let scale = a[..m].iter().fold(0f32, |s, v| s.max(v.abs())).max(1e-6);
-            let diff = a[..m]
-                .iter()
-                .zip(&b[..m])
-                .fold(0f32, |s, (p, q)| s.max((p - q).abs()));
-            let mut i = 0;
-            let base = ctx.time_ms(iters, || {
-                i += 1;
-                ctx.linear(&x, &ws[i % reps], &mut y, n, in_f, out_f)
-            })?;
-            let tma = ctx.time_ms(iters, || {
-                i += 1;
-                ctx.gemv_tma_bench(&maps[i % reps], &x, &mut y2, n, in_f, out_f)
-            })?;
-            println!(
-                "gemvt   {name:<8} {in_f:>5} -> {out_f:>6}  n {n}  linear {:>7.2} us {:>5.1}%  tma {:>7.2} us {:>5.1}%  max diff {:.1e} of {:.1e}",
-                base * 1e3,
-                pct(base),
-                tma * 1e3,
-                pct(tma),
-                diff,
-                scale
-            );
-        }
-    }
-    let (rows, layers) = (6usize, 36usize);
-    let lw = layer_weights(ctx, layers)?;
-    let maps = lw
-        .iter()
-        .map(|l| {
-            l.iter()
-                .zip(&PROJ[..4])
-                .map(|(w, p)| ctx.gemv_tma_map(w, p.3, p.2))
-                .collect::<Result<Vec<_>, _>>()
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let total = PROJ[..4].iter().map(|p| p.2 * p.3 * 2).sum::<usize>() * layers;
-    for pdl in [false, true] {
-        let mut chain = || -> Result<(), CudaError> {
-            for l in &maps {
-                for (j, &(_, _, in_f, out_f, _)) in PROJ[..4].iter().enumerate() {
-                    ctx.gemv_tma_bench(&l[j], &x, &mut y, rows, in_f, out_f)?;
-                }
-            }
-            Ok(())
-        };
-        let ms = time_graph(ctx, pdl, &mut chain)?;
-        let label = if pdl { "tma pdl" } else { "tma" };
-        print_graph("gemvt", label, 4 * layers, rows, total, ms, copy_gbs);
-    }
-    Ok(())
-}
-
 fn gemv_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
     let x = ctx.upload(&rand_bf16(2 * 9728, 11))?;
     let nw = ctx.upload(&vec![1.0f32; 9728])?;
@@ -536,9 +458,6 @@ fn main() -> Result<(), CudaError> {
     }
     if std::env::args().any(|a| a == "gemv") {
         return gemv_ab(&ctx, bw);
-    }
-    if std::env::args().any(|a| a == "gemvt") {
-        return gemv_tma_ab(&ctx, bw);
     }
     if std::env::args().any(|a| a == "prefill") {
         // the head-dim-128 prefill kernels side by side (Qwen3-4B heads), against the GEMM rate

@@ -20,7 +20,6 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attn_decode.cu", include_str!("../kernels/attn_decode.cu")),
     ("sfi.cu", include_str!("../kernels/sfi.cu")),
     ("gemv.cu", include_str!("../kernels/gemv.cu")),
-    ("gemv_tma.cu", include_str!("../kernels/gemv_tma.cu")),
     (
         "decode_fused.cu",
         include_str!("../kernels/decode_fused.cu"),
@@ -92,7 +91,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_fused_n2_m1",
     "qkv_post_bf16",
     "stream_read_bench",
-    "gemv_tma_bench",
 ];
 
 /// Whether kernel `name` calls `pdl_wait()` before touching anything an earlier kernel wrote

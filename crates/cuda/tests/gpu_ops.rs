@@ -619,31 +619,3 @@ fn tensor_core_gemv_matches_reference() {
         .to_string();
     assert!(err.contains("9 rows"), "{err}");
 }
-
-/// The 2-D tensor-copy GEMV experiment (`gemv_tma_bench`, kernels/gemv_tma.cu, for `cuda_bench
-/// gemvt`) against the f64 product: `in` not a multiple of its 256-wide boxes, `out` not a
-/// multiple of its 16 rows, 1-8 rows. sm_90+ only.
-#[test]
-fn tma_gemv_bench_matches_reference() {
-    let Some(ctx) = gpu("tma_gemv_bench") else {
-        return;
-    };
-    if ctx.compute_capability().0 < 9 {
-        eprintln!("tma_gemv_bench: skipped (needs sm_90)");
-        return;
-    }
-    let mut rng = Rng::new(9);
-    for &(k, m) in &[(8usize, 1usize), (136, 15), (2560, 1027), (4104, 16)] {
-        for n in [1usize, 3, 6, 8] {
-            let x = rng.vec_bf16(n * k, 1.0);
-            let w = rng.vec_bf16(m * k, 0.05);
-            let (dx, dw) = (ctx.upload(&x).unwrap(), ctx.upload(&w).unwrap());
-            let map = ctx.gemv_tma_map(&dw, m, k).unwrap();
-            let mut y = ctx.upload(&vec![f32::NAN; n * m]).unwrap();
-            ctx.gemv_tma_bench(&map, &dx, &mut y, n, k, m).unwrap();
-            let got = dl_f32(&ctx, &y);
-            let want = linear_ref(&x, &w, n, k, m);
-            assert_close(&format!("gemv_tma n {n} in {k} out {m}"), &got, &want, 1e-4);
-        }
-    }
-}

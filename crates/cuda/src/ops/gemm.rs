@@ -10,7 +10,6 @@ use crate::buffer::{GpuBuffer, GpuElem};
 use crate::context::CudaContext;
 use crate::error::CudaError;
 use crate::ops::fused::MMA_MAX_ROWS;
-use crate::ops::u32_of;
 
 /// Output element types of [`CudaContext::linear`].
 pub trait GemmOut: GpuElem {
@@ -239,103 +238,5 @@ impl CudaContext {
         let f32_out = (out_type == cudaDataType::CUDA_R_32F) as u32;
         let ptrs = [px, 0, pw, py];
         self.gemv_mma_launch(0, ptrs, n, in_features, out_features, f32_out, 0.0)
-    }
-}
-
-/// Box of `gemv_tma_bench`'s tensor copies: 256 inputs x 16 rows (kernels/gemv_tma.cu).
-const TMA_BOX: [u32; 2] = [256, 16];
-/// `gemv_tma_bench`'s dynamic shared memory: 4 boxes of bf16 and an mbarrier each.
-const TMA_SMEM: u32 = 4 * TMA_BOX[0] * TMA_BOX[1] * 2 + 8 * 4;
-
-impl CudaContext {
-    /// A 2-D tensor map over `w [rows, cols]` (bf16, row-major) for [`CudaContext::gemv_tma_bench`],
-    /// in device memory: dims {cols, rows}, box {256, 16}, no swizzle, out-of-range elements
-    /// read as zero. An experiment for `cuda_bench gemvt` (sm_90+); the decoder does not use it.
-    #[doc(hidden)]
-    pub fn gemv_tma_map(
-        &self,
-        w: &GpuBuffer<bf16>,
-        rows: usize,
-        cols: usize,
-    ) -> Result<GpuBuffer<u64>, CudaError> {
-        use cudarc::driver::sys;
-        const OP: &str = "gemv_tma_map";
-        if self.compute_capability().0 < 9 {
-            return Err(CudaError::bad(OP, "tensor copies need sm_90 or newer"));
-        }
-        if rows == 0 || cols == 0 || cols % 8 != 0 {
-            return Err(CudaError::bad(
-                OP,
-                format!("w [{rows}, {cols}] (cols a multiple of 8)"),
-            ));
-        }
-        let pw = w.ptr_min(OP, "w [rows, cols]", rows * cols)?;
-        // SAFETY: CUtensorMap is plain data (16 u64), filled by the driver below.
-        let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
-        let dims = [cols as u64, rows as u64];
-        let strides = [(cols * 2) as u64];
-        let elem = [1u32, 1];
-        // SAFETY: every pointer is to a live local array of the length the rank (2) asks for,
-        // and pw is a device allocation of at least rows * cols bf16.
-        unsafe {
-            sys::cuTensorMapEncodeTiled(
-                &mut map,
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                2,
-                pw as *mut std::ffi::c_void,
-                dims.as_ptr(),
-                strides.as_ptr(),
-                TMA_BOX.as_ptr(),
-                elem.as_ptr(),
-                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
-                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            )
-        }
-        .result()
-        .map_err(|e| CudaError::Driver {
-            op: "cuTensorMapEncodeTiled",
-            reason: format!("{e:?}"),
-        })?;
-        self.upload(&map.opaque)
-    }
-
-    /// `y[n, out] = x[n, in] · w[out, in]^T` (f32 out, n <= 8) with `w` read through `map`
-    /// ([`CudaContext::gemv_tma_map`] of the same `w`, `out` rows, `in` columns) by 2-D tensor
-    /// copies (kernels/gemv_tma.cu): an experiment for `cuda_bench gemvt`.
-    #[doc(hidden)]
-    pub fn gemv_tma_bench(
-        &self,
-        map: &GpuBuffer<u64>,
-        x: &GpuBuffer<bf16>,
-        y: &mut GpuBuffer<f32>,
-        n: usize,
-        in_features: usize,
-        out_features: usize,
-    ) -> Result<(), CudaError> {
-        use crate::context::KArg;
-        const OP: &str = "gemv_tma_bench";
-        if self.compute_capability().0 < 9 {
-            return Err(CudaError::bad(OP, "tensor copies need sm_90 or newer"));
-        }
-        if n == 0 || n > 8 || in_features == 0 || in_features % 8 != 0 || out_features == 0 {
-            return Err(CudaError::bad(
-                OP,
-                format!(
-                    "{n} rows (1..=8), in = {in_features} (a multiple of 8), out = {out_features}"
-                ),
-            ));
-        }
-        let args = [
-            KArg::P(map.ptr_min(OP, "tensor map [16]", 16)?),
-            KArg::P(x.ptr_min(OP, "x [n, in]", n * in_features)?),
-            KArg::P(y.ptr_min(OP, "y [n, out]", n * out_features)?),
-            KArg::U(n as u32),
-            KArg::U(u32_of(OP, "in", in_features)?),
-            KArg::U(u32_of(OP, "out", out_features)?),
-        ];
-        let grid = u32_of(OP, "blocks", out_features.div_ceil(TMA_BOX[1] as usize))?;
-        self.launch(OP, (grid, 1, 1), (128, 1, 1), TMA_SMEM, &args)
     }
 }
