@@ -50,6 +50,12 @@ for p in $phases; do
       /usr/local/cuda/bin/ncu --set full -k regex:attn_decode_d128 --launch-skip 3 --launch-count 1 \
         .bin/cuda_bench profile > "$OUT/ncu-attn.txt" 2>&1
       grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Stall|Warp Cycles|Registers|Theoretical Occupancy|Block Limit|L2 Hit|Eligible|Issued Warp" "$OUT/ncu-attn.txt" | head -60 ;;
+    ncu-gemv)
+      # the 6-row tensor-core GEMV beside the 1-row fused GEMV (o, gate|up, down; cuda_bench
+      # profile-gemv) under ncu's full section set: DRAM rate, stalls, occupancy, sectors a request
+      /usr/local/cuda/bin/ncu --set full -k regex:gemv --launch-count 12 \
+        .bin/cuda_bench profile-gemv > "$OUT/ncu-gemv.txt" 2>&1
+      grep -E "^  [a-z_0-9]+\(|gemv_|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|L2 Hit|Issued Warp|Warp Cycles Per Issued|Eligible|Active Warps|Waves Per SM|Grid Size|Dynamic Shared|Static Shared" "$OUT/ncu-gemv.txt" | head -300 ;;
     prof)
       # per-kernel times and DRAM bytes of a decode at CTX_PROF, batch PROF_BATCH (default 1)
       # under ncu (the machine has no nsys): kernels one at a time (no PDL overlap), warm caches,

@@ -257,6 +257,28 @@ fn small_batch_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
     small_batch_chain(ctx, copy_gbs, &x, &mut y)
 }
 
+/// For ncu (`gpu_run.sh ncu-gemv`): the o, gate|up and down projections, each launched twice at
+/// 6 rows through the tensor-core GEMV and twice at 1 row through the fused GEMV, so one profile
+/// sets the 6-row kernel beside the 1-row one on the same bytes.
+fn profile_gemv(ctx: &CudaContext) -> Result<(), CudaError> {
+    let x = ctx.upload(&rand_bf16(8 * 9728, 11))?;
+    let nw = ctx.upload(&vec![1.0f32; 9728])?;
+    let mut y16 = ctx.alloc::<bf16>(8 * 19456)?;
+    let mut y32 = ctx.alloc::<f32>(8 * 19456)?;
+    for &(_, mode, in_f, out_f, kind) in &PROJ[1..4] {
+        let w = ctx.upload(&rand_bf16(in_f * out_f, 12))?;
+        for _ in 0..2 {
+            ctx.gemv_mma(&x, &w, &mut y16, 6, in_f, out_f)?;
+        }
+        for _ in 0..2 {
+            gemv_once(
+                ctx, mode, &x, &nw, &w, &mut y16, &mut y32, kind, in_f, out_f,
+            )?;
+        }
+    }
+    ctx.synchronize()
+}
+
 /// `layers` layers of the four projections' weights (values irrelevant: timing only).
 fn layer_weights(ctx: &CudaContext, layers: usize) -> Result<Vec<Vec<GpuBuffer<bf16>>>, CudaError> {
     (0..layers)
@@ -450,6 +472,9 @@ fn main() -> Result<(), CudaError> {
         }
         decode(&ctx, 1, 32768, 1.0, None)?;
         return Ok(());
+    }
+    if std::env::args().any(|a| a == "profile-gemv") {
+        return profile_gemv(&ctx);
     }
     let bw = copy_bw(&ctx)?;
     println!("copy    device-to-device {bw:.0} GB/s (read + write)");

@@ -5,12 +5,97 @@ __device__ __forceinline__ float norm_weight(const float* w, u32 i, u32 gemma) {
     return gemma ? 1.0f + w[i] : w[i];
 }
 
+// The 8 elements of a 16-byte bf16 chunk as floats, in element order.
+__device__ __forceinline__ void unpack8(uint4 v, float* e) {
+    e[0] = bf_lo(v.x); e[1] = bf_hi(v.x); e[2] = bf_lo(v.y); e[3] = bf_hi(v.y);
+    e[4] = bf_lo(v.z); e[5] = bf_hi(v.z); e[6] = bf_lo(v.w); e[7] = bf_hi(v.w);
+}
+__device__ __forceinline__ uint4 pack8(const float* e) {
+    return make_uint4(pack_bf16x2(e[0], e[1]), pack_bf16x2(e[2], e[3]), pack_bf16x2(e[4], e[5]),
+                      pack_bf16x2(e[6], e[7]));
+}
+// The 8 norm weights of chunk c (as norm_weight gives them).
+__device__ __forceinline__ void norm_weight8(const float* w, u32 c, u32 gemma, float* e) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(w) + 2 * c);
+    const float4 b = __ldg(reinterpret_cast<const float4*>(w) + 2 * c + 1);
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) e[j] = gemma ? 1.0f + v[j] : v[j];
+}
+
+// rmsnorm_bf16 for dim % 8 == 0 and dim <= RMS_CHUNKS * 8 * blockDim.x: the row read once, in
+// 16-byte chunks t, t + blockDim, ... that stay in registers through both passes, instead of
+// three strided passes over global memory (the row written between them). The same arithmetic
+// a element; the squares are summed in a different order (a thread's chunks in element order).
+#define RMS_CHUNKS 4
+__device__ __forceinline__ void rmsnorm_row_v(const bf16* __restrict__ xr, bf16* rr, const float* __restrict__ post_w,
+                                              const float* __restrict__ w, bf16* __restrict__ o, u32 dim,
+                                              float eps, u32 gemma, float* scratch) {
+    const u32 c8 = dim / 8;
+    const uint4* x4 = reinterpret_cast<const uint4*>(xr);
+    float v[RMS_CHUNKS][8];
+    uint4 r4[RMS_CHUNKS];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RMS_CHUNKS; ++i) {
+        const u32 c = threadIdx.x + i * blockDim.x;
+        const uint4 z = make_uint4(0, 0, 0, 0);
+        unpack8(c < c8 ? __ldg(x4 + c) : z, v[i]);
+        r4[i] = rr != nullptr && c < c8 ? reinterpret_cast<const uint4*>(rr)[c] : z;
+    }
+    if (rr != nullptr) {
+        float post_scale = 0.0f;
+        if (post_w != nullptr) {
+#pragma unroll
+            for (int i = 0; i < RMS_CHUNKS; ++i)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) ss += v[i][j] * v[i][j];
+            ss = block_sum(ss, scratch);
+            post_scale = rsqrtf(ss / (float)dim + eps);
+        }
+#pragma unroll
+        for (int i = 0; i < RMS_CHUNKS; ++i) {
+            const u32 c = threadIdx.x + i * blockDim.x;
+            if (c >= c8) continue;
+            float pw[8], r[8];
+            if (post_w != nullptr) norm_weight8(post_w, c, gemma, pw);
+            unpack8(r4[i], r);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float y = post_w != nullptr ? v[i][j] * post_scale * pw[j] : v[i][j];
+                v[i][j] = r[j] + y;
+            }
+            const uint4 packed = pack8(v[i]);
+            reinterpret_cast<uint4*>(rr)[c] = packed;
+            unpack8(packed, v[i]);  // the residual as stored (bf16)
+        }
+    }
+    ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RMS_CHUNKS; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss += v[i][j] * v[i][j];
+    ss = block_sum(ss, scratch);
+    const float scale = rsqrtf(ss / (float)dim + eps);
+#pragma unroll
+    for (int i = 0; i < RMS_CHUNKS; ++i) {
+        const u32 c = threadIdx.x + i * blockDim.x;
+        if (c >= c8) continue;
+        float nw[8], y[8];
+        norm_weight8(w, c, gemma, nw);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) y[j] = v[i][j] * scale * nw[j];
+        reinterpret_cast<uint4*>(o)[c] = pack8(y);
+    }
+}
+
 // One block per row of `dim` elements.
 //   residual == nullptr:  out = rmsnorm(x) * w
 //   residual != nullptr:  y = post_w ? rmsnorm(x) * post_w : x
 //                         residual = residual + y   (stored as bf16)
 //                         out = rmsnorm(residual) * w
-// gemma != 0 uses (1 + w) for both weights. x, residual, out [rows, dim].
+// gemma != 0 uses (1 + w) for both weights. x, residual, out [rows, dim] (16-byte aligned rows
+// when dim % 8 == 0: rmsnorm_row_v).
 extern "C" __global__ void rmsnorm_bf16(const bf16* __restrict__ x, bf16* residual,
                                         const float* __restrict__ post_w, const float* __restrict__ w,
                                         bf16* __restrict__ out, u32 dim, float eps, u32 gemma) {
@@ -18,6 +103,11 @@ extern "C" __global__ void rmsnorm_bf16(const bf16* __restrict__ x, bf16* residu
     pdl_wait();
     pdl_trigger();
     const u64 base = (u64)blockIdx.x * dim;
+    if (dim % 8 == 0 && dim <= RMS_CHUNKS * 8 * blockDim.x) {
+        rmsnorm_row_v(x + base, residual != nullptr ? residual + base : nullptr, post_w, w, out + base, dim, eps,
+                      gemma, scratch);
+        return;
+    }
     const bf16* xr = x + base;
     float post_scale = 0.0f;
     if (residual != nullptr && post_w != nullptr) {

@@ -180,13 +180,17 @@ fn rmsnorm_variants() {
         return;
     };
     let mut rng = Rng::new(3);
-    // Hidden sizes of the real models, and two that are not multiples of 8 / 16 with more rows.
+    // Hidden sizes of the real models, and two that are not multiples of 8 / 16 with more rows;
+    // the largest row the register-resident path takes (4 chunks a thread of 512) and a row of
+    // whole chunks past it (the strided path).
     let cases = [
         (7usize, 640usize, true),
         (5, 2560, false),
         (3, 4096, false),
         (2, 100, false),
         (33, 264, true),
+        (2, 16384, false),
+        (2, 16392, true),
     ];
     for &(rows, dim, gemma) in &cases {
         let cfg = RmsNorm { eps: 1e-6, gemma };
