@@ -304,10 +304,8 @@ GEMV_ENTRY(gemv_bf16_n8, 8)
 // on the fly with nw, rounded to bf16; flags 1 f32 out, 2 residual add, 8 GLU of [gate; up] with
 // 16 for GELU-tanh: then block j's 16 rows are gate rows 8j .. 8j + 7 and their up rows).
 // in % 8 == 0, 1 <= n_rows <= 8; grid (ceil(out / 16)), with flag 8 (ceil(out / 2 / 8)); block 256.
-// U: slices in flight a warp; ROLL: each slice's registers are reloaded with the next iteration's
-// weights as soon as its MMA has read them (U - 1 slices stay in flight on U slices of registers),
-// instead of copying all U and loading the next U (2U slices of registers for U in flight).
-template <int MODE, int GEMV_MMA_U, bool ROLL>
+#define GEMV_MMA_U 4
+template <int MODE>
 __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const float* __restrict__ nw,
                                               const bf16* __restrict__ w, void* y, u32 n_rows, u32 in, u32 out,
                                               u32 flags, float eps) {
@@ -331,14 +329,13 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     const u32 slices = (c8 + 3) / 4, iters = (slices + 8 * GEMV_MMA_U - 1) / (8 * GEMV_MMA_U);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     uint4 wa[GEMV_MMA_U], wb[GEMV_MMA_U];
-    auto load_1 = [&](u32 it, int u) {
-        const u32 c = 4 * ((it * GEMV_MMA_U + u) * 8 + warp) + t;
-        wa[u] = c < c8 ? ld_stream(w0 + c) : make_uint4(0, 0, 0, 0);
-        wb[u] = c < c8 ? ld_stream(w1 + c) : make_uint4(0, 0, 0, 0);
-    };
     auto load_w = [&](u32 it) {
 #pragma unroll
-        for (int u = 0; u < GEMV_MMA_U; ++u) load_1(it, u);
+        for (int u = 0; u < GEMV_MMA_U; ++u) {
+            const u32 c = 4 * ((it * GEMV_MMA_U + u) * 8 + warp) + t;
+            wa[u] = c < c8 ? ld_stream(w0 + c) : make_uint4(0, 0, 0, 0);
+            wb[u] = c < c8 ? ld_stream(w1 + c) : make_uint4(0, 0, 0, 0);
+        }
     };
     // The first weights before the PDL wait (they are constant), the inputs after it.
     load_w(0);
@@ -348,37 +345,22 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     // one pass while its first weights are in flight).
     float scale = 1.0f;
     if (MODE == 1) scale = gf_rms_scales8(xs, n_rows, c8, in, eps, scratch, g);
-    auto x_at = [&](u32 it, int u) {
-        const u32 c = 4 * ((it * GEMV_MMA_U + u) * 8 + warp) + t;
-        return has_x && c < c8 ? gf_x<MODE>(xs, nw4, c8, g, c, scale) : make_uint4(0, 0, 0, 0);
-    };
     for (u32 it = 0; it < iters; ++it) {
-        if (ROLL) {
-            // the input chunk of slice u + 1 in flight while slice u multiplies
-            uint4 xn = x_at(it, 0);
-#pragma unroll
-            for (int u = 0; u < GEMV_MMA_U; ++u) {
-                const uint4 xc = xn;
-                if (u + 1 < GEMV_MMA_U) xn = x_at(it, u + 1);
-                mma_k32_slice(acc, wa[u], wb[u], xc);
-                if (it + 1 < iters) load_1(it + 1, u);
-            }
-            continue;
-        }
         uint4 xv[GEMV_MMA_U];
 #pragma unroll
-        for (int u = 0; u < GEMV_MMA_U; ++u) xv[u] = x_at(it, u);
-        {
-            uint4 ca[GEMV_MMA_U], cb[GEMV_MMA_U];
-#pragma unroll
-            for (int u = 0; u < GEMV_MMA_U; ++u) {
-                ca[u] = wa[u];
-                cb[u] = wb[u];
-            }
-            if (it + 1 < iters) load_w(it + 1);
-#pragma unroll
-            for (int u = 0; u < GEMV_MMA_U; ++u) mma_k32_slice(acc, ca[u], cb[u], xv[u]);
+        for (int u = 0; u < GEMV_MMA_U; ++u) {
+            const u32 c = 4 * ((it * GEMV_MMA_U + u) * 8 + warp) + t;
+            xv[u] = has_x && c < c8 ? gf_x<MODE>(xs, nw4, c8, g, c, scale) : make_uint4(0, 0, 0, 0);
         }
+        uint4 ca[GEMV_MMA_U], cb[GEMV_MMA_U];
+#pragma unroll
+        for (int u = 0; u < GEMV_MMA_U; ++u) {
+            ca[u] = wa[u];
+            cb[u] = wb[u];
+        }
+        if (it + 1 < iters) load_w(it + 1);
+#pragma unroll
+        for (int u = 0; u < GEMV_MMA_U; ++u) mma_k32_slice(acc, ca[u], cb[u], xv[u]);
     }
     // acc: A rows g, g + 8 of the block's 16, columns (input rows) 2t, 2t + 1.
     red[warp][g][2 * t] = acc[0];
@@ -414,20 +396,14 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
 
 // gemv_mma_fused_m0 / _m1: gemv_fused_n*_m*'s arguments plus n_rows; m0 with flags 0 / 1 is
 // the plain product `linear` runs at 3-8 rows.
-#define GEMV_MMA_FUSED_ENTRY(NAME, MODE, U, ROLL, MINB)                                            \
-    extern "C" __global__ void __launch_bounds__(256, MINB)                                        \
+#define GEMV_MMA_FUSED_ENTRY(NAME, MODE)                                                           \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
         NAME(const bf16* x, const float* nw, const bf16* w, void* y, u32 n_rows, u32 in, u32 out,   \
              u32 flags, float eps) {                                                               \
-        gemv_mma_impl<MODE, U, ROLL>(x, nw, w, y, n_rows, in, out, flags, eps);                    \
+        gemv_mma_impl<MODE>(x, nw, w, y, n_rows, in, out, flags, eps);                             \
     }
-GEMV_MMA_FUSED_ENTRY(gemv_mma_fused_m0, 0, 4, false, 1)
-GEMV_MMA_FUSED_ENTRY(gemv_mma_fused_m1, 1, 4, false, 1)
-GEMV_MMA_FUSED_ENTRY(gemv_mma_r4_m0, 0, 4, true, 4)
-GEMV_MMA_FUSED_ENTRY(gemv_mma_r4_m1, 1, 4, true, 4)
-GEMV_MMA_FUSED_ENTRY(gemv_mma_r6_m0, 0, 6, true, 3)
-GEMV_MMA_FUSED_ENTRY(gemv_mma_r6_m1, 1, 6, true, 3)
-GEMV_MMA_FUSED_ENTRY(gemv_mma_r8_m0, 0, 8, true, 2)
-GEMV_MMA_FUSED_ENTRY(gemv_mma_r8_m1, 1, 8, true, 2)
+GEMV_MMA_FUSED_ENTRY(gemv_mma_fused_m0, 0)
+GEMV_MMA_FUSED_ENTRY(gemv_mma_fused_m1, 1)
 
 // stream_read_bench: reads n16 16-byte chunks (grid-stride, four loads in flight a thread) and
 // writes one word a block so the loads are kept: the read rate a GEMV of the same bytes could
