@@ -81,9 +81,9 @@ pub struct CudaContext {
     /// Whether the kernels were built for sm_90a (warpgroup MMA: the Hopper prefill kernels).
     pub(crate) wgmma: bool,
     /// Whether sparse decode steps run qkv_post inside sparse flash-decoding
-    /// (`attn_sparse_decode_post_*`; `SLOWFAST_SPARSE_POST=1`, or
-    /// [`CudaContext::set_sparse_post`]).
-    sparse_post: std::sync::atomic::AtomicBool,
+    /// (`attn_sparse_decode_post_*`): 0 never, 1 always, 2 in steps of 3+ rows (the default;
+    /// `SLOWFAST_SPARSE_POST=0|1`, or [`CudaContext::set_sparse_post`]).
+    sparse_post: std::sync::atomic::AtomicU8,
 }
 
 /// Rows up to which `linear` can stream the weights with the GEMV kernel.
@@ -126,10 +126,20 @@ pub(crate) fn pdl_wide_default(sparse: bool) -> PdlMode {
     }
 }
 
-/// Whether sparse decode steps (SFI, StreamingLLM) run qkv_post inside sparse flash-decoding by
-/// default: off until measured on the GPU (written after the device budget of that session was
-/// spent; docs/gpu-notes.md, runs 69-79).
-pub const SPARSE_POST_DEFAULT: bool = false;
+/// Whether sparse decode steps (SFI, StreamingLLM) run qkv_post inside sparse flash-decoding
+/// (`attn_sparse_decode_post_*`) by default: only in steps of 3+ rows. Measured (this session's
+/// run 3, docs/gpu-notes.md): batch 6 at 128K, the StreamingLLM step 3.897 -> 3.842 ms and SFI's
+/// fast step 3.897 -> 3.862; batch 1 slower (8K 2.521 -> 2.585 ms, 128K 2.509 -> 2.570).
+pub const SPARSE_POST_DEFAULT: Option<bool> = None;
+
+/// The stored sparse post mode of a setting: 0 off, 1 on, 2 the default.
+fn post_mode(on: Option<bool>) -> u8 {
+    match on.or(SPARSE_POST_DEFAULT) {
+        Some(false) => 0,
+        Some(true) => 1,
+        None => 2,
+    }
+}
 
 /// Whether the fused dense decode step runs qkv_post inside flash-decoding by default: off
 /// (run 49, batch 1: 8K 3.129 -> 3.094 ms but 32K 3.812 -> 3.853 and 128K 7.294 -> 7.317).
@@ -337,9 +347,9 @@ impl CudaContext {
             smem_reserved,
             argmax_scratch,
             wgmma,
-            sparse_post: std::sync::atomic::AtomicBool::new(
-                env_usize("SLOWFAST_SPARSE_POST").map_or(SPARSE_POST_DEFAULT, |v| v != 0),
-            ),
+            sparse_post: std::sync::atomic::AtomicU8::new(post_mode(
+                env_usize("SLOWFAST_SPARSE_POST").map(|v| v != 0),
+            )),
         })
     }
 
@@ -511,20 +521,30 @@ impl CudaContext {
         self.attn_post.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Sparse decode steps: qkv_post inside sparse flash-decoding (`true`) or before it (for
-    /// A/B runs and tests; default [`SPARSE_POST_DEFAULT`], `SLOWFAST_SPARSE_POST`). A decoder
+    /// Sparse decode steps: qkv_post inside sparse flash-decoding (`Some(true)`), before it
+    /// (`Some(false)`), or the default [`SPARSE_POST_DEFAULT`] (`None`: inside in steps of 3+
+    /// rows); `SLOWFAST_SPARSE_POST=0|1` sets it at start. For A/B runs and tests; a decoder
     /// captures its graph with the setting of that moment.
     #[doc(hidden)]
-    pub fn set_sparse_post(&self, on: bool) {
+    pub fn set_sparse_post(&self, on: Option<bool>) {
         self.sparse_post
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+            .store(post_mode(on), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Whether sparse decode steps run qkv_post inside sparse flash-decoding (see
-    /// [`CudaContext::set_sparse_post`]).
+    /// The sparse post setting (see [`CudaContext::set_sparse_post`]).
     #[doc(hidden)]
-    pub fn sparse_post(&self) -> bool {
-        self.sparse_post.load(std::sync::atomic::Ordering::Relaxed)
+    pub fn sparse_post(&self) -> Option<bool> {
+        match self.sparse_post.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => Some(false),
+            1 => Some(true),
+            _ => None,
+        }
+    }
+
+    /// Whether a sparse decode step runs qkv_post inside sparse flash-decoding: `fused` is the
+    /// 1-2-row step (fused GEMVs), where the default keeps it separate.
+    pub(crate) fn sparse_post_in(&self, fused: bool) -> bool {
+        self.sparse_post().unwrap_or(!fused)
     }
 
     /// Dense flash-decoding's split: even on the device at every step (`true`, the default) or

@@ -981,21 +981,22 @@ impl GpuDecoder {
                 && ctx.attn_post()
                 && ctx.decode_post_kernel(&dp, &kv).is_some();
             // Sparse decode steps may run it inside sparse flash-decoding (SLOWFAST_SPARSE_POST).
-            let sparse_post = if matches!(mode, Attn::Decode) && sp.is_some() && ctx.sparse_post() {
-                let [q_norm, k_norm, inv_freq] = p.check("sparse decode", kv.head_dim)?;
-                Some(SparsePost {
-                    qkv: a.qkv.device_ptr(),
-                    qkv_stride: qd + 2 * kd,
-                    q_norm,
-                    k_norm,
-                    eps: p.eps,
-                    positions: a.pos.device_ptr(),
-                    rot_dim: p.rot_dim,
-                    inv_freq,
-                })
-            } else {
-                None
-            };
+            let sparse_post =
+                if matches!(mode, Attn::Decode) && sp.is_some() && ctx.sparse_post_in(fused) {
+                    let [q_norm, k_norm, inv_freq] = p.check("sparse decode", kv.head_dim)?;
+                    Some(SparsePost {
+                        qkv: a.qkv.device_ptr(),
+                        qkv_stride: qd + 2 * kd,
+                        q_norm,
+                        k_norm,
+                        eps: p.eps,
+                        positions: a.pos.device_ptr(),
+                        rot_dim: p.rot_dim,
+                        inv_freq,
+                    })
+                } else {
+                    None
+                };
             if post_in_attn {
                 ctx.attn_decode_post(
                     &a.qkv, kc, vc, kv, dec_lens, &a.slots, &a.pos, &mut a.att, None, ws, &dp, &p,

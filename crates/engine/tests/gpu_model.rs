@@ -421,7 +421,7 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
     // flash-decoding, and inside it (SLOWFAST_SPARSE_POST).
     let post_default = ctx.sparse_post();
     for post in [false, true] {
-        ctx.set_sparse_post(post);
+        ctx.set_sparse_post(Some(post));
         let n = 300;
         let prompt = tokens(n, m.cfg.vocab_size, 0xABCD);
         let steps = 24;
@@ -450,10 +450,11 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
         eprintln!("sfi (whole domain, qkv_post inside: {post}) vs full: worst logits error {worst:.5}; {slow} slow / {fast} fast steps, {refreshes} refreshes");
         assert_eq!((slow, fast), (2, steps - 2), "slow steps where asked");
         assert_eq!(refreshes, 3, "the bootstrap and two slow steps");
-        // Two GPU paths over the same keys (bf16 activations, different split sums); a missing
-        // or wrong key gives errors of order 1.
+        // Two GPU paths over the same keys (bf16 activations, different split sums): 0.08-0.10
+        // on this model, as between the GPU and the CPU (real_shapes_match_cpu); a missing or
+        // wrong key gives errors of order 1.
         assert!(
-            worst < 0.1,
+            worst < 0.15,
             "SFI holding every key (qkv_post inside: {post}) differs from full KV by {worst}"
         );
     }
@@ -558,7 +559,7 @@ fn streaming_matches_cpu_streaming() {
     // qkv_post before sparse flash-decoding, then inside it (SLOWFAST_SPARSE_POST)
     let post_default = ctx.sparse_post();
     for post in [false, true] {
-        ctx.set_sparse_post(post);
+        ctx.set_sparse_post(Some(post));
         let n = 400;
         let prompt = tokens(n, v, 0x5151);
         let steps = 16;
