@@ -30,71 +30,7 @@ struct SparseArgs {
     float* logits;
     const u32* capture;
     u32 lstride;
-    // Non-null lm_cnt: the last block of each (sequence, kv group, row group) to finish merges
-    // the splits' partials into lm_out [batch, n_heads, D] (bf16) itself, as attn_decode_reduce
-    // would; lm_cnt holds one counter a (b, kv head, row group), zero between launches.
-    bf16* lm_out;
-    u32* lm_cnt;
 };
-
-// The last-block merge (SparseArgs::lm_cnt): called by every block after its partials (or its
-// empty split's (NEG_INF, 0) pairs) are written, with `scratch` free shared memory (>= 16 x 33
-// floats). The block that brings the group's counter to `splits` (<= 32) puts it back to zero
-// and writes the merged rows: first each row's split weights exp2(m - M) and 1 / L (as
-// attn_decode_reduce computes them) into shared memory, then every output float4 summed over
-// the splits in split order with all of its loads in flight (partials read from L2). Block 128.
-__device__ __forceinline__ void sparse_last_merge(const float* part_o, const float* part_ml, u32 bh0,
-                                                  int nrows, int splits, int D, bf16* out, u32* cnt,
-                                                  float* scratch) {
-    __shared__ u32 last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(cnt, 1u) == (u32)splits - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    float(*wgt)[33] = reinterpret_cast<float(*)[33]>(scratch);  // [row][split], [row][32] = 1 / L
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int r = warp; r < nrows; r += DEC_THREADS / 32) {
-        const float2* ml = reinterpret_cast<const float2*>(part_ml) + ((u64)bh0 + r) * splits;
-        const float2 v = lane < splits ? __ldcg(ml + lane) : make_float2(NEG_INF, 0.0f);
-        const float M = warp_max(v.x);
-        const float base = M == NEG_INF ? 0.0f : M;
-        const float w = v.x == NEG_INF ? 0.0f : exp2f(v.x - base);
-        const float L = warp_sum(w * v.y);
-        wgt[r][lane] = w;
-        if (lane == 0) wgt[r][32] = L > 0.0f ? 1.0f / L : 0.0f;
-    }
-    __syncthreads();
-    const int d4 = D / 4;
-    for (int i = threadIdx.x; i < nrows * d4; i += DEC_THREADS) {
-        const int r = i / d4, c = i % d4;
-        const float4* po = reinterpret_cast<const float4*>(part_o) + ((u64)bh0 + r) * splits * d4 + c;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int s0 = 0; s0 < splits; s0 += 8) {
-            float4 v[8];
-#pragma unroll
-            for (int u = 0; u < 8; ++u)
-                v[u] = s0 + u < splits && wgt[r][s0 + u] != 0.0f ? __ldcg(po + (u64)(s0 + u) * d4)
-                                                                 : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                if (s0 + u >= splits) break;
-                const float w = wgt[r][s0 + u];
-                if (w == 0.0f) continue;  // an empty split: its O was never written
-                acc.x += w * v[u].x;
-                acc.y += w * v[u].y;
-                acc.z += w * v[u].z;
-                acc.w += w * v[u].w;
-            }
-        }
-        const float inv = wgt[r][32];
-        const u64 o = ((u64)bh0 + r) * D + 4 * c;
-        *reinterpret_cast<uint2*>(out + o) =
-            make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
-    }
-    if (threadIdx.x == 0) *cnt = 0;
-}
 
 // POST (attn_decode_post_*, dense): the step's q/k/v projection row goes straight in, and
 // the kernel does what qkv_post_bf16 would have done first (one kernel and one launch boundary
@@ -181,15 +117,6 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         }
     }
 
-    // After this block's partials are written: the last-block merge of its group (SparseArgs::lm_cnt).
-    auto merge_if_last = [&]() {
-        if constexpr (SPARSE) {
-            if (sp.lm_cnt != nullptr)
-                sparse_last_merge(part_o, part_ml, (u32)b * n_heads + kvh * G + rg * 16, min(16, G - rg * 16), splits,
-                                  D, sp.lm_out, sp.lm_cnt + ((u32)b * kv_heads + kvh) * row_groups + rg,
-                                  reinterpret_cast<float*>(smem_raw));
-        }
-    };
     if (s_lo >= s_hi) {
         pdl_wait();
         pdl_trigger();
@@ -200,7 +127,6 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
             part_ml[idx * 2] = NEG_INF;
             part_ml[idx * 2 + 1] = 0.0f;
         }
-        merge_if_last();
         return;
     }
     const bf16* kc = k_cache + ((u64)slot * kv_heads + kvh) * capacity * D;
@@ -462,7 +388,6 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
             part_ml[idx * 2 + 1] = L;
         }
     }
-    merge_if_last();
 }
 
 #define DECODE_ENTRY(NAME, D, STAGES)                                                                    \
@@ -507,9 +432,8 @@ POST_DECODE_ENTRY(attn_decode_post_d256, 256, 2)
         NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, const u32* seq_lens,               \
              const u32* slots, float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity,    \
              u32 num_slots, float scale_log2, const bf16* ck, const bf16* cv, const u32* clen,            \
-             const u32* rstart, u32 ccap, u32 rwin, float* logits, const u32* capture, u32 lstride,        \
-             bf16* lm_out, u32* lm_cnt) {                                                                \
-        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride, lm_out, lm_cnt};    \
+             const u32* rstart, u32 ccap, u32 rwin, float* logits, const u32* capture, u32 lstride) {      \
+        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride};                    \
         attn_decode_impl<D, STAGES, true>(q, k_cache, v_cache, seq_lens, slots, part_o, part_ml, n_heads, \
                                           kv_heads, capacity, num_slots, 0, 0, scale_log2, sp);          \
     }
@@ -528,8 +452,8 @@ SPARSE_DECODE_ENTRY(attn_sparse_decode_d256, 256, 2)
              float scale_log2, const bf16* ck, const bf16* cv, const u32* clen, const u32* rstart,       \
              u32 ccap, u32 rwin, float* logits, const u32* capture, u32 lstride, u32 qkv_stride,        \
              const float* qn, const float* kn, float eps, const u32* positions, u32 rot,                \
-             const double* inv_freq, bf16* lm_out, u32* lm_cnt) {                                       \
-        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride, lm_out, lm_cnt};    \
+             const double* inv_freq) {                                                                  \
+        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride};                    \
         PostArgs pa = {qkv, qkv_stride, qn, kn, eps, positions, rot, inv_freq, k_cache, v_cache};        \
         attn_decode_impl<D, STAGES, true, true>(nullptr, k_cache, v_cache, seq_lens, slots, part_o,       \
                                                 part_ml, n_heads, kv_heads, capacity, num_slots, 0, 0,    \

@@ -84,10 +84,6 @@ pub struct CudaContext {
     /// (`attn_sparse_decode_post_*`): 0 never, 1 always, 2 in steps of 3+ rows (the default;
     /// `SLOWFAST_SPARSE_POST=0|1`, or [`CudaContext::set_sparse_post`]).
     sparse_post: std::sync::atomic::AtomicU8,
-    /// Whether sparse fast-step flash-decoding merges its splits in the last block of each group
-    /// instead of the reduce kernel (`SLOWFAST_SPARSE_LASTMERGE=1`, or
-    /// [`CudaContext::set_sparse_last_merge`]).
-    sparse_last_merge: std::sync::atomic::AtomicBool,
 }
 
 /// Rows up to which `linear` can stream the weights with the GEMV kernel.
@@ -144,11 +140,6 @@ fn post_mode(on: Option<bool>) -> u8 {
         None => 2,
     }
 }
-
-/// Whether sparse fast steps merge flash-decoding's splits in the last block of each group by
-/// default: off until measured on the GPU (written after the device budget of that session was
-/// spent; a thread-block-cluster merge lost 6-9 us a layer, runs 76-77).
-pub const SPARSE_LAST_MERGE_DEFAULT: bool = false;
 
 /// Whether the fused dense decode step runs qkv_post inside flash-decoding by default: off
 /// (run 49, batch 1: 8K 3.129 -> 3.094 ms but 32K 3.812 -> 3.853 and 128K 7.294 -> 7.317).
@@ -359,10 +350,6 @@ impl CudaContext {
             sparse_post: std::sync::atomic::AtomicU8::new(post_mode(
                 env_usize("SLOWFAST_SPARSE_POST").map(|v| v != 0),
             )),
-            sparse_last_merge: std::sync::atomic::AtomicBool::new(
-                env_usize("SLOWFAST_SPARSE_LASTMERGE")
-                    .map_or(SPARSE_LAST_MERGE_DEFAULT, |v| v != 0),
-            ),
         })
     }
 
@@ -558,23 +545,6 @@ impl CudaContext {
     /// 1-2-row step (fused GEMVs), where the default keeps it separate.
     pub(crate) fn sparse_post_in(&self, fused: bool) -> bool {
         self.sparse_post().unwrap_or(!fused)
-    }
-
-    /// Sparse fast-step flash-decoding: the splits merged by the last block of each (sequence,
-    /// kv group) (`true`) or by the reduce kernel (for A/B runs and tests; default
-    /// [`SPARSE_LAST_MERGE_DEFAULT`], `SLOWFAST_SPARSE_LASTMERGE`). A decoder captures its graph
-    /// with the setting of that moment.
-    #[doc(hidden)]
-    pub fn set_sparse_last_merge(&self, on: bool) {
-        self.sparse_last_merge
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Whether the last-block merge is on (see [`CudaContext::set_sparse_last_merge`]).
-    #[doc(hidden)]
-    pub fn sparse_last_merge(&self) -> bool {
-        self.sparse_last_merge
-            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Dense flash-decoding's split: even on the device at every step (`true`, the default) or

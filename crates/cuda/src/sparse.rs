@@ -465,11 +465,6 @@ impl SparseState {
             .clamp(1, 1024);
         let rows = batch * n_heads * most;
         ws.ensure(ctx, rows * kv.head_dim, rows * 2)?;
-        if ctx.sparse_last_merge() {
-            // likewise the last-block merge's counters, one a (sequence, kv head, row group)
-            let row_groups = (n_heads / kv.kv_heads).div_ceil(16);
-            ws.ensure_counters(ctx, batch * kv.kv_heads * row_groups)?;
-        }
         ctx.attn_sparse_decode(kc, vc, kv, ws, &p)
     }
 

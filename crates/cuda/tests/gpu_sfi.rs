@@ -91,28 +91,10 @@ fn sparse_decode_matches_reference() {
             ctx.upload(&vc).unwrap(),
         );
         let (dck, dcv) = (ctx.upload(&ck).unwrap(), ctx.upload(&cv).unwrap());
-        let mut out = ctx.upload(&nan_bf16(batch * nh * d)).unwrap();
+        let out = ctx.upload(&nan_bf16(batch * nh * d)).unwrap();
         let logits = ctx.upload(&vec![f32::NAN; batch * nh * cap]).unwrap();
         let mut ws = AttnWorkspace::new();
-        let lm_default = ctx.sparse_last_merge();
-        // (splits, capture on, last-block merge): capturing launches (merged by the reduce
-        // kernel) at one wave, 1 and 7 splits; then fast-step launches (no capture: row 3 attends
-        // sparsely too) merged by the last block of each group at 8 (some splits empty), 5 and 1
-        // splits, twice at 8 (the counters must be back at zero), at its largest count (32; 33
-        // goes to the reduce kernel), and by the reduce kernel at 8.
-        for (splits, cap_on, last_merge) in [
-            (ctx.sparse_splits(batch, nh, &kv), true, false),
-            (1, true, false),
-            (7, true, false),
-            (8, false, true),
-            (8, false, true),
-            (5, false, true),
-            (1, false, true),
-            (32, false, true),
-            (33, false, true),
-            (8, false, false),
-        ] {
-            ctx.set_sparse_last_merge(last_merge);
+        for splits in [ctx.sparse_splits(batch, nh, &kv), 1, 7] {
             let p = SparseDecode {
                 batch,
                 n_heads: nh,
@@ -128,15 +110,12 @@ fn sparse_decode_matches_reference() {
                 clen: dclen.device_ptr(),
                 rstart: drs.device_ptr(),
                 rwin,
-                logits: if cap_on { logits.device_ptr() } else { 0 },
+                logits: logits.device_ptr(),
                 capture: dcap.device_ptr(),
                 lstride: cap,
                 post: None,
             };
-            ctx.upload_into(&nan_bf16(batch * nh * d), &mut out)
-                .unwrap();
             ctx.attn_sparse_decode(&dk, &dv, kv, &mut ws, &p).unwrap();
-            ctx.set_sparse_last_merge(lm_default);
             let got = to_f64(&ctx.download(&out).unwrap());
             let got_logits = ctx.download(&logits).unwrap();
             let g = nh / nkv;
@@ -145,8 +124,7 @@ fn sparse_decode_matches_reference() {
                 for hq in 0..nh {
                     let h = hq / g;
                     // Key rows: (buffer, row) pairs of the virtual sequence.
-                    let capture = v.capture && cap_on;
-                    let keys: Vec<(bool, usize)> = if capture {
+                    let keys: Vec<(bool, usize)> = if v.capture {
                         (0..v.len).map(|p| (false, p)).collect()
                     } else {
                         let rlo = if rwin > 0 {
@@ -186,7 +164,7 @@ fn sparse_decode_matches_reference() {
                         }
                     }
                     want.extend(o);
-                    if capture {
+                    if v.capture {
                         for (p, &sv) in s.iter().enumerate() {
                             let gl = got_logits[(b * nh + hq) * cap + p] as f64;
                             let wl = sv * std::f64::consts::LOG2_E;
@@ -199,10 +177,7 @@ fn sparse_decode_matches_reference() {
                 }
             }
             assert_close(
-                &format!(
-                    "sparse decode d{d} {nh}/{nkv} rwin {rwin} splits {splits} capture {cap_on} \
-                     last-block merge {last_merge}"
-                ),
+                &format!("sparse decode d{d} {nh}/{nkv} rwin {rwin} splits {splits}"),
                 &got,
                 &want,
                 2e-2,

@@ -420,11 +420,8 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
     // Both ways of a sparse step's q/k/v post-processing: qkv_post before sparse
     // flash-decoding, and inside it (SLOWFAST_SPARSE_POST).
     let post_default = ctx.sparse_post();
-    let lm_default = ctx.sparse_last_merge();
-    // (qkv_post inside, last-block merge of the splits: SLOWFAST_SPARSE_LASTMERGE)
-    for (post, lm) in [(false, false), (true, false), (false, true), (true, true)] {
+    for post in [false, true] {
         ctx.set_sparse_post(Some(post));
-        ctx.set_sparse_last_merge(lm);
         let n = 300;
         let prompt = tokens(n, m.cfg.vocab_size, 0xABCD);
         let steps = 24;
@@ -450,7 +447,7 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
         sfi.set_policy(GpuKvPolicy::Sfi(cfg)).unwrap();
         let worst = decode_pair(&mut full, &mut sfi, &prompt, steps, &[1, 2]);
         let (slow, fast, refreshes) = sfi.step_counts();
-        eprintln!("sfi (whole domain, qkv_post inside: {post}, last-block merge: {lm}) vs full: worst logits error {worst:.5}; {slow} slow / {fast} fast steps, {refreshes} refreshes");
+        eprintln!("sfi (whole domain, qkv_post inside: {post}) vs full: worst logits error {worst:.5}; {slow} slow / {fast} fast steps, {refreshes} refreshes");
         assert_eq!((slow, fast), (2, steps - 2), "slow steps where asked");
         assert_eq!(refreshes, 3, "the bootstrap and two slow steps");
         // Two GPU paths over the same keys (bf16 activations, different split sums): 0.08-0.10
@@ -458,11 +455,10 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
         // wrong key gives errors of order 1.
         assert!(
             worst < 0.15,
-            "SFI holding every key (qkv_post inside: {post}, last-block merge: {lm}) differs from full KV by {worst}"
+            "SFI holding every key (qkv_post inside: {post}) differs from full KV by {worst}"
         );
     }
     ctx.set_sparse_post(post_default);
-    ctx.set_sparse_last_merge(lm_default);
 }
 
 /// SFI's asynchronous refresh: the Selector of a slow step runs on the side stream and its
@@ -562,11 +558,8 @@ fn streaming_matches_cpu_streaming() {
     let v = m.cfg.vocab_size;
     // qkv_post before sparse flash-decoding, then inside it (SLOWFAST_SPARSE_POST)
     let post_default = ctx.sparse_post();
-    let lm_default = ctx.sparse_last_merge();
-    // (qkv_post inside, last-block merge of the splits: SLOWFAST_SPARSE_LASTMERGE)
-    for (post, lm) in [(false, false), (true, false), (false, true), (true, true)] {
+    for post in [false, true] {
         ctx.set_sparse_post(Some(post));
-        ctx.set_sparse_last_merge(lm);
         let n = 400;
         let prompt = tokens(n, v, 0x5151);
         let steps = 16;
@@ -589,14 +582,13 @@ fn streaming_matches_cpu_streaming() {
             let c = s.step(t).unwrap().to_vec();
             worst = worst.max(row_err(&dec.logits().unwrap(), &c));
         }
-        eprintln!("streaming on the GPU (qkv_post inside: {post}, last-block merge: {lm}) vs the CPU: worst decode logits error {worst:.4}");
+        eprintln!("streaming on the GPU (qkv_post inside: {post}) vs the CPU: worst decode logits error {worst:.4}");
         assert!(
             worst < 0.35,
-            "GPU streaming (qkv_post inside: {post}, last-block merge: {lm}) differs from CPU streaming: {worst}"
+            "GPU streaming (qkv_post inside: {post}) differs from CPU streaming: {worst}"
         );
     }
     ctx.set_sparse_post(post_default);
-    ctx.set_sparse_last_merge(lm_default);
 }
 
 /// The default model (Gemma 3 270M, Q4_K_M GGUF) when `SLOWFAST_DEFAULT_MODEL` names its file

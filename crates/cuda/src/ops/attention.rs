@@ -73,8 +73,6 @@ pub struct PrefillAttn {
 pub struct AttnWorkspace {
     part_o: Option<GpuBuffer<f32>>,
     part_ml: Option<GpuBuffer<f32>>,
-    /// The last-block merge's counters (sparse flash-decoding), zero between launches.
-    counters: Option<GpuBuffer<u32>>,
 }
 
 impl AttnWorkspace {
@@ -98,18 +96,6 @@ impl AttnWorkspace {
         let o = self.part_o.as_ref().map(|b| b.device_ptr()).unwrap_or(0);
         let ml = self.part_ml.as_ref().map(|b| b.device_ptr()).unwrap_or(0);
         Ok((o, ml))
-    }
-
-    /// Device address of at least `n` zeroed counters (kept zero by the kernels that use them).
-    pub(crate) fn ensure_counters(
-        &mut self,
-        ctx: &CudaContext,
-        n: usize,
-    ) -> Result<u64, CudaError> {
-        if self.counters.as_ref().is_none_or(|b| b.len() < n) {
-            self.counters = Some(ctx.upload(&vec![0u32; n.max(1)])?);
-        }
-        Ok(self.counters.as_ref().map(|b| b.device_ptr()).unwrap_or(0))
     }
 }
 

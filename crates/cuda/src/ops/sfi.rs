@@ -450,14 +450,6 @@ impl CudaContext {
             (_, true) => "attn_sparse_decode_post_d256",
         };
         let row_groups = (p.n_heads / kv.kv_heads).div_ceil(16);
-        // Fast-step launches of up to 32 splits may merge them in the last block of each group
-        // instead of the reduce kernel (SLOWFAST_SPARSE_LASTMERGE).
-        let last_merge = self.sparse_last_merge() && p.logits == 0 && splits <= 32;
-        let counters = if last_merge {
-            ws.ensure_counters(self, p.batch * kv.kv_heads * row_groups)?
-        } else {
-            0
-        };
         let mut args = vec![
             KArg::P(p.post.map_or(p.q, |pp| pp.qkv)),
             KArg::P(k_cache.ptr_min(OP, "k_cache", kv.elems())?),
@@ -492,10 +484,6 @@ impl CudaContext {
                 KArg::P(pp.inv_freq),
             ]);
         }
-        args.extend_from_slice(&[
-            KArg::P(if last_merge { p.out } else { 0 }),
-            KArg::P(counters),
-        ]);
         self.launch(
             kernel,
             (
@@ -507,9 +495,6 @@ impl CudaContext {
             attn_smem_bytes(kernel).unwrap_or(0),
             &args,
         )?;
-        if last_merge {
-            return Ok(());
-        }
         self.attn_decode_reduce_raw(part_o, part_ml, p.out, 0, rows, p.n_heads, splits, d)
     }
 
