@@ -45,6 +45,24 @@ pub struct KernelImage {
 static NVRTC: OnceLock<Result<Option<PathBuf>, String>> = OnceLock::new();
 
 fn preload(path: &Path) -> Result<(), String> {
+    // libnvrtc opens its builtins library (libnvrtc-builtins.so.13.0) by soname at the first
+    // compile, and some builds (the nvidia-cuda-nvrtc 13.0.88 wheel) carry no RUNPATH to find
+    // it beside themselves: load the one next to `path` first, so that dlopen finds it loaded.
+    if let Some(dir) = path.parent() {
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for e in entries.flatten() {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                if name.starts_with("libnvrtc-builtins.so") {
+                    let _ = preload_one(&e.path());
+                }
+            }
+        }
+    }
+    preload_one(path)
+}
+
+fn preload_one(path: &Path) -> Result<(), String> {
     // RTLD_GLOBAL so cudarc's later dlopen("libnvrtc.so.13") finds this object by its soname.
     let lib = unsafe {
         libloading::os::unix::Library::open(
