@@ -9,7 +9,7 @@
 
 use slowfast_cuda::{
     bf16, AttnWorkspace, CudaContext, CudaError, DecodeAttn, GemvInput, GemvOutput, Glu, GpuBuffer,
-    KvLayout, PrefillAttn, GEMV_MMA8_DEFAULT,
+    KvLayout, PrefillAttn,
 };
 
 fn rand_bf16(n: usize, seed: u64) -> Vec<bf16> {
@@ -253,21 +253,6 @@ fn small_batch_ab(ctx: &CudaContext, copy_gbs: f64) -> Result<(), CudaError> {
                 pct(mma)
             );
         }
-        // the 8-row blocks at 6 rows (short grids only; 8 or 4 slices in flight a thread)
-        for mode in [8usize, 4] {
-            ctx.set_gemv_mma8(mode);
-            let mut i = 0;
-            let ms = ctx.time_ms(iters, || {
-                i += 1;
-                ctx.gemv_mma(&x, &ws[i % reps], &mut y, 6, in_f, out_f)
-            })?;
-            println!(
-                "gemv    {name:<8} {in_f:>5} -> {out_f:>6}  n 6  mma8 mode {mode} {:>7.2} us {:>5.1}%",
-                ms * 1e3,
-                pct(ms)
-            );
-        }
-        ctx.set_gemv_mma8(GEMV_MMA8_DEFAULT);
     }
     small_batch_chain(ctx, copy_gbs, &x, &mut y)
 }
@@ -380,41 +365,6 @@ fn small_batch_chain(
         let ms = time_graph(ctx, pdl, &mut chain)?;
         print_graph("gemv", label, 4 * layers, rows, total, ms, copy_gbs);
     }
-    // the short projections (o, down) in 8-row blocks, and o / down alone in both forms
-    for (label, mode, only_short, blas) in [
-        ("mma8 pdl", 8usize, false, false),
-        ("mma8s pdl", 4, false, false),
-        ("o+down cublas", 0, true, true),
-        ("o+down mma pdl", 0, true, false),
-        ("o+down mma8 pdl", 8, true, false),
-        ("o+down mma8s pdl", 4, true, false),
-    ] {
-        ctx.set_gemv_mma8(mode);
-        let mut chain = || -> Result<(), CudaError> {
-            for l in &lw {
-                for (j, &(_, _, in_f, out_f, _)) in PROJ[..4].iter().enumerate() {
-                    if only_short && j != 1 && j != 3 {
-                        continue;
-                    }
-                    if blas {
-                        ctx.linear(x, &l[j], y, rows, in_f, out_f)?;
-                    } else {
-                        ctx.gemv_mma(x, &l[j], y, rows, in_f, out_f)?;
-                    }
-                }
-            }
-            Ok(())
-        };
-        let bytes = if only_short {
-            (PROJ[1].2 * PROJ[1].3 + PROJ[3].2 * PROJ[3].3) * 2 * layers
-        } else {
-            total
-        };
-        let ms = time_graph(ctx, !blas, &mut chain)?;
-        let n = if only_short { 2 * layers } else { 4 * layers };
-        print_graph("gemv", label, n, rows, bytes, ms, copy_gbs);
-    }
-    ctx.set_gemv_mma8(GEMV_MMA8_DEFAULT);
     Ok(())
 }
 

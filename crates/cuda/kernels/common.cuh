@@ -104,17 +104,6 @@ __device__ __forceinline__ void mma_k32_slice(float* acc, uint4 a, uint4 b, uint
     const u32 b1[2] = {x.z, x.w};
     mma_16816(acc, a1, b1);
 }
-// The same slice with the roles swapped (gemv_mma_impl's 8-row blocks): A is the input, row g
-// the chunk x (rows g + 8 zero), B the weights, column g the chunk w of weight row g; acc[0..1]
-// are output rows 2t, 2t + 1 of input row g (acc[2..3] stay zero).
-__device__ __forceinline__ void mma_k32_slice_xw(float* acc, uint4 w, uint4 x) {
-    const u32 a0[4] = {x.x, 0u, x.y, 0u};
-    const u32 b0[2] = {w.x, w.y};
-    mma_16816(acc, a0, b0);
-    const u32 a1[4] = {x.z, 0u, x.w, 0u};
-    const u32 b1[2] = {w.z, w.w};
-    mma_16816(acc, a1, b1);
-}
 __device__ __forceinline__ void ldmatrix_x4(u32* r, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

@@ -304,14 +304,8 @@ GEMV_ENTRY(gemv_bf16_n8, 8)
 // on the fly with nw, rounded to bf16; flags 1 f32 out, 2 residual add, 8 GLU of [gate; up] with
 // 16 for GELU-tanh: then block j's 16 rows are gate rows 8j .. 8j + 7 and their up rows).
 // in % 8 == 0, 1 <= n_rows <= 8; grid (ceil(out / 16)), with flag 8 (ceil(out / 2 / 8)); block 256.
-//
-// ROWS 8 (gemv_mma8_fused_m*, for short grids: twice the blocks): the roles swap. A is the input
-// (row g the chunk of input row g, rows g + 8 zero), B is 8 weight rows (column g the chunk of
-// weight row g), so a block takes 8 output rows and a thread one weight row, with twice the
-// slices in flight to keep the bytes in flight a thread; accumulators 0-1 are output rows 2t,
-// 2t + 1 of input row g. No GLU output; grid (ceil(out / 8)).
 #define GEMV_MMA_U 4
-template <int MODE, int ROWS, int U>
+template <int MODE>
 __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const float* __restrict__ nw,
                                               const bf16* __restrict__ w, void* y, u32 n_rows, u32 in, u32 out,
                                               u32 flags, float eps) {
@@ -319,11 +313,11 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     __shared__ float scratch[8][8];
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 c8 = in / 8;
-    const bool glu_out = ROWS == 16 && (flags & 8) != 0;
+    const bool glu_out = (flags & 8) != 0;
     const u32 half = out / 2;
     // Weight rows of A's rows g and g + 8: output rows o0 + g, o0 + g + 8, or (GLU) gate row
-    // j0 + g and its up row. ROWS 8: B's column g, output row o0 + g (rb unused).
-    const u32 o0 = blockIdx.x * ROWS, j0 = blockIdx.x * 8;
+    // j0 + g and its up row.
+    const u32 o0 = blockIdx.x * 16, j0 = blockIdx.x * 8;
     const u32 ra = glu_out ? min(j0 + g, half - 1) : min(o0 + g, out - 1);
     const u32 rb = glu_out ? half + min(j0 + g, half - 1) : min(o0 + g + 8, out - 1);
     const uint4* w0 = reinterpret_cast<const uint4*>(w + (u64)ra * in);
@@ -332,15 +326,15 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     const float4* nw4 = reinterpret_cast<const float4*>(nw);
     const bool has_x = g < n_rows;
     // Slice q (32 k: chunks 4q .. 4q + 3) of warp w's iteration it, unrolled u: q = (it U + u) 8 + w.
-    const u32 slices = (c8 + 3) / 4, iters = (slices + 8 * U - 1) / (8 * U);
+    const u32 slices = (c8 + 3) / 4, iters = (slices + 8 * GEMV_MMA_U - 1) / (8 * GEMV_MMA_U);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    uint4 wa[U], wb[ROWS == 16 ? U : 1];
+    uint4 wa[GEMV_MMA_U], wb[GEMV_MMA_U];
     auto load_w = [&](u32 it) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const u32 c = 4 * ((it * U + u) * 8 + warp) + t;
+        for (int u = 0; u < GEMV_MMA_U; ++u) {
+            const u32 c = 4 * ((it * GEMV_MMA_U + u) * 8 + warp) + t;
             wa[u] = c < c8 ? ld_stream(w0 + c) : make_uint4(0, 0, 0, 0);
-            if constexpr (ROWS == 16) wb[u] = c < c8 ? ld_stream(w1 + c) : make_uint4(0, 0, 0, 0);
+            wb[u] = c < c8 ? ld_stream(w1 + c) : make_uint4(0, 0, 0, 0);
         }
     };
     // The first weights before the PDL wait (they are constant), the inputs after it.
@@ -352,39 +346,27 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     float scale = 1.0f;
     if (MODE == 1) scale = gf_rms_scales8(xs, n_rows, c8, in, eps, scratch, g);
     for (u32 it = 0; it < iters; ++it) {
-        uint4 xv[U];
+        uint4 xv[GEMV_MMA_U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const u32 c = 4 * ((it * U + u) * 8 + warp) + t;
+        for (int u = 0; u < GEMV_MMA_U; ++u) {
+            const u32 c = 4 * ((it * GEMV_MMA_U + u) * 8 + warp) + t;
             xv[u] = has_x && c < c8 ? gf_x<MODE>(xs, nw4, c8, g, c, scale) : make_uint4(0, 0, 0, 0);
         }
-        uint4 ca[U], cb[ROWS == 16 ? U : 1];
+        uint4 ca[GEMV_MMA_U], cb[GEMV_MMA_U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
+        for (int u = 0; u < GEMV_MMA_U; ++u) {
             ca[u] = wa[u];
-            if constexpr (ROWS == 16) cb[u] = wb[u];
+            cb[u] = wb[u];
         }
         if (it + 1 < iters) load_w(it + 1);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if constexpr (ROWS == 16) {
-                mma_k32_slice(acc, ca[u], cb[u], xv[u]);
-            } else {
-                mma_k32_slice_xw(acc, ca[u], xv[u]);
-            }
-        }
+        for (int u = 0; u < GEMV_MMA_U; ++u) mma_k32_slice(acc, ca[u], cb[u], xv[u]);
     }
-    if constexpr (ROWS == 16) {
-        // acc: A rows g, g + 8 of the block's 16, columns (input rows) 2t, 2t + 1.
-        red[warp][g][2 * t] = acc[0];
-        red[warp][g][2 * t + 1] = acc[1];
-        red[warp][g + 8][2 * t] = acc[2];
-        red[warp][g + 8][2 * t + 1] = acc[3];
-    } else {
-        // acc: input row g, output rows 2t, 2t + 1 of the block's 8.
-        red[warp][2 * t][g] = acc[0];
-        red[warp][2 * t + 1][g] = acc[1];
-    }
+    // acc: A rows g, g + 8 of the block's 16, columns (input rows) 2t, 2t + 1.
+    red[warp][g][2 * t] = acc[0];
+    red[warp][g][2 * t + 1] = acc[1];
+    red[warp][g + 8][2 * t] = acc[2];
+    red[warp][g + 8][2 * t + 1] = acc[3];
     __syncthreads();
     if (glu_out) {
         // glu [n_rows, half] = act(bf16(gate)) * bf16(up), rounded as glu_bf16 writes it.
@@ -400,7 +382,7 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
         }
         return;
     }
-    if (threadIdx.x < ROWS * 8) {
+    if (threadIdx.x < 128) {
         const u32 r = threadIdx.x >> 3, n = threadIdx.x & 7, o = o0 + r;
         float v = 0.0f;
 #pragma unroll
@@ -414,19 +396,14 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
 
 // gemv_mma_fused_m0 / _m1: gemv_fused_n*_m*'s arguments plus n_rows; m0 with flags 0 / 1 is
 // the plain product `linear` runs at 3-8 rows.
-#define GEMV_MMA_FUSED_ENTRY(NAME, MODE, ROWS, U, BOUNDS)                                          \
-    extern "C" __global__ void __launch_bounds__ BOUNDS                                            \
+#define GEMV_MMA_FUSED_ENTRY(NAME, MODE)                                                           \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
         NAME(const bf16* x, const float* nw, const bf16* w, void* y, u32 n_rows, u32 in, u32 out,   \
              u32 flags, float eps) {                                                               \
-        gemv_mma_impl<MODE, ROWS, U>(x, nw, w, y, n_rows, in, out, flags, eps);                    \
+        gemv_mma_impl<MODE>(x, nw, w, y, n_rows, in, out, flags, eps);                             \
     }
-GEMV_MMA_FUSED_ENTRY(gemv_mma_fused_m0, 0, 16, GEMV_MMA_U, (256))
-GEMV_MMA_FUSED_ENTRY(gemv_mma_fused_m1, 1, 16, GEMV_MMA_U, (256))
-// 8-row blocks: 8 slices in flight a thread (2 blocks a SM), or 4 (3 blocks a SM)
-GEMV_MMA_FUSED_ENTRY(gemv_mma8_fused_m0, 0, 8, 2 * GEMV_MMA_U, (256))
-GEMV_MMA_FUSED_ENTRY(gemv_mma8_fused_m1, 1, 8, 2 * GEMV_MMA_U, (256))
-GEMV_MMA_FUSED_ENTRY(gemv_mma8s_fused_m0, 0, 8, GEMV_MMA_U, (256, 3))
-GEMV_MMA_FUSED_ENTRY(gemv_mma8s_fused_m1, 1, 8, GEMV_MMA_U, (256, 3))
+GEMV_MMA_FUSED_ENTRY(gemv_mma_fused_m0, 0)
+GEMV_MMA_FUSED_ENTRY(gemv_mma_fused_m1, 1)
 
 // stream_read_bench: reads n16 16-byte chunks (grid-stride, four loads in flight a thread) and
 // writes one word a block so the loads are kept: the read rate a GEMV of the same bytes could

@@ -52,13 +52,6 @@ pub struct CudaContext {
     /// GEMV (`gemv_mma_fused_m0`) instead of cuBLAS (`SLOWFAST_GEMV_MMA_ROWS`, default
     /// [`GEMV_MMA_DEFAULT_ROWS`]; at most 8).
     gemv_mma_rows: std::sync::atomic::AtomicUsize,
-    /// The tensor-core GEMV's 8-row blocks on short grids (fewer than two blocks of 16 rows a
-    /// SM, no GLU output): 0 never, 8 or 4 the kernel with that many slices in flight a thread
-    /// (`SLOWFAST_GEMV_MMA8`, default [`GEMV_MMA8_DEFAULT`]).
-    gemv_mma8: std::sync::atomic::AtomicUsize,
-    /// Whether `linear` at 3-8 rows runs the tensor-core GEMV on short grids (as above) instead
-    /// of cuBLAS (`SLOWFAST_GEMV_MMA_SHORT`, default [`GEMV_MMA_SHORT_DEFAULT`]).
-    pub(crate) gemv_mma_short: std::sync::atomic::AtomicBool,
     /// Whether decode steps at <= `gemv_max_rows` rows run the fused kernels
     /// (ops/fused.rs); `SLOWFAST_DECODE_FUSED=0` turns them off (A/B runs).
     pub(crate) decode_fused: bool,
@@ -109,14 +102,6 @@ pub const GEMV_DEFAULT_ROWS: usize = 2;
 /// tensor-core GEMVs, `gemv_mma_fused_m*`), slower than cuBLAS's: SFI's batch-6 fast step at
 /// 128K 4.50 vs 4.16 ms, batch 8 full KV 6.41 vs 6.05 ms at 8K (run 53).
 pub const GEMV_MMA_DEFAULT_ROWS: usize = 0;
-
-/// The tensor-core GEMV's 8-row blocks on short grids by default (see `gemv_mma8`): 0 (off)
-/// until measured on the GPU.
-pub const GEMV_MMA8_DEFAULT: usize = 0;
-
-/// Whether `linear` at 3-8 rows runs the tensor-core GEMV on short grids by default: off until
-/// measured on the GPU.
-pub const GEMV_MMA_SHORT_DEFAULT: bool = false;
 
 /// Which kernels `launch` gives programmatic dependent launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -343,12 +328,6 @@ impl CudaContext {
                     .unwrap_or(GEMV_MMA_DEFAULT_ROWS)
                     .min(GEMV_MAX_ROWS),
             ),
-            gemv_mma8: std::sync::atomic::AtomicUsize::new(
-                env_usize("SLOWFAST_GEMV_MMA8").unwrap_or(GEMV_MMA8_DEFAULT),
-            ),
-            gemv_mma_short: std::sync::atomic::AtomicBool::new(
-                env_usize("SLOWFAST_GEMV_MMA_SHORT").map_or(GEMV_MMA_SHORT_DEFAULT, |v| v != 0),
-            ),
             decode_fused: env_usize("SLOWFAST_DECODE_FUSED") != Some(0),
             pdl_allowed: major >= 9 && env_usize("SLOWFAST_PDL") != Some(0),
             pdl_now: std::sync::atomic::AtomicU8::new(PdlMode::Off as u8),
@@ -522,31 +501,6 @@ impl CudaContext {
             rows.min(GEMV_MAX_ROWS),
             std::sync::atomic::Ordering::Relaxed,
         );
-    }
-
-    /// The tensor-core GEMV's 8-row blocks on short grids: 0 never, 8 or 4 slices in flight a
-    /// thread (A/B runs and tests; see [`GEMV_MMA8_DEFAULT`]).
-    #[doc(hidden)]
-    pub fn set_gemv_mma8(&self, mode: usize) {
-        self.gemv_mma8
-            .store(mode, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    pub(crate) fn gemv_mma8(&self) -> usize {
-        self.gemv_mma8.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// `linear` at 3-8 rows on short grids through the tensor-core GEMV (`true`) or cuBLAS (A/B
-    /// runs and tests; see [`GEMV_MMA_SHORT_DEFAULT`]).
-    #[doc(hidden)]
-    pub fn set_gemv_mma_short(&self, on: bool) {
-        self.gemv_mma_short
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Whether a GEMV of `out` rows is short: fewer blocks of 16 rows than two a SM.
-    pub(crate) fn gemv_short(&self, out: usize) -> bool {
-        out.div_ceil(16) < 2 * self.sm_count as usize
     }
 
     pub(crate) fn gemv_mma_rows(&self) -> usize {

@@ -28,7 +28,7 @@ pub use nvrtc::{compile_kernels, load_or_compile_kernels, KernelImage};
 #[cfg(feature = "cuda")]
 pub use buffer::{GpuBuffer, GpuElem};
 #[cfg(feature = "cuda")]
-pub use context::{CudaContext, GEMV_MMA8_DEFAULT, GEMV_MMA_SHORT_DEFAULT};
+pub use context::CudaContext;
 #[cfg(feature = "cuda")]
 pub use half::bf16;
 #[cfg(feature = "cuda")]

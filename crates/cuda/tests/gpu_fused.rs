@@ -33,13 +33,8 @@ fn fused_gemv_matches_reference() {
     let Some(ctx) = gpu("fused_gemv") else { return };
     let mut rng = Rng::new(21);
     let eps = 1e-6f32;
-    // (in, out): a decode q/k/v shape, an odd out, a small one, the down projection's in; the
-    // last three are short grids, so 3-8 rows run the 8-row blocks there unless mode 0.
-    for (&(k, m), mode) in [(2560usize, 6144usize), (2560, 1027), (136, 33), (9728, 300)]
-        .iter()
-        .flat_map(|s| [(s, 0usize), (s, 8), (s, 4)])
-    {
-        ctx.set_gemv_mma8(mode);
+    // (in, out): a decode q/k/v shape, an odd out, a small one, the down projection's in.
+    for &(k, m) in &[(2560usize, 6144usize), (2560, 1027), (136, 33), (9728, 300)] {
         // 1-2 rows: the CUDA-core kernels; 3-8: the tensor-core ones
         for n in 1..=8 {
             let x = rng.vec_bf16(n * k, 1.0);
@@ -50,7 +45,7 @@ fn fused_gemv_matches_reference() {
                 ctx.upload(&w).unwrap(),
                 ctx.upload(&nw).unwrap(),
             );
-            let tag = format!("n {n} in {k} out {m} (8-row mode {mode})");
+            let tag = format!("n {n} in {k} out {m}");
 
             // plain input, f32 and bf16 out
             let want = matvec(&to_f64(&x), &w, n, k, m);
@@ -136,7 +131,6 @@ fn fused_gemv_matches_reference() {
             }
         }
     }
-    ctx.set_gemv_mma8(slowfast_cuda::GEMV_MMA8_DEFAULT);
     // bad shapes are refused with a message naming them
     let (dx, dw) = (
         ctx.upload(&nan_bf16(9 * 104)).unwrap(),

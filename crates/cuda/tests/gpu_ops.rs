@@ -579,45 +579,26 @@ fn tensor_core_gemv_matches_reference() {
         return;
     };
     let mut rng = Rng::new(8);
-    // Every shape here is a short grid: blocks of 16 rows (mode 0) and the 8-row blocks with 8
-    // and 4 slices in flight a thread; 6144 rows is not short and keeps blocks of 16 rows.
-    for mode in [0usize, 8, 4] {
-        ctx.set_gemv_mma8(mode);
-        for &(k, m) in &[
-            (8usize, 1usize),
-            (24, 17),
-            (40, 33),
-            (136, 15),
-            (2560, 1027),
-            (4104, 16),
-            (9728, 300),
-            (264, 6144),
-        ] {
-            for n in 1..=8 {
-                check_small_linear(
-                    &ctx,
-                    &mut rng,
-                    (n, k, m),
-                    &format!("gemv_mma (8-row mode {mode})"),
-                    |x, w, y| ctx.gemv_mma(x, w, y, n, k, m),
-                    |x, w, y| ctx.gemv_mma(x, w, y, n, k, m),
-                );
-            }
+    for &(k, m) in &[
+        (8usize, 1usize),
+        (24, 17),
+        (40, 33),
+        (136, 15),
+        (2560, 1027),
+        (4104, 16),
+        (9728, 300),
+    ] {
+        for n in 1..=8 {
+            check_small_linear(
+                &ctx,
+                &mut rng,
+                (n, k, m),
+                "gemv_mma",
+                |x, w, y| ctx.gemv_mma(x, w, y, n, k, m),
+                |x, w, y| ctx.gemv_mma(x, w, y, n, k, m),
+            );
         }
     }
-    ctx.set_gemv_mma8(slowfast_cuda::GEMV_MMA8_DEFAULT);
-    // `linear` at 6 rows on a short grid through it (SLOWFAST_GEMV_MMA_SHORT), then back
-    ctx.set_gemv_mma_short(true);
-    let (n, k, m) = (6, 2560, 1027);
-    check_small_linear(
-        &ctx,
-        &mut rng,
-        (n, k, m),
-        "linear via the short-grid GEMV",
-        |x, w, y| ctx.linear(x, w, y, n, k, m),
-        |x, w, y| ctx.linear(x, w, y, n, k, m),
-    );
-    ctx.set_gemv_mma_short(slowfast_cuda::GEMV_MMA_SHORT_DEFAULT);
     // `linear` at 6 rows through it, then back to cuBLAS
     let (n, k, m) = (6, 2560, 1027);
     ctx.set_gemv_mma_rows(8);

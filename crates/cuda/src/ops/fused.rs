@@ -206,29 +206,12 @@ impl CudaContext {
             KArg::U(flags),
             KArg::F(eps),
         ];
-        // Short grids without GLU output take blocks of 8 rows (twice the blocks).
-        let rows8 = match self.gemv_mma8() {
-            8 if flags & 8 == 0 && self.gemv_short(out_features) => {
-                Some(["gemv_mma8_fused_m0", "gemv_mma8_fused_m1"])
-            }
-            4 if flags & 8 == 0 && self.gemv_short(out_features) => {
-                Some(["gemv_mma8s_fused_m0", "gemv_mma8s_fused_m1"])
-            }
-            _ => None,
-        };
-        let (blocks, name) = if let Some(names) = rows8 {
-            (out_features.div_ceil(8), names[mode])
-        } else if flags & 8 != 0 {
-            (
-                (out_features / 2).div_ceil(8),
-                ["gemv_mma_fused_m0", "gemv_mma_fused_m1"][mode],
-            )
+        let blocks = if flags & 8 != 0 {
+            (out_features / 2).div_ceil(8)
         } else {
-            (
-                out_features.div_ceil(16),
-                ["gemv_mma_fused_m0", "gemv_mma_fused_m1"][mode],
-            )
+            out_features.div_ceil(16)
         };
+        let name = ["gemv_mma_fused_m0", "gemv_mma_fused_m1"][mode];
         let grid = (u32_of(OP, "blocks", blocks)?, 1, 1);
         self.launch(name, grid, (256, 1, 1), 0, &args)
     }

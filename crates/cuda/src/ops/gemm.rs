@@ -96,13 +96,7 @@ impl CudaContext {
         if n <= self.gemv_max_rows && gemv_fits(out_type, in_features) {
             return self.gemv_raw(px, pw, py, out_type, n, in_features, out_features);
         }
-        let short = n >= 3
-            && n <= MMA_MAX_ROWS
-            && self
-                .gemv_mma_short
-                .load(std::sync::atomic::Ordering::Relaxed)
-            && self.gemv_short(out_features);
-        if (n <= self.gemv_mma_rows() || short) && gemv_fits(out_type, in_features) {
+        if n <= self.gemv_mma_rows() && gemv_fits(out_type, in_features) {
             return self.gemv_mma_raw(px, pw, py, out_type, n, in_features, out_features);
         }
         let (alpha, beta) = (1.0f32, 0.0f32);
