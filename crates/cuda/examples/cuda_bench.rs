@@ -1,11 +1,13 @@
 //! Micro-benchmark of the CUDA crate at Qwen3-4B shapes: device-copy bandwidth (the
 //! roofline), flash-decoding GB/s for 8K..128K contexts at batch 1 and 8, cuBLAS GEMM
 //! TFLOP/s for 32K-token prefill projections and prefill flash-attention TFLOP/s.
-//! Usage: cuda_bench [quick | profile | gemv | gemvb | prefill | decode]  (profile: one launch
-//! of each attention kernel, for ncu; gemv: the 1-row GEMV kernels against the pure read rate,
-//! shape by shape, then a 36-layer chain of the four projections; gemvb: 3-8 rows, cuBLAS
-//! against the tensor-core GEMV, shape by shape and as a graph of a 6-row step's 144; prefill: the head-dim-128 prefill kernels side by side at 8K
-//! and 32K, then the default at 128K; decode: flash-decoding alone at 8K-128K)
+//! Usage: cuda_bench [quick | profile | profile-gemv | gemv | gemvb | prefill | decode]
+//! (profile: one launch of each attention kernel, for ncu; profile-gemv: the 6-row tensor-core
+//! GEMV and the 1-row fused GEMV on the same weights, for ncu; gemv: the 1-row GEMV kernels
+//! against the pure read rate, shape by shape, then a 36-layer chain of the four projections;
+//! gemvb: 3-8 rows, cuBLAS against the tensor-core GEMV, shape by shape and as a graph of a
+//! 6-row step's 144; prefill: the head-dim-128 prefill kernels side by side at 8K and 32K, then
+//! the default at 128K; decode: flash-decoding alone at 8K-128K)
 
 use slowfast_cuda::{
     bf16, AttnWorkspace, CudaContext, CudaError, DecodeAttn, GemvInput, GemvOutput, Glu, GpuBuffer,

@@ -8,7 +8,6 @@
 // outputs). in % 8 == 0. grid (ceil(out / GEMV_GR)), block 256.
 #define GEMV_GR 4
 
-
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     uint4 r;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"

@@ -127,8 +127,8 @@ pub(crate) fn pdl_wide_default(sparse: bool) -> PdlMode {
 }
 
 /// Whether sparse decode steps (SFI, StreamingLLM) run qkv_post inside sparse flash-decoding
-/// (`attn_sparse_decode_post_*`) by default: only in steps of 3+ rows. Measured (this session's
-/// run 3, docs/gpu-notes.md): batch 6 at 128K, the StreamingLLM step 3.897 -> 3.842 ms and SFI's
+/// (`attn_sparse_decode_post_*`) by default: only in steps of 3+ rows. Measured (run 82,
+/// docs/gpu-notes.md): batch 6 at 128K, the StreamingLLM step 3.897 -> 3.842 ms and SFI's
 /// fast step 3.897 -> 3.862; batch 1 slower (8K 2.521 -> 2.585 ms, 128K 2.509 -> 2.570).
 pub const SPARSE_POST_DEFAULT: Option<bool> = None;
 

@@ -591,6 +591,60 @@ fn streaming_matches_cpu_streaming() {
     ctx.set_sparse_post(post_default);
 }
 
+/// StreamingLLM at 3 rows (the cuBLAS step, where qkv_post runs inside sparse flash-decoding by
+/// default): two sparse rows and one still dense (shorter than sinks + window), graph-captured,
+/// with qkv_post before sparse flash-decoding and inside it. The kernels give bit-identical
+/// outputs and caches (gpu_sfi), so the logits of the two runs must be equal bit for bit.
+#[test]
+fn streaming_batch_of_three_post_inside_equals_before() {
+    let Some(ctx) = gpu("streaming_batch_of_three_post") else {
+        return;
+    };
+    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
+        .unwrap()
+        .model;
+    let v = m.cfg.vocab_size;
+    let lens = [300usize, 180, 60];
+    let steps = 10;
+    let (sinks, recent) = (4, 100);
+    let post_default = ctx.sparse_post();
+    let mut runs: Vec<Vec<u32>> = Vec::new();
+    for post in [false, true] {
+        ctx.set_sparse_post(Some(post));
+        let mut dec = load_decoder(ctx.clone(), &m, lens.len(), 300 + steps + 2, 128).unwrap();
+        dec.set_policy(slowfast_cuda::GpuKvPolicy::Streaming { sinks, recent })
+            .unwrap();
+        for (slot, &n) in lens.iter().enumerate() {
+            dec.prefill(slot, &tokens(n, v, 0x3131 + slot as u64), false)
+                .unwrap();
+        }
+        dec.begin_decode().unwrap();
+        let mut bits = Vec::new();
+        for i in 0..steps {
+            let next: Vec<u32> = (0..lens.len())
+                .map(|s| tokens(steps, v, 0x77 + s as u64)[i])
+                .collect();
+            dec.set_next(&next).unwrap();
+            if i == 1 {
+                dec.capture_decode().unwrap();
+            }
+            dec.decode_step().unwrap();
+            let l = dec.logits().unwrap();
+            assert!(
+                l.iter().all(|x| x.is_finite()),
+                "non-finite logits at step {i}"
+            );
+            bits.extend(l.iter().map(|x| x.to_bits()));
+        }
+        runs.push(bits);
+    }
+    ctx.set_sparse_post(post_default);
+    assert!(
+        runs[0] == runs[1],
+        "StreamingLLM at 3 rows: logits differ with qkv_post inside sparse flash-decoding"
+    );
+}
+
 /// The default model (Gemma 3 270M, Q4_K_M GGUF) when `SLOWFAST_DEFAULT_MODEL` names its file
 /// (the GPU machine has no network; scripts/gpu_default_model.sh carries it there in parts):
 /// prefill logits and 32 greedy tokens on the GPU against the CPU on the same bf16-rounded
