@@ -60,9 +60,11 @@ for p in $phases; do
       # per-kernel times and DRAM bytes of a decode at CTX_PROF, batch PROF_BATCH (default 1)
       # under ncu (the machine has no nsys): kernels one at a time (no PDL overlap), warm caches,
       # free clocks; PROF_ARGS: more bench flags (e.g. --policies streaming), PROF_TAG: a name
-      # for the output files. Summed by kernel name at the end.
+      # for the output files; PROF_GRAPH=graph profiles each replayed CUDA graph as one unit (its
+      # kernels overlapping as in the step) instead of node by node. Summed by kernel name at
+      # the end (by graph with PROF_GRAPH=graph).
       tag="${PROF_TAG:-prof}"
-      /usr/local/cuda/bin/ncu --graph-profiling node --cache-control none --clock-control none \
+      /usr/local/cuda/bin/ncu --graph-profiling "${PROF_GRAPH:-node}" --cache-control none --clock-control none \
         -k regex:"${PROF_K:-gemv|attn_decode|qkv_post|argmax|rmsnorm|embed|advance}" \
         --launch-skip "${PROF_SKIP:-1500}" --launch-count "${PROF_N:-300}" \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active \
