@@ -62,7 +62,7 @@ for p in $phases; do
       # free clocks; PROF_ARGS: more bench flags (e.g. --policies streaming), PROF_TAG: a name
       # for the output files; PROF_GRAPH=graph profiles each replayed CUDA graph as one unit (its
       # kernels overlapping as in the step) instead of node by node. Summed by kernel name at
-      # the end (by graph with PROF_GRAPH=graph).
+      # the end (by graph with PROF_GRAPH=graph; not yet tried: ncu may need PROF_K=".*" there).
       tag="${PROF_TAG:-prof}"
       /usr/local/cuda/bin/ncu --graph-profiling "${PROF_GRAPH:-node}" --cache-control none --clock-control none \
         -k regex:"${PROF_K:-gemv|attn_decode|qkv_post|argmax|rmsnorm|embed|advance}" \
