@@ -81,6 +81,15 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<u32*>(&v);
 }
+// The 8 elements of a 16-byte bf16 chunk as floats, in element order, and back (rounded).
+__device__ __forceinline__ void unpack8(uint4 v, float* e) {
+    e[0] = bf_lo(v.x); e[1] = bf_hi(v.x); e[2] = bf_lo(v.y); e[3] = bf_hi(v.y);
+    e[4] = bf_lo(v.z); e[5] = bf_hi(v.z); e[6] = bf_lo(v.w); e[7] = bf_hi(v.w);
+}
+__device__ __forceinline__ uint4 pack8(const float* e) {
+    return make_uint4(pack_bf16x2(e[0], e[1]), pack_bf16x2(e[2], e[3]), pack_bf16x2(e[4], e[5]),
+                      pack_bf16x2(e[6], e[7]));
+}
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
 }

@@ -59,7 +59,8 @@ __device__ __forceinline__ u32 gf_norm2(u32 x, float scale, float w0, float w1) 
 
 // ss plus the squares of a 16-byte chunk's 8 bf16 elements, in element order.
 __device__ __forceinline__ float gf_sq8(uint4 v, float ss) {
-    const float e[8] = {bf_lo(v.x), bf_hi(v.x), bf_lo(v.y), bf_hi(v.y), bf_lo(v.z), bf_hi(v.z), bf_lo(v.w), bf_hi(v.w)};
+    float e[8];
+    unpack8(v, e);
 #pragma unroll
     for (int j = 0; j < 8; ++j) ss += e[j] * e[j];
     return ss;

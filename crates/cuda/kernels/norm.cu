@@ -5,15 +5,6 @@ __device__ __forceinline__ float norm_weight(const float* w, u32 i, u32 gemma) {
     return gemma ? 1.0f + w[i] : w[i];
 }
 
-// The 8 elements of a 16-byte bf16 chunk as floats, in element order.
-__device__ __forceinline__ void unpack8(uint4 v, float* e) {
-    e[0] = bf_lo(v.x); e[1] = bf_hi(v.x); e[2] = bf_lo(v.y); e[3] = bf_hi(v.y);
-    e[4] = bf_lo(v.z); e[5] = bf_hi(v.z); e[6] = bf_lo(v.w); e[7] = bf_hi(v.w);
-}
-__device__ __forceinline__ uint4 pack8(const float* e) {
-    return make_uint4(pack_bf16x2(e[0], e[1]), pack_bf16x2(e[2], e[3]), pack_bf16x2(e[4], e[5]),
-                      pack_bf16x2(e[6], e[7]));
-}
 // The 8 norm weights of chunk c (as norm_weight gives them).
 __device__ __forceinline__ void norm_weight8(const float* w, u32 c, u32 gemma, float* e) {
     const float4 a = __ldg(reinterpret_cast<const float4*>(w) + 2 * c);
