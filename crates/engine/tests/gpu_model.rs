@@ -399,6 +399,17 @@ fn decode_pair(
     worst
 }
 
+/// Runs `f` with the sparse step's q/k/v post-processing before sparse flash-decoding
+/// (`false`) and then inside it (`true`, SLOWFAST_SPARSE_POST), then puts the setting back.
+fn each_sparse_post(ctx: &CudaContext, mut f: impl FnMut(bool)) {
+    let default = ctx.sparse_post();
+    for post in [false, true] {
+        ctx.set_sparse_post(Some(post));
+        f(post);
+    }
+    ctx.set_sparse_post(default);
+}
+
 /// The Selector knobs the CLI's SFI defaults give the GPU.
 fn default_selector() -> slowfast_cuda::ops::sfi::SelectorConfig {
     let spec = slowfast_engine::session::policy_spec("sfi", Some(2048.0), 4, 4096).unwrap();
@@ -417,11 +428,8 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
     let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
         .unwrap()
         .model;
-    // Both ways of a sparse step's q/k/v post-processing: qkv_post before sparse
-    // flash-decoding, and inside it (SLOWFAST_SPARSE_POST).
-    let post_default = ctx.sparse_post();
-    for post in [false, true] {
-        ctx.set_sparse_post(Some(post));
+    // Both ways of a sparse step's q/k/v post-processing.
+    each_sparse_post(&ctx, |post| {
         let n = 300;
         let prompt = tokens(n, m.cfg.vocab_size, 0xABCD);
         let steps = 24;
@@ -457,8 +465,7 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
             worst < 0.15,
             "SFI holding every key (qkv_post inside: {post}) differs from full KV by {worst}"
         );
-    }
-    ctx.set_sparse_post(post_default);
+    });
 }
 
 /// SFI's asynchronous refresh: the Selector of a slow step runs on the side stream and its
@@ -556,10 +563,8 @@ fn streaming_matches_cpu_streaming() {
         .model;
     let r = bf16_reference(&m);
     let v = m.cfg.vocab_size;
-    // qkv_post before sparse flash-decoding, then inside it (SLOWFAST_SPARSE_POST)
-    let post_default = ctx.sparse_post();
-    for post in [false, true] {
-        ctx.set_sparse_post(Some(post));
+    // qkv_post before sparse flash-decoding, then inside it
+    each_sparse_post(&ctx, |post| {
         let n = 400;
         let prompt = tokens(n, v, 0x5151);
         let steps = 16;
@@ -587,8 +592,7 @@ fn streaming_matches_cpu_streaming() {
             worst < 0.35,
             "GPU streaming (qkv_post inside: {post}) differs from CPU streaming: {worst}"
         );
-    }
-    ctx.set_sparse_post(post_default);
+    });
 }
 
 /// StreamingLLM at 3 rows (the cuBLAS step, where qkv_post runs inside sparse flash-decoding by
@@ -607,10 +611,12 @@ fn streaming_batch_of_three_post_inside_equals_before() {
     let lens = [300usize, 180, 60];
     let steps = 10;
     let (sinks, recent) = (4, 100);
-    let post_default = ctx.sparse_post();
+    // each row's tokens, one a step
+    let toks: Vec<Vec<u32>> = (0..lens.len())
+        .map(|s| tokens(steps, v, 0x77 + s as u64))
+        .collect();
     let mut runs: Vec<Vec<u32>> = Vec::new();
-    for post in [false, true] {
-        ctx.set_sparse_post(Some(post));
+    each_sparse_post(&ctx, |_| {
         let mut dec = load_decoder(ctx.clone(), &m, lens.len(), 300 + steps + 2, 128).unwrap();
         dec.set_policy(slowfast_cuda::GpuKvPolicy::Streaming { sinks, recent })
             .unwrap();
@@ -621,9 +627,7 @@ fn streaming_batch_of_three_post_inside_equals_before() {
         dec.begin_decode().unwrap();
         let mut bits = Vec::new();
         for i in 0..steps {
-            let next: Vec<u32> = (0..lens.len())
-                .map(|s| tokens(steps, v, 0x77 + s as u64)[i])
-                .collect();
+            let next: Vec<u32> = toks.iter().map(|t| t[i]).collect();
             dec.set_next(&next).unwrap();
             if i == 1 {
                 dec.capture_decode().unwrap();
@@ -637,8 +641,7 @@ fn streaming_batch_of_three_post_inside_equals_before() {
             bits.extend(l.iter().map(|x| x.to_bits()));
         }
         runs.push(bits);
-    }
-    ctx.set_sparse_post(post_default);
+    });
     assert!(
         runs[0] == runs[1],
         "StreamingLLM at 3 rows: logits differ with qkv_post inside sparse flash-decoding"
