@@ -56,6 +56,19 @@ for p in $phases; do
       /usr/local/cuda/bin/ncu --set full -k regex:gemv --launch-count 12 \
         .bin/cuda_bench profile-gemv > "$OUT/ncu-gemv.txt" 2>&1
       grep -E "^  [a-z_0-9]+\(|gemv_|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|L2 Hit|Issued Warp|Warp Cycles Per Issued|Eligible|Active Warps|Waves Per SM|Grid Size|Dynamic Shared|Static Shared" "$OUT/ncu-gemv.txt" | head -300 ;;
+    trace)
+      # where a graph-replayed step's time goes, PDL overlaps in place (src/trace.rs): for each
+      # TR_BATCH (default "1 6"), `slowfast bench` at CTX_TR (8k) over TR_POL (streaming,sfi)
+      # with SLOWFAST_TRACE; the summaries are in trace-b<batch><TR_TAG>.log, the records in
+      # traces<TR_TAG>.tgz
+      tag="${TR_TAG:-}"
+      for b in ${TR_BATCH:-1 6}; do
+        SLOWFAST_TRACE=/tmp/trace$tag .bin/slowfast bench --device cuda --model random:qwen3-4b \
+          --contexts "${CTX_TR:-8k}" --batch "$b" --policies "${TR_POL:-streaming,sfi}" \
+          --new-tokens 32 $SFI_OPTS > "$OUT/trace-b$b$tag.log" 2>&1 || rc=1
+        grep -A30 "^trace " "$OUT/trace-b$b$tag.log"
+      done
+      tar czf "$OUT/traces$tag.tgz" -C /tmp "trace$tag" ;;
     prof)
       # per-kernel times and DRAM bytes of a decode at CTX_PROF, batch PROF_BATCH (default 1)
       # under ncu (the machine has no nsys): kernels one at a time (no PDL overlap), warm caches,

@@ -32,6 +32,12 @@ enum Cmd {
     /// Measure quality under KV policies: NLL, greedy agreement, passkey retrieval, support stability.
     Eval(cmd_eval::Args),
     /// Measure prefill and decode throughput at several context lengths.
+    ///
+    /// With `--device cuda`, the environment variable SLOWFAST_TRACE=<folder> compiles the
+    /// kernels with step tracing: for each policy and context one more decode step is traced,
+    /// its records go to <folder>/trace-<policy>-b<batch>-<context>.csv, and a table of where
+    /// the step's time went (per kernel, overlaps included) is printed. Timings of a traced
+    /// build run a few percent slower.
     Bench(cmd_bench::Args),
     /// Download a known model into $SLOWFAST_HOME (default ~/.cache/slowfast).
     Fetch(cmd_info::FetchArgs),

@@ -29,6 +29,39 @@ __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
+// Step tracing (compiled in only with -DSLOWFAST_TRACE, which SLOWFAST_TRACE asks for; see
+// src/trace.rs). Thread 0 of block 0 of every PDL kernel records its grid's launch number, the
+// global timer before and after its pdl_wait(), the call site (file index << 16 | line) and its
+// grid size, in record slot (launch number % SF_TRACE_CAP): no atomics, and nothing after the
+// wait but stores. A graph's kernel keeps its launch number over replays, so a replay writes
+// over the one before. The host lays a step out from these: a kernel's wait returns when the
+// kernel before it has finished, so the time between two consecutive kernels' wait returns is
+// what the earlier one costs the step with every overlap in place.
+#ifdef SLOWFAST_TRACE
+#define SF_TRACE_CAP 16384
+__constant__ u64* sf_trace_buf;  // [4 header words, then SF_TRACE_CAP records of 4 u64]
+__device__ __forceinline__ u64 sf_globaltimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void sf_traced_wait(u32 site) {
+    const bool lead = (threadIdx.x | threadIdx.y | threadIdx.z | blockIdx.x | blockIdx.y | blockIdx.z) == 0;
+    const u64 t0 = lead ? sf_globaltimer() : 0;
+    pdl_wait();
+    if (lead && sf_trace_buf != nullptr) {
+        const u64 t1 = sf_globaltimer();
+        u64 grid;
+        asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+        u64* r = sf_trace_buf + 4 + 4 * (grid % SF_TRACE_CAP);
+        r[0] = grid;
+        r[1] = t0;
+        r[2] = t1;
+        r[3] = ((u64)(gridDim.x * gridDim.y * gridDim.z) << 32) | site;
+    }
+}
+#define pdl_wait() sf_traced_wait((SF_FILE << 16) | __LINE__)
+#endif
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }

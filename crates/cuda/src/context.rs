@@ -44,6 +44,8 @@ pub struct CudaContext {
     compute_capability: (i32, i32),
     sm_count: u32,
     kernels_from_cache: bool,
+    /// The step-trace buffer when `SLOWFAST_TRACE` compiled tracing in (see [`crate::trace`]).
+    trace: Option<std::sync::Mutex<GpuBuffer<u64>>>,
 
     /// `linear` with at most this many rows runs the GEMV kernel instead of cuBLAS
     /// (`SLOWFAST_GEMV_MAX_ROWS`, 0 = always cuBLAS; at most 8).
@@ -296,6 +298,22 @@ impl CudaContext {
                 .map_err(drv("cuMemAlloc (argmax scratch)"))?;
             GpuBuffer::from_slice(slice, &stream)
         };
+        let trace = if crate::trace::trace_dir().is_some() {
+            use crate::trace::{CAPACITY, HEADER_WORDS, RECORD_WORDS};
+            let buf = stream
+                .alloc_zeros::<u64>(HEADER_WORDS + CAPACITY * RECORD_WORDS)
+                .map_err(drv("cuMemAlloc (trace buffer)"))?;
+            let buf = GpuBuffer::from_slice(buf, &stream);
+            let mut sym = module
+                .get_global("sf_trace_buf", &stream)
+                .map_err(drv("cuModuleGetGlobal (sf_trace_buf)"))?;
+            stream
+                .memcpy_htod(&buf.device_ptr().to_ne_bytes(), &mut sym)
+                .map_err(drv("cuMemcpyHtoD (sf_trace_buf)"))?;
+            Some(std::sync::Mutex::new(buf))
+        } else {
+            None
+        };
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(CudaError::LibraryMissing {
                 library: "cuBLAS (libcublas.so.13)",
@@ -319,6 +337,7 @@ impl CudaContext {
             compute_capability: (major, minor),
             sm_count,
             kernels_from_cache: image.from_cache,
+            trace,
 
             gemv_max_rows: env_usize("SLOWFAST_GEMV_MAX_ROWS")
                 .unwrap_or(GEMV_DEFAULT_ROWS)
@@ -368,6 +387,30 @@ impl CudaContext {
     /// Whether the kernel image came from the on-disk cache.
     pub fn kernels_from_cache(&self) -> bool {
         self.kernels_from_cache
+    }
+    /// Whether the kernels record step traces (`SLOWFAST_TRACE`, see [`crate::trace`]).
+    pub fn tracing(&self) -> bool {
+        self.trace.is_some()
+    }
+    /// Empties the trace buffer (queued on the stream; nothing when not tracing).
+    pub fn trace_reset(&self) -> Result<(), CudaError> {
+        if let Some(t) = &self.trace {
+            let mut buf = t.lock().unwrap_or_else(|e| e.into_inner());
+            let zeros = vec![0u64; buf.len()];
+            self.upload_into(&zeros, &mut buf)?;
+        }
+        Ok(())
+    }
+    /// Waits for queued work and returns the records since the last [`Self::trace_reset`], in
+    /// wait-return order (empty when not tracing; see [`crate::trace`]).
+    pub fn trace_take(&self) -> Result<Vec<crate::trace::TraceRecord>, CudaError> {
+        match &self.trace {
+            Some(t) => {
+                let buf = t.lock().unwrap_or_else(|e| e.into_inner());
+                Ok(crate::trace::parse_records(&self.download(&buf)?))
+            }
+            None => Ok(Vec::new()),
+        }
     }
     /// (free, total) device memory in bytes.
     pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {

@@ -117,8 +117,12 @@ pub fn is_attn_pdl_kernel(name: &str) -> bool {
 pub fn kernel_source() -> String {
     let mut src = String::with_capacity(64 * 1024);
     src.push_str(COMMON);
-    for (name, body) in SOURCES {
-        src.push_str(&format!("\n// ---- {name} ----\n"));
+    for (i, (name, body)) in SOURCES.iter().enumerate() {
+        // SF_FILE and the file's own line numbers name a traced pdl_wait() (src/trace.rs); the
+        // #line also makes NVRTC's messages point into the file itself.
+        src.push_str(&format!(
+            "\n// ---- {name} ----\n#undef SF_FILE\n#define SF_FILE {i}\n#line 1 \"{name}\"\n"
+        ));
         src.push_str(body);
     }
     src

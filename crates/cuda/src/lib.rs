@@ -8,6 +8,7 @@
 pub mod error;
 pub mod kernels;
 pub mod nvrtc;
+pub mod trace;
 
 #[cfg(feature = "cuda")]
 mod buffer;

@@ -8,6 +8,7 @@
 //!   then `../include` beside the NVRTC library, the layout of the `nvidia-cuda-nvrtc` +
 //!   `nvidia-cuda-runtime` pip packages).
 //! - `SLOWFAST_HOME` (default `~/.cache/slowfast`): compiled images go to `cuda-cache/` in it.
+//! - `SLOWFAST_TRACE`: compiles the step tracing in (see [`crate::trace`]).
 
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
@@ -143,12 +144,16 @@ pub fn cuda_include_dir() -> Result<PathBuf, CudaError> {
 }
 
 fn compile_options(arch: &str, include: &Path) -> Vec<String> {
-    vec![
+    let mut o = vec![
         format!("--gpu-architecture={arch}"),
         format!("--include-path={}", include.display()),
         "--std=c++17".to_string(),
         "--device-as-default-execution-space".to_string(),
-    ]
+    ];
+    if crate::trace::trace_dir().is_some() {
+        o.push("-DSLOWFAST_TRACE".to_string());
+    }
+    o
 }
 
 fn nvrtc_check(rc: sys::nvrtcResult, what: &str) -> Result<(), String> {

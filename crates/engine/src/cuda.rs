@@ -26,6 +26,40 @@ use crate::EngineError;
 /// rows; activations stay below a few GiB).
 pub const GPU_CHUNK: usize = 8192;
 
+/// Decode steps a trace takes: one to warm, one recorded (graph-replayed, a fast step for
+/// sparse policies), when `SLOWFAST_TRACE` compiled tracing in.
+const TRACE_STEPS: usize = 2;
+
+/// Runs a decode step, then one more with an empty trace buffer, writes that step's records to
+/// `$SLOWFAST_TRACE/trace-<tag>.csv` and prints where its time went.
+fn trace_steps(
+    ctx: &slowfast_cuda::CudaContext,
+    dec: &mut slowfast_cuda::GpuDecoder,
+    tag: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(), EngineError> {
+    use slowfast_cuda::trace;
+    let Some(dir) = trace::trace_dir() else {
+        return Ok(());
+    };
+    dec.decode_step().map_err(gpu_err)?;
+    ctx.synchronize().map_err(gpu_err)?;
+    ctx.trace_reset().map_err(gpu_err)?;
+    dec.decode_step().map_err(gpu_err)?;
+    let recs = ctx.trace_take().map_err(gpu_err)?;
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| EngineError::Io(format!("{}: {e}", dir.display())))?;
+    let path = dir.join(format!("trace-{tag}.csv"));
+    std::fs::write(&path, trace::to_csv(&recs))
+        .map_err(|e| EngineError::Io(format!("{}: {e}", path.display())))?;
+    progress(&format!(
+        "trace {tag}: one step -> {}\n{}",
+        path.display(),
+        trace::format_summary(&recs, 1)
+    ));
+    Ok(())
+}
+
 fn gpu_err(e: slowfast_cuda::CudaError) -> EngineError {
     EngineError::BadInput(format!("--device cuda: {e}"))
 }
@@ -442,7 +476,7 @@ pub fn bench(
     let max_ctx = *o.contexts.iter().max().unwrap_or(&1);
     let repeats = o.repeats.max(1);
     // Per policy and repeat: a warm-up step and at most three timed runs of new_tokens steps.
-    let capacity = max_ctx + (3 * o.new_tokens + 2) * repeats + 2;
+    let capacity = max_ctx + (3 * o.new_tokens + 2 + TRACE_STEPS) * repeats + 2;
     if max_ctx > cfg.max_position_embeddings {
         return Err(EngineError::BadInput(format!(
             "context {max_ctx} exceeds the model's context of {} tokens",
@@ -544,6 +578,10 @@ pub fn bench(
                 let ms = ctx
                     .time_ms(o.new_tokens, || dec.decode_step())
                     .map_err(gpu_err)?;
+                if r == 0 && ctx.tracing() {
+                    let tag = format!("{pname}-b{}-{n}", o.batch);
+                    trace_steps(&ctx, &mut dec, &tag, progress)?;
+                }
                 attended +=
                     (0..o.batch).map(|s| dec.attended(s) as f64).sum::<f64>() / o.batch as f64;
                 if !sparse {
