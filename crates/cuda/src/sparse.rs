@@ -64,17 +64,24 @@ impl GpuKvPolicy {
     }
 }
 
-/// Key tiles (`DECODE_BK`, 64 keys) a block of the sparse fast step streams at least (when the wave allows fewer
-/// blocks): run 68, StreamingLLM at 8K with 2048 tokens a head, Qwen3-4B shapes, batch 1, split
-/// count 33 (one wave, one tile a block) / 16 / 8 / 4: 2.742 / 2.693 / **2.589** / 2.723 ms a
-/// step; batch 6, 2 / 3 / 5 (one wave) / 8: 4.033 / 4.049 / **3.931** / 4.018 ms.
-const FAST_TILES_PER_SPLIT: usize = 4;
+/// Key tiles (`DECODE_BK`, 64 keys) a block of the sparse fast step streams at most (when the
+/// wave allows that many blocks). The kernel's 3-stage ring loads two tiles before its
+/// `pdl_wait()`, so a third is in flight while the first two are scored.
+/// - Run 68 (before the loads moved ahead of the wait), StreamingLLM at 8K with 2048 tokens a
+///   head, Qwen3-4B shapes, batch 1, 33 (one wave, one tile a block) / 16 / 8 / 4 splits:
+///   2.742 / 2.693 / 2.589 / 2.723 ms a step; batch 6, 2 / 3 / 5 (one wave) / 8: 4.033 / 4.049 /
+///   **3.931** / 4.018 ms.
+/// - Run 90 (with them), batch 1 at 8K, 8 / 11 / 16 / 32 splits: StreamingLLM 2.501 / **2.475**
+///   / 2.632 / 2.635 ms, SFI's fast step (2113 keys a head, so 9, 12 and 17 splits hold keys at
+///   11, 16 and 32) 2.520 / **2.466** / 2.459 / 2.469; batch 6, 5 / 8 / 11: 3.611 / 3.807 /
+///   3.799.
+const FAST_TILES_PER_SPLIT: usize = 3;
 
 /// The sparse fast step's split count: one wave of blocks (`wave`), but no more splits than
-/// leave each block [`FAST_TILES_PER_SPLIT`] tiles of the `attended` keys a head.
+/// leave each block at most [`FAST_TILES_PER_SPLIT`] tiles of the `attended` keys a head.
 fn fast_step_splits(wave: usize, attended: usize) -> usize {
     let tiles = attended.div_ceil(crate::ops::attention::DECODE_BK);
-    wave.min(tiles / FAST_TILES_PER_SPLIT).max(1)
+    wave.min(tiles.div_ceil(FAST_TILES_PER_SPLIT)).max(1)
 }
 
 /// One (slot) refresh during a forward: the sequence length after the forward's tokens, the
@@ -737,15 +744,17 @@ mod tests {
     use super::fast_step_splits;
 
     #[test]
-    fn fast_step_splits_leave_each_block_four_tiles_within_one_wave() {
-        // Qwen3-4B on 132 SMs at 2048 tokens a head: batch 1 (wave 33) -> 8, batch 6 (wave 5)
-        // -> 5, the counts run 68 measured fastest.
-        assert_eq!(fast_step_splits(33, 2048), 8);
+    fn fast_step_splits_leave_each_block_three_tiles_within_one_wave() {
+        // Qwen3-4B on 132 SMs at 2048 tokens a head: batch 1 (wave 33) -> 11, batch 6 (wave 5)
+        // -> 5, the counts runs 68 and 90 measured fastest.
+        assert_eq!(fast_step_splits(33, 2048), 11);
         assert_eq!(fast_step_splits(5, 2048), 5);
-        assert_eq!(fast_step_splits(33, 4096), 16);
+        assert_eq!(fast_step_splits(33, 4096), 22);
+        assert_eq!(fast_step_splits(33, 1 << 14), 33);
         // a short memory still gets one split; a partial tile counts
         assert_eq!(fast_step_splits(33, 100), 1);
-        assert_eq!(fast_step_splits(33, 257), 1);
+        assert_eq!(fast_step_splits(33, 192), 1);
+        assert_eq!(fast_step_splits(33, 193), 2);
         assert_eq!(fast_step_splits(33, 0), 1);
         assert_eq!(fast_step_splits(1, 1 << 20), 1);
     }
