@@ -84,7 +84,7 @@ pub fn parse_records(raw: &[u64]) -> Vec<TraceRecord> {
     out
 }
 
-/// The records as CSV (a header line, then one line a record in launch order).
+/// The records as CSV (a header line, then one line a record in the order given).
 pub fn to_csv(records: &[TraceRecord]) -> String {
     let mut s = String::from("grid,before_ns,after_ns,site,blocks\n");
     for r in records {
