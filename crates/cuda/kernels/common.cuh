@@ -39,7 +39,7 @@ __device__ __forceinline__ void pdl_trigger() {
 // what the earlier one costs the step with every overlap in place.
 #ifdef SLOWFAST_TRACE
 #define SF_TRACE_CAP 16384
-__constant__ u64* sf_trace_buf;  // [4 header words, then SF_TRACE_CAP records of 4 u64]
+__constant__ u64* sf_trace_buf;  // [SF_TRACE_CAP records of 4 u64]
 __device__ __forceinline__ u64 sf_globaltimer() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -53,7 +53,7 @@ __device__ __forceinline__ void sf_traced_wait(u32 site) {
         const u64 t1 = sf_globaltimer();
         u64 grid;
         asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
-        u64* r = sf_trace_buf + 4 + 4 * (grid % SF_TRACE_CAP);
+        u64* r = sf_trace_buf + 4 * (grid % SF_TRACE_CAP);
         r[0] = grid;
         r[1] = t0;
         r[2] = t1;

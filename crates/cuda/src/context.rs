@@ -299,9 +299,9 @@ impl CudaContext {
             GpuBuffer::from_slice(slice, &stream)
         };
         let trace = if crate::trace::trace_dir().is_some() {
-            use crate::trace::{CAPACITY, HEADER_WORDS, RECORD_WORDS};
+            use crate::trace::{CAPACITY, RECORD_WORDS};
             let buf = stream
-                .alloc_zeros::<u64>(HEADER_WORDS + CAPACITY * RECORD_WORDS)
+                .alloc_zeros::<u64>(CAPACITY * RECORD_WORDS)
                 .map_err(drv("cuMemAlloc (trace buffer)"))?;
             let buf = GpuBuffer::from_slice(buf, &stream);
             let mut sym = module

@@ -23,9 +23,7 @@ use std::collections::BTreeMap;
 /// The environment variable that turns tracing on and names the folder for its files.
 pub const ENV_TRACE: &str = "SLOWFAST_TRACE";
 
-/// u64 words of the buffer's header (unused, for alignment) and of one record, and the record
-/// slots (`SF_TRACE_CAP` in kernels/common.cuh).
-pub const HEADER_WORDS: usize = 4;
+/// u64 words of one record, and the record slots (`SF_TRACE_CAP` in kernels/common.cuh).
 pub const RECORD_WORDS: usize = 4;
 pub const CAPACITY: usize = 16384;
 
@@ -59,11 +57,9 @@ impl TraceRecord {
     }
 }
 
-/// Decodes a trace buffer as the kernels left it: the filled slots, in launch order.
+/// Decodes a trace buffer as the kernels left it: the filled slots, in wait-return order.
 pub fn parse_records(raw: &[u64]) -> Vec<TraceRecord> {
     let mut out: Vec<TraceRecord> = raw
-        .get(HEADER_WORDS..)
-        .unwrap_or(&[])
         .chunks_exact(RECORD_WORDS)
         .filter(|r| r[2] != 0)
         .map(|r| {
@@ -185,9 +181,9 @@ mod tests {
 
     /// A buffer with records (grid, before, after, file, line, blocks) in their slots.
     fn raw(recs: &[(u64, u64, u64, u64, u64, u64)]) -> Vec<u64> {
-        let mut v = vec![0u64; HEADER_WORDS + CAPACITY * RECORD_WORDS];
+        let mut v = vec![0u64; CAPACITY * RECORD_WORDS];
         for &(g, b, a, file, line, blocks) in recs {
-            let at = HEADER_WORDS + (g as usize % CAPACITY) * RECORD_WORDS;
+            let at = (g as usize % CAPACITY) * RECORD_WORDS;
             v[at..at + 4].copy_from_slice(&[g, b, a, (blocks << 32) | (file << 16) | line]);
         }
         v
