@@ -53,9 +53,17 @@ pub struct Args {
         allow_negative_numbers = true
     )]
     pub repetition_penalty: f32,
-    /// Window of the repetition penalty.
+    /// Window of the repetition, presence and frequency penalties.
     #[arg(long, default_value_t = 64)]
     pub repeat_last_n: usize,
+    /// Subtract P from the logit of every token seen in the last --repeat-last-n tokens
+    /// (OpenAI's presence_penalty, in [-2, 2]; 0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    /// Subtract F times its count in the last --repeat-last-n tokens from each token's logit
+    /// (OpenAI's frequency_penalty, in [-2, 2]; 0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
     /// Random seed (default: from the clock).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -95,6 +103,8 @@ pub fn run(a: Args) -> Result<()> {
         min_p: a.min_p,
         repetition_penalty: a.repetition_penalty,
         repeat_last_n: a.repeat_last_n,
+        presence_penalty: a.presence_penalty,
+        frequency_penalty: a.frequency_penalty,
         seed,
     };
     // Validate everything the user typed before the (slow) model load.

@@ -14,6 +14,10 @@ pub enum SamplerError {
     MinP(f32),
     #[error("--repetition-penalty must be a finite number > 0, got {0}")]
     RepetitionPenalty(f32),
+    #[error("--presence-penalty must be a number in [-2, 2], got {0}")]
+    PresencePenalty(f32),
+    #[error("--frequency-penalty must be a number in [-2, 2], got {0}")]
+    FrequencyPenalty(f32),
     #[error("the sampler needs a vocabulary of at least one token")]
     EmptyVocab,
     #[error("logits row has {got} entries but the vocabulary has {want}")]
@@ -35,8 +39,14 @@ pub struct SamplerConfig {
     pub min_p: f32,
     /// Penalise tokens seen in the last `repeat_last_n` tokens; 1 = disabled.
     pub repetition_penalty: f32,
-    /// Window of the repetition penalty; 0 = disabled.
+    /// Window of the repetition, presence and frequency penalties; 0 = disabled.
     pub repeat_last_n: usize,
+    /// OpenAI's presence penalty: subtracted once from the logit of each token of the window
+    /// (llama.cpp's `penalty_present`); 0 = disabled.
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty: subtracted from a token's logit once per occurrence in the
+    /// window (llama.cpp's `penalty_freq`); 0 = disabled.
+    pub frequency_penalty: f32,
     /// Seed of the draw; a seed gives the same tokens for the same logits.
     pub seed: u64,
 }
@@ -50,6 +60,8 @@ impl Default for SamplerConfig {
             min_p: 0.05,
             repetition_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0x5EED,
         }
     }
@@ -65,6 +77,8 @@ impl SamplerConfig {
             min_p: 0.0,
             repetition_penalty: 1.0,
             repeat_last_n: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
         }
     }
@@ -81,6 +95,12 @@ impl SamplerConfig {
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
             return Err(SamplerError::RepetitionPenalty(self.repetition_penalty));
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return Err(SamplerError::PresencePenalty(self.presence_penalty));
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return Err(SamplerError::FrequencyPenalty(self.frequency_penalty));
         }
         Ok(())
     }
@@ -143,7 +163,7 @@ pub struct Sampler {
     cand: Vec<(f32, u32)>, // [<= vocab] (scaled logit, id) still in the running
     history: Vec<u32>, // [<= repeat_last_n] ring of recent tokens
     history_next: usize, // ring write position once full
-    seen: Vec<u32>, // [<= repeat_last_n] scratch: distinct recent tokens
+    seen: Vec<u32>, // [<= repeat_last_n] scratch: the recent tokens, sorted
     weights: Vec<f32>, // [<= vocab] scratch: exp(logit - max) per candidate
 }
 
@@ -208,7 +228,10 @@ impl Sampler {
             });
         }
         // Only a penalty needs a modified copy of the row.
-        let penalize = self.cfg.repetition_penalty != 1.0 && !self.history.is_empty();
+        let penalize = (self.cfg.repetition_penalty != 1.0
+            || self.cfg.presence_penalty != 0.0
+            || self.cfg.frequency_penalty != 0.0)
+            && !self.history.is_empty();
         if penalize {
             self.work.clear();
             self.work.extend_from_slice(logits);
@@ -242,19 +265,26 @@ impl Sampler {
     }
 
     /// llama.cpp semantics: each distinct token of the last `repeat_last_n` gets its logit
-    /// divided by the penalty when positive, multiplied when not.
+    /// divided by the repetition penalty when positive, multiplied when not; then the
+    /// frequency penalty times its count and the presence penalty are subtracted.
     fn apply_repetition_penalty(&mut self) {
-        let p = self.cfg.repetition_penalty;
-        if p == 1.0 || self.history.is_empty() {
+        let (p, fp, pp) = (
+            self.cfg.repetition_penalty,
+            self.cfg.frequency_penalty,
+            self.cfg.presence_penalty,
+        );
+        if self.history.is_empty() {
             return;
         }
         self.seen.clear();
         self.seen.extend_from_slice(&self.history);
         self.seen.sort_unstable();
-        self.seen.dedup();
-        for &t in &self.seen {
-            if let Some(l) = self.work.get_mut(t as usize) {
-                *l = if *l <= 0.0 { *l * p } else { *l / p };
+        for run in self.seen.chunk_by(|a, b| a == b) {
+            if let Some(l) = self.work.get_mut(run[0] as usize) {
+                if p != 1.0 {
+                    *l = if *l <= 0.0 { *l * p } else { *l / p };
+                }
+                *l -= run.len() as f32 * fp + pp;
             }
         }
     }

@@ -242,6 +242,41 @@ fn min_p_drops_unlikely_tokens() {
 }
 
 #[test]
+fn presence_and_frequency_penalties_follow_llama_cpp() {
+    let c = SamplerConfig {
+        presence_penalty: 0.5,
+        frequency_penalty: 0.25,
+        repeat_last_n: 8,
+        ..SamplerConfig::greedy()
+    };
+    let mut s = Sampler::new(c, 4).unwrap();
+    for t in [0, 0, 0, 3] {
+        s.accept(t);
+    }
+    // token 0: 3 - 3 * 0.25 - 0.5 = 1.75 < token 1 (2.0); token 3: 1 - 0.25 - 0.5
+    assert_eq!(s.sample(&[3.0, 2.0, -1.0, 1.0]).unwrap(), 1);
+    assert_eq!(s.work, vec![1.75, 2.0, -1.0, 0.25]);
+    for (bad, flag) in [
+        (
+            SamplerConfig {
+                presence_penalty: 2.5,
+                ..SamplerConfig::greedy()
+            },
+            "--presence-penalty",
+        ),
+        (
+            SamplerConfig {
+                frequency_penalty: f32::NAN,
+                ..SamplerConfig::greedy()
+            },
+            "--frequency-penalty",
+        ),
+    ] {
+        assert!(bad.validate().unwrap_err().to_string().contains(flag));
+    }
+}
+
+#[test]
 fn repetition_penalty_follows_llama_cpp() {
     let c = SamplerConfig {
         repetition_penalty: 2.0,
