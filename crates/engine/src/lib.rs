@@ -1,4 +1,5 @@
 //! slowfast-engine: sampling, the generate loop, evaluation and benchmarks.
+pub mod batch;
 pub mod bench;
 #[cfg(feature = "cuda")]
 pub mod cuda;

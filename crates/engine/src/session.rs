@@ -184,7 +184,7 @@ impl PolicySpec {
     }
 }
 
-enum Cache {
+pub(crate) enum Cache {
     F32(KvStore<f32>, Box<dyn KvPolicy<f32>>),
     F16(KvStore<f16>, Box<dyn KvPolicy<f16>>),
 }
@@ -195,11 +195,11 @@ pub const DEFAULT_CHUNK: usize = 512;
 pub struct Session<'m> {
     pub model: &'m Model,
     /// FastKV prefill: (fraction of the prompt propagated, TSP layer, window, kernel).
-    tsp: Option<(f64, usize, usize, usize)>,
-    cache: Cache,
-    scratch: Scratch,
-    chunk: usize,
-    logits: Vec<f32>,
+    pub(crate) tsp: Option<(f64, usize, usize, usize)>,
+    pub(crate) cache: Cache,
+    pub(crate) scratch: Scratch,
+    pub(crate) chunk: usize,
+    pub(crate) logits: Vec<f32>,
 }
 
 impl<'m> Session<'m> {
@@ -339,18 +339,51 @@ impl<'m> Session<'m> {
         tokens: &[u32],
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<&[f32], EngineError> {
+        let plan = self.prefill_plan(tokens.len());
+        for (i, &(_, b)) in plan.iter().enumerate() {
+            self.prefill_part(tokens, &plan, i)?;
+            progress(b, tokens.len());
+        }
+        Ok(&self.logits)
+    }
+
+    /// The forward calls `prefill` makes for a prompt of `n` tokens, as `[a, b)` bounds into
+    /// it: chunks of at most `chunk` tokens (the last one at least the policy's observation
+    /// window), or one part for FastKV's token-selective prefill, which runs whole.
+    pub fn prefill_plan(&self, n: usize) -> Vec<(usize, usize)> {
+        if self.tsp.is_some() && self.pos() == 0 {
+            return vec![(0, n)];
+        }
+        chunk_bounds(n, self.chunk, self.prefill_tail())
+    }
+
+    fn prefill_tail(&self) -> usize {
+        match &self.cache {
+            Cache::F32(_, p) => p.prefill_tail(),
+            Cache::F16(_, p) => p.prefill_tail(),
+        }
+    }
+
+    /// Runs part `i` of `plan` (from `prefill_plan(tokens.len())`, parts in order); the last
+    /// part writes the last row's logits and ends the prefill (the policy's end of prefill:
+    /// compression, SFI's bootstrap). A server interleaves these with other sequences' steps.
+    pub fn prefill_part(
+        &mut self,
+        tokens: &[u32],
+        plan: &[(usize, usize)],
+        i: usize,
+    ) -> Result<(), EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::BadInput(
                 "empty prompt: nothing to prefill".into(),
             ));
         }
-        let tail = match &self.cache {
-            Cache::F32(_, p) => p.prefill_tail(),
-            Cache::F16(_, p) => p.prefill_tail(),
-        };
-        let bounds = chunk_bounds(tokens.len(), self.chunk, tail);
+        let &(a, b) = plan.get(i).ok_or_else(|| {
+            EngineError::BadInput(format!("prefill part {i} of a {}-part plan", plan.len()))
+        })?;
         if let (Some((rate, layer, window, kernel)), 0) = (self.tsp, self.pos()) {
             let n = tokens.len();
+            let bounds = chunk_bounds(n, self.chunk, self.prefill_tail());
             let tsp = TspConfig {
                 layer,
                 len: ((n as f64 * rate).floor() as usize).clamp(window.min(n), n),
@@ -362,17 +395,16 @@ impl<'m> Session<'m> {
                 Cache::F32(c, p) => fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
                 Cache::F16(c, p) => fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
             };
-            progress(n, n);
         } else {
-            for (i, &(a, b)) in bounds.iter().enumerate() {
-                let rows = if i + 1 == bounds.len() {
-                    LogitsRows::Last
-                } else {
-                    LogitsRows::None
-                };
-                self.forward(&tokens[a..b], rows)?;
-                progress(b, tokens.len());
-            }
+            let rows = if i + 1 == plan.len() {
+                LogitsRows::Last
+            } else {
+                LogitsRows::None
+            };
+            self.forward(&tokens[a..b], rows)?;
+        }
+        if i + 1 < plan.len() {
+            return Ok(());
         }
         let r = match &mut self.cache {
             Cache::F32(c, p) => p.end_prefill(c),
@@ -380,8 +412,7 @@ impl<'m> Session<'m> {
         };
         r.map_err(|e| {
             EngineError::BadInput(format!("end of prefill ({}): {e}", self.policy_name()))
-        })?;
-        Ok(&self.logits)
+        })
     }
 
     /// Benchmarks only: fill positions `0..n` of an empty cache with pseudo-random keys and

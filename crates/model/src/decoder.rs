@@ -1,6 +1,7 @@
 //! The one generic decoder: Llama, Qwen3 and Gemma 3 differ only in `ModelConfig` flags.
 //! `forward` runs a chunk of tokens (a prefill chunk, or one decode token) through every layer
-//! against a preallocated KV store; attention goes through `crate::attention`.
+//! against a preallocated KV store; attention goes through `crate::attention`. `crate::batch`
+//! runs one decode token of several sequences through the same layer code.
 use slowfast_backend::cpu::ops;
 use slowfast_kv::{CacheElem, FullPolicy, KvPolicy, KvStore, LayerSpec};
 use slowfast_quant::{
@@ -36,9 +37,29 @@ pub struct TspConfig {
 /// Positions of the rows of a forward: contiguous from a start, or an ascending list (FastKV
 /// propagates a subset of the prompt with its original positions).
 #[derive(Debug, Clone, Copy)]
-enum RowPos<'a> {
+pub(crate) enum RowPos<'a> {
     Range(usize),
     List(&'a [u32]),
+}
+
+/// What the rows of a forward are to the matrix products (see `Model::linear`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rows {
+    /// Consecutive tokens of one sequence.
+    Chunk,
+    /// One token of each of several independent sequences (batched decode).
+    Independent,
+}
+
+/// One layer's rows handed to its attention step (see `Model::layer`): the roped queries
+/// `[n, heads, head_dim]`, keys and values `[n, kv_heads, head_dim]`, the sliding window of
+/// the layer (None: global), and the output `[n, heads, head_dim]` to fill.
+pub(crate) struct Attend<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub window: Option<usize>,
+    pub out: &'a mut [f32],
 }
 
 /// How activations meet quantized weights in the matrix products.
@@ -179,21 +200,35 @@ impl Model {
         )
     }
 
-    fn linear(&self, w: &Weight, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), ModelError> {
+    /// `y = x Wᵀ` over `n` rows. `Chunk` rows are one sequence's chunk and go through the
+    /// kernel their count calls for; `Independent` rows (a batched decode) each get exactly
+    /// what a one-row product computes (per-row dots, never the GEMM), so a row's result does
+    /// not depend on the batch it is in.
+    fn linear(
+        &self,
+        w: &Weight,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+        rows: Rows,
+    ) -> Result<(), ModelError> {
         let v = w.view();
-        let r = match self.precision {
-            MatmulPrecision::Fast => matmul(&v, x, n, y),
-            MatmulPrecision::Exact if n >= gemm_crossover(w.ty) => matmul_gemm(&v, x, n, y),
-            MatmulPrecision::Exact => matvec_with(
-                &v,
-                x,
-                n,
-                0..w.rows,
-                y,
-                &mut MatvecScratch::new(),
-                DotPath::Dequantized,
-                Isa::best(),
-            ),
+        let r = match (self.precision, rows) {
+            (MatmulPrecision::Fast, Rows::Chunk) => matmul(&v, x, n, y),
+            (MatmulPrecision::Exact, Rows::Chunk) if n >= gemm_crossover(w.ty) => {
+                matmul_gemm(&v, x, n, y)
+            }
+            // Each row on its own: in `Fast` what `matmul` runs for one row (its GEMM starts
+            // at `gemm_crossover` > 1 rows), in `Exact` what it runs below the crossover.
+            (precision, _) => {
+                debug_assert!(gemm_crossover(w.ty) > 1);
+                let path = match precision {
+                    MatmulPrecision::Fast => DotPath::Quantized,
+                    MatmulPrecision::Exact => DotPath::Dequantized,
+                };
+                let mut scratch = MatvecScratch::new();
+                matvec_with(&v, x, n, 0..w.rows, y, &mut scratch, path, Isa::best())
+            }
         };
         r.map_err(|e| ModelError::Compute(format!("{w:?}: {e}")))
     }
@@ -260,7 +295,7 @@ impl Model {
         )?;
         cache.set_len(pos0 + n);
         policy.end_forward(pos0, n);
-        self.head(n, rows, s, logits)
+        self.head(n, rows, Rows::Chunk, s, logits)
     }
 
     /// Run the `n` rows of the residual stream `s.x` (positions `pos`, RoPE tables already in
@@ -274,82 +309,108 @@ impl Model {
         policy: &mut dyn KvPolicy<T>,
         s: &mut Scratch,
     ) -> Result<(), ModelError> {
-        let c = &self.cfg;
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
         for l in layers {
-            let w = &self.weights.layers[l];
-            let sliding = c.is_sliding(l);
-            // --- attention block ---
-            let xb = resize(&mut s.xb, n * h);
-            ops::rmsnorm(&s.x, &w.attn_norm, c.rms_norm_eps, xb);
-            let q = resize(&mut s.q, n * nh * hd);
-            self.linear(&w.wq, xb, n, q)?;
-            let k = resize(&mut s.k, n * nkv * hd);
-            self.linear(&w.wk, xb, n, k)?;
-            let v = resize(&mut s.v, n * nkv * hd);
-            self.linear(&w.wv, xb, n, v)?;
-            if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-                ops::rmsnorm_inplace(q, qn, c.rms_norm_eps);
-                ops::rmsnorm_inplace(k, kn, c.rms_norm_eps);
-            }
-            let (cos, sin) = if sliding {
-                (&s.cos_l, &s.sin_l)
-            } else {
-                (&s.cos, &s.sin)
-            };
-            ops::rope_inplace(q, nh, hd, cos, sin);
-            ops::rope_inplace(k, nkv, hd, cos, sin);
-            match pos {
-                RowPos::Range(p0) => cache.write(l, p0, k, v),
-                RowPos::List(list) => cache.write_at(l, list, k, v),
-            }
-            .map_err(|e| ModelError::Compute(format!("layer {l}: {e}")))?;
-            let att = resize(&mut s.att, n * nh * hd);
-            let window = if sliding { c.sliding_window } else { None };
-            let (p0, list) = match pos {
-                RowPos::Range(p0) => (p0, None),
-                RowPos::List(list) => (0, Some(list)),
-            };
-            attend_layer(c, l, q, p0, n, window, list, cache, policy, att)?;
-            let o = resize(&mut s.o, n * h);
-            self.linear(&w.wo, att, n, o)?;
-            if let Some(pn) = &w.post_attn_norm {
-                ops::rmsnorm_inplace(o, pn, c.rms_norm_eps);
-            }
-            ops::add_inplace(&mut s.x, o);
-            // --- MLP block ---
-            let xb = resize(&mut s.xb, n * h);
-            ops::rmsnorm(&s.x, &w.ffn_norm, c.rms_norm_eps, xb);
-            let gate = resize(&mut s.gate, n * c.intermediate_size);
-            self.linear(&w.w_gate, xb, n, gate)?;
-            let up = resize(&mut s.up, n * c.intermediate_size);
-            self.linear(&w.w_up, xb, n, up)?;
-            match c.activation {
-                Activation::Silu => ops::silu_mul(gate, up),
-                Activation::GeluTanh => ops::gelu_tanh_mul(gate, up),
-            }
-            let o = resize(&mut s.o, n * h);
-            self.linear(&w.w_down, gate, n, o)?;
-            if let Some(pn) = &w.post_ffw_norm {
-                ops::rmsnorm_inplace(o, pn, c.rms_norm_eps);
-            }
-            ops::add_inplace(&mut s.x, o);
+            self.layer(l, n, Rows::Chunk, s, |a| {
+                match pos {
+                    RowPos::Range(p0) => cache.write(l, p0, a.k, a.v),
+                    RowPos::List(list) => cache.write_at(l, list, a.k, a.v),
+                }
+                .map_err(|e| ModelError::Compute(format!("layer {l}: {e}")))?;
+                let (p0, list) = match pos {
+                    RowPos::Range(p0) => (p0, None),
+                    RowPos::List(list) => (0, Some(list)),
+                };
+                attend_layer(
+                    &self.cfg, l, a.q, p0, n, a.window, list, cache, policy, a.out,
+                )
+            })?;
         }
         Ok(())
     }
 
+    /// Layer `l` on the `n` rows of the residual stream `s.x` (RoPE tables already in `s`):
+    /// norms, projections, RoPE and the MLP here; `attend` stores the rows' K/V and writes
+    /// their attention output (`Attend::out`), so one sequence's chunk and a batch of
+    /// sequences (each with its own cache) share this one copy of the layer math.
+    pub(crate) fn layer(
+        &self,
+        l: usize,
+        n: usize,
+        rows: Rows,
+        s: &mut Scratch,
+        attend: impl FnOnce(Attend<'_>) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
+        let c = &self.cfg;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let w = &self.weights.layers[l];
+        let sliding = c.is_sliding(l);
+        // --- attention block ---
+        let xb = resize(&mut s.xb, n * h);
+        ops::rmsnorm(&s.x, &w.attn_norm, c.rms_norm_eps, xb);
+        let q = resize(&mut s.q, n * nh * hd);
+        self.linear(&w.wq, xb, n, q, rows)?;
+        let k = resize(&mut s.k, n * nkv * hd);
+        self.linear(&w.wk, xb, n, k, rows)?;
+        let v = resize(&mut s.v, n * nkv * hd);
+        self.linear(&w.wv, xb, n, v, rows)?;
+        if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+            ops::rmsnorm_inplace(q, qn, c.rms_norm_eps);
+            ops::rmsnorm_inplace(k, kn, c.rms_norm_eps);
+        }
+        let (cos, sin) = if sliding {
+            (&s.cos_l, &s.sin_l)
+        } else {
+            (&s.cos, &s.sin)
+        };
+        ops::rope_inplace(q, nh, hd, cos, sin);
+        ops::rope_inplace(k, nkv, hd, cos, sin);
+        let att = resize(&mut s.att, n * nh * hd);
+        attend(Attend {
+            q,
+            k,
+            v,
+            window: if sliding { c.sliding_window } else { None },
+            out: &mut *att,
+        })?;
+        let o = resize(&mut s.o, n * h);
+        self.linear(&w.wo, att, n, o, rows)?;
+        if let Some(pn) = &w.post_attn_norm {
+            ops::rmsnorm_inplace(o, pn, c.rms_norm_eps);
+        }
+        ops::add_inplace(&mut s.x, o);
+        // --- MLP block ---
+        let xb = resize(&mut s.xb, n * h);
+        ops::rmsnorm(&s.x, &w.ffn_norm, c.rms_norm_eps, xb);
+        let gate = resize(&mut s.gate, n * c.intermediate_size);
+        self.linear(&w.w_gate, xb, n, gate, rows)?;
+        let up = resize(&mut s.up, n * c.intermediate_size);
+        self.linear(&w.w_up, xb, n, up, rows)?;
+        match c.activation {
+            Activation::Silu => ops::silu_mul(gate, up),
+            Activation::GeluTanh => ops::gelu_tanh_mul(gate, up),
+        }
+        let o = resize(&mut s.o, n * h);
+        self.linear(&w.w_down, gate, n, o, rows)?;
+        if let Some(pn) = &w.post_ffw_norm {
+            ops::rmsnorm_inplace(o, pn, c.rms_norm_eps);
+        }
+        ops::add_inplace(&mut s.x, o);
+        Ok(())
+    }
+
     /// Final norm + LM head on the rows of `s.x` (`n` rows) that need logits.
-    fn head(
+    pub(crate) fn head(
         &self,
         n: usize,
-        rows: LogitsRows,
+        which: LogitsRows,
+        rows: Rows,
         s: &mut Scratch,
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
         let c = &self.cfg;
         let h = c.hidden_size;
-        let first = match rows {
+        let first = match which {
             LogitsRows::None => return Ok(()),
             LogitsRows::Last => n - 1,
             LogitsRows::All => 0,
@@ -363,11 +424,11 @@ impl Model {
             xb,
         );
         logits.resize(m * c.vocab_size, 0.0);
-        self.linear(self.weights.lm_head(), xb, m, logits)
+        self.linear(self.weights.lm_head(), xb, m, logits, rows)
     }
 
     /// Embedding lookup of `tokens` into `s.x` (Gemma scales by sqrt(hidden)).
-    fn embed(&self, tokens: &[u32], s: &mut Scratch) {
+    pub(crate) fn embed(&self, tokens: &[u32], s: &mut Scratch) {
         let c = &self.cfg;
         let (n, h) = (tokens.len(), c.hidden_size);
         let x = resize(&mut s.x, n * h);
@@ -490,7 +551,7 @@ impl Model {
         cache.set_len(n);
         policy.end_forward(0, n);
         let m = sel_chunks.last().map_or(0, |&(a, b)| b - a);
-        self.head(m, LogitsRows::Last, s, logits)?;
+        self.head(m, LogitsRows::Last, Rows::Chunk, s, logits)?;
         Ok(keep)
     }
 
@@ -574,7 +635,7 @@ impl Model {
     }
 
     /// RoPE tables (global and, if the model has sliding layers, local) for `n` rows.
-    fn rope(&self, pos: RowPos<'_>, n: usize, s: &mut Scratch) {
+    pub(crate) fn rope(&self, pos: RowPos<'_>, n: usize, s: &mut Scratch) {
         let sliding = self.cfg.layer_sliding.iter().any(|&b| b);
         match pos {
             RowPos::Range(p0) => {

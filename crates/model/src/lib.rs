@@ -1,6 +1,7 @@
 //! slowfast-model: model configs (GGUF, HF, presets), weights by role, and the one generic
 //! decoder that runs Llama, Qwen3 and Gemma 3 on the CPU.
 pub mod attention;
+pub mod batch;
 pub mod config;
 pub mod decoder;
 pub mod error;
@@ -9,6 +10,7 @@ pub mod presets;
 pub mod random;
 pub mod weights;
 
+pub use batch::DecodeRow;
 pub use config::{Activation, Arch, ModelConfig, RopeScaling};
 pub use decoder::{LogitsRows, MatmulPrecision, Model, Scratch, TspConfig};
 pub use error::ModelError;
