@@ -177,6 +177,37 @@ PY
         $bin bench --device cuda --model random:qwen3-4b --contexts "${AB_CTX:-8k}" --batch "${AB_BATCH:-1}" \
           --new-tokens "$N" --policies "${AB_POL:-streaming,sfi}" $SFI_OPTS 2>&1 | tee -a "$OUT/binab.log"
       done ;;
+    serve)
+      # `slowfast serve --device cuda` under load (issue 19) against `bench --batch` at the same
+      # batch and context. SERVE_CFGS: BATCH:MAX_CONTEXT:PROMPT_TOKENS:POLICY entries; one wave
+      # of BATCH streams of N tokens (token-id prompts, ignore_eos), then a probe request's TTFT
+      # while they decode; SERVE_GRAPHS (default 1) sets SLOWFAST_SERVE_GRAPHS.
+      for cfg in ${SERVE_CFGS:-6:131072:126976:full 6:131072:126976:sfi 32:8192:7936:full 32:8192:7936:sfi}; do
+        IFS=: read -r B C P POL <<< "$cfg"
+        opts=""; [ "$POL" = full ] || opts="$SFI_OPTS"
+        log="$OUT/serve-$POL-b$B-$P.log"
+        echo "== serve $cfg" | tee -a "$OUT/serve.log"
+        SLOWFAST_SERVE_GRAPHS="${SERVE_GRAPHS:-1}" .bin/slowfast serve --device cuda --model random:qwen3-4b \
+          --max-batch "$B" --max-context "$C" --max-queue 256 --max-body-bytes 67108864 --port 0 \
+          --policy "$POL" $opts > "$log" 2>&1 &
+        spid=$!
+        url=""
+        for _ in $(seq 1 600); do
+          url="$(grep -o 'listening on http://[^[:space:]]*' "$log" | head -n 1 | sed 's/^listening on //')"
+          [ -n "$url" ] && break
+          kill -0 $spid 2>/dev/null || break
+          sleep 0.2
+        done
+        if [ -z "$url" ]; then tail -20 "$log" | tee -a "$OUT/serve.log"; rc=1; continue; fi
+        python3 .bin/serve_load.py --url "$url" --token-ids --vocab 151936 --concurrency "$B" --requests "$B" \
+          --max-tokens "$N" --prompt-lengths "$P" --ignore-eos --disconnect-fraction 0 --probe "${PROBE:-512}" \
+          --timeout 1800 --settle-timeout 30 --json "$OUT/serve-$POL-b$B-$P.json" 2>&1 | tee -a "$OUT/serve.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        kill $spid; wait $spid 2>/dev/null
+        tail -3 "$log" >> "$OUT/serve.log"
+        .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "$P" --batch "$B" \
+          --new-tokens "$N" --policies "$POL" $opts --json "$OUT/serve-bench-$POL-b$B-$P.json" 2>&1 | tee -a "$OUT/serve.log"
+      done ;;
     torch)
       python3 .bin/torch_reference.py --contexts "$CTX" --new-tokens "$N" --json "$OUT/torch.json" 2>&1 | tee "$OUT/torch.log" ;;
     gen)

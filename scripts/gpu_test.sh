@@ -45,7 +45,7 @@ for exe in $(build test slowfast-cuda test --no-run); do
   name="$(basename "$exe")"
   cp "$exe" "$bin/slowfast_cuda-${name%-*}"
 done
-for exe in $(build test slowfast-engine test --no-run --test gpu_model); do
+for exe in $(build test slowfast-engine test --no-run --test gpu_model --test gpu_serve); do
   name="$(basename "$exe")"
   cp "$exe" "$bin/slowfast_engine-${name%-*}"
 done
@@ -62,7 +62,7 @@ done
 # The run tool sends the session's checkout: carry fixtures and the reference script too.
 mkdir -p "$bin/fixtures"
 cp -r tests/fixtures/hf tests/fixtures/gguf "$bin/fixtures/"
-cp bench/torch_reference.py scripts/gpu_run.sh "$bin/"
+cp bench/torch_reference.py bench/serve_load.py scripts/gpu_run.sh "$bin/"
 ls -la "$bin" >&2
 du -sh "$bin" >&2
 

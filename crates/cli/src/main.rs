@@ -1,8 +1,9 @@
-//! The `slowfast` command line: generate, eval, bench, fetch, info.
+//! The `slowfast` command line: generate, serve, eval, bench, fetch, info.
 mod cmd_bench;
 mod cmd_eval;
 mod cmd_generate;
 mod cmd_info;
+mod cmd_serve;
 mod common;
 
 use clap::{Parser, Subcommand};
@@ -29,6 +30,16 @@ struct Cli {
 enum Cmd {
     /// Generate text from a prompt, streaming it to stdout.
     Generate(cmd_generate::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
+    /// /v1/chat/completions, /v1/models, /health, /metrics) with continuous batching.
+    ///
+    /// Requests join the running batch at step boundaries; long prompts are prefilled in
+    /// chunks between decode steps; a client that disconnects cancels its request. Each
+    /// request may pick its KV policy with the extension field
+    /// `"kv_policy": {"name": "sfi", "kv_budget": 2048}` (also sinks, sfi_recent,
+    /// sfi_refresh_interval, sfi_min_gap, sfi_trigger); `ignore_eos` and
+    /// `return_token_ids` are extensions too. See docs/serving.md.
+    Serve(cmd_serve::Args),
     /// Measure quality under KV policies: NLL, greedy agreement, passkey retrieval, support stability.
     Eval(cmd_eval::Args),
     /// Measure prefill and decode throughput at several context lengths.
@@ -59,6 +70,7 @@ fn main() {
     }
     let r = match cli.cmd {
         Cmd::Generate(a) => cmd_generate::run(a),
+        Cmd::Serve(a) => cmd_serve::run(a),
         Cmd::Eval(a) => cmd_eval::run(a),
         Cmd::Bench(a) => cmd_bench::run(a),
         Cmd::Fetch(a) => cmd_info::fetch(a),

@@ -158,6 +158,8 @@ pub struct GpuDecoder {
     pending: Vec<PendingRefresh>,
     /// Decode steps so far (the clock of `pending`).
     step_no: usize,
+    /// The slots whose memory the last `decode_step` refreshed (its slow rows).
+    last_refresh: Vec<usize>,
 }
 
 /// An asynchronous refresh waiting to be published: its (slot, length) pairs, the event that
@@ -377,6 +379,7 @@ impl GpuDecoder {
                 .unwrap_or(DEFAULT_REFRESH_LAG),
             pending: Vec::new(),
             step_no: 0,
+            last_refresh: Vec::new(),
             hdk,
             layers,
             caches,
@@ -501,6 +504,12 @@ impl GpuDecoder {
             self.fast_steps,
             self.sparse.as_ref().map_or(0, |s| s.refreshes),
         )
+    }
+
+    /// The slots the last `decode_step` refreshed (SFI's slow rows: asked for with
+    /// `request_refresh`, or the bridge of a slot without a memory); empty otherwise.
+    pub fn last_refreshed(&self) -> &[usize] {
+        &self.last_refresh
     }
 
     /// Tokens a fast step of `slot` attends per kv head on a global layer now.
@@ -770,6 +779,7 @@ impl GpuDecoder {
             }
         }
         self.want_refresh.iter_mut().for_each(|w| *w = false);
+        self.last_refresh = refresh.iter().map(|r| r.slot).collect();
         self.step_no += 1;
         // Due asynchronous refreshes are published before this step reads the memory; all of
         // them when a slot with one pending refreshes again or this step refreshes in order

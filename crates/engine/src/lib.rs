@@ -10,6 +10,7 @@ pub mod generate;
 pub mod hub;
 pub mod load;
 pub mod sampler;
+pub mod scheduler;
 pub mod session;
 pub mod stop;
 

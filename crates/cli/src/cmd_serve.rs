@@ -1,0 +1,137 @@
+//! `slowfast serve`: the OpenAI-compatible server over the continuous-batching scheduler.
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use slowfast_engine::scheduler::{self, SchedulerConfig};
+use slowfast_engine::KvDtype;
+use slowfast_server::{KvPolicyRequest, ServerConfig};
+
+use crate::common::{ModelArgs, PolicyArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the address is printed at start).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// The server's default KV policy (see `generate --help`); a request may choose its own
+    /// with the extension field `kv_policy`.
+    #[arg(long, default_value = "full")]
+    pub policy: String,
+    #[command(flatten)]
+    pub sparse: PolicyArgs,
+    /// Sequences decoded together at most (the running batch).
+    #[arg(long, default_value_t = 8)]
+    pub max_batch: usize,
+    /// Longest sequence a request may have, prompt + generated tokens (default: the model's
+    /// context, at most 8192). Longer prompts get a 400; max_tokens is cut to fit.
+    #[arg(long)]
+    pub max_context: Option<usize>,
+    /// Requests that may wait for a place in the batch; past it a request gets a 429.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// KV cache bytes the running sequences may hold together (default: --max-batch
+    /// sequences of --max-context tokens); a request waits until its KV fits.
+    #[arg(long)]
+    pub kv_memory: Option<usize>,
+    /// Prompt tokens prefilled per scheduler step, between decode steps (at least one
+    /// --chunk a step), so running streams keep flowing while a long prompt is read.
+    #[arg(long, default_value_t = 512)]
+    pub max_prefill_tokens: usize,
+    /// Require `Authorization: Bearer KEY` on the /v1 endpoints.
+    #[arg(long, env = "SLOWFAST_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// The model name /v1/models lists and requests must use (default: the --model argument).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Largest request body accepted (bytes); larger ones get a 413.
+    #[arg(long, default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if a.max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
+    if a.max_prefill_tokens == 0 {
+        bail!("--max-prefill-tokens must be at least 1");
+    }
+    if a.max_body_bytes < 1024 {
+        bail!("--max-body-bytes must be at least 1024");
+    }
+    let loaded = Arc::new(a.model.load()?);
+    let ctx = loaded.model.cfg.max_position_embeddings;
+    let max_context = a.max_context.unwrap_or(ctx.min(8192));
+    if max_context < 2 || max_context > ctx {
+        bail!("--max-context {max_context} must be in 2..={ctx} (the model's context)");
+    }
+    // The default policy must resolve for a full-length sequence before the server starts.
+    let defaults = a.sparse.clone();
+    let default_name = a.policy.clone();
+    let default_policy = defaults
+        .spec(&default_name, max_context)
+        .with_context(|| format!("--policy {default_name}"))?
+        .with_vocab(&loaded.tokenizer);
+    let tok = loaded.clone();
+    let resolve = move |req: Option<&KvPolicyRequest>, context: usize| {
+        let mut p = defaults.clone();
+        let mut name = default_name.clone();
+        if let Some(r) = req {
+            if let Some(n) = &r.name {
+                name = n.clone();
+                if r.kv_budget.is_none() && name != default_name {
+                    p.kv_budget = None; // a budget belongs to the server's own policy
+                }
+            }
+            p.kv_budget = r.kv_budget.or(p.kv_budget);
+            p.sinks = r.sinks.unwrap_or(p.sinks);
+            p.sfi_recent = r.sfi_recent.unwrap_or(p.sfi_recent);
+            p.sfi_refresh_interval = r.sfi_refresh_interval.unwrap_or(p.sfi_refresh_interval);
+            p.sfi_min_gap = r.sfi_min_gap.unwrap_or(p.sfi_min_gap);
+            if let Some(t) = &r.sfi_trigger {
+                if !["punct", "periodic", "random", "off"].contains(&t.as_str()) {
+                    return Err(format!(
+                        "kv_policy.sfi_trigger `{t}` is not one of punct, periodic, random, off"
+                    ));
+                }
+                p.sfi_trigger = t.clone();
+            }
+        }
+        p.spec(&name, context)
+            .map(|s| s.with_vocab(&tok.tokenizer))
+            .map_err(|e| format!("kv_policy: {e:#}").replace("--", ""))
+    };
+    let device = a.model.device();
+    let kv_dtype: KvDtype = a.model.kv();
+    let kv_memory = a.kv_memory.unwrap_or_else(|| {
+        a.max_batch * scheduler::kv_bytes_for(&loaded.model, max_context, a.model.chunk, kv_dtype)
+    });
+    let sched_cfg = SchedulerConfig {
+        device,
+        max_batch: a.max_batch,
+        max_queue: a.max_queue,
+        prefill_tokens_per_step: a.max_prefill_tokens,
+        chunk: a.model.chunk,
+        kv_dtype,
+        kv_memory,
+        max_context,
+        default_policy,
+    };
+    let (handle, _thread) = scheduler::spawn(loaded.clone(), sched_cfg)?;
+    let cfg = ServerConfig {
+        host: a.host,
+        port: a.port,
+        served_model_name: a.served_model_name.unwrap_or_else(|| a.model.model.clone()),
+        api_key: a.api_key.filter(|k| !k.is_empty()),
+        max_body_bytes: a.max_body_bytes,
+        max_context,
+        device: a.model.device.clone(),
+        max_batch: a.max_batch,
+    };
+    slowfast_server::run(cfg, loaded, handle, Arc::new(resolve))?;
+    Ok(())
+}

@@ -1,0 +1,489 @@
+//! The serving scheduler: continuous batching of many requests over one model. Requests join
+//! the running batch at step boundaries and leave it the step they finish; long prompts are
+//! prefilled in chunks under a per-step token budget between decode steps; a request whose
+//! client went away is dropped within one step; the waiting queue is bounded. It owns the
+//! sequences (their KV, samplers, stop matchers), never HTTP: events go to an [`EventSink`].
+//!
+//! The device part (how a sequence is prefilled and how a batch is stepped) is the
+//! [`BatchDevice`] trait: the CPU's batched decode (`cpu.rs`), the GPU decoder's slots
+//! (`gpu.rs`, feature `cuda`).
+mod cpu;
+#[cfg(feature = "cuda")]
+mod gpu;
+mod sequence;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::sync::Arc;
+use std::time::Duration;
+
+use slowfast_kv::PolicyStats;
+
+use crate::sampler::SamplerConfig;
+use crate::session::PolicySpec;
+use crate::{Device, EngineError, KvDtype, Loaded};
+pub use cpu::kv_bytes_for;
+use sequence::Sequence;
+
+/// One generation request, tokenized and validated by the caller.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (the scheduler also stops at the model's context).
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+    /// Keep going past EOS tokens.
+    pub ignore_eos: bool,
+    /// Tokens that end the sequence besides the tokenizer's EOS (a chat template's end of
+    /// turn); also ignored with `ignore_eos`.
+    pub stop_tokens: Vec<u32>,
+    /// The KV policy of this sequence (resolved for `prompt + max_tokens` tokens).
+    pub policy: PolicySpec,
+    /// Log-probabilities: None = off; Some(n) = the chosen token's and the `n` most likely.
+    pub logprobs: Option<usize>,
+}
+
+/// The log-probability of one generated token and of the most likely alternatives, from the
+/// model's distribution (log-softmax of the raw logits, before penalties and filters).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub logprob: f32,
+    /// (token id, log-probability), most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// One generated token.
+#[derive(Debug, Clone)]
+pub struct TokenOut {
+    pub id: u32,
+    /// Text that became safe to send with this token (may be empty: held back as the possible
+    /// start of a stop string or of a multi-byte character).
+    pub text: String,
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS token or a stop string.
+    Stop,
+    /// `max_tokens` or the context limit.
+    Length,
+}
+
+/// The end of a sequence.
+#[derive(Debug, Clone)]
+pub struct Finish {
+    pub reason: FinishReason,
+    /// Text held back until the end (flushed now; never a stop string).
+    pub text: String,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub policy: String,
+    pub stats: PolicyStats,
+}
+
+/// What the scheduler tells a request's owner.
+#[derive(Debug, Clone)]
+pub enum Event {
+    Token(TokenOut),
+    Done(Finish),
+    /// The request failed (bad policy for this prompt, a model error); nothing follows.
+    Error(String),
+}
+
+/// Where a request's events go. `send` returns false once the receiver is gone; a closed sink
+/// cancels its request at the next step.
+pub trait EventSink: Send {
+    fn send(&self, ev: Event) -> bool;
+    fn is_closed(&self) -> bool;
+}
+
+/// Limits of the scheduler.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub device: Device,
+    /// Sequences decoded together at most.
+    pub max_batch: usize,
+    /// Requests waiting for a place beyond the running ones; past it `submit` refuses.
+    pub max_queue: usize,
+    /// Prompt tokens prefilled per scheduler step (at least one chunk always runs, so a
+    /// prompt makes progress).
+    pub prefill_tokens_per_step: usize,
+    /// Tokens per prefill chunk.
+    pub chunk: usize,
+    pub kv_dtype: KvDtype,
+    /// KV bytes all running sequences may hold together; a request waits until its KV fits.
+    pub kv_memory: usize,
+    /// Longest sequence (prompt + generated) a request may have.
+    pub max_context: usize,
+    /// The server's default KV policy (resolved for `max_context`). On the GPU it is the
+    /// decoder's one policy: every request must run it.
+    pub default_policy: PolicySpec,
+}
+
+/// Live counters, read by the server's `/metrics`.
+#[derive(Debug, Default)]
+pub struct Gauges {
+    pub running: AtomicUsize,
+    pub queued: AtomicUsize,
+    pub kv_bytes_in_use: AtomicUsize,
+    pub kv_bytes_capacity: AtomicUsize,
+    pub slow_steps: AtomicU64,
+    pub fast_steps: AtomicU64,
+    /// Scheduler iterations that ran a decode step, and the rows they decoded.
+    pub decode_steps: AtomicU64,
+    pub decode_rows: AtomicU64,
+    pub prefill_tokens: AtomicU64,
+}
+
+/// Why `submit` refused a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the request queue is full ({0} requests waiting); retry later")]
+    QueueFull(usize),
+    #[error("the scheduler has stopped")]
+    Stopped,
+}
+
+struct Submission {
+    req: Request,
+    sink: Box<dyn EventSink>,
+}
+
+/// The handle through which requests reach the scheduler thread (cheap to clone).
+#[derive(Clone)]
+pub struct SchedulerHandle {
+    tx: Sender<Submission>,
+    gauges: Arc<Gauges>,
+    max_queue: usize,
+}
+
+impl SchedulerHandle {
+    /// Queues a request; its events go to `sink`. Refused when `max_queue` requests wait.
+    pub fn submit(&self, req: Request, sink: Box<dyn EventSink>) -> Result<(), SubmitError> {
+        let q = &self.gauges.queued;
+        let mut cur = q.load(Ordering::Relaxed);
+        loop {
+            if cur >= self.max_queue {
+                return Err(SubmitError::QueueFull(cur));
+            }
+            match q.compare_exchange(cur, cur + 1, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => break,
+                Err(now) => cur = now,
+            }
+        }
+        self.tx.send(Submission { req, sink }).map_err(|_| {
+            q.fetch_sub(1, Ordering::AcqRel);
+            SubmitError::Stopped
+        })
+    }
+
+    pub fn gauges(&self) -> &Arc<Gauges> {
+        &self.gauges
+    }
+}
+
+/// What the scheduler needs from a device: open a sequence (allocating its KV), prefill it
+/// part by part, and step many sequences' next tokens together.
+pub(crate) trait BatchDevice {
+    type Seq;
+    /// KV bytes a sequence of `capacity` tokens under `policy` will allocate when opened.
+    fn kv_estimate(&self, policy: &PolicySpec, capacity: usize) -> usize;
+    /// A sequence able to hold `capacity` tokens under `policy`.
+    fn open(&mut self, policy: &PolicySpec, capacity: usize) -> Result<Self::Seq, EngineError>;
+    /// The prefill parts of a prompt of `n` tokens (`[a, b)` bounds, run in order).
+    fn prefill_plan(&self, seq: &Self::Seq, n: usize) -> Vec<(usize, usize)>;
+    /// Runs part `i` of `plan`; after the last one `logits(seq)` is the prompt's last row.
+    fn prefill_part(
+        &mut self,
+        seq: &mut Self::Seq,
+        prompt: &[u32],
+        plan: &[(usize, usize)],
+        i: usize,
+    ) -> Result<(), EngineError>;
+    /// Feeds `tokens[i]` to `seqs[i]`, all in one step; then `logits(seqs[i])` is its row.
+    /// `greedy`: every row takes the argmax of its logits (temperature 0, no penalties, no
+    /// logprobs), so a device may give `argmax(seqs[i])` instead of the logits.
+    fn decode(
+        &mut self,
+        seqs: &mut [&mut Self::Seq],
+        tokens: &[u32],
+        greedy: bool,
+    ) -> Result<(), EngineError>;
+    fn logits<'a>(&'a self, seq: &'a Self::Seq) -> &'a [f32];
+    /// The argmax of the sequence's last decode row when the device computed it (a greedy
+    /// step); then `logits` may be empty. None: sample from `logits`.
+    fn argmax(&self, _seq: &Self::Seq) -> Option<u32> {
+        None
+    }
+    fn kv_bytes(&self, seq: &Self::Seq) -> usize;
+    fn stats(&self, seq: &Self::Seq) -> PolicyStats;
+    fn policy_name(&self, seq: &Self::Seq) -> &'static str;
+    /// Frees the sequence's KV.
+    fn close(&mut self, seq: Self::Seq);
+}
+
+/// Starts the scheduler thread over `loaded`; the thread ends when every handle is dropped
+/// and nothing is left to run.
+pub fn spawn(
+    loaded: Arc<Loaded>,
+    cfg: SchedulerConfig,
+) -> Result<(SchedulerHandle, std::thread::JoinHandle<()>), EngineError> {
+    if cfg.max_batch == 0 || cfg.chunk == 0 || cfg.max_context == 0 {
+        return Err(EngineError::BadInput(
+            "--max-batch, --chunk and --max-context must be at least 1".into(),
+        ));
+    }
+    let gauges = Arc::new(Gauges::default());
+    gauges
+        .kv_bytes_capacity
+        .store(cfg.kv_memory, Ordering::Relaxed);
+    let (tx, rx) = mpsc::channel();
+    let handle = SchedulerHandle {
+        tx,
+        gauges: gauges.clone(),
+        max_queue: cfg.max_queue,
+    };
+    // The device opens here so that a GPU failure is reported before the server listens.
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), EngineError>>();
+    let thread = std::thread::Builder::new()
+        .name("slowfast-scheduler".into())
+        .spawn(move || match cfg.device {
+            Device::Cpu => {
+                let _ = ready_tx.send(Ok(()));
+                supervise(&loaded, &cfg, &rx, &gauges, || {
+                    Ok(cpu::CpuDevice::new(&loaded.model, cfg.kv_dtype, cfg.chunk))
+                });
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda => {
+                let policy = cfg.default_policy.clone();
+                match gpu::GpuDevice::new(&loaded, &cfg, &policy) {
+                    Ok(dev) => {
+                        // The decoder's KV is preallocated: its size is the capacity, and
+                        // the slots (max_batch) bound admission, not the KV estimate.
+                        let mut cfg = cfg;
+                        cfg.kv_memory = dev.kv_total();
+                        gauges
+                            .kv_bytes_capacity
+                            .store(cfg.kv_memory, Ordering::Relaxed);
+                        let _ = ready_tx.send(Ok(()));
+                        let mut first = Some(dev);
+                        supervise(&loaded, &cfg, &rx, &gauges, || match first.take() {
+                            Some(d) => Ok(d),
+                            None => gpu::GpuDevice::new(&loaded, &cfg, &policy),
+                        });
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                }
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda => {
+                let _ = ready_tx.send(Err(crate::device::not_built()));
+            }
+        })
+        .map_err(|e| EngineError::Io(format!("cannot start the scheduler thread: {e}")))?;
+    match ready_rx.recv() {
+        Ok(Ok(())) => Ok((handle, thread)),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(EngineError::Io("the scheduler thread died at start".into())),
+    }
+}
+
+/// Runs the scheduler loop until every handle is gone. A panic inside a step (a bug) fails
+/// the requests that were running, whose sinks are dropped, and the loop starts again on a
+/// fresh device (`make`); waiting requests keep their place.
+fn supervise<D: BatchDevice>(
+    m: &Loaded,
+    cfg: &SchedulerConfig,
+    rx: &Receiver<Submission>,
+    g: &Gauges,
+    mut make: impl FnMut() -> Result<D, EngineError>,
+) {
+    let mut waiting: VecDeque<Submission> = VecDeque::new();
+    loop {
+        let dev = match make() {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("slowfast scheduler: cannot open the device again: {e}; stopping");
+                return;
+            }
+        };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run(dev, m, cfg, rx, g, &mut waiting)
+        }));
+        match r {
+            Ok(()) => return,
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| p.downcast_ref::<&str>().copied())
+                    .unwrap_or("(no message)");
+                eprintln!(
+                    "slowfast scheduler: a step panicked ({msg}); its running requests failed, restarting"
+                );
+                g.running.store(0, Ordering::Relaxed);
+                g.kv_bytes_in_use.store(0, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// The scheduler loop.
+fn run<D: BatchDevice>(
+    mut dev: D,
+    m: &Loaded,
+    cfg: &SchedulerConfig,
+    rx: &Receiver<Submission>,
+    g: &Gauges,
+    waiting: &mut VecDeque<Submission>,
+) {
+    let mut running: Vec<Sequence<D::Seq>> = Vec::new();
+    let mut open = true;
+    loop {
+        // 1. New requests (block only when there is nothing else to do).
+        loop {
+            let next = if running.is_empty() && waiting.is_empty() && open {
+                match rx.recv_timeout(Duration::from_millis(500)) {
+                    Ok(s) => Ok(s),
+                    Err(RecvTimeoutError::Timeout) => Err(TryRecvError::Empty),
+                    Err(RecvTimeoutError::Disconnected) => Err(TryRecvError::Disconnected),
+                }
+            } else {
+                rx.try_recv()
+            };
+            match next {
+                Ok(s) => waiting.push_back(s),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    open = false;
+                    break;
+                }
+            }
+        }
+        if !open && running.is_empty() && waiting.is_empty() {
+            return;
+        }
+        // 2. Cancelled requests leave now (their KV is freed at once).
+        waiting.retain(|s| {
+            let keep = !s.sink.is_closed();
+            if !keep {
+                g.queued.fetch_sub(1, Ordering::AcqRel);
+            }
+            keep
+        });
+        for s in running.iter_mut().filter(|s| s.st.sink.is_closed()) {
+            s.st.finished = true;
+        }
+        retire(&mut dev, &mut running);
+        // 3. Admission, first come first served, while a place and the KV are free.
+        let mut kv_in_use: usize = running.iter().map(|s| dev.kv_bytes(&s.seq)).sum();
+        while running.len() < cfg.max_batch {
+            let Some(front) = waiting.front() else { break };
+            let need = dev.kv_estimate(&front.req.policy, sequence::capacity_of(&front.req, m));
+            if kv_in_use + need > cfg.kv_memory && !running.is_empty() {
+                break; // waits for a running sequence to finish
+            }
+            let sub = waiting.pop_front().expect("front exists");
+            g.queued.fetch_sub(1, Ordering::AcqRel);
+            match Sequence::open(&mut dev, m, sub.req, sub.sink) {
+                Ok(s) => {
+                    kv_in_use += dev.kv_bytes(&s.seq);
+                    running.push(s);
+                }
+                Err((sink, e)) => {
+                    sink.send(Event::Error(e.to_string()));
+                }
+            }
+        }
+        g.running.store(running.len(), Ordering::Relaxed);
+        g.kv_bytes_in_use.store(kv_in_use, Ordering::Relaxed);
+        // 4. One decode step of every sequence past its prefill.
+        let mut seqs: Vec<&mut D::Seq> = Vec::new();
+        let mut tokens: Vec<u32> = Vec::new();
+        let mut greedy = true;
+        for s in running.iter_mut() {
+            if let Some(t) = s.st.pending {
+                greedy &= s.st.greedy();
+                seqs.push(&mut s.seq);
+                tokens.push(t);
+            }
+        }
+        if !seqs.is_empty() {
+            let before: Vec<PolicyStats> = seqs.iter().map(|s| dev.stats(s)).collect();
+            let r = dev.decode(&mut seqs, &tokens, greedy);
+            for (s, b) in seqs.iter().zip(&before) {
+                let a = dev.stats(s);
+                g.slow_steps.fetch_add(
+                    a.slow_steps.saturating_sub(b.slow_steps) as u64,
+                    Ordering::Relaxed,
+                );
+                g.fast_steps.fetch_add(
+                    a.fast_steps.saturating_sub(b.fast_steps) as u64,
+                    Ordering::Relaxed,
+                );
+            }
+            drop(seqs);
+            g.decode_steps.fetch_add(1, Ordering::Relaxed);
+            g.decode_rows
+                .fetch_add(tokens.len() as u64, Ordering::Relaxed);
+            for s in running.iter_mut().filter(|s| s.st.pending.is_some()) {
+                s.st.pending = None;
+                match &r {
+                    Ok(()) => s.after_logits(&dev, m),
+                    // A failed batched step fails every sequence in it.
+                    Err(e) => s.st.fail(&e.to_string()),
+                }
+            }
+        } else {
+            drop(seqs);
+        }
+        // 5. Prefill under the step's token budget, oldest first (at least one part a step).
+        let mut budget = cfg.prefill_tokens_per_step;
+        let mut ran = false;
+        'prefill: for s in running.iter_mut() {
+            while s.st.prefilling() {
+                let n = s.st.next_part_len();
+                if ran && n > budget {
+                    break 'prefill;
+                }
+                budget = budget.saturating_sub(n);
+                ran = true;
+                g.prefill_tokens.fetch_add(n as u64, Ordering::Relaxed);
+                match s.prefill_next(&mut dev) {
+                    Ok(true) => s.after_logits(&dev, m),
+                    Ok(false) => {}
+                    Err(e) => s.st.fail(&e.to_string()),
+                }
+            }
+        }
+        // 6. Finished sequences leave the batch and free their KV.
+        retire(&mut dev, &mut running);
+        g.running.store(running.len(), Ordering::Relaxed);
+        g.kv_bytes_in_use.store(
+            running.iter().map(|s| dev.kv_bytes(&s.seq)).sum(),
+            Ordering::Relaxed,
+        );
+    }
+}
+
+/// Removes the finished sequences (keeping the others' order) and frees their KV.
+fn retire<D: BatchDevice>(dev: &mut D, running: &mut Vec<Sequence<D::Seq>>) {
+    let mut i = 0;
+    while i < running.len() {
+        if running[i].st.finished {
+            dev.close(running.remove(i).seq);
+        } else {
+            i += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

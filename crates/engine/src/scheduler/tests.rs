@@ -1,0 +1,442 @@
+//! The scheduler on the tiny Qwen3 fixture: batched greedy output equals `generate` alone for
+//! mixed prompt lengths and policies, prefill interleaves with decoding, cancellation frees
+//! the KV, the queue is bounded, and bad requests fail alone.
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::generate::{generate, GenerateOptions};
+use crate::session::policy_spec;
+
+fn loaded() -> Arc<Loaded> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/qwen3");
+    Arc::new(crate::load(dir.to_str().unwrap(), &mut |_| {}).unwrap())
+}
+
+fn cfg(max_batch: usize, max_queue: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        device: Device::Cpu,
+        max_batch,
+        max_queue,
+        prefill_tokens_per_step: 16,
+        chunk: 16,
+        kv_dtype: KvDtype::F32,
+        kv_memory: usize::MAX,
+        max_context: 256,
+        default_policy: PolicySpec::Full,
+    }
+}
+
+fn tokens(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 37 + 11 + salt * 101) % 500 + 6)
+        .collect()
+}
+
+/// Events of every request into one channel, tagged with the request's number.
+struct Tagged {
+    id: usize,
+    tx: Sender<(usize, Event)>,
+    closed: Arc<AtomicBool>,
+}
+
+impl EventSink for Tagged {
+    fn send(&self, ev: Event) -> bool {
+        !self.is_closed() && self.tx.send((self.id, ev)).is_ok()
+    }
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Relaxed)
+    }
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize, policy: PolicySpec) -> Request {
+    Request {
+        prompt,
+        max_tokens,
+        sampler: SamplerConfig::greedy(),
+        stop: Vec::new(),
+        ignore_eos: true,
+        stop_tokens: Vec::new(),
+        policy,
+        logprobs: None,
+    }
+}
+
+/// Collects events until every id in `ids` is done or failed: (tokens, finish) per id.
+fn collect(
+    rx: &Receiver<(usize, Event)>,
+    n: usize,
+) -> Vec<(Vec<u32>, Option<Finish>, Option<String>)> {
+    let mut out = vec![(Vec::new(), None, None); n];
+    let mut left = n;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while left > 0 {
+        let (id, ev) = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("the scheduler answers in time");
+        match ev {
+            Event::Token(t) => out[id].0.push(t.id),
+            Event::Done(f) => {
+                out[id].1 = Some(f);
+                left -= 1;
+            }
+            Event::Error(e) => {
+                out[id].2 = Some(e);
+                left -= 1;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn batched_greedy_equals_generate_alone() {
+    let m = loaded();
+    let (h, _t) = spawn(m.clone(), cfg(8, 16)).unwrap();
+    let (tx, rx) = channel();
+    let lens = [3usize, 40, 17, 120, 64, 9];
+    let policies = ["full", "sfi", "streaming", "sfi", "h2o", "full"];
+    let mut want = Vec::new();
+    for (i, (&n, &p)) in lens.iter().zip(&policies).enumerate() {
+        let prompt = tokens(n, i as u32);
+        let max_tokens = 12 + 3 * i;
+        let budget = (p != "full").then_some(24.0);
+        let spec = match p {
+            "sfi" => crate::session::policy_spec_with(
+                p,
+                budget,
+                2,
+                n + max_tokens,
+                &crate::session::SfiKnobs {
+                    recent: 8,
+                    min_gap: 2,
+                    refresh_interval: 6,
+                    ..Default::default()
+                },
+            ),
+            _ => policy_spec(p, budget, 2, n + max_tokens),
+        }
+        .unwrap()
+        .with_vocab(&m.tokenizer);
+        let opts = GenerateOptions {
+            max_new_tokens: max_tokens,
+            sampler: SamplerConfig::greedy(),
+            ignore_eos: true,
+            kv_dtype: KvDtype::F32,
+            chunk: 16,
+            policy: spec.clone(),
+            ..Default::default()
+        };
+        want.push(generate(&m, &prompt, &opts, &mut |_| {}).unwrap());
+        let sink = Tagged {
+            id: i,
+            tx: tx.clone(),
+            closed: Arc::new(AtomicBool::new(false)),
+        };
+        h.submit(request(prompt, max_tokens, spec), Box::new(sink))
+            .unwrap();
+    }
+    let got = collect(&rx, lens.len());
+    for (i, ((toks, fin, err), w)) in got.iter().zip(&want).enumerate() {
+        assert!(err.is_none(), "request {i}: {err:?}");
+        assert_eq!(toks, &w.tokens, "request {i} ({})", policies[i]);
+        let f = fin.as_ref().unwrap();
+        assert_eq!(f.reason, FinishReason::Length);
+        assert_eq!(f.completion_tokens, w.generated_tokens);
+        assert_eq!(f.policy, w.policy);
+        assert_eq!(f.stats.slow_steps, w.policy_stats.slow_steps, "request {i}");
+        assert_eq!(f.stats.fast_steps, w.policy_stats.fast_steps, "request {i}");
+    }
+    assert!(
+        h.gauges().decode_rows.load(Ordering::Relaxed)
+            > h.gauges().decode_steps.load(Ordering::Relaxed),
+        "some decode steps must have batched several rows"
+    );
+}
+
+#[test]
+fn long_prefill_interleaves_with_decoding() {
+    let m = loaded();
+    let (h, _t) = spawn(m.clone(), cfg(4, 4)).unwrap();
+    let (tx, rx) = channel();
+    let sink = |id| Tagged {
+        id,
+        tx: tx.clone(),
+        closed: Arc::new(AtomicBool::new(false)),
+    };
+    h.submit(
+        request(tokens(4, 0), 60, PolicySpec::Full),
+        Box::new(sink(0)),
+    )
+    .unwrap();
+    // Let request 0 start decoding, then a 200-token prompt (13 chunks of 16) arrives.
+    let first = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert!(matches!(first, (0, Event::Token(_))));
+    h.submit(
+        request(tokens(200, 1), 4, PolicySpec::Full),
+        Box::new(sink(1)),
+    )
+    .unwrap();
+    let mut tokens_of_0_before_1 = 0;
+    loop {
+        match rx.recv_timeout(Duration::from_secs(30)).unwrap() {
+            (0, Event::Token(_)) => tokens_of_0_before_1 += 1,
+            (1, Event::Token(_)) => break,
+            (_, e) => panic!("unexpected {e:?}"),
+        }
+    }
+    assert!(
+        tokens_of_0_before_1 >= 10,
+        "request 0 produced only {tokens_of_0_before_1} tokens while 1 prefilled in 13 chunks"
+    );
+}
+
+#[test]
+fn a_closed_sink_cancels_and_frees_the_kv() {
+    let m = loaded();
+    let (h, _t) = spawn(m.clone(), cfg(4, 4)).unwrap();
+    let (tx, rx) = channel();
+    let closed = Arc::new(AtomicBool::new(false));
+    let sink = Tagged {
+        id: 0,
+        tx: tx.clone(),
+        closed: closed.clone(),
+    };
+    h.submit(
+        request(tokens(30, 0), 200, PolicySpec::Full),
+        Box::new(sink),
+    )
+    .unwrap();
+    let _ = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert!(h.gauges().kv_bytes_in_use.load(Ordering::Relaxed) > 0);
+    closed.store(true, Ordering::Relaxed);
+    let t0 = Instant::now();
+    while h.gauges().running.load(Ordering::Relaxed) > 0
+        || h.gauges().kv_bytes_in_use.load(Ordering::Relaxed) > 0
+    {
+        assert!(t0.elapsed() < Duration::from_secs(10), "not cancelled");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The scheduler goes on serving.
+    let sink = Tagged {
+        id: 0,
+        tx,
+        closed: Arc::new(AtomicBool::new(false)),
+    };
+    h.submit(request(tokens(5, 3), 3, PolicySpec::Full), Box::new(sink))
+        .unwrap();
+    let got = collect(&rx, 1);
+    assert_eq!(got[0].0.len(), 3);
+}
+
+#[test]
+fn the_queue_is_bounded() {
+    let m = loaded();
+    let (h, _t) = spawn(m.clone(), cfg(1, 1)).unwrap();
+    let (tx, _rx) = channel();
+    let mut refused = 0;
+    for i in 0..4 {
+        let sink = Tagged {
+            id: i,
+            tx: tx.clone(),
+            closed: Arc::new(AtomicBool::new(false)),
+        };
+        if let Err(e) = h.submit(
+            request(tokens(20, 0), 150, PolicySpec::Full),
+            Box::new(sink),
+        ) {
+            assert!(matches!(e, SubmitError::QueueFull(1)), "{e}");
+            refused += 1;
+        }
+    }
+    // One running + one waiting at most: of four, at least two are refused.
+    assert!(refused >= 2, "refused {refused}");
+}
+
+#[test]
+fn bad_requests_fail_alone() {
+    let m = loaded();
+    let (h, _t) = spawn(m.clone(), cfg(4, 4)).unwrap();
+    let (tx, rx) = channel();
+    let sink = |id| Tagged {
+        id,
+        tx: tx.clone(),
+        closed: Arc::new(AtomicBool::new(false)),
+    };
+    // Longer than the model's 256 positions; empty; a good one beside them.
+    h.submit(
+        request(tokens(300, 0), 4, PolicySpec::Full),
+        Box::new(sink(0)),
+    )
+    .unwrap();
+    h.submit(request(Vec::new(), 4, PolicySpec::Full), Box::new(sink(1)))
+        .unwrap();
+    h.submit(
+        request(tokens(8, 0), 4, PolicySpec::Full),
+        Box::new(sink(2)),
+    )
+    .unwrap();
+    let got = collect(&rx, 3);
+    assert!(got[0].2.as_ref().unwrap().contains("300 tokens"), "{got:?}");
+    assert!(got[1].2.as_ref().unwrap().contains("empty"));
+    assert_eq!(got[2].0.len(), 4);
+    assert_eq!(got[2].1.as_ref().unwrap().prompt_tokens, 8);
+}
+
+#[test]
+fn logprobs_match_a_plain_reference() {
+    let mut rng = crate::sampler::Rng::new(7);
+    for trial in 0..20 {
+        let n = 50 + trial * 13;
+        let logits: Vec<f32> = (0..n)
+            .map(|i| {
+                if i % 17 == 3 {
+                    2.5 // ties: the lower id first
+                } else {
+                    (rng.next_f64() * 6.0 - 3.0) as f32
+                }
+            })
+            .collect();
+        let tok = (trial * 7 % n) as u32;
+        let got = sequence::logprob_of(&logits, tok, 5);
+        let z: f64 = logits.iter().map(|&x| (x as f64).exp()).sum();
+        let lp = |i: usize| ((logits[i] as f64).exp() / z).ln();
+        assert!((got.logprob as f64 - lp(tok as usize)).abs() < 1e-5);
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let ids: Vec<u32> = got.top.iter().map(|t| t.0).collect();
+        let want: Vec<u32> = order[..5].iter().map(|&i| i as u32).collect();
+        assert_eq!(ids, want);
+        for &(i, l) in &got.top {
+            assert!((l as f64 - lp(i as usize)).abs() < 1e-5);
+        }
+    }
+}
+
+/// A device whose every sequence predicts token 7, and whose first decode step panics.
+struct Flaky {
+    logits: Vec<f32>,
+    panicked: Arc<AtomicBool>,
+}
+
+impl BatchDevice for Flaky {
+    type Seq = usize;
+    fn kv_estimate(&self, _: &PolicySpec, _: usize) -> usize {
+        1
+    }
+    fn open(&mut self, _: &PolicySpec, _: usize) -> Result<usize, EngineError> {
+        Ok(0)
+    }
+    fn prefill_plan(&self, _: &usize, n: usize) -> Vec<(usize, usize)> {
+        vec![(0, n)]
+    }
+    fn prefill_part(
+        &mut self,
+        _: &mut usize,
+        _: &[u32],
+        _: &[(usize, usize)],
+        _: usize,
+    ) -> Result<(), EngineError> {
+        Ok(())
+    }
+    fn decode(&mut self, seqs: &mut [&mut usize], _: &[u32], _: bool) -> Result<(), EngineError> {
+        if !self.panicked.swap(true, Ordering::SeqCst) {
+            panic!("a bug in a decode step");
+        }
+        seqs.iter_mut().for_each(|s| **s += 1);
+        Ok(())
+    }
+    fn logits<'a>(&'a self, _: &'a usize) -> &'a [f32] {
+        &self.logits
+    }
+    fn kv_bytes(&self, _: &usize) -> usize {
+        1
+    }
+    fn stats(&self, _: &usize) -> PolicyStats {
+        PolicyStats::default()
+    }
+    fn policy_name(&self, _: &usize) -> &'static str {
+        "full"
+    }
+    fn close(&mut self, _: usize) {}
+}
+
+#[test]
+fn a_panicking_step_fails_its_requests_and_the_scheduler_goes_on() {
+    let m = loaded();
+    let vocab = m.model.cfg.vocab_size;
+    let mut logits = vec![0.0f32; vocab];
+    logits[7] = 5.0;
+    let panicked = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = mpsc::channel();
+    let g = Arc::new(Gauges::default());
+    let handle = SchedulerHandle {
+        tx,
+        gauges: g.clone(),
+        max_queue: 8,
+    };
+    let (etx, erx) = channel();
+    let sink = |id| Tagged {
+        id,
+        tx: etx.clone(),
+        closed: Arc::new(AtomicBool::new(false)),
+    };
+    handle
+        .submit(
+            request(tokens(4, 0), 5, PolicySpec::Full),
+            Box::new(sink(0)),
+        )
+        .unwrap();
+    let (m2, g2, p2) = (m.clone(), g.clone(), panicked.clone());
+    let t = std::thread::spawn(move || {
+        let c = cfg(4, 8);
+        supervise(&m2, &c, &rx, &g2, || {
+            Ok(Flaky {
+                logits: logits.clone(),
+                panicked: p2.clone(),
+            })
+        })
+    });
+    // Request 0 got its first token (from the prefill), then its decode step panicked: its
+    // sink is dropped without a Done.
+    let mut got0 = Vec::new();
+    while let Ok((id, ev)) = erx.recv_timeout(Duration::from_secs(10)) {
+        assert_eq!(id, 0);
+        got0.push(ev);
+        if panicked.load(Ordering::SeqCst) {
+            break;
+        }
+    }
+    assert!(panicked.load(Ordering::SeqCst));
+    assert!(got0.iter().all(|e| !matches!(e, Event::Done(_))));
+    // A later request is served by the restarted loop.
+    handle
+        .submit(
+            request(tokens(4, 1), 3, PolicySpec::Full),
+            Box::new(sink(1)),
+        )
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut toks = Vec::new();
+    loop {
+        let (id, ev) = erx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("the restarted scheduler answers");
+        if id != 1 {
+            continue;
+        }
+        match ev {
+            Event::Token(t) => toks.push(t.id),
+            Event::Done(f) => {
+                assert_eq!(f.completion_tokens, 3);
+                break;
+            }
+            Event::Error(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(toks, vec![7, 7, 7]);
+    drop(handle);
+    t.join().unwrap();
+}

@@ -1,0 +1,479 @@
+//! The serving scheduler on the GPU (`Device::Cuda`, one decoder of `max_batch` slots) on a
+//! small random Qwen3-shaped model: greedy requests give `generate --device cuda`'s tokens,
+//! alone and batched, under full KV, StreamingLLM and SFI; a cancelled request frees its slot
+//! for the next; requests for another policy than the server's are refused. Skips without a
+//! GPU unless SLOWFAST_REQUIRE_GPU=1.
+#![cfg(feature = "cuda")]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use slowfast_engine::generate::{generate, GenerateOptions};
+use slowfast_engine::sampler::SamplerConfig;
+use slowfast_engine::scheduler::{
+    self, Event, EventSink, Finish, Request, SchedulerConfig, SchedulerHandle,
+};
+use slowfast_engine::session::SfiKnobs;
+use slowfast_engine::{Device, KvDtype, Loaded, PolicySpec};
+use slowfast_model::Model;
+use slowfast_quant::GgmlType;
+
+fn have_gpu(name: &str) -> bool {
+    match slowfast_cuda::CudaContext::new(0) {
+        Ok(_) => true,
+        Err(e) => {
+            if std::env::var("SLOWFAST_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("{name}: no GPU: {e}");
+            }
+            eprintln!("skipping {name}: {e}");
+            false
+        }
+    }
+}
+
+/// Qwen3-0.6B shapes (head dim 128, 16 / 8 heads, q/k norm) cut to 4 layers and an 8K vocab,
+/// random bf16 weights, a byte-level tokenizer.
+fn model() -> Arc<Loaded> {
+    let mut cfg = slowfast_model::presets::preset("qwen3-0.6b").unwrap();
+    cfg.num_hidden_layers = 4;
+    cfg.layer_sliding = vec![false; 4];
+    cfg.vocab_size = 8192;
+    cfg.max_position_embeddings = 4096;
+    let w = slowfast_model::random::random_weights(&cfg, GgmlType::BF16, 0x5e7e).unwrap();
+    let tokenizer = slowfast_tokenizer::Tokenizer::byte_level(cfg.vocab_size).unwrap();
+    Arc::new(Loaded {
+        model: Model::new(cfg, w).unwrap(),
+        tokenizer,
+        name: "random qwen3 (4 layers)".into(),
+    })
+}
+
+const MAX_CONTEXT: usize = 256;
+
+fn sched(m: &Arc<Loaded>, max_batch: usize, policy: &PolicySpec) -> SchedulerHandle {
+    let cfg = SchedulerConfig {
+        device: Device::Cuda,
+        max_batch,
+        max_queue: 16,
+        prefill_tokens_per_step: 512,
+        chunk: 64,
+        kv_dtype: KvDtype::F32,
+        kv_memory: usize::MAX,
+        max_context: MAX_CONTEXT,
+        default_policy: policy.clone(),
+    };
+    scheduler::spawn(m.clone(), cfg).unwrap().0
+}
+
+/// Events of every request into one channel, tagged with the request's number.
+struct Tagged {
+    id: usize,
+    tx: Sender<(usize, Event)>,
+    closed: Arc<AtomicBool>,
+}
+
+impl EventSink for Tagged {
+    fn send(&self, ev: Event) -> bool {
+        !self.is_closed() && self.tx.send((self.id, ev)).is_ok()
+    }
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Relaxed)
+    }
+}
+
+fn sink(id: usize, tx: &Sender<(usize, Event)>) -> (Box<Tagged>, Arc<AtomicBool>) {
+    let closed = Arc::new(AtomicBool::new(false));
+    let s = Tagged {
+        id,
+        tx: tx.clone(),
+        closed: closed.clone(),
+    };
+    (Box::new(s), closed)
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize, policy: &PolicySpec) -> Request {
+    Request {
+        prompt,
+        max_tokens,
+        sampler: SamplerConfig::greedy(),
+        stop: Vec::new(),
+        ignore_eos: true,
+        stop_tokens: Vec::new(),
+        policy: policy.clone(),
+        logprobs: None,
+    }
+}
+
+type Outcome = (Vec<u32>, Option<Finish>, Option<String>);
+
+/// Collects events until `n` requests are done or failed.
+fn collect(rx: &Receiver<(usize, Event)>, n: usize) -> Vec<Outcome> {
+    let mut out = vec![(Vec::new(), None, None); n];
+    let mut left = n;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while left > 0 {
+        let (id, ev) = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("the scheduler answers in time");
+        match ev {
+            Event::Token(t) => out[id].0.push(t.id),
+            Event::Done(f) => {
+                out[id].1 = Some(f);
+                left -= 1;
+            }
+            Event::Error(e) => {
+                out[id].2 = Some(e);
+                left -= 1;
+            }
+        }
+    }
+    out
+}
+
+/// (prompt, max_tokens) of the three requests: different lengths, the longest 56 tokens.
+fn requests(vocab: usize) -> Vec<(Vec<u32>, usize)> {
+    [(5usize, 20usize), (23, 12), (40, 16)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(n, k))| {
+            let p = slowfast_engine::bench::random_tokens(n, vocab, 0xA11 + i as u64);
+            (p, k)
+        })
+        .collect()
+}
+
+fn policies(m: &Loaded) -> Vec<PolicySpec> {
+    let sfi = slowfast_engine::session::policy_spec_with(
+        "sfi",
+        Some(36.0),
+        4,
+        MAX_CONTEXT,
+        &SfiKnobs {
+            recent: 16,
+            min_gap: 2,
+            refresh_interval: 6,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .with_vocab(&m.tokenizer);
+    vec![
+        PolicySpec::Full,
+        PolicySpec::Streaming {
+            sinks: 4,
+            recent: 28,
+        },
+        sfi,
+    ]
+}
+
+/// `generate --device cuda` of each request alone.
+fn alone(m: &Loaded, reqs: &[(Vec<u32>, usize)], policy: &PolicySpec) -> Vec<Outcome> {
+    reqs.iter()
+        .map(|(p, k)| {
+            let opts = GenerateOptions {
+                max_new_tokens: *k,
+                sampler: SamplerConfig::greedy(),
+                ignore_eos: true,
+                policy: policy.clone(),
+                device: Device::Cuda,
+                ..Default::default()
+            };
+            let g = generate(m, p, &opts, &mut |_| {}).unwrap();
+            let fin = Finish {
+                reason: scheduler::FinishReason::Length,
+                text: String::new(),
+                prompt_tokens: g.prompt_tokens,
+                completion_tokens: g.generated_tokens,
+                policy: g.policy,
+                stats: g.policy_stats,
+            };
+            (g.tokens, Some(fin), None)
+        })
+        .collect()
+}
+
+/// Submits every request at once and collects them.
+fn together(h: &SchedulerHandle, reqs: &[(Vec<u32>, usize)], policy: &PolicySpec) -> Vec<Outcome> {
+    let (tx, rx) = channel();
+    for (i, (p, k)) in reqs.iter().enumerate() {
+        h.submit(request(p.clone(), *k, policy), sink(i, &tx).0)
+            .unwrap();
+    }
+    collect(&rx, reqs.len())
+}
+
+/// Submits the requests one after another, each when the one before is done.
+fn one_by_one(
+    h: &SchedulerHandle,
+    reqs: &[(Vec<u32>, usize)],
+    policy: &PolicySpec,
+) -> Vec<Outcome> {
+    reqs.iter()
+        .map(|(p, k)| {
+            let (tx, rx) = channel();
+            h.submit(request(p.clone(), *k, policy), sink(0, &tx).0)
+                .unwrap();
+            collect(&rx, 1).remove(0)
+        })
+        .collect()
+}
+
+fn check(what: &str, got: &[Outcome], want: &[Outcome], stats: bool) {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.2.is_none(), "{what}: request {i} failed: {:?}", g.2);
+        let (gf, wf) = (g.1.as_ref().unwrap(), w.1.as_ref().unwrap());
+        assert_eq!(g.0, w.0, "{what}: request {i}: tokens");
+        assert_eq!(gf.completion_tokens, wf.completion_tokens, "{what}: {i}");
+        assert_eq!(gf.policy, wf.policy, "{what}: {i}");
+        if stats {
+            assert_eq!(
+                gf.stats.slow_steps, wf.stats.slow_steps,
+                "{what}: {i}: slow"
+            );
+            assert_eq!(
+                gf.stats.fast_steps, wf.stats.fast_steps,
+                "{what}: {i}: fast"
+            );
+        }
+        let steps = gf.stats.slow_steps + gf.stats.fast_steps;
+        assert_eq!(steps, gf.completion_tokens - 1, "{what}: {i}: decode steps");
+    }
+}
+
+/// Tokens equal up to the first difference, over all tokens.
+fn agreement(got: &[Outcome], want: &[Outcome]) -> String {
+    let mut parts = Vec::new();
+    for (g, w) in got.iter().zip(want) {
+        let same = g.0.iter().zip(&w.0).take_while(|(a, b)| a == b).count();
+        parts.push(format!("{same}/{}", w.0.len()));
+    }
+    parts.join(", ")
+}
+
+#[test]
+fn greedy_requests_equal_generate_alone() {
+    if !have_gpu("greedy_requests_equal_generate_alone") {
+        return;
+    }
+    let m = model();
+    let reqs = requests(m.model.cfg.vocab_size);
+    for policy in policies(&m) {
+        let name = policy.name();
+        let want = alone(&m, &reqs, &policy);
+        // One slot: the same kernels as `generate` (one row), so the same tokens and counts.
+        let h = sched(&m, 1, &policy);
+        let got = together(&h, &reqs, &policy);
+        check(&format!("{name}, max_batch 1"), &got, &want, true);
+        drop(h);
+        // Four slots, three requests at once: each row as when it runs alone in the four-slot
+        // decoder (rows are independent; at <= 64 tokens flash-decoding runs one split for any
+        // batch length), and as `generate` alone.
+        let h = sched(&m, 4, &policy);
+        let batched = together(&h, &reqs, &policy);
+        let single = one_by_one(&h, &reqs, &policy);
+        let g = h.gauges();
+        assert!(
+            g.decode_rows.load(Ordering::Relaxed) > g.decode_steps.load(Ordering::Relaxed),
+            "{name}: some steps must have decoded several rows"
+        );
+        eprintln!(
+            "{name}: batched vs generate alone, tokens equal before the first difference: {}",
+            agreement(&batched, &want)
+        );
+        eprintln!(
+            "{name}: batched vs alone in the same slots: {}",
+            agreement(&batched, &single)
+        );
+        if name == "sfi" {
+            // A slot joining or leaving publishes the others' pending (asynchronous) refreshes
+            // early, so SFI's rows may drift from their runs alone: it only has to serve them.
+            for (i, b) in batched.iter().enumerate() {
+                assert!(b.2.is_none(), "sfi batched: request {i}: {:?}", b.2);
+                let f = b.1.as_ref().unwrap();
+                assert_eq!(f.completion_tokens, reqs[i].1, "sfi batched: request {i}");
+                assert_eq!(f.stats.slow_steps + f.stats.fast_steps, reqs[i].1 - 1);
+            }
+            continue;
+        }
+        check(
+            &format!("{name}, 3 of 4 slots vs 1 of 4"),
+            &batched,
+            &single,
+            true,
+        );
+        check(
+            &format!("{name}, 3 of 4 slots vs generate"),
+            &batched,
+            &want,
+            true,
+        );
+    }
+}
+
+#[test]
+fn logits_path_equals_the_argmax_path() {
+    if !have_gpu("logits_path_equals_the_argmax_path") {
+        return;
+    }
+    // Asking for logprobs makes the device download the logits and the host sample from them
+    // (greedy, so the same argmax): the same tokens as the argmax-only path.
+    let m = model();
+    let reqs = requests(m.model.cfg.vocab_size);
+    let policy = PolicySpec::Full;
+    let h = sched(&m, 4, &policy);
+    let fast = together(&h, &reqs, &policy);
+    let (tx, rx) = channel();
+    for (i, (p, k)) in reqs.iter().enumerate() {
+        let mut r = request(p.clone(), *k, &policy);
+        r.logprobs = Some(2);
+        h.submit(r, sink(i, &tx).0).unwrap();
+    }
+    let slow = collect(&rx, reqs.len());
+    check("logprobs vs argmax", &slow, &fast, true);
+}
+
+#[test]
+fn a_cancelled_request_frees_its_slot() {
+    if !have_gpu("a_cancelled_request_frees_its_slot") {
+        return;
+    }
+    let m = model();
+    let policy = PolicySpec::Full;
+    let h = sched(&m, 1, &policy);
+    let g = h.gauges().clone();
+    assert!(g.kv_bytes_capacity.load(Ordering::Relaxed) > 0);
+    let (tx, rx) = channel();
+    let v = m.model.cfg.vocab_size;
+    let (s, closed) = sink(0, &tx);
+    h.submit(
+        request(
+            slowfast_engine::bench::random_tokens(30, v, 1),
+            200,
+            &policy,
+        ),
+        s,
+    )
+    .unwrap();
+    let _ = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    assert!(g.kv_bytes_in_use.load(Ordering::Relaxed) > 0);
+    assert_eq!(g.running.load(Ordering::Relaxed), 1);
+    closed.store(true, Ordering::Relaxed);
+    let t0 = Instant::now();
+    while g.running.load(Ordering::Relaxed) > 0 || g.kv_bytes_in_use.load(Ordering::Relaxed) > 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "not cancelled");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The one slot serves the next requests, as `generate` alone.
+    let reqs = requests(v);
+    let want = alone(&m, &reqs, &policy);
+    let got = one_by_one(&h, &reqs, &policy);
+    check("after a cancel", &got, &want, true);
+}
+
+#[test]
+fn other_policies_are_refused() {
+    if !have_gpu("other_policies_are_refused") {
+        return;
+    }
+    let m = model();
+    let streaming = PolicySpec::Streaming {
+        sinks: 4,
+        recent: 28,
+    };
+    let h = sched(&m, 2, &streaming);
+    let (tx, rx) = channel();
+    let v = m.model.cfg.vocab_size;
+    let p = || slowfast_engine::bench::random_tokens(10, v, 2);
+    h.submit(request(p(), 4, &PolicySpec::Full), sink(0, &tx).0)
+        .unwrap();
+    let other = PolicySpec::Streaming {
+        sinks: 4,
+        recent: 60,
+    };
+    h.submit(request(p(), 4, &other), sink(1, &tx).0).unwrap();
+    h.submit(request(p(), 4, &streaming), sink(2, &tx).0)
+        .unwrap();
+    let got = collect(&rx, 3);
+    let e0 = got[0].2.as_deref().unwrap_or("");
+    assert!(e0.contains("--policy streaming; got full"), "{e0}");
+    let e1 = got[1].2.as_deref().unwrap_or("");
+    assert!(
+        e1.contains("4 sinks + 28 recent") && e1.contains("4 sinks + 60 recent"),
+        "{e1}"
+    );
+    assert!(got[2].2.is_none(), "{:?}", got[2].2);
+    assert_eq!(got[2].0.len(), 4);
+}
+
+/// Throughput of the scheduler on the GPU with and without CUDA graphs (a timing, not a
+/// check: `--ignored`): Qwen3-0.6B shapes (28 layers, random weights), 8 slots, greedy
+/// requests submitted at once, so requests join and leave the batch all the time (every
+/// change re-begins the decoder and re-captures the graph): 24 of 128 tokens (prompts of
+/// 50-400 tokens), then 64 of 2-9 tokens (prompts of 20-80: a change nearly every step).
+#[test]
+#[ignore]
+fn serve_throughput_with_and_without_graphs() {
+    if !have_gpu("serve_throughput_with_and_without_graphs") {
+        return;
+    }
+    let m = Arc::new(slowfast_engine::load("random:qwen3-0.6b", &mut |_| {}).unwrap());
+    let v = m.model.cfg.vocab_size;
+    let long: Vec<(Vec<u32>, usize)> = (0..24)
+        .map(|i| {
+            let n = 50 + (i * 151) % 350;
+            (
+                slowfast_engine::bench::random_tokens(n, v, 0x7000 + i as u64),
+                128,
+            )
+        })
+        .collect();
+    let churn: Vec<(Vec<u32>, usize)> = (0..64)
+        .map(|i| {
+            let n = 20 + (i * 37) % 60;
+            let k = 2 + (i * 5) % 8;
+            (
+                slowfast_engine::bench::random_tokens(n, v, 0x9000 + i as u64),
+                k,
+            )
+        })
+        .collect();
+    for (what, reqs) in [("long", &long), ("churn", &churn)] {
+        for graphs in ["0", "1", "0", "1"] {
+            std::env::set_var("SLOWFAST_SERVE_GRAPHS", graphs);
+            let cfg = SchedulerConfig {
+                device: Device::Cuda,
+                max_batch: 8,
+                max_queue: 128,
+                prefill_tokens_per_step: 512,
+                chunk: 64,
+                kv_dtype: KvDtype::F32,
+                kv_memory: usize::MAX,
+                max_context: 1024,
+                default_policy: PolicySpec::Full,
+            };
+            let h = scheduler::spawn(m.clone(), cfg).unwrap().0;
+            let _ = together(&h, &reqs[..4], &PolicySpec::Full); // warm-up
+            let g = h.gauges();
+            let (s0, r0) = (
+                g.decode_steps.load(Ordering::Relaxed),
+                g.decode_rows.load(Ordering::Relaxed),
+            );
+            let t = Instant::now();
+            let out = together(&h, reqs, &PolicySpec::Full);
+            let s = t.elapsed().as_secs_f64();
+            let toks: usize = out.iter().map(|o| o.0.len()).sum();
+            let steps = g.decode_steps.load(Ordering::Relaxed) - s0;
+            let rows = g.decode_rows.load(Ordering::Relaxed) - r0;
+            eprintln!(
+                "{what}, SLOWFAST_SERVE_GRAPHS={graphs}: {toks} tokens in {s:.3}s = {:.0} tok/s ({steps} decode steps, {:.2} rows a step, {:.3} ms a step)",
+                toks as f64 / s,
+                rows as f64 / steps.max(1) as f64,
+                s * 1e3 / steps.max(1) as f64
+            );
+        }
+    }
+    std::env::remove_var("SLOWFAST_SERVE_GRAPHS");
+}

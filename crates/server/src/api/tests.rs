@@ -1,0 +1,259 @@
+//! Request parsing and checking: every refusal names its field, defaults follow OpenAI, and
+//! a good body becomes the scheduler request it should.
+use super::*;
+
+fn tok() -> Tokenizer {
+    Tokenizer::byte_level(512).unwrap()
+}
+
+fn resolver() -> Box<PolicyResolver> {
+    Box::new(
+        |p: Option<&KvPolicyRequest>, ctx: usize| match p.and_then(|p| p.name.as_deref()) {
+            None | Some("full") => Ok(PolicySpec::Full),
+            Some("streaming") => Ok(PolicySpec::Streaming {
+                sinks: 4,
+                recent: ctx.min(64),
+            }),
+            Some(o) => Err(format!("unknown policy `{o}`")),
+        },
+    )
+}
+
+fn run(json: &str, ep: Endpoint) -> Result<(Request, Shape), ApiError> {
+    let t = tok();
+    let r = resolver();
+    let lim = Limits {
+        served_model_name: "m",
+        max_context: 64,
+        tokenizer: &t,
+        resolve: r.as_ref(),
+        end_of_turn: &[7],
+    };
+    check(parse(json.as_bytes())?, ep, &lim)
+}
+
+fn err(json: &str, ep: Endpoint) -> ApiError {
+    run(json, ep).expect_err("must be refused")
+}
+
+#[test]
+fn a_completion_becomes_its_request() {
+    let (r, s) = run(
+        r#"{"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0, "stop": "x",
+            "seed": 3, "logprobs": 2, "stream": true, "stream_options": {"include_usage": true},
+            "kv_policy": {"name": "streaming"}, "return_token_ids": true, "user": "ignored"}"#,
+        Endpoint::Completions,
+    )
+    .unwrap();
+    assert_eq!(r.prompt, vec![256, b'h' as u32, b'i' as u32]); // BOS + bytes
+    assert_eq!(r.max_tokens, 5);
+    assert_eq!(r.sampler.temperature, 0.0);
+    assert_eq!(r.sampler.seed, 3);
+    assert_eq!(r.stop, vec!["x".to_owned()]);
+    assert_eq!(r.logprobs, Some(2));
+    assert!(r.stop_tokens.is_empty());
+    assert_eq!(r.policy.name(), "streaming");
+    assert!(s.stream && s.include_usage && s.return_token_ids && s.logprobs);
+}
+
+#[test]
+fn defaults_follow_openai() {
+    let (r, s) = run(r#"{"prompt": [1, 2, 3]}"#, Endpoint::Completions).unwrap();
+    assert_eq!(r.prompt, vec![1, 2, 3]);
+    assert_eq!(r.max_tokens, 16);
+    assert_eq!(r.sampler.temperature, 1.0);
+    assert_eq!(r.sampler.top_p, 1.0);
+    assert_eq!((r.sampler.top_k, r.sampler.min_p), (0, 0.0));
+    assert!(!s.stream && !s.logprobs);
+    // Chat: the template, the end-of-turn tokens, and the rest of the context by default.
+    let (r, _) = run(
+        r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}"#,
+        Endpoint::Chat,
+    )
+    .unwrap();
+    assert_eq!(r.stop_tokens, vec![7]);
+    assert_eq!(r.prompt.len() + r.max_tokens, 64);
+    // max_tokens is cut to the context.
+    let (r, _) = run(
+        r#"{"prompt": "abc", "max_tokens": 1000}"#,
+        Endpoint::Completions,
+    )
+    .unwrap();
+    assert_eq!(r.max_tokens, 60);
+}
+
+#[test]
+fn every_refusal_names_its_field() {
+    use Endpoint::*;
+    let cases: &[(&str, Endpoint, u16, Option<&str>, &str)] = &[
+        (
+            r#"{"prompt": "x""#,
+            Completions,
+            400,
+            None,
+            "not valid JSON",
+        ),
+        (
+            r#"{"prompt": "x"} trailing"#,
+            Completions,
+            400,
+            None,
+            "not valid JSON",
+        ),
+        (
+            r#"{"prompt": "x", "max_tokens": "ten"}"#,
+            Completions,
+            400,
+            Some("max_tokens"),
+            "max_tokens",
+        ),
+        (
+            r#"{"prompt": "x", "temperature": -1}"#,
+            Completions,
+            400,
+            Some("temperature"),
+            "temperature",
+        ),
+        (
+            r#"{"prompt": "x", "top_p": 0}"#,
+            Completions,
+            400,
+            Some("top_p"),
+            "top_p",
+        ),
+        (
+            r#"{"prompt": "x", "presence_penalty": 3}"#,
+            Completions,
+            400,
+            Some("presence_penalty"),
+            "presence_penalty",
+        ),
+        (
+            r#"{"prompt": "x", "n": 2}"#,
+            Completions,
+            400,
+            Some("n"),
+            "n = 2",
+        ),
+        (
+            r#"{"prompt": "x", "max_tokens": 0}"#,
+            Completions,
+            400,
+            Some("max_tokens"),
+            "at least 1",
+        ),
+        (
+            r#"{"prompt": "x", "logprobs": 21}"#,
+            Completions,
+            400,
+            Some("logprobs"),
+            "0..=20",
+        ),
+        (
+            r#"{"prompt": "x", "echo": true}"#,
+            Completions,
+            400,
+            Some("echo"),
+            "echo",
+        ),
+        (
+            r#"{"prompt": "x", "stream_options": {"include_usage": true}}"#,
+            Completions,
+            400,
+            Some("stream_options"),
+            "stream = true",
+        ),
+        (
+            r#"{"prompt": "x", "kv_policy": {"name": "bogus"}}"#,
+            Completions,
+            400,
+            Some("kv_policy"),
+            "bogus",
+        ),
+        (
+            r#"{"prompt": "x", "kv_policy": {"budget": 3}}"#,
+            Completions,
+            400,
+            Some("kv_policy.budget"),
+            "unknown field",
+        ),
+        (
+            r#"{"prompt": ["a", "b"]}"#,
+            Completions,
+            400,
+            Some("prompt"),
+            "2 prompts",
+        ),
+        (
+            r#"{"prompt": [1, 99999]}"#,
+            Completions,
+            400,
+            Some("prompt"),
+            "99999",
+        ),
+        (r#"{}"#, Completions, 400, Some("prompt"), "required"),
+        (
+            r#"{"model": "other", "prompt": "x"}"#,
+            Completions,
+            404,
+            Some("model"),
+            "other",
+        ),
+        (
+            &format!(r#"{{"prompt": "{}"}}"#, "y".repeat(80)),
+            Completions,
+            400,
+            Some("prompt"),
+            "--max-context",
+        ),
+        (r#"{"messages": []}"#, Chat, 400, Some("messages"), "empty"),
+        (
+            r#"{"messages": [{"role": "robot", "content": "x"}]}"#,
+            Chat,
+            400,
+            Some("messages[0].role"),
+            "robot",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#,
+            Chat,
+            400,
+            Some("messages[0].content[0].type"),
+            "image_url",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": 3}"#,
+            Chat,
+            400,
+            Some("logprobs"),
+            "boolean",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}"#,
+            Chat,
+            400,
+            Some("tools"),
+            "tools",
+        ),
+        (
+            r#"{"messages": "hello"}"#,
+            Chat,
+            400,
+            Some("messages"),
+            "messages",
+        ),
+        (r#"{"prompt": "x"}"#, Chat, 400, Some("prompt"), "messages"),
+    ];
+    for (body, ep, status, param, text) in cases {
+        let e = err(body, *ep);
+        assert_eq!(e.status.as_u16(), *status, "{body}: {e:?}");
+        assert_eq!(e.param.as_deref(), *param, "{body}: {e:?}");
+        assert!(
+            e.message.contains(text),
+            "{body}: `{}` lacks `{text}`",
+            e.message
+        );
+        let b = e.body();
+        assert_eq!(b["error"]["message"], e.message.as_str());
+    }
+}

@@ -1,0 +1,130 @@
+//! slowfast-server: the OpenAI-compatible HTTP front of the scheduler (`slowfast serve`).
+//! It parses and checks requests, hands them to the scheduler thread and turns the
+//! scheduler's events into JSON responses or server-sent events; no model code lives here.
+pub mod api;
+pub mod error;
+mod handlers;
+pub mod metrics;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use slowfast_engine::scheduler::SchedulerHandle;
+use slowfast_engine::Loaded;
+
+pub use api::{KvPolicyRequest, PolicyResolver};
+
+/// What the server needs besides the scheduler.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub host: String,
+    /// 0: any free port (the one bound is printed).
+    pub port: u16,
+    /// The name `/v1/models` lists and requests must use (or leave out).
+    pub served_model_name: String,
+    /// Bearer token the /v1 endpoints require, when set.
+    pub api_key: Option<String>,
+    /// Request bodies larger than this get a 413.
+    pub max_body_bytes: usize,
+    /// Longest sequence (prompt + generated) a request may have.
+    pub max_context: usize,
+    /// Printed at start ("cpu", "cuda").
+    pub device: String,
+    pub max_batch: usize,
+}
+
+pub(crate) struct AppState {
+    pub cfg: ServerConfig,
+    pub loaded: Arc<Loaded>,
+    pub sched: SchedulerHandle,
+    pub resolve: Arc<PolicyResolver>,
+    pub metrics: metrics::Metrics,
+    /// Unix time the server started (the models' `created`).
+    pub created: u64,
+    pub next_id: std::sync::atomic::AtomicU64,
+    pub end_of_turn: Vec<u32>,
+}
+
+/// The routes over a running scheduler.
+pub fn router(
+    cfg: ServerConfig,
+    loaded: Arc<Loaded>,
+    sched: SchedulerHandle,
+    resolve: Arc<PolicyResolver>,
+) -> Router {
+    let limit = cfg.max_body_bytes;
+    let state = Arc::new(AppState {
+        cfg,
+        sched,
+        resolve,
+        metrics: metrics::Metrics::default(),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        next_id: std::sync::atomic::AtomicU64::new(1),
+        end_of_turn: api::end_of_turn_ids(&loaded.tokenizer),
+        loaded,
+    });
+    Router::new()
+        .route("/health", get(handlers::health))
+        .route("/metrics", get(handlers::metrics))
+        .route("/v1/models", get(handlers::models))
+        .route("/v1/completions", post(handlers::completions))
+        .route("/v1/chat/completions", post(handlers::chat))
+        .fallback(handlers::not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// Binds, prints the address and serves until Ctrl-C / SIGTERM (a tokio runtime of its own,
+/// two worker threads: the model's work runs on the scheduler thread and its pool).
+pub fn run(
+    cfg: ServerConfig,
+    loaded: Arc<Loaded>,
+    sched: SchedulerHandle,
+    resolve: Arc<PolicyResolver>,
+) -> std::io::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let addr = format!("{}:{}", cfg.host, cfg.port);
+        let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|e| {
+            std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}"))
+        })?;
+        let bound: SocketAddr = listener.local_addr()?;
+        eprintln!(
+            "slowfast serve: `{}` on {}, up to {} sequences of {} tokens; listening on http://{bound}",
+            cfg.served_model_name, cfg.device, cfg.max_batch, cfg.max_context
+        );
+        let app = router(cfg, loaded, sched, resolve);
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown())
+            .await
+    })
+}
+
+async fn shutdown() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    eprintln!("slowfast serve: shutting down");
+}

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The `slowfast serve` checks, as CI runs them: installs what they need (pip: openai pytest
+# requests httpx; apt: nginx), builds the release binary, fetches the default model, then runs
+#   1. python3 -m pytest -q tests/serve            (the OpenAI-compatible API against its contract)
+#   2. scripts/serve_nginx.sh --check              (2 replicas behind nginx, 16 concurrent, 32 requests)
+#   3. bench/serve_load.py straight against one server (64 concurrent streams, a quarter of the
+#      clients disconnecting mid-stream)
+# each bounded in time. All three run; the exit status is non-zero when any failed.
+#
+# Environment: SLOWFAST_BIN (default target/release/slowfast; set it to skip the build),
+# SLOWFAST_SERVE_MODEL (default gemma3-270m), SERVE_TEST_TIMEOUT (s, pytest; default 900),
+# SERVE_LOAD_TIMEOUT (s, each load run; default 600), SERVE_LOAD_JSON_DIR (keep the load reports).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+repo="$(pwd)"
+
+model="${SLOWFAST_SERVE_MODEL:-gemma3-270m}"
+export SLOWFAST_SERVE_MODEL="$model"
+test_timeout="${SERVE_TEST_TIMEOUT:-900}"
+load_timeout="${SERVE_LOAD_TIMEOUT:-600}"
+json_dir="${SERVE_LOAD_JSON_DIR:-$(mktemp -d)}"
+mkdir -p "$json_dir"
+
+echo "== dependencies"
+missing=()
+for m in openai pytest requests httpx; do
+    python3 -c "import $m" 2>/dev/null || missing+=("$m")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    python3 -m pip install -q --disable-pip-version-check "${missing[@]}" || { echo "pip install ${missing[*]} failed" >&2; exit 1; }
+fi
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+    sudo_=""; [ "$(id -u)" -eq 0 ] || sudo_="sudo"
+    $sudo_ apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq nginx >/dev/null \
+        || { echo "apt-get install nginx failed" >&2; exit 1; }
+fi
+
+if [ -z "${SLOWFAST_BIN:-}" ]; then
+    echo "== building target/release/slowfast"
+    cargo build --release -q -p slowfast || exit 1
+    export SLOWFAST_BIN="$repo/target/release/slowfast"
+fi
+"$SLOWFAST_BIN" serve --help >/dev/null || { echo "$SLOWFAST_BIN has no working 'serve' command" >&2; exit 1; }
+if [ "$model" = gemma3-270m ]; then
+    echo "== fetching the default model (cached after the first run)"
+    "$SLOWFAST_BIN" fetch gemma3-270m || exit 1
+fi
+
+failed=()
+
+echo "== 1/3 pytest tests/serve"
+timeout -k 10 "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/serve || failed+=("pytest tests/serve")
+
+echo "== 2/3 two replicas behind nginx"
+timeout -k 10 "$load_timeout" scripts/serve_nginx.sh --check --replicas 2 --concurrency 16 --requests 32 \
+    --max-tokens 16 --load-arg --json --load-arg "$json_dir/nginx.json" || failed+=("serve_nginx.sh --check")
+
+echo "== 3/3 load straight against one server"
+direct() (  # a subshell: its EXIT trap stops the server
+    url="" rc=0
+    log="$(mktemp)"
+    "$SLOWFAST_BIN" serve --model "$model" --host 127.0.0.1 --port 0 >"$log" 2>&1 </dev/null &
+    pid=$!
+    # shellcheck disable=SC2064
+    trap "kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -f '$log'" EXIT
+    deadline=$(( $(date +%s) + 180 ))
+    while [ -z "$url" ]; do
+        url="$(grep -o 'listening on http://[^[:space:]]*' "$log" | head -n 1 | sed 's/^listening on //' || true)"
+        [ -n "$url" ] && break
+        if ! kill -0 "$pid" 2>/dev/null || [ "$(date +%s)" -ge "$deadline" ]; then
+            echo "the server did not come up:" >&2; tail -n 30 "$log" >&2; exit 1
+        fi
+        sleep 0.2
+    done
+    url="http://127.0.0.1:${url##*:}"
+    until curl -fsS -o /dev/null "$url/health"; do
+        kill -0 "$pid" 2>/dev/null || { tail -n 30 "$log" >&2; exit 1; }
+        sleep 0.2
+    done
+    timeout -k 10 "$load_timeout" python3 bench/serve_load.py --url "$url" --concurrency 64 --requests 64 \
+        --max-tokens 16 --prompt-lengths 16,64,256 --ignore-eos --disconnect-fraction 0.25 \
+        --json "$json_dir/direct.json" || rc=$?
+    if ! kill -0 "$pid" 2>/dev/null; then
+        echo "the server died during the load run:" >&2; tail -n 30 "$log" >&2; rc=1
+    elif [ "$rc" -ne 0 ]; then
+        tail -n 30 "$log" >&2
+    fi
+    exit "$rc"
+)
+direct || failed+=("serve_load.py against one server")
+
+echo "load reports: $json_dir"
+if [ "${#failed[@]}" -gt 0 ]; then
+    echo "FAILED: ${failed[*]}" >&2
+    exit 1
+fi
+echo "all serve checks passed"
