@@ -179,16 +179,17 @@ PY
       done ;;
     serve)
       # `slowfast serve --device cuda` under load (issue 19) against `bench --batch` at the same
-      # batch and context. SERVE_CFGS: BATCH:MAX_CONTEXT:PROMPT_TOKENS:POLICY entries; one wave
-      # of BATCH streams of N tokens (token-id prompts, ignore_eos), then a probe request's TTFT
-      # while they decode; SERVE_GRAPHS (default 1) sets SLOWFAST_SERVE_GRAPHS.
-      for cfg in ${SERVE_CFGS:-6:131072:126976:full 6:131072:126976:sfi 32:8192:7936:full 32:8192:7936:sfi}; do
-        IFS=: read -r B C P POL <<< "$cfg"
+      # batch and context. SERVE_CFGS: BATCH:MAX_CONTEXT:PROMPT_TOKENS:POLICY[:SLOTS] entries;
+      # one wave of BATCH streams of N tokens (token-id prompts, ignore_eos, SERVE_TEMP, default
+      # 0: greedy like the bench), then a probe request's TTFT while they decode (it waits for a
+      # slot unless SLOTS > BATCH); SERVE_GRAPHS (default 1) sets SLOWFAST_SERVE_GRAPHS.
+      for cfg in ${SERVE_CFGS:-6:131072:126976:full 6:131072:126976:sfi 32:8192:7936:full:33 32:8192:7936:sfi:33}; do
+        IFS=: read -r B C P POL S <<< "$cfg"
         opts=""; [ "$POL" = full ] || opts="$SFI_OPTS"
         log="$OUT/serve-$POL-b$B-$P.log"
         echo "== serve $cfg" | tee -a "$OUT/serve.log"
         SLOWFAST_SERVE_GRAPHS="${SERVE_GRAPHS:-1}" .bin/slowfast serve --device cuda --model random:qwen3-4b \
-          --max-batch "$B" --max-context "$C" --max-queue 256 --max-body-bytes 67108864 --port 0 \
+          --max-batch "${S:-$B}" --max-context "$C" --max-queue 256 --max-body-bytes 67108864 --port 0 \
           --policy "$POL" $opts > "$log" 2>&1 &
         spid=$!
         url=""
@@ -201,6 +202,7 @@ PY
         if [ -z "$url" ]; then tail -20 "$log" | tee -a "$OUT/serve.log"; rc=1; continue; fi
         python3 .bin/serve_load.py --url "$url" --token-ids --vocab 151936 --concurrency "$B" --requests "$B" \
           --max-tokens "$N" --prompt-lengths "$P" --ignore-eos --disconnect-fraction 0 --probe "${PROBE:-512}" \
+          --temperature "${SERVE_TEMP:-0}" \
           --timeout 1800 --settle-timeout 30 --json "$OUT/serve-$POL-b$B-$P.json" 2>&1 | tee -a "$OUT/serve.log"
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         kill $spid; wait $spid 2>/dev/null

@@ -433,13 +433,15 @@ fn run<D: BatchDevice>(
             g.decode_steps.fetch_add(1, Ordering::Relaxed);
             g.decode_rows
                 .fetch_add(tokens.len() as u64, Ordering::Relaxed);
-            for s in running.iter_mut().filter(|s| s.st.pending.is_some()) {
-                s.st.pending = None;
-                match &r {
-                    Ok(()) => s.after_logits(&dev, m),
-                    // A failed batched step fails every sequence in it.
-                    Err(e) => s.st.fail(&e.to_string()),
-                }
+            let stepped = running.iter_mut().filter(|s| s.st.pending.is_some());
+            match &r {
+                // Sampling (a pass over the vocabulary a row) runs on the pool, a row a task.
+                Ok(()) => sequence::sample_all(stepped, &dev, m),
+                // A failed batched step fails every sequence in it.
+                Err(e) => stepped.for_each(|s| {
+                    s.st.pending = None;
+                    s.st.fail(&e.to_string())
+                }),
             }
         } else {
             drop(seqs);

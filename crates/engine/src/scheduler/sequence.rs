@@ -225,6 +225,26 @@ impl SeqState {
     }
 }
 
+/// `after_logits` of every sequence of a decode step, in parallel over the rows (each row's
+/// sampler, stream and sink are its own; the logits are read in place).
+pub(super) fn sample_all<'a, S: 'a, D: BatchDevice<Seq = S>>(
+    seqs: impl Iterator<Item = &'a mut Sequence<S>>,
+    dev: &D,
+    m: &Loaded,
+) {
+    use rayon::prelude::*;
+    let mut work: Vec<(&mut SeqState, &[f32], Option<u32>, PolicyInfo)> = seqs
+        .map(|s| {
+            s.st.pending = None;
+            let info = (dev.policy_name(&s.seq), dev.stats(&s.seq));
+            let argmax = dev.argmax(&s.seq).filter(|_| s.st.greedy);
+            (&mut s.st, dev.logits(&s.seq), argmax, info)
+        })
+        .collect();
+    work.par_iter_mut()
+        .for_each(|(st, logits, argmax, info)| st.after_logits(logits, *argmax, m, info.clone()));
+}
+
 /// Log-softmax of `logits` at `tok`, and the `n` most likely tokens (most likely first, lower
 /// id first on ties).
 pub(crate) fn logprob_of(logits: &[f32], tok: u32, n: usize) -> TokenLogprob {
