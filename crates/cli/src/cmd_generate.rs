@@ -90,12 +90,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let seed = a.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0)
-    });
+    let seed = a.seed.unwrap_or_else(SamplerConfig::clock_seed);
     let sampler = SamplerConfig {
         temperature: a.temperature,
         top_k: a.top_k,

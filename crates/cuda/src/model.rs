@@ -595,6 +595,25 @@ impl GpuDecoder {
         Ok(())
     }
 
+    /// The chunks `[a, b)` in which `prefill` runs `total` tokens: `chunk` tokens each, the
+    /// last one holding at least SFI's bootstrap rows (taken from the chunk before when needed:
+    /// the bootstrap captures the last rows of the last chunk).
+    pub fn prefill_bounds(&self, total: usize) -> Vec<(usize, usize)> {
+        let boot = self.sparse.as_ref().map_or(0, |s| s.bootstrap_rows());
+        let mut bounds: Vec<(usize, usize)> = (0..total)
+            .step_by(self.chunk)
+            .map(|a| (a, (a + self.chunk).min(total)))
+            .collect();
+        if let [.., prev, last] = bounds.as_mut_slice() {
+            let short = boot
+                .saturating_sub(last.1 - last.0)
+                .min(prev.1 - prev.0 - 1);
+            prev.1 -= short;
+            last.0 -= short;
+        }
+        bounds
+    }
+
     /// Appends `tokens` to the sequence in `slot` (chunked). The last row's logits go to row
     /// `slot` of the logits; with `all_logits` every row's logits are returned `[n, vocab]`
     /// (for tests; allocates and synchronises).
@@ -624,21 +643,9 @@ impl GpuDecoder {
         }
         let mut all = all_logits.then(Vec::new);
         let mut scratch: Option<GpuBuffer<f32>> = None;
-        // SFI's bootstrap captures the last rows of the last chunk: that chunk holds at least
-        // `bootstrap_rows` of them (taken from the chunk before when needed).
         let total = tokens.len();
         let boot = self.sparse.as_ref().map_or(0, |s| s.bootstrap_rows());
-        let mut bounds: Vec<(usize, usize)> = (0..total)
-            .step_by(self.chunk)
-            .map(|a| (a, (a + self.chunk).min(total)))
-            .collect();
-        if let [.., prev, last] = bounds.as_mut_slice() {
-            let short = boot
-                .saturating_sub(last.1 - last.0)
-                .min(prev.1 - prev.0 - 1);
-            prev.1 -= short;
-            last.0 -= short;
-        }
+        let bounds = self.prefill_bounds(total);
         let dense_below = self
             .sparse
             .as_ref()

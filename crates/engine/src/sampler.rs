@@ -83,6 +83,14 @@ impl SamplerConfig {
         }
     }
 
+    /// A seed from the clock, for requests that give none.
+    pub fn clock_seed() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+    }
+
     pub fn validate(&self) -> Result<(), SamplerError> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(SamplerError::Temperature(self.temperature));

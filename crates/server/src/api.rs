@@ -461,12 +461,7 @@ fn sampler(b: &Body) -> Result<SamplerConfig, ApiError> {
         Some(k) if k <= 0 => 0, // -1 / 0: off (vLLM, llama.cpp)
         Some(k) => k as usize,
     };
-    let seed = b.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0)
-    });
+    let seed = b.seed.unwrap_or_else(SamplerConfig::clock_seed);
     let c = SamplerConfig {
         temperature: b.temperature.unwrap_or(1.0),
         top_k,

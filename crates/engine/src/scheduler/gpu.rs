@@ -210,23 +210,7 @@ impl BatchDevice for GpuDevice {
     /// Parts of at most `GPU_CHUNK` tokens, as `GpuDecoder::prefill` splits one call (SFI's
     /// bootstrap rows taken into the last part), so the slot ends as one call would leave it.
     fn prefill_plan(&self, _seq: &GpuSeq, n: usize) -> Vec<(usize, usize)> {
-        let chunk = GPU_CHUNK.min(self.dec.capacity()).max(1);
-        let mut bounds: Vec<(usize, usize)> = (0..n)
-            .step_by(chunk)
-            .map(|a| (a, (a + chunk).min(n)))
-            .collect();
-        let boot = match self.policy {
-            GpuKvPolicy::Sfi(c) => c.bootstrap_rows,
-            _ => 0,
-        };
-        if let [.., prev, last] = bounds.as_mut_slice() {
-            let short = boot
-                .saturating_sub(last.1 - last.0)
-                .min(prev.1 - prev.0 - 1);
-            prev.1 -= short;
-            last.0 -= short;
-        }
-        bounds
+        self.dec.prefill_bounds(n)
     }
 
     fn prefill_part(

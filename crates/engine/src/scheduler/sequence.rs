@@ -156,7 +156,7 @@ impl SeqState {
     /// or finish (the loop of `generate`, one iteration).
     fn after_logits(&mut self, logits: &[f32], argmax: Option<u32>, m: &Loaded, info: PolicyInfo) {
         if self.max_new == 0 {
-            return self.finish(FinishReason::Length, m, true, info);
+            return self.finish(FinishReason::Length, true, info);
         }
         let tok = match argmax {
             Some(t) => {
@@ -169,7 +169,7 @@ impl SeqState {
             },
         };
         if !self.ignore_eos && self.eos.contains(&tok) {
-            return self.finish(FinishReason::Stop, m, true, info);
+            return self.finish(FinishReason::Stop, true, info);
         }
         self.generated += 1;
         let piece = self.stream.push(&m.tokenizer, tok);
@@ -185,16 +185,16 @@ impl SeqState {
             return;
         }
         if step.stopped.is_some() {
-            self.finish(FinishReason::Stop, m, false, info);
+            self.finish(FinishReason::Stop, false, info);
         } else if self.generated >= self.max_new {
-            self.finish(FinishReason::Length, m, true, info);
+            self.finish(FinishReason::Length, true, info);
         } else {
             self.pending = Some(tok);
         }
     }
 
     /// Ends the sequence; `flush` sends the text still held back (not after a stop string).
-    fn finish(&mut self, mut reason: FinishReason, m: &Loaded, flush: bool, info: PolicyInfo) {
+    fn finish(&mut self, mut reason: FinishReason, flush: bool, info: PolicyInfo) {
         let mut text = String::new();
         if flush {
             let rest = self.stream.flush();
@@ -206,7 +206,6 @@ impl SeqState {
                 text.push_str(&self.stops.flush());
             }
         }
-        let _ = m;
         self.finished = true;
         let (policy, stats) = info;
         self.sink.send(Event::Done(Finish {
