@@ -179,11 +179,12 @@ PY
       done ;;
     serve)
       # `slowfast serve --device cuda` under load (issue 19) against `bench --batch` at the same
-      # batch and context. SERVE_CFGS: BATCH:MAX_CONTEXT:PROMPT_TOKENS:POLICY[:SLOTS] entries;
+      # batch and context. SERVE_CFGS: BATCH:MAX_CONTEXT:PROMPT_TOKENS:POLICY[:SLOTS] entries
+      # (MAX_CONTEXT must hold PROMPT_TOKENS + N, or max_tokens is cut and the load test fails);
       # one wave of BATCH streams of N tokens (token-id prompts, ignore_eos, SERVE_TEMP, default
       # 0: greedy like the bench), then a probe request's TTFT while they decode (it waits for a
       # slot unless SLOTS > BATCH); SERVE_GRAPHS (default 1) sets SLOWFAST_SERVE_GRAPHS.
-      for cfg in ${SERVE_CFGS:-6:131072:126976:full 6:131072:126976:sfi 32:8192:7936:full:33 32:8192:7936:sfi:33}; do
+      for cfg in ${SERVE_CFGS:-6:131072:126976:full 6:131072:126976:sfi 32:8704:7936:full:33 32:8704:7936:sfi:33}; do
         IFS=: read -r B C P POL S <<< "$cfg"
         opts=""; [ "$POL" = full ] || opts="$SFI_OPTS"
         log="$OUT/serve-$POL-b$B-$P.log"
