@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The `slowfast serve` checks, as CI runs them: installs what they need (pip: openai pytest
-# requests httpx; apt: nginx), builds the release binary, fetches the default model, then runs
+# requests httpx jsonschema; apt: nginx), builds the release binary, fetches the default model,
+# then runs
 #   1. python3 -m pytest -q tests/serve            (the OpenAI-compatible API against its contract)
 #   2. scripts/serve_nginx.sh --check              (2 replicas behind nginx, 16 concurrent, 32 requests)
 #   3. bench/serve_load.py straight against one server (64 concurrent streams, a quarter of the
 #      clients disconnecting mid-stream)
-# each bounded in time. All three run; the exit status is non-zero when any failed.
+#   4. tests/serve/schemathesis.sh                (schemathesis against GET /openapi.json: no 5xx,
+#      every response as described; it pip-installs schemathesis if missing)
+# each bounded in time. All four run; the exit status is non-zero when any failed.
 #
 # Environment: SLOWFAST_BIN (default target/release/slowfast; set it to skip the build),
 # SLOWFAST_SERVE_MODEL (default gemma3-270m), SERVE_TEST_TIMEOUT (s, pytest; default 900),
-# SERVE_LOAD_TIMEOUT (s, each load run; default 600), SERVE_LOAD_JSON_DIR (keep the load reports).
+# SERVE_LOAD_TIMEOUT (s, each load run; default 600), SERVE_LOAD_JSON_DIR (keep the load reports),
+# SERVE_FUZZ_TIMEOUT (s, schemathesis; default 420).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo="$(pwd)"
@@ -18,12 +22,13 @@ model="${SLOWFAST_SERVE_MODEL:-gemma3-270m}"
 export SLOWFAST_SERVE_MODEL="$model"
 test_timeout="${SERVE_TEST_TIMEOUT:-900}"
 load_timeout="${SERVE_LOAD_TIMEOUT:-600}"
+fuzz_timeout="${SERVE_FUZZ_TIMEOUT:-420}"
 json_dir="${SERVE_LOAD_JSON_DIR:-$(mktemp -d)}"
 mkdir -p "$json_dir"
 
 echo "== dependencies"
 missing=()
-for m in openai pytest requests httpx; do
+for m in openai pytest requests httpx jsonschema; do
     python3 -c "import $m" 2>/dev/null || missing+=("$m")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
@@ -48,14 +53,14 @@ fi
 
 failed=()
 
-echo "== 1/3 pytest tests/serve"
+echo "== 1/4 pytest tests/serve"
 timeout -k 10 "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/serve || failed+=("pytest tests/serve")
 
-echo "== 2/3 two replicas behind nginx"
+echo "== 2/4 two replicas behind nginx"
 timeout -k 10 "$load_timeout" scripts/serve_nginx.sh --check --replicas 2 --concurrency 16 --requests 32 \
     --max-tokens 16 --load-arg --json --load-arg "$json_dir/nginx.json" || failed+=("serve_nginx.sh --check")
 
-echo "== 3/3 load straight against one server"
+echo "== 3/4 load straight against one server"
 direct() (  # a subshell: its EXIT trap stops the server
     url="" rc=0
     log="$(mktemp)"
@@ -88,6 +93,9 @@ direct() (  # a subshell: its EXIT trap stops the server
     exit "$rc"
 )
 direct || failed+=("serve_load.py against one server")
+
+echo "== 4/4 schemathesis against /openapi.json"
+timeout -k 10 "$fuzz_timeout" tests/serve/schemathesis.sh || failed+=("tests/serve/schemathesis.sh")
 
 echo "load reports: $json_dir"
 if [ "${#failed[@]}" -gt 0 ]; then

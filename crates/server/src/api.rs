@@ -1,7 +1,11 @@
 //! The request bodies of `/v1/completions` and `/v1/chat/completions`: parsed with the field
 //! at fault named in every error, checked against what slowfast supports, and turned into a
 //! scheduler `Request` (tokenized, its KV policy resolved).
-use serde::Deserialize;
+use std::marker::PhantomData;
+
+use serde::de::value::MapAccessDeserializer;
+use serde::de::{MapAccess, Visitor};
+use serde::{Deserialize, Deserializer};
 use slowfast_engine::sampler::SamplerConfig;
 use slowfast_engine::scheduler::Request;
 use slowfast_engine::PolicySpec;
@@ -49,7 +53,7 @@ pub enum Stop {
 #[serde(untagged)]
 pub enum Content {
     Text(String),
-    Parts(Vec<ContentPart>),
+    Parts(#[serde(deserialize_with = "objects")] Vec<ContentPart>),
 }
 
 #[derive(Debug, Deserialize)]
@@ -79,18 +83,20 @@ pub struct StreamOptions {
 pub struct Body {
     pub model: Option<String>,
     pub prompt: Option<Prompt>,
+    #[serde(default, deserialize_with = "opt_objects")]
     pub messages: Option<Vec<Message>>,
     pub max_tokens: Option<usize>,
     pub max_completion_tokens: Option<usize>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
+    // Sampling numbers are read as JSON's f64 and narrowed by `sampler` (see `narrow`).
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
     pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
+    pub min_p: Option<f64>,
     pub seed: Option<u64>,
     pub stop: Option<Stop>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
     /// Completions: an integer (top alternatives); chat: a boolean.
     pub logprobs: Option<serde_json::Value>,
     pub top_logprobs: Option<usize>,
@@ -103,8 +109,10 @@ pub struct Body {
     pub response_format: Option<serde_json::Value>,
     #[serde(default)]
     pub stream: bool,
+    #[serde(default, deserialize_with = "opt_object")]
     pub stream_options: Option<StreamOptions>,
     // --- extensions ---
+    #[serde(default, deserialize_with = "opt_object")]
     pub kv_policy: Option<KvPolicyRequest>,
     #[serde(default)]
     pub ignore_eos: bool,
@@ -112,18 +120,60 @@ pub struct Body {
     pub return_token_ids: bool,
 }
 
+/// A struct read from a JSON object only. serde's derive also reads a struct from an array of
+/// its fields in declaration order (`["user", "hi"]` as a message), which is not OpenAI's API
+/// and would make the order of the fields in this file part of it.
+struct Obj<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<T>(PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> Visitor<'de> for V<T> {
+            type Value = T;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                T::deserialize(MapAccessDeserializer::new(map))
+            }
+        }
+        d.deserialize_map(V(PhantomData)).map(Obj)
+    }
+}
+
+fn opt_object<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+    Ok(Option::<Obj<T>>::deserialize(d)?.map(|o| o.0))
+}
+
+fn objects<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
+    Ok(Vec::<Obj<T>>::deserialize(d)?
+        .into_iter()
+        .map(|o| o.0)
+        .collect())
+}
+
+fn opt_objects<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<Vec<T>>, D::Error> {
+    Ok(Option::<Vec<Obj<T>>>::deserialize(d)?.map(|v| v.into_iter().map(|o| o.0).collect()))
+}
+
 /// Parses a JSON body; errors say where the JSON breaks or which field has the wrong type.
 pub fn parse(bytes: &[u8]) -> Result<Body, ApiError> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
-    let body: Body = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        if inner.is_syntax() || inner.is_eof() || path == "." {
-            ApiError::bad_body(format!("the request body is not valid JSON: {inner}"))
-        } else {
-            ApiError::bad(path.clone(), format!("field `{path}`: {inner}"))
-        }
-    })?;
+    let body: Body = serde_path_to_error::deserialize(&mut de)
+        .map(|o: Obj<Body>| o.0)
+        .map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if inner.is_syntax() || inner.is_eof() {
+                ApiError::bad_body(format!("the request body is not valid JSON: {inner}"))
+            } else if path == "." {
+                ApiError::bad_body(format!("the request body must be a JSON object: {inner}"))
+            } else {
+                ApiError::bad(path.clone(), format!("field `{path}`: {inner}"))
+            }
+        })?;
     de.end()
         .map_err(|e| ApiError::bad_body(format!("the request body is not valid JSON: {e}")))?;
     Ok(body)
@@ -380,15 +430,16 @@ pub fn check(body: Body, ep: Endpoint, lim: &Limits) -> Result<(Request, Shape),
         ));
     }
     let room = lim.max_context - prompt.len();
-    let asked = body.max_completion_tokens.or(body.max_tokens);
-    let param = if body.max_completion_tokens.is_some() {
-        "max_completion_tokens"
-    } else {
-        "max_tokens"
-    };
-    if asked == Some(0) {
-        return Err(ApiError::bad(param, "max_tokens must be at least 1"));
+    // Both are checked, though max_completion_tokens wins when both are given.
+    for (param, v) in [
+        ("max_tokens", body.max_tokens),
+        ("max_completion_tokens", body.max_completion_tokens),
+    ] {
+        if v == Some(0) {
+            return Err(ApiError::bad(param, format!("{param} must be at least 1")));
+        }
     }
+    let asked = body.max_completion_tokens.or(body.max_tokens);
     let max_tokens = match ep {
         // OpenAI's default for completions.
         Endpoint::Completions => asked.unwrap_or(16),
@@ -405,6 +456,16 @@ pub fn check(body: Body, ep: Endpoint, lim: &Limits) -> Result<(Request, Shape),
             "stop",
             format!("{} stop strings; at most 16", stop.len()),
         ));
+    }
+    // A budget is checked by the policies that read one; one that is never valid is refused
+    // whatever the policy.
+    if let Some(b) = body.kv_policy.as_ref().and_then(|p| p.kv_budget) {
+        if !(b.is_finite() && b > 0.0) {
+            return Err(ApiError::bad(
+                "kv_policy.kv_budget",
+                format!("kv_policy.kv_budget must be a positive token count or a fraction below 1, got {b}"),
+            ));
+        }
     }
     let policy = (lim.resolve)(body.kv_policy.as_ref(), prompt.len() + max_tokens)
         .map_err(|e| ApiError::bad("kv_policy", e))?;
@@ -453,6 +514,20 @@ fn encode(tok: &Tokenizer, text: &str, chat: bool) -> Result<Vec<u32>, ApiError>
     })
 }
 
+/// A request's number as the sampler's f32. Where only positive values are valid (top_p,
+/// repetition_penalty), a positive value below f32's range becomes the smallest normal f32
+/// instead of 0: `top_p: 1e-50` is in (0, 1] and means "the top token only", as 1e-30 does.
+/// Elsewhere such a value becomes 0 (a temperature of 1e-50 is greedy). A value past f32's
+/// range becomes infinite, which the sampler's checks refuse.
+fn narrow(x: f64, positive: bool) -> f32 {
+    let v = x as f32;
+    if positive && x > 0.0 && v < f32::MIN_POSITIVE {
+        f32::MIN_POSITIVE
+    } else {
+        v
+    }
+}
+
 /// The sampler chain of a request: OpenAI's defaults (temperature 1, top_p 1), slowfast's
 /// extensions top_k, min_p and repetition_penalty off unless given.
 fn sampler(b: &Body) -> Result<SamplerConfig, ApiError> {
@@ -461,16 +536,45 @@ fn sampler(b: &Body) -> Result<SamplerConfig, ApiError> {
         Some(k) if k <= 0 => 0, // -1 / 0: off (vLLM, llama.cpp)
         Some(k) => k as usize,
     };
+    // Rounding to f32 must not carry a value past a bound onto it (a top_p of
+    // 1.0000000000000002 is not 1, a min_p of -1e-50 is not 0): such values are refused here,
+    // as sent, with the sampler's words.
+    let bounded = [
+        ("top_p", b.top_p, "in (0, 1]", 0.0, 1.0),
+        ("min_p", b.min_p, "in [0, 1]", 0.0, 1.0),
+        (
+            "presence_penalty",
+            b.presence_penalty,
+            "a number in [-2, 2]",
+            -2.0,
+            2.0,
+        ),
+        (
+            "frequency_penalty",
+            b.frequency_penalty,
+            "a number in [-2, 2]",
+            -2.0,
+            2.0,
+        ),
+    ];
+    for (field, x, range, lo, hi) in bounded {
+        if let Some(x) = x.filter(|&x| x < lo || x > hi) {
+            return Err(ApiError::bad(
+                field,
+                format!("{field} must be {range}, got {x}"),
+            ));
+        }
+    }
     let seed = b.seed.unwrap_or_else(SamplerConfig::clock_seed);
     let c = SamplerConfig {
-        temperature: b.temperature.unwrap_or(1.0),
+        temperature: narrow(b.temperature.unwrap_or(1.0), false),
         top_k,
-        top_p: b.top_p.unwrap_or(1.0),
-        min_p: b.min_p.unwrap_or(0.0),
-        repetition_penalty: b.repetition_penalty.unwrap_or(1.0),
+        top_p: narrow(b.top_p.unwrap_or(1.0), true),
+        min_p: narrow(b.min_p.unwrap_or(0.0), false),
+        repetition_penalty: narrow(b.repetition_penalty.unwrap_or(1.0), true),
         repeat_last_n: 64,
-        presence_penalty: b.presence_penalty.unwrap_or(0.0),
-        frequency_penalty: b.frequency_penalty.unwrap_or(0.0),
+        presence_penalty: narrow(b.presence_penalty.unwrap_or(0.0), false),
+        frequency_penalty: narrow(b.frequency_penalty.unwrap_or(0.0), false),
         seed,
     };
     c.validate().map_err(|e| {

@@ -40,6 +40,14 @@ pub async fn metrics(State(s): St) -> Response {
         .into_response()
 }
 
+pub async fn openapi() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        crate::OPENAPI_JSON,
+    )
+        .into_response()
+}
+
 pub async fn models(State(s): St, headers: HeaderMap) -> Response {
     if let Err(e) = authorize(&s, &headers) {
         return e.into_response();
@@ -60,7 +68,7 @@ pub async fn models(State(s): St, headers: HeaderMap) -> Response {
 pub async fn not_found() -> ApiError {
     ApiError::status(
         StatusCode::NOT_FOUND,
-        "no such endpoint (POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /metrics)",
+        "no such endpoint (POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /metrics, /openapi.json)",
         "not_found",
     )
 }

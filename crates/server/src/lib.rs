@@ -10,12 +10,17 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::extract::DefaultBodyLimit;
-use axum::routing::{get, post};
+use axum::http::Method;
+use axum::routing::{get, post, MethodRouter};
 use axum::Router;
 use slowfast_engine::scheduler::SchedulerHandle;
 use slowfast_engine::Loaded;
 
 pub use api::{KvPolicyRequest, PolicyResolver};
+
+/// The OpenAPI 3.0 description of every route (crates/server/openapi.json), served at
+/// `GET /openapi.json`.
+pub const OPENAPI_JSON: &str = include_str!("../openapi.json");
 
 /// What the server needs besides the scheduler.
 #[derive(Debug, Clone)]
@@ -69,15 +74,27 @@ pub fn router(
         end_of_turn: api::end_of_turn_ids(&loaded.tokenizer),
         loaded,
     });
-    Router::new()
-        .route("/health", get(handlers::health))
-        .route("/metrics", get(handlers::metrics))
-        .route("/v1/models", get(handlers::models))
-        .route("/v1/completions", post(handlers::completions))
-        .route("/v1/chat/completions", post(handlers::chat))
+    routes()
+        .into_iter()
+        .fold(Router::new(), |r, (_, path, handler)| {
+            r.route(path, handler)
+        })
         .fallback(handlers::not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
+}
+
+/// Every route the router serves, with its method: openapi.json describes exactly these (a
+/// test checks it, and that each method here is the one its handler answers).
+fn routes() -> Vec<(Method, &'static str, MethodRouter<Arc<AppState>>)> {
+    vec![
+        (Method::GET, "/health", get(handlers::health)),
+        (Method::GET, "/metrics", get(handlers::metrics)),
+        (Method::GET, "/openapi.json", get(handlers::openapi)),
+        (Method::GET, "/v1/models", get(handlers::models)),
+        (Method::POST, "/v1/completions", post(handlers::completions)),
+        (Method::POST, "/v1/chat/completions", post(handlers::chat)),
+    ]
 }
 
 /// Binds, prints the address and serves until Ctrl-C / SIGTERM (a tokio runtime of its own,
@@ -128,3 +145,6 @@ async fn shutdown() {
     }
     eprintln!("slowfast serve: shutting down");
 }
+
+#[cfg(test)]
+mod tests;

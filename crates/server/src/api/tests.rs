@@ -243,6 +243,117 @@ fn every_refusal_names_its_field() {
             "messages",
         ),
         (r#"{"prompt": "x"}"#, Chat, 400, Some("prompt"), "messages"),
+        // Found by schemathesis (tests/serve/schemathesis.sh):
+        // a zero max_tokens beside a max_completion_tokens,
+        (
+            r#"{"prompt": "x", "max_tokens": 0, "max_completion_tokens": 3}"#,
+            Completions,
+            400,
+            Some("max_tokens"),
+            "at least 1",
+        ),
+        (
+            r#"{"prompt": "x", "max_tokens": 3, "max_completion_tokens": 0}"#,
+            Completions,
+            400,
+            Some("max_completion_tokens"),
+            "at least 1",
+        ),
+        // a budget that no policy takes, under a policy that reads none,
+        (
+            r#"{"prompt": "x", "kv_policy": {"kv_budget": 0}}"#,
+            Completions,
+            400,
+            Some("kv_policy.kv_budget"),
+            "positive",
+        ),
+        (
+            r#"{"prompt": "x", "kv_policy": {"name": "full", "kv_budget": -5}}"#,
+            Completions,
+            400,
+            Some("kv_policy.kv_budget"),
+            "positive",
+        ),
+        // numbers past f32's range,
+        (
+            r#"{"prompt": "x", "temperature": 1e39}"#,
+            Completions,
+            400,
+            Some("temperature"),
+            "temperature",
+        ),
+        (
+            r#"{"prompt": "x", "repetition_penalty": 1e300}"#,
+            Completions,
+            400,
+            Some("repetition_penalty"),
+            "repetition_penalty",
+        ),
+        // numbers that f32 rounding carried onto a bound,
+        (
+            r#"{"prompt": "x", "top_p": 1.0000000000000002}"#,
+            Completions,
+            400,
+            Some("top_p"),
+            "got 1.0000000000000002",
+        ),
+        (
+            r#"{"prompt": "x", "min_p": -1e-50}"#,
+            Completions,
+            400,
+            Some("min_p"),
+            "min_p must be in [0, 1]",
+        ),
+        (
+            r#"{"prompt": "x", "presence_penalty": 2.0000000000000004}"#,
+            Completions,
+            400,
+            Some("presence_penalty"),
+            "presence_penalty",
+        ),
+        (
+            r#"{"prompt": "x", "frequency_penalty": -2.0000000000000004}"#,
+            Completions,
+            400,
+            Some("frequency_penalty"),
+            "frequency_penalty",
+        ),
+        // and arrays where the API has objects (serde's derive read them as the fields in order).
+        (
+            r#"[null, "x"]"#,
+            Completions,
+            400,
+            None,
+            "must be a JSON object",
+        ),
+        (
+            r#"{"messages": [["user", "hi"]]}"#,
+            Chat,
+            400,
+            Some("messages[0]"),
+            "JSON object",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": [["text", "hi"]]}]}"#,
+            Chat,
+            400,
+            Some("messages[0].content"),
+            "messages[0].content",
+        ),
+        (
+            r#"{"prompt": "x", "stream": true, "stream_options": [true]}"#,
+            Completions,
+            400,
+            Some("stream_options"),
+            "JSON object",
+        ),
+        (
+            r#"{"prompt": "x", "kv_policy": ["full", null, null, null, null, null, null]}"#,
+            Completions,
+            400,
+            Some("kv_policy"),
+            "JSON object",
+        ),
     ];
     for (body, ep, status, param, text) in cases {
         let e = err(body, *ep);
@@ -256,4 +367,27 @@ fn every_refusal_names_its_field() {
         let b = e.body();
         assert_eq!(b["error"]["message"], e.message.as_str());
     }
+}
+
+/// Found by schemathesis: a positive top_p or repetition_penalty below f32's range became 0,
+/// which the sampler refuses ("top_p must be in (0, 1], got 0" for a top_p of 5e-324). It is now
+/// the smallest normal f32; a tiny temperature or min_p becomes 0 (greedy, off).
+#[test]
+fn numbers_below_f32_keep_their_meaning() {
+    let (r, _) = run(
+        r#"{"prompt": "x", "top_p": 5e-324, "repetition_penalty": 1e-50, "temperature": 1e-300,
+            "min_p": 1e-60}"#,
+        Endpoint::Completions,
+    )
+    .unwrap();
+    assert_eq!(r.sampler.top_p, f32::MIN_POSITIVE);
+    assert_eq!(r.sampler.repetition_penalty, f32::MIN_POSITIVE);
+    assert_eq!((r.sampler.temperature, r.sampler.min_p), (0.0, 0.0));
+    // In range, numbers are as given (to f32).
+    let (r, _) = run(
+        r#"{"prompt": "x", "top_p": 0.25, "temperature": 3.4028234663852886e38}"#,
+        Endpoint::Completions,
+    )
+    .unwrap();
+    assert_eq!((r.sampler.top_p, r.sampler.temperature), (0.25, f32::MAX));
 }

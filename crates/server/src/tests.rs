@@ -1,0 +1,168 @@
+//! The router against its OpenAPI description (openapi.json): the same routes both ways, each
+//! answered by its handler (not the fallback, not a 405), and `/openapi.json` serving the file.
+//! The router runs over the tiny Qwen3 fixture.
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{header, Request, StatusCode};
+use serde_json::Value;
+use slowfast_engine::scheduler::{self, SchedulerConfig};
+use slowfast_engine::{Device, KvDtype, PolicySpec};
+use tower::ServiceExt;
+
+use super::*;
+
+fn spec() -> Value {
+    serde_json::from_str(OPENAPI_JSON).expect("openapi.json is valid JSON")
+}
+
+/// (METHOD, path) of every operation in openapi.json.
+fn spec_routes() -> BTreeSet<(String, String)> {
+    let s = spec();
+    let paths = s["paths"].as_object().expect("openapi.json has `paths`");
+    let mut out = BTreeSet::new();
+    for (path, item) in paths {
+        let ops = item.as_object().expect("a path item is an object");
+        for method in ops.keys() {
+            if [
+                "get", "put", "post", "delete", "options", "head", "patch", "trace",
+            ]
+            .contains(&method.as_str())
+            {
+                out.insert((method.to_uppercase(), path.clone()));
+            }
+        }
+    }
+    out
+}
+
+fn router_routes() -> BTreeSet<(String, String)> {
+    routes()
+        .into_iter()
+        .map(|(m, p, _)| (m.to_string(), p.to_owned()))
+        .collect()
+}
+
+fn app() -> Router {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/qwen3");
+    let loaded = Arc::new(slowfast_engine::load(dir.to_str().unwrap(), &mut |_| {}).unwrap());
+    let sched_cfg = SchedulerConfig {
+        device: Device::Cpu,
+        max_batch: 2,
+        max_queue: 4,
+        prefill_tokens_per_step: 16,
+        chunk: 16,
+        kv_dtype: KvDtype::F32,
+        kv_memory: usize::MAX,
+        max_context: 64,
+        default_policy: PolicySpec::Full,
+    };
+    let (handle, _thread) = scheduler::spawn(loaded.clone(), sched_cfg).unwrap();
+    let cfg = ServerConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        served_model_name: "tiny".into(),
+        api_key: None,
+        max_body_bytes: 1 << 16,
+        max_context: 64,
+        device: "cpu".into(),
+        max_batch: 2,
+    };
+    let resolve: Arc<PolicyResolver> =
+        Arc::new(|_: Option<&KvPolicyRequest>, _: usize| Ok::<_, String>(PolicySpec::Full));
+    router(cfg, loaded, handle, resolve)
+}
+
+async fn call(app: &Router, method: &str, path: &str, body: &str) -> (StatusCode, String, Vec<u8>) {
+    let req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body.to_owned()))
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let ctype = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 24)
+        .await
+        .unwrap();
+    (status, ctype, bytes.to_vec())
+}
+
+#[test]
+fn openapi_json_describes_exactly_the_routes() {
+    let s = spec();
+    assert!(
+        s["openapi"].as_str().is_some_and(|v| v.starts_with("3.0.")),
+        "OpenAPI 3.0.x: {}",
+        s["openapi"]
+    );
+    let (spec, router) = (spec_routes(), router_routes());
+    let missing: Vec<_> = router.difference(&spec).collect();
+    let extra: Vec<_> = spec.difference(&router).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "routes not in openapi.json: {missing:?}; paths in openapi.json the router lacks: {extra:?}"
+    );
+    // Every $ref points at a schema that exists.
+    fn refs(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                if let Some(Value::String(r)) = m.get("$ref") {
+                    out.push(r.clone());
+                }
+                m.values().for_each(|x| refs(x, out));
+            }
+            Value::Array(a) => a.iter().for_each(|x| refs(x, out)),
+            _ => {}
+        }
+    }
+    let mut all = Vec::new();
+    refs(&s, &mut all);
+    for r in all {
+        let name = r
+            .strip_prefix("#/components/schemas/")
+            .unwrap_or_else(|| panic!("unexpected $ref {r}"));
+        assert!(
+            s["components"]["schemas"].get(name).is_some(),
+            "$ref {r} has no schema"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_route_is_served_by_its_handler() {
+    let app = app();
+    for (method, path) in router_routes() {
+        let body = if method == "POST" { "{}" } else { "" };
+        let (status, _, bytes) = call(&app, &method, &path, body).await;
+        let text = String::from_utf8_lossy(&bytes);
+        assert_ne!(status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
+        assert!(
+            !text.contains("no such endpoint"),
+            "{method} {path} reached the fallback: {text}"
+        );
+        // Every documented status of the operation covers what it answered.
+        let op = &spec()["paths"][&path][method.to_lowercase()];
+        assert!(
+            op["responses"].get(status.as_str()).is_some(),
+            "{method} {path} answered {status}, which openapi.json does not list"
+        );
+    }
+    // /openapi.json serves the file, as JSON.
+    let (status, ctype, bytes) = call(&app, "GET", "/openapi.json", "").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(ctype, "application/json");
+    assert_eq!(bytes, OPENAPI_JSON.as_bytes());
+    // The fallback lists it.
+    let (status, _, bytes) = call(&app, "GET", "/nope", "").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(String::from_utf8_lossy(&bytes).contains("/openapi.json"));
+}
