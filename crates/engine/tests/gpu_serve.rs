@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use slowfast_engine::generate::{generate, GenerateOptions};
 use slowfast_engine::sampler::SamplerConfig;
 use slowfast_engine::scheduler::{
-    self, Event, EventSink, Finish, Request, SchedulerConfig, SchedulerHandle,
+    self, ChannelSink, Event, Finish, Outcome, Request, SchedulerConfig, SchedulerHandle,
 };
 use slowfast_engine::session::SfiKnobs;
 use slowfast_engine::{Device, KvDtype, Loaded, PolicySpec};
@@ -67,69 +67,16 @@ fn sched(m: &Arc<Loaded>, max_batch: usize, policy: &PolicySpec) -> SchedulerHan
     scheduler::spawn(m.clone(), cfg).unwrap().0
 }
 
-/// Events of every request into one channel, tagged with the request's number.
-struct Tagged {
-    id: usize,
-    tx: Sender<(usize, Event)>,
-    closed: Arc<AtomicBool>,
-}
-
-impl EventSink for Tagged {
-    fn send(&self, ev: Event) -> bool {
-        !self.is_closed() && self.tx.send((self.id, ev)).is_ok()
-    }
-    fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Relaxed)
-    }
-}
-
-fn sink(id: usize, tx: &Sender<(usize, Event)>) -> (Box<Tagged>, Arc<AtomicBool>) {
-    let closed = Arc::new(AtomicBool::new(false));
-    let s = Tagged {
-        id,
-        tx: tx.clone(),
-        closed: closed.clone(),
-    };
-    (Box::new(s), closed)
+fn sink(id: usize, tx: &Sender<(usize, Event)>) -> (Box<ChannelSink>, Arc<AtomicBool>) {
+    ChannelSink::new(id, tx)
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize, policy: &PolicySpec) -> Request {
-    Request {
-        prompt,
-        max_tokens,
-        sampler: SamplerConfig::greedy(),
-        stop: Vec::new(),
-        ignore_eos: true,
-        stop_tokens: Vec::new(),
-        policy: policy.clone(),
-        logprobs: None,
-    }
+    Request::greedy(prompt, max_tokens, policy.clone())
 }
 
-type Outcome = (Vec<u32>, Option<Finish>, Option<String>);
-
-/// Collects events until `n` requests are done or failed.
 fn collect(rx: &Receiver<(usize, Event)>, n: usize) -> Vec<Outcome> {
-    let mut out = vec![(Vec::new(), None, None); n];
-    let mut left = n;
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while left > 0 {
-        let (id, ev) = rx
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .expect("the scheduler answers in time");
-        match ev {
-            Event::Token(t) => out[id].0.push(t.id),
-            Event::Done(f) => {
-                out[id].1 = Some(f);
-                left -= 1;
-            }
-            Event::Error(e) => {
-                out[id].2 = Some(e);
-                left -= 1;
-            }
-        }
-    }
-    out
+    scheduler::collect(rx, n, Duration::from_secs(300))
 }
 
 /// (prompt, max_tokens) of the three requests: different lengths, the longest 56 tokens.

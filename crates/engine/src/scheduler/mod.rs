@@ -7,6 +7,7 @@
 //! The device part (how a sequence is prefilled and how a batch is stepped) is the
 //! [`BatchDevice`] trait: the CPU's batched decode (`cpu.rs`), the GPU decoder's slots
 //! (`gpu.rs`, feature `cuda`).
+mod channel;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod gpu;
@@ -23,6 +24,7 @@ use slowfast_kv::PolicyStats;
 use crate::sampler::SamplerConfig;
 use crate::session::PolicySpec;
 use crate::{Device, EngineError, KvDtype, Loaded};
+pub use channel::{collect, ChannelSink, Outcome};
 pub use cpu::kv_bytes_for;
 use sequence::Sequence;
 
@@ -43,6 +45,23 @@ pub struct Request {
     pub policy: PolicySpec,
     /// Log-probabilities: None = off; Some(n) = the chosen token's and the `n` most likely.
     pub logprobs: Option<usize>,
+}
+
+impl Request {
+    /// A greedy request that ignores EOS (so it runs exactly `max_tokens` unless the context
+    /// ends first), with no stop strings and no logprobs: what tests and load runs send.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize, policy: PolicySpec) -> Self {
+        Request {
+            prompt,
+            max_tokens,
+            sampler: SamplerConfig::greedy(),
+            stop: Vec::new(),
+            ignore_eos: true,
+            stop_tokens: Vec::new(),
+            policy,
+            logprobs: None,
+        }
+    }
 }
 
 /// The log-probability of one generated token and of the most likely alternatives, from the

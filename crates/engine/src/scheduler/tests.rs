@@ -3,7 +3,7 @@
 //! the KV, the queue is bounded, and bad requests fail alone.
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
 
 use super::*;
@@ -35,60 +35,12 @@ fn tokens(n: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Events of every request into one channel, tagged with the request's number.
-struct Tagged {
-    id: usize,
-    tx: Sender<(usize, Event)>,
-    closed: Arc<AtomicBool>,
-}
-
-impl EventSink for Tagged {
-    fn send(&self, ev: Event) -> bool {
-        !self.is_closed() && self.tx.send((self.id, ev)).is_ok()
-    }
-    fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Relaxed)
-    }
-}
-
 fn request(prompt: Vec<u32>, max_tokens: usize, policy: PolicySpec) -> Request {
-    Request {
-        prompt,
-        max_tokens,
-        sampler: SamplerConfig::greedy(),
-        stop: Vec::new(),
-        ignore_eos: true,
-        stop_tokens: Vec::new(),
-        policy,
-        logprobs: None,
-    }
+    Request::greedy(prompt, max_tokens, policy)
 }
 
-/// Collects events until every id in `ids` is done or failed: (tokens, finish) per id.
-fn collect(
-    rx: &Receiver<(usize, Event)>,
-    n: usize,
-) -> Vec<(Vec<u32>, Option<Finish>, Option<String>)> {
-    let mut out = vec![(Vec::new(), None, None); n];
-    let mut left = n;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while left > 0 {
-        let (id, ev) = rx
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .expect("the scheduler answers in time");
-        match ev {
-            Event::Token(t) => out[id].0.push(t.id),
-            Event::Done(f) => {
-                out[id].1 = Some(f);
-                left -= 1;
-            }
-            Event::Error(e) => {
-                out[id].2 = Some(e);
-                left -= 1;
-            }
-        }
-    }
-    out
+fn collect(rx: &Receiver<(usize, Event)>, n: usize) -> Vec<Outcome> {
+    super::collect(rx, n, Duration::from_secs(120))
 }
 
 #[test]
@@ -130,13 +82,8 @@ fn batched_greedy_equals_generate_alone() {
             ..Default::default()
         };
         want.push(generate(&m, &prompt, &opts, &mut |_| {}).unwrap());
-        let sink = Tagged {
-            id: i,
-            tx: tx.clone(),
-            closed: Arc::new(AtomicBool::new(false)),
-        };
-        h.submit(request(prompt, max_tokens, spec), Box::new(sink))
-            .unwrap();
+        let (sink, _) = ChannelSink::new(i, &tx);
+        h.submit(request(prompt, max_tokens, spec), sink).unwrap();
     }
     let got = collect(&rx, lens.len());
     for (i, ((toks, fin, err), w)) in got.iter().zip(&want).enumerate() {
@@ -161,24 +108,14 @@ fn long_prefill_interleaves_with_decoding() {
     let m = loaded();
     let (h, _t) = spawn(m.clone(), cfg(4, 4)).unwrap();
     let (tx, rx) = channel();
-    let sink = |id| Tagged {
-        id,
-        tx: tx.clone(),
-        closed: Arc::new(AtomicBool::new(false)),
-    };
-    h.submit(
-        request(tokens(4, 0), 60, PolicySpec::Full),
-        Box::new(sink(0)),
-    )
-    .unwrap();
+    let sink = |id| ChannelSink::new(id, &tx).0;
+    h.submit(request(tokens(4, 0), 60, PolicySpec::Full), sink(0))
+        .unwrap();
     // Let request 0 start decoding, then a 200-token prompt (13 chunks of 16) arrives.
     let first = rx.recv_timeout(Duration::from_secs(30)).unwrap();
     assert!(matches!(first, (0, Event::Token(_))));
-    h.submit(
-        request(tokens(200, 1), 4, PolicySpec::Full),
-        Box::new(sink(1)),
-    )
-    .unwrap();
+    h.submit(request(tokens(200, 1), 4, PolicySpec::Full), sink(1))
+        .unwrap();
     let mut tokens_of_0_before_1 = 0;
     loop {
         match rx.recv_timeout(Duration::from_secs(30)).unwrap() {
@@ -198,17 +135,9 @@ fn a_closed_sink_cancels_and_frees_the_kv() {
     let m = loaded();
     let (h, _t) = spawn(m.clone(), cfg(4, 4)).unwrap();
     let (tx, rx) = channel();
-    let closed = Arc::new(AtomicBool::new(false));
-    let sink = Tagged {
-        id: 0,
-        tx: tx.clone(),
-        closed: closed.clone(),
-    };
-    h.submit(
-        request(tokens(30, 0), 200, PolicySpec::Full),
-        Box::new(sink),
-    )
-    .unwrap();
+    let (sink, closed) = ChannelSink::new(0, &tx);
+    h.submit(request(tokens(30, 0), 200, PolicySpec::Full), sink)
+        .unwrap();
     let _ = rx.recv_timeout(Duration::from_secs(30)).unwrap();
     assert!(h.gauges().kv_bytes_in_use.load(Ordering::Relaxed) > 0);
     closed.store(true, Ordering::Relaxed);
@@ -220,12 +149,8 @@ fn a_closed_sink_cancels_and_frees_the_kv() {
         std::thread::sleep(Duration::from_millis(5));
     }
     // The scheduler goes on serving.
-    let sink = Tagged {
-        id: 0,
-        tx,
-        closed: Arc::new(AtomicBool::new(false)),
-    };
-    h.submit(request(tokens(5, 3), 3, PolicySpec::Full), Box::new(sink))
+    let (sink, _) = ChannelSink::new(0, &tx);
+    h.submit(request(tokens(5, 3), 3, PolicySpec::Full), sink)
         .unwrap();
     let got = collect(&rx, 1);
     assert_eq!(got[0].0.len(), 3);
@@ -238,15 +163,8 @@ fn the_queue_is_bounded() {
     let (tx, _rx) = channel();
     let mut refused = 0;
     for i in 0..4 {
-        let sink = Tagged {
-            id: i,
-            tx: tx.clone(),
-            closed: Arc::new(AtomicBool::new(false)),
-        };
-        if let Err(e) = h.submit(
-            request(tokens(20, 0), 150, PolicySpec::Full),
-            Box::new(sink),
-        ) {
+        let (sink, _) = ChannelSink::new(i, &tx);
+        if let Err(e) = h.submit(request(tokens(20, 0), 150, PolicySpec::Full), sink) {
             assert!(matches!(e, SubmitError::QueueFull(1)), "{e}");
             refused += 1;
         }
@@ -260,24 +178,14 @@ fn bad_requests_fail_alone() {
     let m = loaded();
     let (h, _t) = spawn(m.clone(), cfg(4, 4)).unwrap();
     let (tx, rx) = channel();
-    let sink = |id| Tagged {
-        id,
-        tx: tx.clone(),
-        closed: Arc::new(AtomicBool::new(false)),
-    };
+    let sink = |id| ChannelSink::new(id, &tx).0;
     // Longer than the model's 256 positions; empty; a good one beside them.
-    h.submit(
-        request(tokens(300, 0), 4, PolicySpec::Full),
-        Box::new(sink(0)),
-    )
-    .unwrap();
-    h.submit(request(Vec::new(), 4, PolicySpec::Full), Box::new(sink(1)))
+    h.submit(request(tokens(300, 0), 4, PolicySpec::Full), sink(0))
         .unwrap();
-    h.submit(
-        request(tokens(8, 0), 4, PolicySpec::Full),
-        Box::new(sink(2)),
-    )
-    .unwrap();
+    h.submit(request(Vec::new(), 4, PolicySpec::Full), sink(1))
+        .unwrap();
+    h.submit(request(tokens(8, 0), 4, PolicySpec::Full), sink(2))
+        .unwrap();
     let got = collect(&rx, 3);
     assert!(got[0].2.as_ref().unwrap().contains("300 tokens"), "{got:?}");
     assert!(got[1].2.as_ref().unwrap().contains("empty"));
@@ -378,16 +286,9 @@ fn a_panicking_step_fails_its_requests_and_the_scheduler_goes_on() {
         max_queue: 8,
     };
     let (etx, erx) = channel();
-    let sink = |id| Tagged {
-        id,
-        tx: etx.clone(),
-        closed: Arc::new(AtomicBool::new(false)),
-    };
+    let sink = |id| ChannelSink::new(id, &etx).0;
     handle
-        .submit(
-            request(tokens(4, 0), 5, PolicySpec::Full),
-            Box::new(sink(0)),
-        )
+        .submit(request(tokens(4, 0), 5, PolicySpec::Full), sink(0))
         .unwrap();
     let (m2, g2, p2) = (m.clone(), g.clone(), panicked.clone());
     let t = std::thread::spawn(move || {
@@ -413,10 +314,7 @@ fn a_panicking_step_fails_its_requests_and_the_scheduler_goes_on() {
     assert!(got0.iter().all(|e| !matches!(e, Event::Done(_))));
     // A later request is served by the restarted loop.
     handle
-        .submit(
-            request(tokens(4, 1), 3, PolicySpec::Full),
-            Box::new(sink(1)),
-        )
+        .submit(request(tokens(4, 1), 3, PolicySpec::Full), sink(1))
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut toks = Vec::new();
