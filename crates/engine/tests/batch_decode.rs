@@ -5,7 +5,6 @@
 use slowfast_engine::batch::step_batch;
 use slowfast_engine::session::{policy_spec, policy_spec_with, SfiKnobs};
 use slowfast_engine::{EngineError, KvDtype, PolicySpec, Session};
-use slowfast_model::config::{Activation, Arch, ModelConfig, RopeScaling};
 use slowfast_model::{Model, Scratch};
 use slowfast_quant::{gemm_crossover, GgmlType};
 
@@ -30,30 +29,8 @@ fn qwen_like(ty: GgmlType) -> Model {
 /// A Gemma 3 shape: two sliding layers (window 8) and a global one, q/k and post norms,
 /// GELU, scaled embeddings, RoPE with a local theta.
 fn gemma_like(ty: GgmlType) -> Model {
-    let layers = 3;
-    let c = ModelConfig {
-        arch: Arch::Gemma3,
-        hidden_size: 256,
-        num_hidden_layers: layers,
-        num_attention_heads: 2,
-        num_key_value_heads: 1,
-        head_dim: 128,
-        intermediate_size: 512,
-        vocab_size: VOCAB,
-        rms_norm_eps: 1e-6,
-        rope_theta: 1e6,
-        rope_local_theta: 1e4,
-        rope_scaling: RopeScaling::None,
-        sliding_window: Some(8),
-        layer_sliding: ModelConfig::gemma3_pattern(layers, 3),
-        max_position_embeddings: 4096,
-        tie_word_embeddings: true,
-        qk_norm: true,
-        post_norms: true,
-        scale_embeddings: true,
-        activation: Activation::GeluTanh,
-        attn_scale: 1.0 / 128f32.sqrt(),
-    };
+    let mut c = slowfast_model::presets::gemma3(256, 3, 2, 1, 128, 512, VOCAB, 8, 3);
+    c.max_position_embeddings = 4096;
     let w = slowfast_model::random::random_weights(&c, ty, 5).unwrap();
     Model::new(c, w).unwrap()
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use slowfast_cuda::CudaContext;
 use slowfast_engine::cuda::load_decoder;
-use slowfast_model::config::{Activation, Arch, ModelConfig, RopeScaling};
+use slowfast_model::config::ModelConfig;
 use slowfast_model::weights::{Bytes, Weight};
 use slowfast_model::{LogitsRows, MatmulPrecision, Model, Scratch};
 use slowfast_quant::GgmlType;
@@ -252,30 +252,7 @@ fn fixtures_match_cpu_with_qkv_post_in_attention() {
 }
 
 fn gemma3_270m_shape() -> ModelConfig {
-    let layers = 18;
-    ModelConfig {
-        arch: Arch::Gemma3,
-        hidden_size: 640,
-        num_hidden_layers: layers,
-        num_attention_heads: 4,
-        num_key_value_heads: 1,
-        head_dim: 256,
-        intermediate_size: 2048,
-        vocab_size: 262144,
-        rms_norm_eps: 1e-6,
-        rope_theta: 1e6,
-        rope_local_theta: 1e4,
-        rope_scaling: RopeScaling::None,
-        sliding_window: Some(512),
-        layer_sliding: ModelConfig::gemma3_pattern(layers, 6),
-        max_position_embeddings: 32768,
-        tie_word_embeddings: true,
-        qk_norm: true,
-        post_norms: true,
-        scale_embeddings: true,
-        activation: Activation::GeluTanh,
-        attn_scale: 1.0 / 256f32.sqrt(),
-    }
+    slowfast_model::presets::preset("gemma3-270m").unwrap()
 }
 
 #[test]

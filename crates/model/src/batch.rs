@@ -101,35 +101,12 @@ mod tests {
     use slowfast_quant::{gemm_crossover, GgmlType};
 
     use super::*;
-    use crate::config::{Activation, Arch, ModelConfig, RopeScaling};
     use crate::MatmulPrecision;
 
     /// A tiny Gemma 3 shape: sliding layers (window 6) around a global one, q/k and post norms.
     fn gemma_like(ty: GgmlType) -> Model {
-        let layers = 3;
-        let cfg = ModelConfig {
-            arch: Arch::Gemma3,
-            hidden_size: 64,
-            num_hidden_layers: layers,
-            num_attention_heads: 4,
-            num_key_value_heads: 2,
-            head_dim: 32,
-            intermediate_size: 96,
-            vocab_size: 80,
-            rms_norm_eps: 1e-6,
-            rope_theta: 1e6,
-            rope_local_theta: 1e4,
-            rope_scaling: RopeScaling::None,
-            sliding_window: Some(6),
-            layer_sliding: ModelConfig::gemma3_pattern(layers, 3),
-            max_position_embeddings: 4096,
-            tie_word_embeddings: true,
-            qk_norm: true,
-            post_norms: true,
-            scale_embeddings: true,
-            activation: Activation::GeluTanh,
-            attn_scale: 1.0 / 32f32.sqrt(),
-        };
+        let mut cfg = crate::presets::gemma3(64, 3, 4, 2, 32, 96, 80, 6, 3);
+        cfg.max_position_embeddings = 4096;
         let w = crate::random::random_weights(&cfg, ty, 3).unwrap();
         Model::new(cfg, w).unwrap()
     }

@@ -10,6 +10,7 @@ pub const PRESETS: &[&str] = &[
     "qwen3-4b",
     "qwen3-8b",
     "llama3-8b",
+    "gemma3-270m",
 ];
 
 fn qwen3(hidden: usize, layers: usize, heads: usize, inter: usize, tie: bool) -> ModelConfig {
@@ -35,6 +36,46 @@ fn qwen3(hidden: usize, layers: usize, heads: usize, inter: usize, tie: bool) ->
         scale_embeddings: false,
         activation: Activation::Silu,
         attn_scale: 1.0 / (128f32).sqrt(),
+    }
+}
+
+/// A Gemma 3 shape: sliding layers of window `window` with a global one every `global_every`,
+/// q/k and post norms, GELU, scaled embeddings, tied embeddings, RoPE with a local theta.
+/// The `gemma3-270m` preset, and the small Gemma-like models the tests build.
+#[allow(clippy::too_many_arguments)]
+pub fn gemma3(
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    inter: usize,
+    vocab: usize,
+    window: usize,
+    global_every: usize,
+) -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Gemma3,
+        hidden_size: hidden,
+        num_hidden_layers: layers,
+        num_attention_heads: heads,
+        num_key_value_heads: kv_heads,
+        head_dim,
+        intermediate_size: inter,
+        vocab_size: vocab,
+        rms_norm_eps: 1e-6,
+        rope_theta: 1e6,
+        rope_local_theta: 1e4,
+        rope_scaling: RopeScaling::None,
+        sliding_window: Some(window),
+        layer_sliding: ModelConfig::gemma3_pattern(layers, global_every),
+        max_position_embeddings: 32768,
+        tie_word_embeddings: true,
+        qk_norm: true,
+        post_norms: true,
+        scale_embeddings: true,
+        activation: Activation::GeluTanh,
+        attn_scale: 1.0 / (head_dim as f32).sqrt(),
     }
 }
 
@@ -73,6 +114,7 @@ pub fn preset(name: &str) -> Result<ModelConfig, ModelError> {
             activation: Activation::Silu,
             attn_scale: 1.0 / (128f32).sqrt(),
         },
+        "gemma3-270m" => gemma3(640, 18, 4, 1, 256, 2048, 262144, 512, 6),
         other => {
             return Err(ModelError::Config(format!(
                 "unknown preset `random:{other}` (known: {})",
@@ -97,6 +139,9 @@ mod tests {
         assert!((3.9..4.1).contains(&q4), "{q4}");
         let l8 = preset("llama3-8b").unwrap().num_parameters() as f64 / 1e9;
         assert!((7.9..8.1).contains(&l8), "{l8}");
+        // Gemma 3 270M: 268M parameters, 170M of them the embedding.
+        let g = preset("gemma3-270m").unwrap().num_parameters() as f64 / 1e6;
+        assert!((265.0..271.0).contains(&g), "{g}");
         assert!(preset("gpt2").is_err());
     }
 }
