@@ -86,6 +86,8 @@ fn step_rows<T: CacheElem>(
     scratch: &mut Scratch,
     logits: &mut [&mut Vec<f32>],
 ) -> Result<(), EngineError> {
+    // Before `on_token` touches any policy, so a refused batch leaves every session as it was
+    // (`decode_batch` checks again for its other callers: O(rows), no allocation).
     model.check_decode_batch(rows)?;
     for r in rows.iter_mut() {
         r.policy.on_token(r.token);
