@@ -2,6 +2,7 @@
 # Runs on the GPU machine (copied to .bin/ by scripts/gpu_test.sh): the GPU tests, the
 # `slowfast bench --device cuda` sweep and the PyTorch reference, logs under $OUT.
 #   bash .bin/gpu_run.sh [tests] [bench] [torch] [sfi] ...   (default: tests bench torch)
+#   (phase `faults` runs tests/serve/fault_storm.py from the checkout against `serve --device cuda`)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -211,6 +212,33 @@ PY
         .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "$P" --batch "$B" \
           --new-tokens "$N" --policies "$POL" $opts --json "$OUT/serve-bench-$POL-b$B-$P.json" 2>&1 | tee -a "$OUT/serve.log"
       done ;;
+    faults)
+      # the fault storm (tests/serve/fault_storm.py: disconnects mid-prefill / mid-stream /
+      # abandoned, concurrent cancels, bad bodies, 1,000 idle connections, slowloris) against
+      # `serve --device cuda`; after it /metrics must be idle and GPU memory.used back to its
+      # value after warm-up (FAULT_MEM_TOL MiB of slack, default 0). FAULT_MODEL (default
+      # random:qwen3-4b, token-id prompts of FAULT_VOCAB 151936), FAULT_CTX (default 2048).
+      log="$OUT/faults-serve.log"
+      ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+      SLOWFAST_SERVE_GRAPHS="${SERVE_GRAPHS:-1}" .bin/slowfast serve --device cuda --model "${FAULT_MODEL:-random:qwen3-4b}" \
+        --max-batch 8 --max-context "${FAULT_CTX:-2048}" --max-queue 256 --max-body-bytes 1048576 --port 0 \
+        --header-read-timeout 10 --body-read-timeout 5 > "$log" 2>&1 &
+      spid=$!
+      url=""
+      for _ in $(seq 1 600); do
+        url="$(grep -o 'listening on http://[^[:space:]]*' "$log" | head -n 1 | sed 's/^listening on //')"
+        [ -n "$url" ] && break
+        kill -0 $spid 2>/dev/null || break
+        sleep 0.2
+      done
+      if [ -z "$url" ]; then tail -20 "$log" | tee -a "$OUT/faults.log"; rc=1; continue; fi
+      timeout -k 10 "${FAULT_TIMEOUT:-540}" python3 tests/serve/fault_storm.py --url "$url" --token-ids "${FAULT_VOCAB:-151936}" \
+        --max-body-bytes 1048576 --header-read-timeout 10 --body-read-timeout 5 \
+        --nvidia-smi --gpu-mem-tolerance-mib "${FAULT_MEM_TOL:-0}" 2>&1 | tee -a "$OUT/faults.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+      kill -0 $spid 2>/dev/null || { echo "the server died during the storm" | tee -a "$OUT/faults.log"; rc=1; }
+      kill $spid; wait $spid 2>/dev/null
+      tail -5 "$log" >> "$OUT/faults.log" ;;
     torch)
       python3 .bin/torch_reference.py --contexts "$CTX" --new-tokens "$N" --json "$OUT/torch.json" 2>&1 | tee "$OUT/torch.log" ;;
     gen)

@@ -2,18 +2,21 @@
 # The `slowfast serve` checks, as CI runs them: installs what they need (pip: openai pytest
 # requests httpx jsonschema; apt: nginx), builds the release binary, fetches the default model,
 # then runs
-#   1. python3 -m pytest -q tests/serve            (the OpenAI-compatible API against its contract)
+#   1. python3 -m pytest -q tests/serve            (the OpenAI-compatible API against its contract,
+#      and tests/serve/test_faults.py: client faults against servers of its own, ~25 s)
 #   2. scripts/serve_nginx.sh --check              (2 replicas behind nginx, 16 concurrent, 32 requests)
 #   3. bench/serve_load.py straight against one server (64 concurrent streams, a quarter of the
 #      clients disconnecting mid-stream)
 #   4. tests/serve/schemathesis.sh                (schemathesis against GET /openapi.json: no 5xx,
 #      every response as described; it pip-installs schemathesis if missing)
-# each bounded in time. All four run; the exit status is non-zero when any failed.
+#   5. tests/serve/fault_storm.py --url            (the fault storm as the GPU `faults` phase runs
+#      it, against one server)
+# each bounded in time. All five run; the exit status is non-zero when any failed.
 #
 # Environment: SLOWFAST_BIN (default target/release/slowfast; set it to skip the build),
 # SLOWFAST_SERVE_MODEL (default gemma3-270m), SERVE_TEST_TIMEOUT (s, pytest; default 900),
 # SERVE_LOAD_TIMEOUT (s, each load run; default 600), SERVE_LOAD_JSON_DIR (keep the load reports),
-# SERVE_FUZZ_TIMEOUT (s, schemathesis; default 420).
+# SERVE_FUZZ_TIMEOUT (s, schemathesis; default 420), SERVE_FAULT_TIMEOUT (s, the storm; default 240).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo="$(pwd)"
@@ -23,6 +26,7 @@ export SLOWFAST_SERVE_MODEL="$model"
 test_timeout="${SERVE_TEST_TIMEOUT:-900}"
 load_timeout="${SERVE_LOAD_TIMEOUT:-600}"
 fuzz_timeout="${SERVE_FUZZ_TIMEOUT:-420}"
+fault_timeout="${SERVE_FAULT_TIMEOUT:-240}"
 json_dir="${SERVE_LOAD_JSON_DIR:-$(mktemp -d)}"
 mkdir -p "$json_dir"
 
@@ -53,18 +57,24 @@ fi
 
 failed=()
 
-echo "== 1/4 pytest tests/serve"
+echo "== 1/5 pytest tests/serve"
 timeout -k 10 "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/serve || failed+=("pytest tests/serve")
 
-echo "== 2/4 two replicas behind nginx"
+echo "== 2/5 two replicas behind nginx"
 timeout -k 10 "$load_timeout" scripts/serve_nginx.sh --check --replicas 2 --concurrency 16 --requests 32 \
     --max-tokens 16 --load-arg --json --load-arg "$json_dir/nginx.json" || failed+=("serve_nginx.sh --check")
 
-echo "== 3/4 load straight against one server"
-direct() (  # a subshell: its EXIT trap stops the server
+echo "== 3/5 load straight against one server"
+# against_server TIMEOUT SERVE_FLAGS -- COMMAND...: COMMAND with --url URL appended, against a
+# fresh server started with SERVE_FLAGS.
+against_server() (  # a subshell: its EXIT trap stops the server
     url="" rc=0
     log="$(mktemp)"
-    "$SLOWFAST_BIN" serve --model "$model" --host 127.0.0.1 --port 0 >"$log" 2>&1 </dev/null &
+    limit="$1"; shift
+    flags=()
+    while [ "$1" != -- ]; do flags+=("$1"); shift; done
+    shift
+    "$SLOWFAST_BIN" serve --model "$model" --host 127.0.0.1 --port 0 "${flags[@]}" >"$log" 2>&1 </dev/null &
     pid=$!
     # shellcheck disable=SC2064
     trap "kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -f '$log'" EXIT
@@ -82,9 +92,7 @@ direct() (  # a subshell: its EXIT trap stops the server
         kill -0 "$pid" 2>/dev/null || { tail -n 30 "$log" >&2; exit 1; }
         sleep 0.2
     done
-    timeout -k 10 "$load_timeout" python3 bench/serve_load.py --url "$url" --concurrency 64 --requests 64 \
-        --max-tokens 16 --prompt-lengths 16,64,256 --ignore-eos --disconnect-fraction 0.25 \
-        --json "$json_dir/direct.json" || rc=$?
+    timeout -k 10 "$limit" "$@" --url "$url" || rc=$?
     if ! kill -0 "$pid" 2>/dev/null; then
         echo "the server died during the load run:" >&2; tail -n 30 "$log" >&2; rc=1
     elif [ "$rc" -ne 0 ]; then
@@ -92,10 +100,18 @@ direct() (  # a subshell: its EXIT trap stops the server
     fi
     exit "$rc"
 )
-direct || failed+=("serve_load.py against one server")
+against_server "$load_timeout" -- python3 bench/serve_load.py --concurrency 64 --requests 64 \
+    --max-tokens 16 --prompt-lengths 16,64,256 --ignore-eos --disconnect-fraction 0.25 \
+    --json "$json_dir/direct.json" || failed+=("serve_load.py against one server")
 
-echo "== 4/4 schemathesis against /openapi.json"
+echo "== 4/5 schemathesis against /openapi.json"
 timeout -k 10 "$fuzz_timeout" tests/serve/schemathesis.sh || failed+=("tests/serve/schemathesis.sh")
+
+echo "== 5/5 the fault storm against one server (--url)"
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+against_server "$fault_timeout" --max-context 1024 --max-body-bytes 65536 --header-read-timeout 1.5 \
+    --body-read-timeout 2 -- python3 tests/serve/fault_storm.py --max-body-bytes 65536 \
+    --header-read-timeout 1.5 --body-read-timeout 2 || failed+=("fault_storm.py against one server")
 
 echo "load reports: $json_dir"
 if [ "${#failed[@]}" -gt 0 ]; then

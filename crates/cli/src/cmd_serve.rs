@@ -51,6 +51,13 @@ pub struct Args {
     /// Largest request body accepted (bytes); larger ones get a 413.
     #[arg(long, default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
+    /// Seconds a connection may take to send a whole request head (from when it opens, or
+    /// from its previous response); slower or idle ones are closed (slowloris).
+    #[arg(long, default_value_t = 10.0)]
+    pub header_read_timeout: f64,
+    /// Seconds a request may take to send its whole body after its head; past it, a 408.
+    #[arg(long, default_value_t = 30.0)]
+    pub body_read_timeout: f64,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -62,6 +69,14 @@ pub fn run(a: Args) -> Result<()> {
     }
     if a.max_body_bytes < 1024 {
         bail!("--max-body-bytes must be at least 1024");
+    }
+    for (name, v) in [
+        ("--header-read-timeout", a.header_read_timeout),
+        ("--body-read-timeout", a.body_read_timeout),
+    ] {
+        if !(v.is_finite() && v > 0.0 && v <= 86400.0) {
+            bail!("{name} must be a number of seconds in (0, 86400], not {v}");
+        }
     }
     let loaded = Arc::new(a.model.load()?);
     let ctx = loaded.model.cfg.max_position_embeddings;
@@ -131,6 +146,8 @@ pub fn run(a: Args) -> Result<()> {
         max_context,
         device: a.model.device.clone(),
         max_batch: a.max_batch,
+        header_read_timeout: std::time::Duration::from_secs_f64(a.header_read_timeout),
+        body_read_timeout: std::time::Duration::from_secs_f64(a.body_read_timeout),
     };
     slowfast_server::run(cfg, loaded, handle, Arc::new(resolve))?;
     Ok(())

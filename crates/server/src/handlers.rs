@@ -5,8 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -73,12 +72,75 @@ pub async fn not_found() -> ApiError {
     )
 }
 
-pub async fn completions(State(s): St, h: HeaderMap, b: Result<Bytes, BytesRejection>) -> Response {
+pub async fn completions(State(s): St, h: HeaderMap, b: Body) -> Response {
+    let b = read_body(&s, &h, b).await;
     handle(s, h, b, Endpoint::Completions).await
 }
 
-pub async fn chat(State(s): St, h: HeaderMap, b: Result<Bytes, BytesRejection>) -> Response {
+pub async fn chat(State(s): St, h: HeaderMap, b: Body) -> Response {
+    let b = read_body(&s, &h, b).await;
     handle(s, h, b, Endpoint::Chat).await
+}
+
+/// The whole request body, at most --max-body-bytes (413 past it, told by Content-Length or
+/// counted), received within --body-read-timeout (408 past it: a client trickling its body
+/// cannot hold a handler); a body cut short (the client closed) is a 400, and so is one that
+/// is not UTF-8.
+async fn read_body(s: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let limit = s.cfg.max_body_bytes;
+    let too_large = || {
+        ApiError::status(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the request body is larger than this server's limit of {limit} bytes (--max-body-bytes)"
+            ),
+            "body_too_large",
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let collect = async {
+        let mut buf: Vec<u8> = Vec::with_capacity(declared.unwrap_or(0) as usize);
+        let mut data = body.into_data_stream();
+        while let Some(chunk) = data.next().await {
+            let chunk = chunk.map_err(|e| {
+                ApiError::bad_body(format!(
+                    "cannot read the request body (the client closed it early?): {e}"
+                ))
+            })?;
+            if buf.len() + chunk.len() > limit {
+                return Err(too_large());
+            }
+            buf.extend_from_slice(&chunk);
+        }
+        Ok(Bytes::from(buf))
+    };
+    let t = s.cfg.body_read_timeout;
+    let bytes = match tokio::time::timeout(t, collect).await {
+        Ok(r) => r?,
+        Err(_) => {
+            return Err(ApiError::status(
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "the request body did not arrive within {} s (--body-read-timeout)",
+                    t.as_secs_f64()
+                ),
+                "body_read_timeout",
+            ))
+        }
+    };
+    if let Err(e) = std::str::from_utf8(&bytes) {
+        return Err(ApiError::bad_body(format!(
+            "the request body is not valid UTF-8 (invalid byte at offset {}); send JSON in UTF-8",
+            e.valid_up_to()
+        )));
+    }
+    Ok(bytes)
 }
 
 fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -152,28 +214,12 @@ impl Drop for Tracker {
 async fn handle(
     s: Arc<AppState>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Result<Bytes, ApiError>,
     ep: Endpoint,
 ) -> Response {
     let arrived = Instant::now();
     let prepared = authorize(&s, &headers).and_then(|()| {
-        let bytes = body.map_err(|r| {
-            let status = r.status();
-            let msg = if status == StatusCode::PAYLOAD_TOO_LARGE {
-                format!(
-                    "the request body is larger than this server's limit of {} bytes (--max-body-bytes)",
-                    s.cfg.max_body_bytes
-                )
-            } else {
-                format!("cannot read the request body: {}", r.body_text())
-            };
-            ApiError {
-                status,
-                message: msg,
-                param: None,
-                code: None,
-            }
-        })?;
+        let bytes = body?;
         let body = api::parse(&bytes)?;
         let lim = Limits {
             served_model_name: &s.cfg.served_model_name,

@@ -39,6 +39,11 @@ pub struct ServerConfig {
     /// Printed at start ("cpu", "cuda").
     pub device: String,
     pub max_batch: usize,
+    /// A connection that has not sent a whole request head this long after it opened (or
+    /// after its last response) is closed: slow or idle clients cannot hold sockets forever.
+    pub header_read_timeout: std::time::Duration,
+    /// A request body not received whole this long after its head gets a 408.
+    pub body_read_timeout: std::time::Duration,
 }
 
 pub(crate) struct AppState {
@@ -119,11 +124,61 @@ pub fn run(
             "slowfast serve: `{}` on {}, up to {} sequences of {} tokens; listening on http://{bound}",
             cfg.served_model_name, cfg.device, cfg.max_batch, cfg.max_context
         );
+        let header_timeout = cfg.header_read_timeout;
         let app = router(cfg, loaded, sched, resolve);
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown())
-            .await
+        serve_loop(listener, app, header_timeout).await
     })
+}
+
+/// The accept loop (axum::serve without its fixed timeouts): one hyper HTTP/1 connection a
+/// socket, with a header read timeout; on Ctrl-C / SIGTERM it stops accepting, asks every
+/// connection to finish its current request, and returns when all are closed.
+async fn serve_loop(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    header_timeout: std::time::Duration,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut conns = tokio::task::JoinSet::new();
+    let stop = shutdown();
+    tokio::pin!(stop);
+    loop {
+        let (stream, _peer) = tokio::select! {
+            _ = &mut stop => break,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait a little, keep serving.
+                    eprintln!("slowfast serve: accept: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let svc = TowerToHyperService::new(app.clone());
+        let mut stop_rx = stop_rx.clone();
+        conns.spawn(async move {
+            let mut b = hyper::server::conn::http1::Builder::new();
+            b.timer(TokioTimer::new())
+                .header_read_timeout(header_timeout);
+            let conn = b.serve_connection(TokioIo::new(stream), svc);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => return,
+                _ = stop_rx.changed() => conn.as_mut().graceful_shutdown(),
+            }
+            let _ = conn.await;
+        });
+        // Reap the connections that ended.
+        while conns.try_join_next().is_some() {}
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    while conns.join_next().await.is_some() {}
+    Ok(())
 }
 
 async fn shutdown() {

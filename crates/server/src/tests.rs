@@ -69,6 +69,8 @@ fn app() -> Router {
         max_context: 64,
         device: "cpu".into(),
         max_batch: 2,
+        header_read_timeout: std::time::Duration::from_secs(10),
+        body_read_timeout: std::time::Duration::from_secs(30),
     };
     let resolve: Arc<PolicyResolver> =
         Arc::new(|_: Option<&KvPolicyRequest>, _: usize| Ok::<_, String>(PolicySpec::Full));
