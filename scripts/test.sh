@@ -20,7 +20,7 @@ cargo build -q -p slowfast-engine --features cuda --tests
 cargo build -q -p slowfast --features cuda
 
 echo "== tests"
-export SLOWFAST_REQUIRE_MODEL=1 SLOWFAST_REQUIRE_NVRTC=1
+export SLOWFAST_REQUIRE_MODEL=1 SLOWFAST_REQUIRE_NVRTC=1 SLOWFAST_REQUIRE_HF_TEST=1
 # the CUDA crate's own unit tests (pure host logic, e.g. the flash-decoding plan) need no GPU
 cargo test -q -p slowfast-cuda --features cuda --lib
 cargo test --workspace --no-fail-fast "$@"

@@ -1,5 +1,5 @@
 //! Resolving a `--model` argument (a .gguf path, an HF directory, `random:<preset>`, the alias
-//! `gemma3-270m`, or `hf:<org>/<repo>`) into a loaded model and its tokenizer.
+//! `gemma3-270m`, `hf:<org>/<repo>[@rev]` or a bare `org/repo`, through the Hugging Face cache) into a loaded model and its tokenizer.
 use std::path::{Path, PathBuf};
 
 use slowfast_loader::fetch::{ensure_default_model, GEMMA3_270M};
@@ -51,7 +51,10 @@ pub fn resolve(spec: &str, progress: &mut dyn FnMut(&str)) -> Result<ModelSource
         return parse_random(p);
     }
     if let Some(repo) = spec.strip_prefix("hf:") {
-        return Ok(ModelSource::HfDir(crate::hub::download(repo, progress)?));
+        let cfg = crate::hub::HubConfig::from_env();
+        return Ok(ModelSource::HfDir(crate::hub::resolve(
+            repo, &cfg, progress,
+        )?));
     }
     let path = PathBuf::from(spec);
     if path.is_dir() {
@@ -60,9 +63,27 @@ pub fn resolve(spec: &str, progress: &mut dyn FnMut(&str)) -> Result<ModelSource
     if path.is_file() {
         return Ok(ModelSource::Gguf(path));
     }
+    // A bare `org/repo[@rev]` that is no local path: the same as `hf:org/repo`.
+    if looks_like_repo_id(spec) {
+        let cfg = crate::hub::HubConfig::from_env();
+        return crate::hub::resolve(spec, &cfg, progress)
+            .map(ModelSource::HfDir)
+            .map_err(|e| {
+                EngineError::BadInput(format!(
+                    "model `{spec}` is no local file or directory; as a hub repo id: {e}"
+                ))
+            });
+    }
     Err(EngineError::BadInput(format!(
-        "model `{spec}` not found: expected a .gguf file, an HF model directory, random:<preset> or `{DEFAULT_MODEL}`"
+        "model `{spec}` not found: expected a .gguf file, an HF model directory, hf:<org>/<repo>, random:<preset> or `{DEFAULT_MODEL}`"
     )))
+}
+
+/// `org/repo[@rev]` that cannot be meant as a file path (no leading `.`, `/` or `~`, not `.gguf`).
+fn looks_like_repo_id(spec: &str) -> bool {
+    !spec.starts_with(['.', '/', '~'])
+        && !spec.to_ascii_lowercase().ends_with(".gguf")
+        && crate::hub::parse_repo(spec).is_ok()
 }
 
 fn tokenizer_for(src: &ModelSource, model: &Model) -> Result<Tokenizer, EngineError> {
