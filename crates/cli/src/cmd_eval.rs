@@ -98,13 +98,7 @@ pub struct Args {
 
 /// Parse a comma-separated list, naming `flag` and the bad item on error.
 fn parse_list<T: std::str::FromStr>(flag: &str, s: &str) -> Result<Vec<T>> {
-    s.split(',')
-        .map(|x| {
-            x.trim()
-                .parse()
-                .map_err(|_| anyhow::anyhow!("{flag}: `{}` is not a valid number", x.trim()))
-        })
-        .collect()
+    Ok(slowfast_engine::session::parse_list(flag, s)?)
 }
 
 fn opt(x: Option<f64>, prec: usize) -> String {

@@ -535,6 +535,37 @@ pub fn chunk_bounds(n: usize, chunk: usize, tail: usize) -> Vec<(usize, usize)> 
     v
 }
 
+/// Parse `--contexts` ("2k,8k,32768") into token counts; `k` is 1024. Counts that overflow
+/// `usize` are errors.
+pub fn parse_contexts(s: &str) -> Result<Vec<usize>, EngineError> {
+    s.split(',')
+        .map(|t| {
+            let t = t.trim().to_ascii_lowercase();
+            let (num, mul) = match t.strip_suffix('k') {
+                Some(n) => (n, 1024),
+                None => (t.as_str(), 1),
+            };
+            match num.parse::<usize>().ok().and_then(|v| v.checked_mul(mul)) {
+                Some(v) if v > 0 => Ok(v),
+                _ => Err(EngineError::BadInput(format!(
+                    "--contexts: `{t}` is not a positive token count (e.g. 8k or 8192)"
+                ))),
+            }
+        })
+        .collect()
+}
+
+/// Parse a comma-separated list of numbers for `flag`, naming the bad item on error.
+pub fn parse_list<T: std::str::FromStr>(flag: &str, s: &str) -> Result<Vec<T>, EngineError> {
+    s.split(',')
+        .map(|x| {
+            x.trim().parse().map_err(|_| {
+                EngineError::BadInput(format!("{flag}: `{}` is not a valid number", x.trim()))
+            })
+        })
+        .collect()
+}
+
 /// Resolve `--kv-budget`: a value below 1 is a fraction of `context`, otherwise a token count.
 pub fn budget_tokens(budget: f64, context: usize) -> Result<usize, EngineError> {
     if !budget.is_finite() || budget <= 0.0 {
@@ -599,10 +630,12 @@ pub fn policy_spec(
 }
 
 fn sfi_spec(b: usize, sinks: usize, k: &SfiKnobs) -> Result<PolicySpec, EngineError> {
-    if b <= sinks + k.recent {
+    // Saturating: `--sinks` / `kv_policy.sinks` may be any usize (cli_parsers found the
+    // overflow panic).
+    if b <= sinks.saturating_add(k.recent) {
         return Err(EngineError::BadInput(format!(
             "--kv-budget ({b} tokens) must exceed --sinks + --sfi-recent ({})",
-            sinks + k.recent
+            sinks.saturating_add(k.recent)
         )));
     }
     let mut cfg = SfiConfig::new(sinks, k.recent, b - sinks - k.recent);
@@ -773,10 +806,10 @@ pub fn policy_spec_knobs(
         }),
         "oracle-sfi" => {
             let b = budget_tokens(need_budget("oracle-sfi")?, context)?;
-            if b <= sinks + sfi.recent || sfi.recent == 0 {
+            if b <= sinks.saturating_add(sfi.recent) || sfi.recent == 0 {
                 return Err(EngineError::BadInput(format!(
                     "--policy oracle-sfi: --kv-budget ({b} tokens) must exceed --sinks + --sfi-recent ({}), and --sfi-recent must be positive",
-                    sinks + sfi.recent
+                    sinks.saturating_add(sfi.recent)
                 )));
             }
             Ok(PolicySpec::Oracle {
@@ -795,6 +828,35 @@ pub fn policy_spec_knobs(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parse_contexts_refuses_overflow() {
+        // Found reviewing the parsers for cli_parsers: `v * 1024` overflowed (debug panic).
+        assert_eq!(parse_contexts("2k,8K, 100").unwrap(), vec![2048, 8192, 100]);
+        assert!(parse_contexts("18446744073709551615k").is_err());
+        assert!(parse_contexts(&format!("{}k", usize::MAX / 1024 + 1)).is_err());
+        assert_eq!(
+            parse_contexts(&format!("{}k", usize::MAX / 1024)).unwrap(),
+            vec![usize::MAX / 1024 * 1024]
+        );
+        assert!(parse_contexts("0,1").is_err());
+        assert!(parse_contexts("").is_err());
+        assert_eq!(parse_list::<f64>("--d", "0.5, 1").unwrap(), vec![0.5, 1.0]);
+        assert!(parse_list::<usize>("--d", "1,x").is_err());
+    }
+
+    #[test]
+    fn huge_sinks_are_an_error_not_an_overflow() {
+        // Found by the cli_parsers fuzz target: `sinks + recent` overflowed (debug panic; the
+        // server passes `kv_policy.sinks` from the request body here).
+        for name in ["sfi", "sfi+fastkv", "oracle-sfi"] {
+            assert!(
+                policy_spec(name, Some(5270.0), usize::MAX, 8192).is_err(),
+                "{name}"
+            );
+        }
+        assert!(policy_spec("streaming", Some(5270.0), usize::MAX, 8192).is_err());
+    }
 
     #[test]
     fn last_prefill_chunk_covers_the_observation_window() {

@@ -181,8 +181,10 @@ impl<'a> Cursor<'a> {
                 }
                 let elem_ty = self.u32()?;
                 let n = self.count("array element")?;
-                // Each element takes at least one byte: refuse counts the file cannot hold.
-                if n as usize > self.buf.len() - self.pos {
+                // Refuse counts the rest of the file cannot hold (each element takes at least
+                // `min_value_size` bytes) before reserving anything.
+                let left = (self.buf.len() - self.pos) as u64;
+                if n.saturating_mul(min_value_size(elem_ty)) > left {
                     return Err(format!("array of {n} elements exceeds the file size"));
                 }
                 let mut v = Vec::with_capacity(n as usize);
@@ -196,6 +198,18 @@ impl<'a> Cursor<'a> {
             12 => GgufValue::F64(f64::from_le_bytes(self.arr()?)),
             t => return Err(format!("unknown metadata value type {t}")),
         })
+    }
+}
+
+/// The fewest bytes a metadata value of type `ty` occupies in the file.
+fn min_value_size(ty: u32) -> u64 {
+    match ty {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        8 | 10..=12 => 8,
+        9 => 12,
+        _ => 1,
     }
 }
 
@@ -226,6 +240,131 @@ fn ggml_layout(ty: u32) -> Option<(u64, u64)> {
     })
 }
 
+/// The parsed header of a GGUF image (everything but the mapping).
+struct Header {
+    version: u32,
+    metadata: HashMap<String, GgufValue>,
+    keys: Vec<String>,
+    tensors: Vec<GgufTensorInfo>,
+    index: HashMap<String, usize>,
+}
+
+/// Parse and check a GGUF header against `buf` (the whole file): every count and length is
+/// checked against the bytes left before anything is allocated from it.
+fn parse_header(buf: &[u8]) -> Result<Header, String> {
+    let bad = |msg: String| msg;
+    let mut c = Cursor { buf, pos: 0 };
+    let magic = c
+        .take(4)
+        .map_err(|_| bad("file is shorter than the 4-byte magic".into()))?;
+    if magic != GGUF_MAGIC {
+        return Err(bad(format!("bad magic {magic:02x?} (expected \"GGUF\")")));
+    }
+    let version = c.u32().map_err(&bad)?;
+    if !(2..=3).contains(&version) {
+        return Err(bad(format!(
+            "unsupported GGUF version {version} (supported: 2, 3)"
+        )));
+    }
+    let n_tensors = c.count("tensor").map_err(&bad)?;
+    let n_kv = c.count("metadata").map_err(&bad)?;
+    let mut metadata = HashMap::new();
+    let mut keys = Vec::new();
+    for i in 0..n_kv {
+        let key = c
+            .string()
+            .map_err(|e| bad(format!("metadata entry {i}: {e}")))?;
+        let ty = c.u32().map_err(|e| bad(format!("metadata `{key}`: {e}")))?;
+        let v = c
+            .value(ty, 0)
+            .map_err(|e| bad(format!("metadata `{key}`: {e}")))?;
+        keys.push(key.clone());
+        metadata.insert(key, v);
+    }
+    // A tensor entry takes at least 32 bytes (empty name, one dim): never reserve more
+    // entries than the rest of the input could hold.
+    let room = (buf.len() - c.pos) as u64 / 32;
+    let mut tensors = Vec::with_capacity(n_tensors.min(room) as usize);
+    for i in 0..n_tensors {
+        let name = c
+            .string()
+            .map_err(|e| bad(format!("tensor entry {i}: {e}")))?;
+        let ctx = |e: String| bad(format!("tensor `{name}`: {e}"));
+        let n_dims = c.u32().map_err(ctx)?;
+        if n_dims == 0 || n_dims > 4 {
+            return Err(ctx(format!("invalid number of dimensions {n_dims}")));
+        }
+        let mut dims = Vec::with_capacity(n_dims as usize);
+        for _ in 0..n_dims {
+            dims.push(c.u64().map_err(ctx)?);
+        }
+        let ggml_type = c.u32().map_err(ctx)?;
+        let offset = c.u64().map_err(ctx)?;
+        let (bs, ts) = ggml_layout(ggml_type)
+            .ok_or_else(|| ctx(format!("unknown ggml tensor type id {ggml_type}")))?;
+        let n: u64 = dims
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| ctx(format!("dimensions {dims:?} overflow")))?;
+        if dims[0] % bs != 0 {
+            return Err(ctx(format!(
+                "row length {} is not a multiple of the type's block size {bs}",
+                dims[0]
+            )));
+        }
+        let size = (n / bs)
+            .checked_mul(ts)
+            .ok_or_else(|| ctx(format!("dimensions {dims:?} overflow")))?;
+        tensors.push(GgufTensorInfo {
+            name,
+            dims,
+            ggml_type,
+            offset,
+            size,
+        });
+    }
+    let alignment = match metadata.get("general.alignment") {
+        None => DEFAULT_ALIGNMENT,
+        Some(v) => match v.as_i64() {
+            Some(a) if a > 0 && (a as u64).is_power_of_two() => a as u64,
+            _ => return Err(bad(format!("invalid general.alignment {v:?}"))),
+        },
+    };
+    let file_len = buf.len() as u64;
+    let data_start = (c.pos as u64)
+        .div_ceil(alignment)
+        .checked_mul(alignment)
+        .ok_or_else(|| bad(format!("general.alignment {alignment} is too large")))?;
+    let mut index = HashMap::new();
+    for (i, t) in tensors.iter_mut().enumerate() {
+        if t.offset % alignment != 0 {
+            return Err(bad(format!(
+                "tensor `{}` data offset {} is not aligned to {alignment}",
+                t.name, t.offset
+            )));
+        }
+        let start = data_start.saturating_add(t.offset);
+        let end = start.saturating_add(t.size);
+        if end > file_len {
+            return Err(bad(format!(
+                    "tensor `{}` data [{start}, {end}) lies past the end of the file ({file_len} bytes): the file is truncated",
+                    t.name
+                )));
+        }
+        t.offset = start;
+        if index.insert(t.name.clone(), i).is_some() {
+            return Err(bad(format!("duplicate tensor name `{}`", t.name)));
+        }
+    }
+    Ok(Header {
+        version,
+        metadata,
+        keys,
+        tensors,
+        index,
+    })
+}
+
 impl GgufFile {
     /// Open and parse a GGUF file. The tensor data stays memory-mapped.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, LoadError> {
@@ -233,118 +372,39 @@ impl GgufFile {
         let file = File::open(&path).map_err(|e| LoadError::io(&path, e))?;
         // SAFETY: the file is opened read-only; slowfast never writes model files while running.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| LoadError::io(&path, e))?;
-        Self::parse(path, mmap)
-    }
-
-    fn parse(path: PathBuf, mmap: Mmap) -> Result<Self, LoadError> {
-        let bad = |msg: String| LoadError::BadGguf {
+        let h = parse_header(&mmap).map_err(|msg| LoadError::BadGguf {
             path: path.clone(),
             msg,
-        };
-        let mut c = Cursor { buf: &mmap, pos: 0 };
-        let magic = c
-            .take(4)
-            .map_err(|_| bad("file is shorter than the 4-byte magic".into()))?;
-        if magic != GGUF_MAGIC {
-            return Err(bad(format!("bad magic {magic:02x?} (expected \"GGUF\")")));
-        }
-        let version = c.u32().map_err(&bad)?;
-        if !(2..=3).contains(&version) {
-            return Err(bad(format!(
-                "unsupported GGUF version {version} (supported: 2, 3)"
-            )));
-        }
-        let n_tensors = c.count("tensor").map_err(&bad)?;
-        let n_kv = c.count("metadata").map_err(&bad)?;
-        let mut metadata = HashMap::new();
-        let mut keys = Vec::new();
-        for i in 0..n_kv {
-            let key = c
-                .string()
-                .map_err(|e| bad(format!("metadata entry {i}: {e}")))?;
-            let ty = c.u32().map_err(|e| bad(format!("metadata `{key}`: {e}")))?;
-            let v = c
-                .value(ty, 0)
-                .map_err(|e| bad(format!("metadata `{key}`: {e}")))?;
-            keys.push(key.clone());
-            metadata.insert(key, v);
-        }
-        let mut tensors = Vec::with_capacity(n_tensors.min(1 << 20) as usize);
-        for i in 0..n_tensors {
-            let name = c
-                .string()
-                .map_err(|e| bad(format!("tensor entry {i}: {e}")))?;
-            let ctx = |e: String| bad(format!("tensor `{name}`: {e}"));
-            let n_dims = c.u32().map_err(ctx)?;
-            if n_dims == 0 || n_dims > 4 {
-                return Err(ctx(format!("invalid number of dimensions {n_dims}")));
-            }
-            let mut dims = Vec::with_capacity(n_dims as usize);
-            for _ in 0..n_dims {
-                dims.push(c.u64().map_err(ctx)?);
-            }
-            let ggml_type = c.u32().map_err(ctx)?;
-            let offset = c.u64().map_err(ctx)?;
-            let (bs, ts) = ggml_layout(ggml_type)
-                .ok_or_else(|| ctx(format!("unknown ggml tensor type id {ggml_type}")))?;
-            let n: u64 = dims
-                .iter()
-                .try_fold(1u64, |a, &d| a.checked_mul(d))
-                .ok_or_else(|| ctx(format!("dimensions {dims:?} overflow")))?;
-            if dims[0] % bs != 0 {
-                return Err(ctx(format!(
-                    "row length {} is not a multiple of the type's block size {bs}",
-                    dims[0]
-                )));
-            }
-            let size = n / bs * ts;
-            tensors.push(GgufTensorInfo {
-                name,
-                dims,
-                ggml_type,
-                offset,
-                size,
-            });
-        }
-        let alignment = match metadata.get("general.alignment") {
-            None => DEFAULT_ALIGNMENT,
-            Some(v) => match v.as_i64() {
-                Some(a) if a > 0 && (a as u64).is_power_of_two() => a as u64,
-                _ => return Err(bad(format!("invalid general.alignment {v:?}"))),
-            },
-        };
-        let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
-        let file_len = mmap.len() as u64;
-        let mut index = HashMap::new();
-        for (i, t) in tensors.iter_mut().enumerate() {
-            if t.offset % alignment != 0 {
-                return Err(bad(format!(
-                    "tensor `{}` data offset {} is not aligned to {alignment}",
-                    t.name, t.offset
-                )));
-            }
-            let start = data_start + t.offset;
-            let end = start.saturating_add(t.size);
-            if end > file_len {
-                return Err(bad(format!(
-                    "tensor `{}` data [{start}, {end}) lies past the end of the file ({file_len} bytes): the file is truncated",
-                    t.name
-                )));
-            }
-            t.offset = start;
-            if index.insert(t.name.clone(), i).is_some() {
-                return Err(bad(format!("duplicate tensor name `{}`", t.name)));
-            }
-        }
-        Ok(GgufFile {
+        })?;
+        Ok(Self::assemble(path, h, mmap))
+    }
+
+    /// Parse a GGUF image held in memory (same checks as `open`). The header is parsed
+    /// straight from `bytes`; only a valid file is copied into an anonymous mapping so that
+    /// `tensor_data` / `shared_mmap` work as for a file. `path()` is `<memory>`.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, LoadError> {
+        let path = PathBuf::from("<memory>");
+        let h = parse_header(bytes).map_err(|msg| LoadError::BadGguf {
+            path: path.clone(),
+            msg,
+        })?;
+        let mut anon =
+            memmap2::MmapMut::map_anon(bytes.len().max(1)).map_err(|e| LoadError::io(&path, e))?;
+        anon[..bytes.len()].copy_from_slice(bytes);
+        let mmap = anon.make_read_only().map_err(|e| LoadError::io(&path, e))?;
+        Ok(Self::assemble(path, h, mmap))
+    }
+
+    fn assemble(path: PathBuf, h: Header, mmap: Mmap) -> Self {
+        GgufFile {
             path,
-            version,
-            metadata,
-            keys,
-            tensors,
-            index,
+            version: h.version,
+            metadata: h.metadata,
+            keys: h.keys,
+            tensors: h.tensors,
+            index: h.index,
             mmap: Arc::new(mmap),
-        })
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -543,6 +603,95 @@ mod tests {
         huge_count[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
         let e = GgufFile::open(write_tmp("count.gguf", &huge_count)).unwrap_err();
         assert!(e.to_string().contains("implausible"), "{e}");
+    }
+
+    /// A header with one tensor `w` of `dims`/`ty`/`offset` and optional extra metadata.
+    fn one_tensor(dims: &[u64], ty: u32, offset: u64, alignment: Option<u64>) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend(b"GGUF");
+        b.extend(3u32.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend((alignment.is_some() as u64).to_le_bytes());
+        if let Some(a) = alignment {
+            put_str(&mut b, "general.alignment");
+            b.extend(10u32.to_le_bytes());
+            b.extend(a.to_le_bytes());
+        }
+        put_str(&mut b, "w");
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(ty.to_le_bytes());
+        b.extend(offset.to_le_bytes());
+        b.extend([0u8; 64]);
+        b
+    }
+
+    // Regressions found by reviewing the parser for the fuzzers (docs/fuzzing.md): each was
+    // an arithmetic overflow (a panic in debug builds, a wrong size/offset in release).
+    #[test]
+    fn tensor_size_overflow_is_an_error() {
+        // 2^62 F32 elements: the byte size 2^64 does not fit a u64.
+        let e = GgufFile::from_bytes(&one_tensor(&[1 << 62], 0, 0, None)).unwrap_err();
+        assert!(e.to_string().contains("overflow"), "{e}");
+        // Q8_K: n / 256 * 292 overflows although n does not.
+        let dims = [256, 0xF0_0000_0000_0000];
+        let e = GgufFile::from_bytes(&one_tensor(&dims, 15, 0, None)).unwrap_err();
+        assert!(e.to_string().contains("overflow"), "{e}");
+    }
+
+    #[test]
+    fn huge_alignment_is_an_error() {
+        let e = GgufFile::from_bytes(&one_tensor(&[4], 0, 0, Some(1 << 63))).unwrap_err();
+        assert!(e.to_string().contains("invalid general.alignment"), "{e}");
+        let e = GgufFile::from_bytes(&one_tensor(&[4], 0, 0, Some(1 << 62))).unwrap_err();
+        assert!(e.to_string().contains("past the end"), "{e}");
+    }
+
+    #[test]
+    fn huge_data_offset_is_an_error() {
+        // data_start + offset wrapped around to a small in-file offset.
+        let off = u64::MAX - 31;
+        let e = GgufFile::from_bytes(&one_tensor(&[4], 0, off, None)).unwrap_err();
+        assert!(e.to_string().contains("past the end"), "{e}");
+    }
+
+    #[test]
+    fn counts_are_checked_against_the_input_before_allocating() {
+        // A 2^32-element u64 array and 2^32 tensors claimed by a 60-byte file.
+        let mut b = Vec::new();
+        b.extend(b"GGUF");
+        b.extend(3u32.to_le_bytes());
+        b.extend((1u64 << 32).to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        put_str(&mut b, "a");
+        b.extend(9u32.to_le_bytes());
+        b.extend(10u32.to_le_bytes());
+        b.extend((1u64 << 32).to_le_bytes());
+        b.extend([0u8; 16]);
+        let e = GgufFile::from_bytes(&b).unwrap_err();
+        assert!(e.to_string().contains("exceeds the file size"), "{e}");
+        let mut c = b[..24].to_vec();
+        c[16..24].copy_from_slice(&0u64.to_le_bytes());
+        c.extend([0u8; 40]);
+        let e = GgufFile::from_bytes(&c).unwrap_err();
+        assert!(
+            e.to_string().contains("invalid number of dimensions"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn from_bytes_matches_open() {
+        let bytes = tiny();
+        let a = GgufFile::from_bytes(&bytes).unwrap();
+        let b = GgufFile::open(write_tmp("same.gguf", &bytes)).unwrap();
+        assert_eq!(a.keys(), b.keys());
+        assert_eq!(a.tensor_data("w"), b.tensor_data("w"));
+        for len in 0..bytes.len() {
+            assert!(GgufFile::from_bytes(&bytes[..len]).is_err());
+        }
     }
 
     #[test]

@@ -36,40 +36,11 @@ impl SafetensorsSet {
             return Self::open_files(&[single]);
         }
         if index.is_file() {
-            let text = std::fs::read_to_string(&index).map_err(|e| LoadError::io(&index, e))?;
-            let v: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| LoadError::BadConfig {
-                    path: index.clone(),
-                    msg: format!("invalid JSON: {e}"),
-                })?;
-            let map = v
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| LoadError::BadConfig {
-                    path: index.clone(),
-                    msg: "missing `weight_map` object".into(),
-                })?;
-            let mut files: Vec<String> = map
-                .values()
-                .map(|f| {
-                    f.as_str()
-                        .map(str::to_owned)
-                        .ok_or_else(|| LoadError::BadConfig {
-                            path: index.clone(),
-                            msg: "`weight_map` values must be file names".into(),
-                        })
-                })
-                .collect::<Result<_, _>>()?;
-            files.sort();
-            files.dedup();
-            for f in &files {
-                if f.contains('/') || f.contains('\\') || f.starts_with('.') {
-                    return Err(LoadError::BadConfig {
-                        path: index.clone(),
-                        msg: format!("shard name {f:?} must be a plain file name"),
-                    });
-                }
-            }
+            let text = std::fs::read(&index).map_err(|e| LoadError::io(&index, e))?;
+            let files = parse_index(&text).map_err(|msg| LoadError::BadConfig {
+                path: index.clone(),
+                msg,
+            })?;
             let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
             return Self::open_files(&paths);
         }
@@ -91,36 +62,9 @@ impl SafetensorsSet {
                 path: path.clone(),
                 msg,
             };
-            let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap[..])
-                .map_err(|e| bad(format!("{e:?}")))?;
-            let data_start = 8 + header_len;
-            for (name, info) in meta.tensors() {
-                let (a, b) = info.data_offsets;
-                let (start, end) = (data_start + a, data_start + b);
-                if end > mmap.len() {
-                    return Err(bad(format!(
-                        "tensor `{name}` lies past the end of the file"
-                    )));
-                }
-                let n: usize = info.shape.iter().product();
-                if n * info.dtype.bitsize() / 8 != b - a {
-                    return Err(bad(format!(
-                        "tensor `{name}` has a size that does not match its shape"
-                    )));
-                }
-                if tensors
-                    .insert(
-                        name.clone(),
-                        StTensor {
-                            dtype: info.dtype,
-                            shape: info.shape.clone(),
-                            shard: si,
-                            start,
-                            end,
-                        },
-                    )
-                    .is_some()
-                {
+            for (name, mut t) in parse_header(&mmap).map_err(bad)? {
+                t.shard = si;
+                if tensors.insert(name.clone(), t).is_some() {
                     return Err(bad(format!(
                         "tensor `{name}` appears in more than one shard"
                     )));
@@ -152,6 +96,77 @@ impl SafetensorsSet {
             [] => "(no shards)".into(),
         }
     }
+}
+
+/// Parse a `model.safetensors.index.json`: the sorted, deduplicated shard file names of its
+/// `weight_map`, each checked to be a plain file name.
+pub fn parse_index(bytes: &[u8]) -> Result<Vec<String>, String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| format!("invalid JSON: {e}"))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| "missing `weight_map` object".to_string())?;
+    let mut files: Vec<String> = map
+        .values()
+        .map(|f| {
+            f.as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| "`weight_map` values must be file names".to_string())
+        })
+        .collect::<Result<_, _>>()?;
+    files.sort();
+    files.dedup();
+    for f in &files {
+        if f.is_empty() || f.contains('/') || f.contains('\\') || f.starts_with('.') {
+            return Err(format!("shard name {f:?} must be a plain file name"));
+        }
+    }
+    Ok(files)
+}
+
+/// Parse and check one shard's header against the whole shard image `bytes`: every tensor's
+/// byte range must lie inside the file and match its dtype and shape. Tensors come back with
+/// `shard = 0`; ranges are offsets into `bytes`.
+pub fn parse_header(bytes: &[u8]) -> Result<Vec<(String, StTensor)>, String> {
+    let (header_len, meta) =
+        safetensors::SafeTensors::read_metadata(bytes).map_err(|e| format!("{e:?}"))?;
+    let data_start = header_len
+        .checked_add(8)
+        .ok_or_else(|| "header length overflows".to_string())?;
+    let mut out = Vec::new();
+    for (name, info) in meta.tensors() {
+        let (a, b) = info.data_offsets;
+        let range = data_start
+            .checked_add(a)
+            .zip(data_start.checked_add(b))
+            .filter(|&(s, e)| s <= e && e <= bytes.len());
+        let Some((start, end)) = range else {
+            return Err(format!("tensor `{name}` lies past the end of the file"));
+        };
+        let size = info
+            .shape
+            .iter()
+            .try_fold(1usize, |x, &d| x.checked_mul(d))
+            .and_then(|n| n.checked_mul(info.dtype.bitsize()))
+            .map(|bits| bits / 8);
+        if size != Some(end - start) {
+            return Err(format!(
+                "tensor `{name}` has a size that does not match its shape"
+            ));
+        }
+        out.push((
+            name.clone(),
+            StTensor {
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                shard: 0,
+                start,
+                end,
+            },
+        ));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

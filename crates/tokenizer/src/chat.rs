@@ -76,6 +76,9 @@ pub fn builtin_template(arch: &str) -> Option<&'static str> {
     }
 }
 
+/// Instructions one template render may execute before it fails (minijinja "fuel").
+pub const TEMPLATE_FUEL: u64 = 2_000_000;
+
 /// A compiled chat template plus the special-token texts it may refer to.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -104,6 +107,9 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
+        // Templates come from model files: bound the instructions one render may run (real
+        // templates need a few dozen per message) so a hostile one cannot loop for ever.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_template_owned("chat", source.to_owned())
             .map_err(|e| TokenizerError::ChatTemplate(format!("cannot compile: {e:#}")))?;
         Ok(ChatTemplate {

@@ -189,6 +189,20 @@ impl HfTokenizer {
         })
     }
 
+    /// Build from the bytes of a `tokenizer.json` and an optional `tokenizer_config.json`.
+    pub fn from_json_bytes(
+        tokenizer_json: &[u8],
+        config: Option<&[u8]>,
+    ) -> std::result::Result<Self, String> {
+        let raw: Value =
+            serde_json::from_slice(tokenizer_json).map_err(|e| format!("invalid JSON: {e}"))?;
+        let cfg = match config {
+            Some(b) => serde_json::from_slice(b).map_err(|e| format!("invalid JSON: {e}"))?,
+            None => Value::Null,
+        };
+        Self::from_values(&raw, &cfg)
+    }
+
     /// Build from an in-memory `tokenizer.json` value and `tokenizer_config.json` value
     /// (`Value::Null` when there is none). Errors are the `tokenizers` crate's message.
     pub fn from_values(raw: &Value, cfg: &Value) -> std::result::Result<Self, String> {
