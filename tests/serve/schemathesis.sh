@@ -7,8 +7,8 @@
 # It installs schemathesis (pinned) with pip when it is missing, starts one server on a free
 # loopback port (--max-context 256 --max-batch 4: max_tokens is cut to what 256 tokens leave,
 # so even a request for the whole context stays short), runs schemathesis with a fixed seed
-# and a bounded number of examples, then checks that the server is still up and logged no
-# panic.
+# and a bounded number of examples, then checks that the server is still up, logged no
+# panic, and is idle (/metrics: no running or queued sequence, no KV bytes in use).
 #
 # Environment: SLOWFAST_BIN (default target/release/slowfast), SLOWFAST_SERVE_MODEL (default
 # gemma3-270m), SLOWFAST_DEVICE (default cpu), SCHEMATHESIS_SEED (default 1),
@@ -80,6 +80,17 @@ rc=0
     --request-timeout 120 --generation-database none --no-color \
     "${report[@]}" "${extra[@]}") || rc=$?
 echo "schemathesis took $(( $(date +%s) - start ))s"
+# Afterwards the server must be idle: no running or queued sequence, no KV bytes in use.
+if kill -0 "$pid" 2>/dev/null; then
+    python3 - "$url" <<'PY' || rc=1
+import sys
+sys.path.insert(0, "tests/serve")
+from fault_storm import Target
+m = Target(sys.argv[1]).wait_idle(kv_idle=0, timeout=30)
+print("idle after the run: running", m["slowfast_running_sequences"], "queued",
+      m["slowfast_queued_sequences"], "kv_bytes_in_use", m["slowfast_kv_bytes_in_use"])
+PY
+fi
 
 if ! kill -0 "$pid" 2>/dev/null; then
     echo "the server died during the run:" >&2; tail -n 30 "$log" >&2; rc=1
