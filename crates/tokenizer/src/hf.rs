@@ -206,6 +206,9 @@ impl HfTokenizer {
     /// Build from an in-memory `tokenizer.json` value and `tokenizer_config.json` value
     /// (`Value::Null` when there is none). Errors are the `tokenizers` crate's message.
     pub fn from_values(raw: &Value, cfg: &Value) -> std::result::Result<Self, String> {
+        if let Some(pp) = raw.get("post_processor") {
+            check_template_processing(pp)?;
+        }
         let tok: tokenizers::Tokenizer = raw.to_string().parse().map_err(|e| format!("{e}"))?;
         let style = piece_style(raw.get("decoder"));
         let inv = byte_level_inverse();
@@ -286,9 +289,68 @@ impl HfTokenizer {
     }
 }
 
+/// A `TemplateProcessing` post-processor (alone or inside a `Sequence`) whose `single` or
+/// `pair` template names a special token missing from its `special_tokens` map makes the
+/// `tokenizers` crate panic at encode time (found by the `hf_config` fuzz target): refuse it
+/// at load, naming the token.
+fn check_template_processing(pp: &Value) -> std::result::Result<(), String> {
+    match pp.get("type").and_then(Value::as_str) {
+        Some("Sequence") => {
+            for p in pp
+                .get("processors")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                check_template_processing(p)?;
+            }
+        }
+        Some("TemplateProcessing") => {
+            let known = pp.get("special_tokens").and_then(Value::as_object);
+            for key in ["single", "pair"] {
+                for piece in pp.get(key).and_then(Value::as_array).into_iter().flatten() {
+                    let Some(id) = piece.get("SpecialToken").and_then(|t| t.get("id")) else {
+                        continue;
+                    };
+                    let id = id.as_str().unwrap_or_default();
+                    if !known.is_some_and(|k| k.contains_key(id)) {
+                        return Err(format!(
+                            "post_processor: the `{key}` template uses the special token {id:?}, \
+                             which its `special_tokens` does not define"
+                        ));
+                    }
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_template_with_an_undefined_special_token_is_refused() {
+        // Found by the hf_config fuzz target: the tokenizers crate panicked in encode.
+        let raw: Value = serde_json::from_str(
+            r#"{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0, "<s>": 1},
+                "unk_token": "a"},
+                "post_processor": {"type": "TemplateProcessing",
+                  "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                             {"Sequence": {"id": "A", "type_id": 0}}],
+                  "pair": [], "special_tokens": {}}}"#,
+        )
+        .unwrap();
+        let e = HfTokenizer::from_values(&raw, &Value::Null).err().unwrap();
+        assert!(e.contains("\"<s>\"") && e.contains("special_tokens"), "{e}");
+        let mut ok = raw.clone();
+        ok["post_processor"]["special_tokens"] =
+            serde_json::json!({"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}});
+        let t = HfTokenizer::from_values(&ok, &Value::Null).unwrap();
+        assert_eq!(t.encode("a", true, true).unwrap(), vec![1, 0]);
+    }
 
     #[test]
     fn piece_styles() {
