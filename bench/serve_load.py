@@ -44,7 +44,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field
 
 try:
     import httpx  # type: ignore
@@ -214,7 +214,7 @@ async def _run_httpx(args, plan):
                         body = (await resp.aread()).decode("utf-8", "replace")
                         res.error = f"HTTP {resp.status_code}: {body[:300]}"
                     else:
-                        async for line in resp.aiter_lines():
+                        async for line in sse_lines(resp.aiter_bytes()):
                             if not res.feed(line, time.perf_counter(), args.openai_compat_only):
                                 break
             except Exception as e:  # noqa: BLE001 - recorded per request
@@ -308,6 +308,22 @@ def _run_threads(args, plan):
 # ------------------------------------------------------------------------------------- metrics
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+
+
+async def sse_lines(chunks):
+    """An SSE body's lines, split on b"\n" only and decoded as UTF-8 (SSE's encoding).
+
+    httpx's aiter_lines splits with str.splitlines, which also breaks at U+2028, U+0085 and other
+    characters that generated text may hold; one such character would cut a JSON payload in two.
+    """
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+    if buf:
+        yield buf.rstrip(b"\r").decode("utf-8", "replace")
 
 
 def scrape(url: str, api_key: str | None = None, timeout: float = 10) -> dict:

@@ -171,6 +171,26 @@ def _kill_leftovers():
 atexit.register(_kill_leftovers)
 
 
+# -- server-sent events -------------------------------------------------------------------------
+def sse_events(resp: requests.Response) -> list:
+    """The `data:` payloads of an SSE response, parsed (the final "[DONE]" kept as a string).
+
+    Lines are split on bytes and decoded as UTF-8 (SSE's encoding). requests' iter_lines with
+    decode_unicode=True decodes a text/event-stream without a charset as ISO-8859-1 and splits
+    with str.splitlines, which breaks at U+0085: the third byte of "者" (e8 80 85) then cut a
+    JSON payload in two.
+    """
+    out = []
+    for raw in resp.iter_lines():
+        line = raw.decode("utf-8")
+        if not line or line.startswith(":"):
+            continue
+        assert line.startswith("data:"), f"not an SSE data line: {line!r}"
+        payload = line[5:].strip()
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
 # -- Prometheus text ---------------------------------------------------------------------------
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?\s*$")
 _LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')

@@ -229,8 +229,8 @@ def bad_bodies(t: Target, max_body_bytes: int):
     assert b"max-body-bytes" in b, b[:300]
     # chunked, no Content-Length: counted as it comes
     s = t.sock()
-    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              f"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n".encode())
+    s.sendall("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n".encode())
     chunk = b"a" * 65536
     try:
         for _ in range(max_body_bytes // len(chunk) + 2):

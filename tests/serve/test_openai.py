@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from conftest import (API_KEY, MAX_BODY_BYTES, MAX_CONTEXT, MODEL, SERVED_ALIAS, assert_error,
-                      generate_ref, prose, prose_words, wait_idle)
+                      generate_ref, prose, prose_words, sse_events, wait_idle)
 
 SHORT = "The capital of France is"
 NUM = (int, float)
@@ -60,20 +60,6 @@ def complete(server, **body) -> dict:
     r = server.post("/v1/completions", body)
     assert r.status_code == 200, f"{body}: HTTP {r.status_code} {r.text[:500]}"
     return r.json()
-
-
-def sse_events(resp: requests.Response) -> list:
-    """The `data:` payloads of an SSE response, parsed (the final "[DONE]" kept as a string)."""
-    out = []
-    for line in resp.iter_lines(decode_unicode=True):
-        if not line:
-            continue
-        if line.startswith(":"):
-            continue
-        assert line.startswith("data:"), f"not an SSE data line: {line!r}"
-        payload = line[5:].strip()
-        out.append(payload if payload == "[DONE]" else json.loads(payload))
-    return out
 
 
 # ============================================================================ basics

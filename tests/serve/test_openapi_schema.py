@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from conftest import API_KEY, MODEL
+from conftest import API_KEY, MODEL, sse_events
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -79,17 +79,6 @@ def check(spec):
     return Checker(spec)
 
 
-def events(resp) -> list:
-    out = []
-    for line in resp.iter_lines(decode_unicode=True):
-        if not line or line.startswith(":"):
-            continue
-        assert line.startswith("data:"), line
-        payload = line[5:].strip()
-        out.append(payload if payload == "[DONE]" else json.loads(payload))
-    return out
-
-
 def test_the_description_lists_every_path(spec):
     assert set(spec["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models",
                                   "/health", "/metrics", "/openapi.json"}
@@ -142,7 +131,7 @@ def test_stream_chunks_match(server, check, path, chunk, body, usage):
         body["stream_options"] = {"include_usage": True}
     r = server.post(path, body, stream=True)
     assert check.response("POST", path, r) == "text/event-stream"
-    evs = events(r)
+    evs = sse_events(r)
     assert evs and evs[-1] == "[DONE]", evs[-3:]
     chunks = evs[:-1]
     assert chunks, "no chunk before [DONE]"
