@@ -206,10 +206,14 @@ impl HfTokenizer {
     /// Build from an in-memory `tokenizer.json` value and `tokenizer_config.json` value
     /// (`Value::Null` when there is none). Errors are the `tokenizers` crate's message.
     pub fn from_values(raw: &Value, cfg: &Value) -> std::result::Result<Self, String> {
-        if let Some(pp) = raw.get("post_processor") {
-            check_template_processing(pp)?;
-        }
         let tok: tokenizers::Tokenizer = raw.to_string().parse().map_err(|e| format!("{e}"))?;
+        if let Some(pp) = tok.get_post_processor() {
+            // Checked as the crate parsed it: its post-processors are untagged, so a JSON
+            // without `"type"` (or with a misspelt one) still parses as a TemplateProcessing,
+            // and the templates look tokens up by the `special_tokens` map's keys.
+            let parsed = serde_json::to_value(pp).map_err(|e| format!("post_processor: {e}"))?;
+            check_template_processing(&parsed)?;
+        }
         let style = piece_style(raw.get("decoder"));
         let inv = byte_level_inverse();
         let n = tok.get_vocab_size(true);
@@ -292,7 +296,8 @@ impl HfTokenizer {
 /// A `TemplateProcessing` post-processor (alone or inside a `Sequence`) whose `single` or
 /// `pair` template names a special token missing from its `special_tokens` map makes the
 /// `tokenizers` crate panic at encode time (found by the `hf_config` fuzz target): refuse it
-/// at load, naming the token.
+/// at load, naming the token. `pp` is the post-processor as the crate serializes what it
+/// parsed (tagged with `"type"`, `special_tokens` keyed as the lookups key them).
 fn check_template_processing(pp: &Value) -> std::result::Result<(), String> {
     match pp.get("type").and_then(Value::as_str) {
         Some("Sequence") => {
@@ -350,6 +355,49 @@ mod tests {
             serde_json::json!({"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}});
         let t = HfTokenizer::from_values(&ok, &Value::Null).unwrap();
         assert_eq!(t.encode("a", true, true).unwrap(), vec![1, 0]);
+    }
+
+    #[test]
+    fn an_untagged_template_keyed_by_another_name_is_refused() {
+        // Found by the hf_config fuzz campaign: without `"type"` the crate still parses a
+        // TemplateProcessing (its post-processors are untagged), and it looks `<s>` up by the
+        // map's key, here `<s>x`, so the first check (on `"type"` and the raw JSON) missed it.
+        let raw: Value = serde_json::from_str(
+            r#"{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0, "<s>": 1},
+                "unk_token": "a"},
+                "post_processor": {"typo": "TemplateProcessing",
+                  "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                             {"Sequence": {"id": "A", "type_id": 0}}],
+                  "pair": [],
+                  "special_tokens": {"<s>x": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}}"#,
+        )
+        .unwrap();
+        let e = HfTokenizer::from_values(&raw, &Value::Null).err().unwrap();
+        assert!(e.contains("\"<s>\"") && e.contains("special_tokens"), "{e}");
+        // keyed by its own name it loads and encodes
+        let mut ok = raw.clone();
+        ok["post_processor"]["special_tokens"] =
+            serde_json::json!({"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}});
+        let t = HfTokenizer::from_values(&ok, &Value::Null).unwrap();
+        assert_eq!(t.encode("a", true, true).unwrap(), vec![1, 0]);
+    }
+
+    #[test]
+    fn a_sequence_of_processors_is_checked_inside() {
+        let raw: Value = serde_json::from_str(
+            r#"{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0, "<s>": 1},
+                "unk_token": "a"},
+                "post_processor": {"type": "Sequence", "processors": [
+                  {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false,
+                   "use_regex": false},
+                  {"type": "TemplateProcessing",
+                   "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                              {"Sequence": {"id": "A", "type_id": 0}}],
+                   "pair": [], "special_tokens": {}}]}}"#,
+        )
+        .unwrap();
+        let e = HfTokenizer::from_values(&raw, &Value::Null).err().unwrap();
+        assert!(e.contains("\"<s>\""), "{e}");
     }
 
     #[test]
