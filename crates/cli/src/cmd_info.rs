@@ -69,6 +69,7 @@ pub fn info(a: InfoArgs) -> Result<()> {
         "kv_bytes_per_token_f16_global_layers": kv_per_token_global,
         "rope_theta": c.rope_theta,
         "tie_word_embeddings": c.tie_word_embeddings,
+        "qkv_bias": c.arch.qkv_bias(),
     });
     if a.json {
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -88,6 +89,9 @@ pub fn info(a: InfoArgs) -> Result<()> {
     );
     println!("vocabulary:       {}", c.vocab_size);
     println!("context length:   {}", c.max_position_embeddings);
+    if c.arch.qkv_bias() {
+        println!("attention:        q/k/v projections with biases (CPU only)");
+    }
     if let Some(wd) = c.sliding_window {
         println!(
             "sliding window:   {wd} tokens on {} of {} layers",

@@ -363,3 +363,52 @@ fn eval_nll_on_a_tiny_model_writes_json_records() {
         "needs at least",
     );
 }
+
+#[test]
+fn info_names_qwen2_biases_and_the_mistral_window() {
+    let info = |name: &str| -> serde_json::Value {
+        let out = bin()
+            .args(["info", "--json", "--model", fixture(name).to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let q = info("qwen2");
+    assert_eq!(q["architecture"], "qwen2");
+    assert_eq!(q["qkv_bias"], true);
+    assert_eq!(
+        (q["sliding_window"].as_u64(), q["sliding_layers"].as_u64()),
+        (Some(8), Some(2))
+    );
+    let m = info("mistral");
+    assert_eq!(m["architecture"], "mistral");
+    assert_eq!(m["qkv_bias"], false);
+    assert_eq!(
+        (m["sliding_window"].as_u64(), m["sliding_layers"].as_u64()),
+        (Some(6), Some(2))
+    );
+    assert_eq!(m["tie_word_embeddings"], true);
+    // The GPU decoder has no q/k/v biases: a clear refusal (or, in a build without CUDA, the
+    // not-built message), never a panic.
+    let err = fails(
+        &[
+            "generate",
+            "--device",
+            "cuda",
+            "--model",
+            fixture("qwen2").to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ],
+        "--device cuda",
+    );
+    assert!(
+        err.contains("q/k/v") || err.contains("built without CUDA"),
+        "{err}"
+    );
+}

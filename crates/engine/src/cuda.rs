@@ -14,7 +14,7 @@ use slowfast_cuda::{
 use slowfast_kv::sfi::trigger::Trigger;
 use slowfast_kv::PolicyStats;
 use slowfast_model::decoder::rope_inv_freq;
-use slowfast_model::{Activation, Model, RopeScaling, Weight};
+use slowfast_model::{Activation, Model, Weight};
 use slowfast_quant::GgmlType;
 
 use crate::device::Steps;
@@ -97,7 +97,7 @@ pub fn spec_of(m: &Model) -> DecoderSpec {
             .map(|l| c.is_sliding(l).then_some(c.sliding_window).flatten())
             .collect(),
         inv_freq_global: rope_inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling),
-        inv_freq_local: rope_inv_freq(c.head_dim, c.rope_local_theta, &RopeScaling::None),
+        inv_freq_local: rope_inv_freq(c.head_dim, c.rope_local_theta, &c.local_rope_scaling()),
         tied: c.tie_word_embeddings,
     }
 }
@@ -169,6 +169,7 @@ pub fn load_decoder(
     capacity: usize,
     chunk: usize,
 ) -> Result<GpuDecoder, EngineError> {
+    crate::device::check_cuda_support(model)?;
     GpuDecoder::new(ctx, spec_of(model), &Dequant(model), slots, capacity, chunk).map_err(gpu_err)
 }
 

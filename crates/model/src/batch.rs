@@ -111,6 +111,19 @@ mod tests {
         Model::new(cfg, w).unwrap()
     }
 
+    /// A tiny Qwen2 shape: q/k/v biases, untied head, the last layer sliding (window 5).
+    fn qwen2_like(ty: GgmlType) -> Model {
+        let mut cfg = crate::presets::qwen2(64, 3, 4, 2, 16, 96, 80, false);
+        cfg.sliding_window = Some(5);
+        cfg.layer_sliding = vec![false, false, true];
+        let w = crate::random::random_weights(&cfg, ty, 4).unwrap();
+        assert!(w
+            .layers
+            .iter()
+            .all(|l| l.bq.is_some() && l.bk.is_some() && l.bv.is_some()));
+        Model::new(cfg, w).unwrap()
+    }
+
     struct Seq {
         cache: KvStore<f32>,
         policy: Box<dyn KvPolicy<f32>>,
@@ -199,6 +212,12 @@ mod tests {
         let mut exact = gemma_like(GgmlType::Q8_0);
         exact.precision = MatmulPrecision::Exact;
         check(&exact, 33, 3);
+    }
+
+    #[test]
+    fn batched_rows_with_qkv_biases_equal_one_token_forwards() {
+        check(&qwen2_like(GgmlType::F32), 33, 3);
+        check(&qwen2_like(GgmlType::Q8_0), 5, 5);
     }
 
     #[test]

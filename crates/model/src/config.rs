@@ -10,12 +10,20 @@ pub enum Arch {
     Llama,
     Qwen3,
     Gemma3,
+    /// Qwen2 / Qwen2.5 (and DeepSeek-R1-Distill-Qwen): Llama plus q/k/v biases.
+    Qwen2,
+    /// Mistral: Llama with a sliding window on every layer.
+    Mistral,
 }
 
 impl Arch {
     /// Per-head RMSNorm of q and k (Qwen3, Gemma 3).
     pub fn qk_norm(self) -> bool {
-        self != Arch::Llama
+        matches!(self, Arch::Qwen3 | Arch::Gemma3)
+    }
+    /// Biases on the q, k and v projections (Qwen2).
+    pub fn qkv_bias(self) -> bool {
+        self == Arch::Qwen2
     }
     /// Gemma's sandwich norms (after attention and MLP) and sqrt(hidden)-scaled embeddings.
     pub fn gemma_style(self) -> bool {
@@ -34,6 +42,8 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen2 => "qwen2",
+            Arch::Mistral => "mistral",
         }
     }
 }
@@ -108,7 +118,8 @@ impl ModelConfig {
         let q = (self.num_attention_heads * self.head_dim) as u64;
         let kv = (self.num_key_value_heads * self.head_dim) as u64;
         let i = self.intermediate_size as u64;
-        let per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h;
+        let bias = if self.arch.qkv_bias() { q + 2 * kv } else { 0 };
+        let per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h + bias;
         let norms = if self.qk_norm {
             2 * self.head_dim as u64
         } else {
@@ -124,6 +135,16 @@ impl ModelConfig {
     /// at most their window).
     pub fn kv_values_per_token(&self) -> usize {
         2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+    }
+
+    /// RoPE scaling of the sliding-window layers: none for Gemma 3 (its local layers use
+    /// their own theta unscaled), the global scaling for every other family (one RoPE).
+    pub fn local_rope_scaling(&self) -> RopeScaling {
+        if self.arch == Arch::Gemma3 {
+            RopeScaling::None
+        } else {
+            self.rope_scaling.clone()
+        }
     }
 
     pub fn is_sliding(&self, layer: usize) -> bool {
@@ -197,6 +218,10 @@ pub fn from_hf_json(v: &Value) -> Result<ModelConfig, ModelError> {
     let model_type = v.get("model_type").and_then(|m| m.as_str()).unwrap_or("");
     let arch = if archs.contains(&"Qwen3ForCausalLM") || model_type == "qwen3" {
         Arch::Qwen3
+    } else if archs.contains(&"Qwen2ForCausalLM") || model_type == "qwen2" {
+        Arch::Qwen2
+    } else if archs.contains(&"MistralForCausalLM") || model_type == "mistral" {
+        Arch::Mistral
     } else if archs.contains(&"LlamaForCausalLM") || model_type == "llama" {
         Arch::Llama
     } else if archs
@@ -208,7 +233,7 @@ pub fn from_hf_json(v: &Value) -> Result<ModelConfig, ModelError> {
         Arch::Gemma3
     } else {
         return Err(ModelError::UnknownArch(format!(
-            "architectures {archs:?} / model_type {model_type:?} (supported: Qwen3ForCausalLM, LlamaForCausalLM, Gemma3ForCausalLM)"
+            "architectures {archs:?} / model_type {model_type:?} (supported: Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM)"
         )));
     };
     let req = |k: &str| -> Result<u64, ModelError> {
@@ -249,12 +274,9 @@ pub fn from_hf_json(v: &Value) -> Result<ModelConfig, ModelError> {
         .filter(|s| s.is_object())
         .or_else(|| rope_for("full_attention"));
     let rope_scaling = parse_hf_rope_scaling(scaling_src)?;
-    let (sliding_window, layer_sliding, rope_local_theta) = if arch == Arch::Gemma3 {
-        let window = v
-            .get("sliding_window")
-            .and_then(|x| x.as_u64())
-            .map(|x| x as usize);
-        let pattern = if let Some(types) = v.get("layer_types").and_then(|t| t.as_array()) {
+    // Per-layer attention types as transformers >= 4.53 saves them (`layer_types`).
+    let layer_types = match v.get("layer_types").and_then(|t| t.as_array()) {
+        Some(types) => Some(
             types
                 .iter()
                 .map(|t| match t.as_str() {
@@ -264,30 +286,82 @@ pub fn from_hf_json(v: &Value) -> Result<ModelConfig, ModelError> {
                         "config.json: unknown layer type {other:?} in layer_types"
                     ))),
                 })
-                .collect::<Result<Vec<_>, _>>()?
-        } else {
-            let period = v
-                .get("sliding_window_pattern")
-                .and_then(|x| x.as_u64())
-                .unwrap_or(6) as usize;
-            ModelConfig::gemma3_pattern(num_hidden_layers, period.max(1))
-        };
-        let local = opt_f("rope_local_base_freq")
-            .or_else(|| theta_of(rope_for("sliding_attention")))
-            .unwrap_or(10000.0) as f32;
-        (window, pattern, local)
-    } else {
-        let window = v
-            .get("sliding_window")
-            .and_then(|x| x.as_u64())
-            .filter(|_| v.get("use_sliding_window").and_then(|u| u.as_bool()) == Some(true))
-            .map(|x| x as usize);
-        (
-            window,
-            vec![window.is_some(); num_hidden_layers],
-            rope_theta,
-        )
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        None => None,
     };
+    // `sliding_window` as transformers reads it: absent -> the class default, null -> none.
+    let window_or = |default: Option<usize>| match v.get("sliding_window") {
+        None => default,
+        Some(x) => x.as_u64().map(|x| x as usize),
+    };
+    let (sliding_window, layer_sliding, rope_local_theta) = match arch {
+        Arch::Gemma3 => {
+            let pattern = match layer_types {
+                Some(t) => t,
+                None => {
+                    let period = v
+                        .get("sliding_window_pattern")
+                        .and_then(|x| x.as_u64())
+                        .unwrap_or(6) as usize;
+                    ModelConfig::gemma3_pattern(num_hidden_layers, period.max(1))
+                }
+            };
+            let local = opt_f("rope_local_base_freq")
+                .or_else(|| theta_of(rope_for("sliding_attention")))
+                .unwrap_or(10000.0) as f32;
+            (window_or(None), pattern, local)
+        }
+        // Qwen2Config / Qwen3Config (transformers 5.24): the window exists only with
+        // `use_sliding_window`; a layer slides when `layer_types` says so or, without
+        // `layer_types`, from `max_window_layers` (default 28) on; a "sliding" layer without a
+        // window attends to everything.
+        Arch::Qwen2 | Arch::Qwen3 => {
+            let use_window = v.get("use_sliding_window").and_then(|u| u.as_bool()) == Some(true);
+            let window = window_or(Some(4096)).filter(|_| use_window);
+            let pattern = match layer_types {
+                Some(t) => t.into_iter().map(|s| s && window.is_some()).collect(),
+                None => {
+                    let first = v
+                        .get("max_window_layers")
+                        .and_then(|x| x.as_u64())
+                        .unwrap_or(28) as usize;
+                    (0..num_hidden_layers)
+                        .map(|l| window.is_some() && l >= first)
+                        .collect()
+                }
+            };
+            (window, pattern, rope_theta)
+        }
+        // MistralConfig: `sliding_window` (default 4096, null: none) on every layer;
+        // `layer_types` is ignored (transformers warns and does the same).
+        Arch::Mistral => {
+            let window = window_or(Some(4096));
+            (
+                window,
+                vec![window.is_some(); num_hidden_layers],
+                rope_theta,
+            )
+        }
+        Arch::Llama => {
+            let window = v
+                .get("sliding_window")
+                .and_then(|x| x.as_u64())
+                .filter(|_| v.get("use_sliding_window").and_then(|u| u.as_bool()) == Some(true))
+                .map(|x| x as usize);
+            (
+                window,
+                vec![window.is_some(); num_hidden_layers],
+                rope_theta,
+            )
+        }
+    };
+    if !arch.qkv_bias() && v.get("attention_bias").and_then(|b| b.as_bool()) == Some(true) {
+        return Err(ModelError::Config(format!(
+            "config.json: `attention_bias: true` (biases on the q/k/v/o projections) is not supported for {}",
+            arch.name()
+        )));
+    }
     let attn_scale = match opt_f("query_pre_attn_scalar") {
         Some(s) if arch == Arch::Gemma3 => (1.0 / s.sqrt()) as f32,
         _ => 1.0 / (head_dim as f32).sqrt(),
@@ -378,9 +452,10 @@ pub fn from_gguf(g: &slowfast_loader::gguf::GgufFile) -> Result<ModelConfig, Mod
         "llama" => Arch::Llama,
         "qwen3" => Arch::Qwen3,
         "gemma3" => Arch::Gemma3,
+        "qwen2" => Arch::Qwen2,
         other => {
             return Err(ModelError::UnknownArch(format!(
-                "GGUF architecture {other:?} in {} (supported: llama, qwen3, gemma3)",
+                "GGUF architecture {other:?} in {} (supported: llama, qwen2, qwen3, gemma3)",
                 g.path().display()
             )))
         }
@@ -473,4 +548,95 @@ pub fn from_gguf(g: &slowfast_loader::gguf::GgufFile) -> Result<ModelConfig, Mod
     };
     cfg.validate()?;
     Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn base(extra: Value) -> Value {
+        let mut v = json!({
+            "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 128,
+        });
+        v.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        v
+    }
+
+    #[test]
+    fn qwen2_window_follows_use_sliding_window_and_max_window_layers() {
+        let q = |extra: Value| from_hf_json(&base(extra)).unwrap();
+        let c = q(
+            json!({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true,
+                         "sliding_window": 16, "max_window_layers": 2}),
+        );
+        assert_eq!(c.arch, Arch::Qwen2);
+        assert!(c.arch.qkv_bias() && !c.qk_norm);
+        assert_eq!(c.sliding_window, Some(16));
+        assert_eq!(c.layer_sliding, [false, false, true, true]);
+        // Without use_sliding_window there is no window, whatever max_window_layers says.
+        let c = q(json!({"model_type": "qwen2", "sliding_window": 16, "max_window_layers": 0}));
+        assert_eq!((c.sliding_window, c.layer_sliding), (None, vec![false; 4]));
+        // layer_types (transformers >= 4.53) decides over max_window_layers.
+        let c = q(
+            json!({"model_type": "qwen2", "use_sliding_window": true, "sliding_window": 16,
+            "max_window_layers": 0, "layer_types":
+            ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}),
+        );
+        assert_eq!(c.layer_sliding, [true, false, true, false]);
+        // The class defaults: window 4096 from layer 28 on.
+        let c = q(json!({"model_type": "qwen2", "use_sliding_window": true}));
+        assert_eq!(
+            (c.sliding_window, c.layer_sliding),
+            (Some(4096), vec![false; 4])
+        );
+        // The same rule for Qwen3.
+        let c = q(json!({"model_type": "qwen3", "use_sliding_window": true,
+                         "sliding_window": 16, "max_window_layers": 3}));
+        assert_eq!(c.layer_sliding, [false, false, false, true]);
+    }
+
+    #[test]
+    fn mistral_window_is_on_every_layer_unless_null() {
+        let m = |extra: Value| from_hf_json(&base(extra)).unwrap();
+        let c = m(json!({"architectures": ["MistralForCausalLM"], "sliding_window": 32}));
+        assert_eq!(c.arch, Arch::Mistral);
+        assert!(!c.arch.qkv_bias() && !c.qk_norm);
+        assert_eq!(
+            (c.sliding_window, c.layer_sliding),
+            (Some(32), vec![true; 4])
+        );
+        let c = m(json!({"model_type": "mistral", "sliding_window": null}));
+        assert_eq!((c.sliding_window, c.layer_sliding), (None, vec![false; 4]));
+        let c = m(json!({"model_type": "mistral"}));
+        assert_eq!(c.sliding_window, Some(4096));
+    }
+
+    #[test]
+    fn attention_bias_outside_qwen2_is_refused() {
+        let e = from_hf_json(&base(
+            json!({"model_type": "llama", "attention_bias": true}),
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("attention_bias") && e.contains("llama"), "{e}");
+        from_hf_json(&base(
+            json!({"model_type": "llama", "attention_bias": false}),
+        ))
+        .unwrap();
+    }
+
+    #[test]
+    fn local_rope_scaling_is_the_global_one_outside_gemma() {
+        let mut c = from_hf_json(&base(json!({"model_type": "mistral",
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0}})))
+        .unwrap();
+        assert_eq!(c.local_rope_scaling(), RopeScaling::Linear { factor: 2.0 });
+        c.arch = Arch::Gemma3;
+        assert_eq!(c.local_rope_scaling(), RopeScaling::None);
+    }
 }

@@ -1,4 +1,5 @@
-//! The one generic decoder: Llama, Qwen3 and Gemma 3 differ only in `ModelConfig` flags.
+//! The one generic decoder: Llama, Qwen2, Qwen3, Mistral and Gemma 3 differ only in
+//! `ModelConfig` flags (and Qwen2's q/k/v biases in the weights).
 //! `forward` runs a chunk of tokens (a prefill chunk, or one decode token) through every layer
 //! against a preallocated KV store; attention goes through `crate::attention`. `crate::batch`
 //! runs one decode token of several sequences through the same layer code.
@@ -161,7 +162,11 @@ impl Model {
             )));
         }
         let inv_freq_global = rope_inv_freq(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling);
-        let inv_freq_local = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, &RopeScaling::None);
+        let inv_freq_local = rope_inv_freq(
+            cfg.head_dim,
+            cfg.rope_local_theta,
+            &cfg.local_rope_scaling(),
+        );
         Ok(Model {
             cfg,
             weights,
@@ -354,6 +359,11 @@ impl Model {
         self.linear(&w.wk, xb, n, k, rows)?;
         let v = resize(&mut s.v, n * nkv * hd);
         self.linear(&w.wv, xb, n, v, rows)?;
+        for (x, bias) in [(&mut *q, &w.bq), (&mut *k, &w.bk), (&mut *v, &w.bv)] {
+            if let Some(bias) = bias {
+                ops::add_bias(x, bias);
+            }
+        }
         if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
             ops::rmsnorm_inplace(q, qn, c.rms_norm_eps);
             ops::rmsnorm_inplace(k, kn, c.rms_norm_eps);

@@ -1,5 +1,5 @@
 //! slowfast-model: model configs (GGUF, HF, presets), weights by role, and the one generic
-//! decoder that runs Llama, Qwen3 and Gemma 3 on the CPU.
+//! decoder that runs Llama, Qwen2, Qwen3, Mistral and Gemma 3 on the CPU.
 pub mod attention;
 pub mod batch;
 pub mod config;

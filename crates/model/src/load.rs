@@ -23,6 +23,9 @@ enum Role {
     K,
     V,
     O,
+    QBias,
+    KBias,
+    VBias,
     QNorm,
     KNorm,
     PostAttnNorm,
@@ -43,6 +46,9 @@ fn gguf_name(role: Role, layer: usize) -> String {
         Role::K => "attn_k",
         Role::V => "attn_v",
         Role::O => "attn_output",
+        Role::QBias => return format!("blk.{layer}.attn_q.bias"),
+        Role::KBias => return format!("blk.{layer}.attn_k.bias"),
+        Role::VBias => return format!("blk.{layer}.attn_v.bias"),
         Role::QNorm => "attn_q_norm",
         Role::KNorm => "attn_k_norm",
         Role::PostAttnNorm => "post_attention_norm",
@@ -65,6 +71,9 @@ fn hf_name(arch: Arch, role: Role, layer: usize) -> String {
         Role::K => "self_attn.k_proj",
         Role::V => "self_attn.v_proj",
         Role::O => "self_attn.o_proj",
+        Role::QBias => return format!("model.layers.{layer}.self_attn.q_proj.bias"),
+        Role::KBias => return format!("model.layers.{layer}.self_attn.k_proj.bias"),
+        Role::VBias => return format!("model.layers.{layer}.self_attn.v_proj.bias"),
         Role::QNorm => "self_attn.q_norm",
         Role::KNorm => "self_attn.k_norm",
         Role::PostAttnNorm => "post_attention_layernorm",
@@ -190,6 +199,11 @@ impl Loader<'_> {
             .collect())
     }
 
+    /// A bias vector `[n]` (stored as f32 whatever the file's type).
+    fn bias(&self, role: Role, layer: usize, n: usize) -> Result<Vec<f32>, ModelError> {
+        Ok(self.req(role, layer, 1, n)?.to_f32())
+    }
+
     fn load(&self) -> Result<ModelWeights, ModelError> {
         let c = self.cfg;
         let (h, hd) = (c.hidden_size, c.head_dim);
@@ -212,12 +226,20 @@ impl Loader<'_> {
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             let gemma = c.post_norms;
+            let bias = c.arch.qkv_bias();
             layers.push(LayerWeights {
                 attn_norm: self.norm(Role::AttnNorm, l, h)?,
                 wq: self.req(Role::Q, l, q_dim, h)?,
                 wk: self.req(Role::K, l, kv_dim, h)?,
                 wv: self.req(Role::V, l, kv_dim, h)?,
                 wo: self.req(Role::O, l, h, q_dim)?,
+                bq: bias.then(|| self.bias(Role::QBias, l, q_dim)).transpose()?,
+                bk: bias
+                    .then(|| self.bias(Role::KBias, l, kv_dim))
+                    .transpose()?,
+                bv: bias
+                    .then(|| self.bias(Role::VBias, l, kv_dim))
+                    .transpose()?,
                 q_norm: c
                     .qk_norm
                     .then(|| self.norm(Role::QNorm, l, hd))
@@ -319,6 +341,77 @@ mod tests {
         let perm = unpermute_rows(nh, hd);
         let back: Vec<usize> = perm.iter().map(|&p| gguf[p]).collect();
         assert_eq!(back, hf);
+    }
+
+    /// Tensors by name, for loading without a file.
+    struct MapSource(std::collections::HashMap<String, Weight>);
+
+    impl Source for MapSource {
+        fn matrix(&self, name: &str) -> Result<Option<Weight>, ModelError> {
+            Ok(self.0.get(name).cloned())
+        }
+        fn describe(&self) -> String {
+            "the test tensors".into()
+        }
+    }
+
+    #[test]
+    fn qwen2_biases_load_by_gguf_name_and_bad_ones_are_named() {
+        let cfg = crate::presets::qwen2(64, 2, 4, 2, 16, 32, 48, true);
+        let rand = |rows: usize, cols: usize, seed: u64| {
+            crate::random::random_weight(GgmlType::F32, rows, cols, 0.5, seed).unwrap()
+        };
+        let mut t = std::collections::HashMap::new();
+        let mut put = |role: Role, layer: usize, rows: usize, cols: usize| {
+            let seed = t.len() as u64;
+            t.insert(gguf_name(role, layer), rand(rows, cols, seed));
+        };
+        put(Role::Embed, 0, 48, 64);
+        put(Role::FinalNorm, 0, 1, 64);
+        for l in 0..2 {
+            for (role, rows, cols) in [
+                (Role::AttnNorm, 1, 64),
+                (Role::Q, 64, 64),
+                (Role::K, 32, 64),
+                (Role::V, 32, 64),
+                (Role::QBias, 1, 64),
+                (Role::KBias, 1, 32),
+                (Role::VBias, 1, 32),
+                (Role::O, 64, 64),
+                (Role::FfnNorm, 1, 64),
+                (Role::Gate, 32, 64),
+                (Role::Up, 32, 64),
+                (Role::Down, 64, 32),
+            ] {
+                put(role, l, rows, cols);
+            }
+        }
+        let load = |t: &std::collections::HashMap<String, Weight>| {
+            let src = MapSource(t.clone());
+            Loader {
+                src: &src,
+                cfg: &cfg,
+                name: &gguf_name,
+                norm_offset: 0.0,
+            }
+            .load()
+        };
+        let w = load(&t).unwrap();
+        let bk = &t["blk.1.attn_k.bias"];
+        assert_eq!(w.layers[1].bk.as_deref(), Some(&bk.to_f32()[..]));
+        assert!(w.lm_head.is_none());
+        // A k bias of the q width: the error names the tensor and both shapes.
+        let mut bad = t.clone();
+        bad.insert("blk.1.attn_k.bias".into(), rand(1, 64, 99));
+        let e = load(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("`blk.1.attn_k.bias` has shape [1, 64], expected [1, 32]"),
+            "{e}"
+        );
+        let mut missing = t.clone();
+        missing.remove("blk.0.attn_v.bias");
+        let e = load(&missing).unwrap_err().to_string();
+        assert!(e.contains("`blk.0.attn_v.bias` not found"), "{e}");
     }
 }
 

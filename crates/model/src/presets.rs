@@ -11,6 +11,7 @@ pub const PRESETS: &[&str] = &[
     "qwen3-8b",
     "llama3-8b",
     "gemma3-270m",
+    "qwen2.5-0.5b",
 ];
 
 fn qwen3(hidden: usize, layers: usize, heads: usize, inter: usize, tie: bool) -> ModelConfig {
@@ -79,6 +80,45 @@ pub fn gemma3(
     }
 }
 
+/// A Qwen2 / Qwen2.5 shape: Llama plus q/k/v biases, RoPE theta 1e6, no sliding window (the
+/// published checkpoints set `use_sliding_window: false`). The `qwen2.5-0.5b` preset, and the
+/// small biased models the tests build.
+#[allow(clippy::too_many_arguments)]
+pub fn qwen2(
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    inter: usize,
+    vocab: usize,
+    tie: bool,
+) -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Qwen2,
+        hidden_size: hidden,
+        num_hidden_layers: layers,
+        num_attention_heads: heads,
+        num_key_value_heads: kv_heads,
+        head_dim,
+        intermediate_size: inter,
+        vocab_size: vocab,
+        rms_norm_eps: 1e-6,
+        rope_theta: 1e6,
+        rope_local_theta: 1e6,
+        rope_scaling: RopeScaling::None,
+        sliding_window: None,
+        layer_sliding: vec![false; layers],
+        max_position_embeddings: 32768,
+        tie_word_embeddings: tie,
+        qk_norm: false,
+        post_norms: false,
+        scale_embeddings: false,
+        activation: Activation::Silu,
+        attn_scale: 1.0 / (head_dim as f32).sqrt(),
+    }
+}
+
 /// The config of a named preset (Qwen3 and Llama 3 shapes as published on their model cards).
 pub fn preset(name: &str) -> Result<ModelConfig, ModelError> {
     Ok(match name {
@@ -115,6 +155,7 @@ pub fn preset(name: &str) -> Result<ModelConfig, ModelError> {
             attn_scale: 1.0 / (128f32).sqrt(),
         },
         "gemma3-270m" => gemma3(640, 18, 4, 1, 256, 2048, 262144, 512, 6),
+        "qwen2.5-0.5b" => qwen2(896, 24, 14, 2, 64, 4864, 151936, true),
         other => {
             return Err(ModelError::Config(format!(
                 "unknown preset `random:{other}` (known: {})",
@@ -142,6 +183,9 @@ mod tests {
         // Gemma 3 270M: 268M parameters, 170M of them the embedding.
         let g = preset("gemma3-270m").unwrap().num_parameters() as f64 / 1e6;
         assert!((265.0..271.0).contains(&g), "{g}");
+        // Qwen2.5-0.5B: 494M parameters (q/k/v biases included).
+        let q05 = preset("qwen2.5-0.5b").unwrap().num_parameters() as f64 / 1e6;
+        assert!((493.0..495.0).contains(&q05), "{q05}");
         assert!(preset("gpt2").is_err());
     }
 }

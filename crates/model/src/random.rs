@@ -73,6 +73,15 @@ pub fn random_weights(
         random_weight(ty, rows, cols, a, next.wrapping_mul(0x2545_F491_4F6C_DD1D))
     };
     let embed = w(cfg.vocab_size, h, 1.0)?;
+    let bias = cfg.arch.qkv_bias();
+    // Biases draw from their own seed sequence (the matrices stay those of a bias-free model).
+    let mut next_bias = seed ^ 0xB1A5_B1A5_B1A5_B1A5;
+    let mut b = |n: usize| -> Result<Option<Vec<f32>>, ModelError> {
+        next_bias = next_bias.wrapping_add(1);
+        let seed = next_bias.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        bias.then(|| random_weight(GgmlType::F32, 1, n, 0.5, seed).map(|w| w.to_f32()))
+            .transpose()
+    };
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for _ in 0..cfg.num_hidden_layers {
         layers.push(LayerWeights {
@@ -81,6 +90,9 @@ pub fn random_weights(
             wk: w(kv_dim, h, amp(h))?,
             wv: w(kv_dim, h, amp(h))?,
             wo: w(h, q_dim, amp(q_dim))?,
+            bq: b(q_dim)?,
+            bk: b(kv_dim)?,
+            bv: b(kv_dim)?,
             q_norm: cfg.qk_norm.then(|| vec![1.0; hd]),
             k_norm: cfg.qk_norm.then(|| vec![1.0; hd]),
             post_attn_norm: cfg.post_norms.then(|| vec![1.0; h]),

@@ -143,6 +143,10 @@ pub struct LayerWeights {
     pub wk: Weight,
     pub wv: Weight,
     pub wo: Weight,
+    /// Biases of the q, k and v projections (`[q_dim]`, `[kv_dim]`, `[kv_dim]`; Qwen2).
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
     pub post_attn_norm: Option<Vec<f32>>,

@@ -145,3 +145,31 @@ fn llama_sharded_logits_match_transformers() {
 fn gemma3_logits_match_transformers() {
     check("gemma3");
 }
+
+#[test]
+fn qwen2_logits_match_transformers() {
+    // q/k/v biases, untied head, window 8 on the layers from max_window_layers = 1 on (the
+    // config has no layer_types: the Qwen2 rule decides).
+    let m = load_model(&ModelSource::HfDir(fixture("qwen2"))).unwrap();
+    assert_eq!(m.cfg.arch, slowfast_model::Arch::Qwen2);
+    assert_eq!(m.cfg.sliding_window, Some(8));
+    assert_eq!(m.cfg.layer_sliding, [false, true, true]);
+    assert!(!m.cfg.tie_word_embeddings && m.weights.lm_head.is_some());
+    assert!(m
+        .weights
+        .layers
+        .iter()
+        .all(|l| l.bq.is_some() && l.bk.is_some() && l.bv.is_some()));
+    check("qwen2");
+}
+
+#[test]
+fn mistral_logits_match_transformers() {
+    // Window 6 on every layer, tied embeddings.
+    let m = load_model(&ModelSource::HfDir(fixture("mistral"))).unwrap();
+    assert_eq!(m.cfg.arch, slowfast_model::Arch::Mistral);
+    assert_eq!(m.cfg.sliding_window, Some(6));
+    assert_eq!(m.cfg.layer_sliding, [true, true]);
+    assert!(m.cfg.tie_word_embeddings && m.weights.lm_head.is_none());
+    check("mistral");
+}

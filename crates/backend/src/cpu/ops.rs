@@ -97,9 +97,24 @@ pub fn add_inplace(x: &mut [f32], y: &[f32]) {
     }
 }
 
+/// `x[r, i] += b[i]` for every row `r` of `x` (`[rows, b.len()]`): a linear layer's bias.
+pub fn add_bias(x: &mut [f32], b: &[f32]) {
+    debug_assert!(b.is_empty() || x.len().is_multiple_of(b.len()));
+    for row in x.chunks_exact_mut(b.len()) {
+        add_inplace(row, b);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn add_bias_adds_to_every_row() {
+        let mut x = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+        add_bias(&mut x, &[10.0, 20.0, 30.0]);
+        assert_eq!(x, [11.0, 22.0, 33.0, 14.0, 25.0, 36.0]);
+    }
 
     #[test]
     fn rmsnorm_matches_definition() {
