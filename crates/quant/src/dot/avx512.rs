@@ -1,6 +1,7 @@
 //! AVX-512 (F/BW/VL + VNNI) dot kernels: `vpdpbusd` / `vpdpwssd` integer sums, 512-bit f32 FMA.
 #![cfg(target_arch = "x86_64")]
 
+use super::avx2;
 use super::avx2::{
     f16_at, f16_head, hsum, q4_k_min_sum, q6_k_bias, q6_k_unpack, scale_pair, unpack_k4_scales,
 };
@@ -21,6 +22,14 @@ pub(super) unsafe fn dot(ty: GgmlType, row: &[u8], x: &[f32], a: ActRef<'_>) -> 
         GgmlType::Q4_0 => legacy::<false>(row, a),
         GgmlType::Q4_K => q4_k(row, a),
         GgmlType::Q6_K => q6_k(row, a),
+        // The newer types run their AVX2 kernels here (AVX-512 implies AVX2).
+        GgmlType::Q4_1 => avx2::q4_1(row, a),
+        GgmlType::Q5_1 => avx2::q5_1(row, a),
+        GgmlType::IQ4_NL => avx2::iq4_nl(row, a),
+        GgmlType::Q2_K => avx2::q2_k(row, a),
+        GgmlType::Q3_K => avx2::q3_k(row, a),
+        GgmlType::Q5_K => avx2::q5_k(row, a),
+        GgmlType::IQ4_XS => avx2::iq4_xs(row, a),
         _ => unreachable!("has_dot checked by callers"),
     }
 }
@@ -52,6 +61,13 @@ pub(super) unsafe fn dot_rows(
         GgmlType::Q4_0 => each!(row => legacy::<false>(row, a)),
         GgmlType::Q4_K => each!(row => q4_k(row, a)),
         GgmlType::Q6_K => each!(row => q6_k(row, a)),
+        GgmlType::Q4_1 => each!(row => avx2::q4_1(row, a)),
+        GgmlType::Q5_1 => each!(row => avx2::q5_1(row, a)),
+        GgmlType::IQ4_NL => each!(row => avx2::iq4_nl(row, a)),
+        GgmlType::Q2_K => each!(row => avx2::q2_k(row, a)),
+        GgmlType::Q3_K => each!(row => avx2::q3_k(row, a)),
+        GgmlType::Q5_K => each!(row => avx2::q5_k(row, a)),
+        GgmlType::IQ4_XS => each!(row => avx2::iq4_xs(row, a)),
         _ => unreachable!("has_dot checked by callers"),
     }
 }
