@@ -70,7 +70,7 @@ impl Weight {
         }
         if !ty.is_supported() {
             return Err(ModelError::Weights(format!(
-                "`{name}`: tensor type {} is not supported (supported: F32, F16, BF16, Q8_0, Q5_0, Q4_K, Q6_K)",
+                "`{name}`: tensor type {} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, IQ4_NL, IQ4_XS)",
                 ty.name()
             )));
         }
