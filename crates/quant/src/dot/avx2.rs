@@ -233,7 +233,7 @@ unsafe fn bytes_from_bits_32(x: u32) -> __m256i {
 /// 16 bytes of nibbles -> 32 bytes: low nibbles then high nibbles.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles_32(p: *const u8) -> __m256i {
+pub(super) unsafe fn nibbles_32(p: *const u8) -> __m256i {
     let t = _mm_loadu_si128(p as *const __m128i);
     let v = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
     _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
@@ -512,19 +512,19 @@ unsafe fn affine<const FIVE: bool>(row: &[u8], a: ActRef<'_>) -> f32 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q4_1(row: &[u8], a: ActRef<'_>) -> f32 {
+unsafe fn q4_1(row: &[u8], a: ActRef<'_>) -> f32 {
     affine::<false>(row, a)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q5_1(row: &[u8], a: ActRef<'_>) -> f32 {
+unsafe fn q5_1(row: &[u8], a: ActRef<'_>) -> f32 {
     affine::<true>(row, a)
 }
 
 /// `KVALUES_IQ4NL` in both 128-bit lanes, for `pshufb` lookups.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn iq4nl_table() -> __m256i {
+pub(super) unsafe fn iq4nl_table() -> __m256i {
     let t = _mm_loadu_si128(crate::dequant::KVALUES_IQ4NL.as_ptr() as *const __m128i);
     _mm256_broadcastsi128_si256(t)
 }
@@ -546,7 +546,7 @@ unsafe fn iq4_nl_block(bp: *const u8, x: *const u8, dx: f32, table: __m256i) -> 
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn iq4_nl(row: &[u8], a: ActRef<'_>) -> f32 {
+unsafe fn iq4_nl(row: &[u8], a: ActRef<'_>) -> f32 {
     let nb = a.d.len();
     let (w, xq, xd) = (row.as_ptr(), a.qs.as_ptr() as *const u8, a.d.as_ptr());
     let table = iq4nl_table();
@@ -571,16 +571,28 @@ pub(super) unsafe fn iq4_nl(row: &[u8], a: ActRef<'_>) -> f32 {
     hsum(_mm256_add_ps(acc0, acc1))
 }
 
+/// The four 2-bit fields (bits 0-1, 2-3, 4-5, 6-7) of 32 bytes, each as 32 bytes 0..=3.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn crumbs(q: __m256i, m3: __m256i) -> [__m256i; 4] {
+    [
+        _mm256_and_si256(q, m3),
+        _mm256_and_si256(_mm256_srli_epi16(q, 2), m3),
+        _mm256_and_si256(_mm256_srli_epi16(q, 4), m3),
+        _mm256_and_si256(_mm256_srli_epi16(q, 6), m3),
+    ]
+}
+
 /// sum_j mins[j] * bsums[j] over 16 groups (`mins` 16 u8 in a 128-bit register).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn min_sum_16(mins: __m128i, bsums: *const i16) -> i32 {
+pub(super) unsafe fn min_sum_16(mins: __m128i, bsums: *const i16) -> i32 {
     let bs = _mm256_loadu_si256(bsums as *const __m256i);
     hsum_i32(_mm256_madd_epi16(_mm256_cvtepu8_epi16(mins), bs))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q2_k(row: &[u8], a: ActRef<'_>) -> f32 {
+unsafe fn q2_k(row: &[u8], a: ActRef<'_>) -> f32 {
     let nb = a.d.len();
     let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
     let m3 = _mm256_set1_epi8(3);
@@ -601,9 +613,10 @@ pub(super) unsafe fn q2_k(row: &[u8], a: ActRef<'_>) -> f32 {
         let x = xq.add(b * QK_K);
         let mut sumi = _mm256_setzero_si256();
         for n in 0..2 {
-            let q = load(bp.add(16 + 32 * n));
-            for j in 0..4 {
-                let qj = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * j as i32)), m3);
+            for (j, qj) in crumbs(load(bp.add(16 + 32 * n)), m3)
+                .into_iter()
+                .enumerate()
+            {
                 let p = _mm256_maddubs_epi16(qj, load(x.add(128 * n + 32 * j)));
                 let p = _mm256_madd_epi16(p, scale_pair(scales, 4 * n + j));
                 sumi = _mm256_add_epi32(sumi, p);
@@ -615,7 +628,7 @@ pub(super) unsafe fn q2_k(row: &[u8], a: ActRef<'_>) -> f32 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q3_k(row: &[u8], a: ActRef<'_>) -> f32 {
+unsafe fn q3_k(row: &[u8], a: ActRef<'_>) -> f32 {
     let nb = a.d.len();
     let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
     let m3 = _mm256_set1_epi8(3);
@@ -633,9 +646,10 @@ pub(super) unsafe fn q3_k(row: &[u8], a: ActRef<'_>) -> f32 {
         );
         let mut sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(bias, 2));
         for n in 0..2 {
-            let q = load(bp.add(32 + 32 * n));
-            for j in 0..4 {
-                let q2 = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * j as i32)), m3);
+            for (j, q2) in crumbs(load(bp.add(32 + 32 * n)), m3)
+                .into_iter()
+                .enumerate()
+            {
                 let bit = _mm256_set1_epi8((1u8 << (4 * n + j)) as i8);
                 let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
                 let qj = _mm256_or_si256(q2, _mm256_and_si256(set, _mm256_set1_epi8(4)));
@@ -651,7 +665,7 @@ pub(super) unsafe fn q3_k(row: &[u8], a: ActRef<'_>) -> f32 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q5_k(row: &[u8], a: ActRef<'_>) -> f32 {
+unsafe fn q5_k(row: &[u8], a: ActRef<'_>) -> f32 {
     let nb = a.d.len();
     let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
     let m4 = _mm256_set1_epi8(0x0F);
@@ -688,7 +702,7 @@ pub(super) unsafe fn q5_k(row: &[u8], a: ActRef<'_>) -> f32 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn iq4_xs(row: &[u8], a: ActRef<'_>) -> f32 {
+unsafe fn iq4_xs(row: &[u8], a: ActRef<'_>) -> f32 {
     let nb = a.d.len();
     let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
     let table = iq4nl_table();
