@@ -113,3 +113,26 @@ fn unsupported_types_are_errors() {
     let w = QMatrix::new(GgmlType::TQ1_0, 1, 256, &data).unwrap();
     assert!(matvec(&w, &[0.0; 256], &mut [0.0; 1]).is_err());
 }
+
+#[test]
+fn the_supported_list_is_what_dequantize_and_matvec_take() {
+    // Every type in GgmlType::SUPPORTED dequantizes and multiplies a zero row of 256 columns;
+    // every other type is refused by both, so the list (and the messages built from it) is exact.
+    for &ty in GgmlType::ALL {
+        let data = vec![0u8; ty.row_bytes(256).unwrap()];
+        let mut y = vec![0.0f32; 256];
+        let dq = dequantize_row(ty, &data, &mut y);
+        let w = QMatrix::new(ty, 1, 256, &data).unwrap();
+        let mv = matvec(&w, &[0.0; 256], &mut [0.0; 1]);
+        assert_eq!(ty.is_supported(), GgmlType::SUPPORTED.contains(&ty));
+        assert_eq!(dq.is_ok(), ty.is_supported(), "{ty} dequantize_row: {dq:?}");
+        assert_eq!(mv.is_ok(), ty.is_supported(), "{ty} matvec: {mv:?}");
+    }
+    let names = GgmlType::supported_names();
+    assert!(names.starts_with("F32, F16, BF16, Q8_0"), "{names}");
+    assert!(
+        names.contains("Q4_1") && names.ends_with("IQ4_XS"),
+        "{names}"
+    );
+    assert_eq!(names.split(", ").count(), GgmlType::SUPPORTED.len());
+}
