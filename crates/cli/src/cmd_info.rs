@@ -1,12 +1,12 @@
 //! `slowfast info` and `slowfast fetch`.
 use anyhow::{anyhow, Result};
-use slowfast_loader::fetch::{fetch as fetch_model, known_model, KNOWN_MODELS};
+use slowfast_loader::fetch::{fetch as fetch_model, known_model, known_model_names};
 
 use crate::common::ModelArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct FetchArgs {
-    /// Model to fetch (known: gemma3-270m).
+    /// Model to fetch: gemma3-270m (the default model, 253 MB) or smollm2-135m (98 MB).
     #[arg(default_value = "gemma3-270m")]
     pub name: String,
 }
@@ -16,11 +16,7 @@ pub fn fetch(a: FetchArgs) -> Result<()> {
         anyhow!(
             "unknown model `{}` (known: {})",
             a.name,
-            KNOWN_MODELS
-                .iter()
-                .map(|m| m.name)
-                .collect::<Vec<_>>()
-                .join(", ")
+            known_model_names()
         )
     })?;
     let p = fetch_model(m, &mut |s| eprintln!("{s}"))?;

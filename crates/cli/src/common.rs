@@ -5,7 +5,8 @@ use slowfast_engine::{KvDtype, Loaded};
 /// Model and runtime flags common to generate, eval and bench.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Model: a .gguf file, an HF directory, random:<preset>[@dtype], hf:<org>/<repo>, or gemma3-270m.
+    /// Model: a .gguf file, an HF directory, random:<preset>[@dtype], hf:<org>/<repo>, gemma3-270m
+    /// or smollm2-135m.
     #[arg(long, short = 'm', default_value = slowfast_engine::DEFAULT_MODEL)]
     pub model: String,
     /// Compute device. `cuda` needs a build with `--features cuda` and an NVIDIA GPU; it runs

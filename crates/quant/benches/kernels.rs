@@ -21,9 +21,39 @@ impl Rng {
     }
 }
 
+/// Byte offsets of the f16 scales in one block of the types without a quantizer.
+fn f16_offsets(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        _ => &[0],
+    }
+}
+
 fn make(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
     let rb = ty.row_bytes(cols).unwrap();
     let mut data = vec![0u8; rows * rb];
+    if quantize_row(
+        ty,
+        &vec![0.0; ty.block_size()],
+        &mut vec![0u8; ty.type_size()],
+    )
+    .is_err()
+    {
+        // No quantizer for this type: random bytes with small f16 scales (speed does not
+        // depend on the values).
+        for b in data.iter_mut() {
+            *b = (rng.f32() * 128.0 + 128.0) as u8;
+        }
+        for blk in data.chunks_exact_mut(ty.type_size()) {
+            for &o in f16_offsets(ty) {
+                let d = half::f16::from_f32(rng.f32() * 0.005).to_bits();
+                blk[o..o + 2].copy_from_slice(&d.to_le_bytes());
+            }
+        }
+        return data;
+    }
     let mut src = vec![0.0f32; cols];
     for r in 0..rows {
         src.iter_mut().for_each(|v| *v = rng.f32() * 0.05);
@@ -103,11 +133,18 @@ const TYPES: &[GgmlType] = &[
     GgmlType::Q5_0,
     GgmlType::Q4_K,
     GgmlType::Q6_K,
+    GgmlType::Q4_1,
+    GgmlType::Q5_1,
+    GgmlType::IQ4_NL,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q5_K,
+    GgmlType::IQ4_XS,
 ];
 
 fn main() {
-    // Args: [SECTIONS [MATCH]]: SECTIONS a comma list of decode,prefill,crossover,step (default
-    // all); MATCH a substring of "model matrix type" limiting the decode/prefill table.
+    // Args: [SECTIONS [MATCH]]: SECTIONS a comma list of decode,prefill,crossover,step,isa
+    // (default all); MATCH a substring of "model matrix type" limiting the decode/prefill table.
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with("--"))
@@ -129,6 +166,42 @@ fn main() {
     }
     if want("step") {
         gemma_step(&mut rng);
+    }
+    if want("isa") {
+        per_isa(&mut rng);
+    }
+}
+
+/// Quantized-dot matvec per instruction set on one shape, single-threaded: ns per row.
+fn per_isa(rng: &mut Rng) {
+    let (cols, rows) = (1024, 3072);
+    let isas = Isa::available();
+    println!("\nQuantized-dot matvec {cols}->{rows}, 1 thread: ns per row (GB/s of weights)");
+    let head: Vec<&str> = isas.iter().map(|i| i.name()).collect();
+    println!("| type | {} |", head.join(" | "));
+    println!("|---|{}", "---|".repeat(isas.len()));
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    for &ty in &TYPES[3..] {
+        let data = make(rng, ty, rows, cols);
+        let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+        let x: Vec<f32> = (0..cols).map(|_| rng.f32()).collect();
+        let mut line = format!("| {ty} |");
+        for &isa in &isas {
+            let mut y = vec![0.0f32; rows];
+            let mut s = MatvecScratch::new();
+            let t = pool.install(|| {
+                time(|| {
+                    matvec_with(&w, &x, 1, 0..rows, &mut y, &mut s, DotPath::Quantized, isa)
+                        .unwrap()
+                })
+            });
+            let gbs = data.len() as f64 / t / 1e9;
+            line += &format!(" {:.0} ({gbs:.1}) |", t / rows as f64 * 1e9);
+        }
+        println!("{line}");
     }
 }
 

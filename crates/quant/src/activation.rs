@@ -18,8 +18,18 @@ pub(crate) enum ActKind {
 impl ActKind {
     pub(crate) fn for_weight(ty: GgmlType) -> ActKind {
         match ty {
-            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => ActKind::Q8_0,
-            GgmlType::Q4_K | GgmlType::Q6_K => ActKind::Q8K,
+            GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q8_0
+            | GgmlType::IQ4_NL => ActKind::Q8_0,
+            GgmlType::Q2_K
+            | GgmlType::Q3_K
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::IQ4_XS => ActKind::Q8K,
             _ => ActKind::F32,
         }
     }

@@ -102,20 +102,38 @@ impl GgmlType {
         Ok(ncols / bs * self.type_size())
     }
 
+    /// The types `dequantize_row` and `matvec` fully support (weights of these types load).
+    pub const SUPPORTED: &'static [GgmlType] = &[
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_K,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
+    ];
+
     /// True for the types `dequantize_row` and `matvec` fully support.
     pub fn is_supported(self) -> bool {
-        matches!(
-            self,
-            GgmlType::F32
-                | GgmlType::F16
-                | GgmlType::BF16
-                | GgmlType::Q4_0
-                | GgmlType::Q5_0
-                | GgmlType::Q8_0
-                | GgmlType::Q4_K
-                | GgmlType::Q6_K
-                | GgmlType::Q8_K
-        )
+        Self::SUPPORTED.contains(&self)
+    }
+
+    /// The names of [`Self::SUPPORTED`], comma-separated (for error messages).
+    pub fn supported_names() -> String {
+        Self::SUPPORTED
+            .iter()
+            .map(|t| t.name())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     pub(crate) fn unsupported(self, op: &'static str) -> QuantError {

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{random_matrix, Rng};
+use common::{f16_scale_offsets, random_matrix, Rng};
 use slowfast_quant::{dequantize_row_with, GgmlType, Isa};
 
 #[test]
@@ -20,17 +20,19 @@ fn simd_dequant_is_bit_identical() {
         (GgmlType::Q4_K, 1024),
         (GgmlType::Q6_K, 1024),
         (GgmlType::Q8_K, 512),
+        (GgmlType::Q4_1, 320),
+        (GgmlType::Q5_1, 640),
+        (GgmlType::IQ4_NL, 640),
+        (GgmlType::Q2_K, 1024),
+        (GgmlType::Q3_K, 1024),
+        (GgmlType::Q5_K, 1024),
+        (GgmlType::IQ4_XS, 1024),
     ];
     for (ty, cols) in cases {
         let mut data = random_matrix(&mut rng, ty, 3, cols);
         // Also raw random bytes for the integer formats (every scale / bit pattern).
         if ty.block_size() > 1 {
-            let d_off: &[usize] = match ty {
-                GgmlType::Q4_K => &[0, 2],
-                GgmlType::Q6_K => &[208],
-                GgmlType::Q8_K => &[],
-                _ => &[0],
-            };
+            let d_off = f16_scale_offsets(ty);
             let ts = ty.type_size();
             let rb = ty.row_bytes(cols).unwrap();
             for byte in data[rb..].iter_mut() {

@@ -102,14 +102,37 @@ fn empty_shapes_are_fine() {
 #[test]
 fn unsupported_types_are_errors() {
     let mut y = vec![0.0f32; 256];
-    let err = dequantize_row(GgmlType::Q3_K, &[0u8; 110], &mut y).unwrap_err();
+    let err = dequantize_row(GgmlType::IQ3_XXS, &[0u8; 98], &mut y).unwrap_err();
     assert!(
-        matches!(err, QuantError::Unsupported { ty: "Q3_K", .. }),
+        matches!(err, QuantError::Unsupported { ty: "IQ3_XXS", .. }),
         "{err}"
     );
     let err = quantize_row(GgmlType::IQ2_XXS, &[0.0; 256], &mut [0u8; 66]).unwrap_err();
     assert!(err.to_string().contains("IQ2_XXS"), "{err}");
-    let data = vec![0u8; 176];
-    let w = QMatrix::new(GgmlType::Q5_K, 1, 256, &data).unwrap();
+    let data = vec![0u8; 54];
+    let w = QMatrix::new(GgmlType::TQ1_0, 1, 256, &data).unwrap();
     assert!(matvec(&w, &[0.0; 256], &mut [0.0; 1]).is_err());
+}
+
+#[test]
+fn the_supported_list_is_what_dequantize_and_matvec_take() {
+    // Every type in GgmlType::SUPPORTED dequantizes and multiplies a zero row of 256 columns;
+    // every other type is refused by both, so the list (and the messages built from it) is exact.
+    for &ty in GgmlType::ALL {
+        let data = vec![0u8; ty.row_bytes(256).unwrap()];
+        let mut y = vec![0.0f32; 256];
+        let dq = dequantize_row(ty, &data, &mut y);
+        let w = QMatrix::new(ty, 1, 256, &data).unwrap();
+        let mv = matvec(&w, &[0.0; 256], &mut [0.0; 1]);
+        assert_eq!(ty.is_supported(), GgmlType::SUPPORTED.contains(&ty));
+        assert_eq!(dq.is_ok(), ty.is_supported(), "{ty} dequantize_row: {dq:?}");
+        assert_eq!(mv.is_ok(), ty.is_supported(), "{ty} matvec: {mv:?}");
+    }
+    let names = GgmlType::supported_names();
+    assert!(names.starts_with("F32, F16, BF16, Q8_0"), "{names}");
+    assert!(
+        names.contains("Q4_1") && names.ends_with("IQ4_XS"),
+        "{names}"
+    );
+    assert_eq!(names.split(", ").count(), GgmlType::SUPPORTED.len());
 }

@@ -1,5 +1,9 @@
 //! Dequantization must equal gguf-py's `gguf.quants.dequantize` bit for bit
-//! (fixtures made by tests/fixtures/make_fixtures.py from real GGUF rows and random blocks).
+//! (fixtures made by tests/fixtures/make_fixtures.py from real GGUF rows and random blocks, and
+//! for Q4_1, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS by scripts/fixtures/make_quant_fixtures.py
+//! from random blocks; gguf-py version in tests/fixtures/new_types.txt). gguf-py computes each
+//! value with the same f32 operations in the same order as ggml (e.g. `(d * sc) * q - dmin * m`),
+//! so the comparison is exact, not within a tolerance.
 
 use slowfast_quant::{dequantize_row, GgmlType};
 use std::path::PathBuf;
@@ -48,4 +52,15 @@ fn random_blocks_match_gguf_py() {
     check("random_q4_0", GgmlType::Q4_0);
     check("random_q4_k", GgmlType::Q4_K);
     check("random_q6_k", GgmlType::Q6_K);
+}
+
+#[test]
+fn random_blocks_of_the_newer_types_match_gguf_py() {
+    check("random_q4_1", GgmlType::Q4_1);
+    check("random_q5_1", GgmlType::Q5_1);
+    check("random_q2_k", GgmlType::Q2_K);
+    check("random_q3_k", GgmlType::Q3_K);
+    check("random_q5_k", GgmlType::Q5_K);
+    check("random_iq4_nl", GgmlType::IQ4_NL);
+    check("random_iq4_xs", GgmlType::IQ4_XS);
 }

@@ -13,8 +13,18 @@ use slowfast_quant::{
 /// Values sharing one activation scale for `ty` (the activation quantization block).
 fn act_block(ty: GgmlType) -> Option<usize> {
     match ty {
-        GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q4_0 => Some(32),
-        GgmlType::Q4_K | GgmlType::Q6_K => Some(256),
+        GgmlType::Q8_0
+        | GgmlType::Q5_0
+        | GgmlType::Q4_0
+        | GgmlType::Q4_1
+        | GgmlType::Q5_1
+        | GgmlType::IQ4_NL => Some(32),
+        GgmlType::Q4_K
+        | GgmlType::Q6_K
+        | GgmlType::Q2_K
+        | GgmlType::Q3_K
+        | GgmlType::Q5_K
+        | GgmlType::IQ4_XS => Some(256),
         _ => None,
     }
 }

@@ -35,10 +35,20 @@ fn pre_tokenizer(pre: &str) -> Result<(Value, bool)> {
         "default" | "gpt2" | "gpt-2" => (byte_level(true), false),
         "llama-bpe" | "llama3" | "smaug-bpe" | "dbrx" => (split(LLAMA3_SPLIT), true),
         "qwen2" | "qwen35" | "deepseek-r1-qwen" => (split(QWEN2_SPLIT), false),
+        // llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM (its STARCODER regex pair): every digit on
+        // its own, then the GPT-2 split; SmolLM2's tokenizer.json says the same (Digits with
+        // individual_digits, then ByteLevel with use_regex).
+        "smollm" => (
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true},
+                byte_level(true)
+            ]}),
+            false,
+        ),
         other => {
             return Err(bad(
                 "tokenizer.ggml.pre",
-                format!("`{other}` is not a supported BPE pre-tokenizer (supported: default, gpt2, llama-bpe, qwen2)"),
+                format!("`{other}` is not a supported BPE pre-tokenizer (supported: default, gpt2, llama-bpe, qwen2, smollm)"),
             ))
         }
     })

@@ -1,6 +1,6 @@
 //! GGUF byte-level BPE (`tokenizer.ggml.model == "gpt2"`): a GGUF written from the repo's tiny
 //! HF tokenizers (tests/fixtures/hf/<name>/tokenizer.json) must tokenize exactly like the HF
-//! tokenizer it came from; the Qwen2 / Llama 3 split regexes load and round-trip.
+//! tokenizer it came from; the Qwen2 / Llama 3 / SmolLM split regexes load and round-trip.
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -108,18 +108,18 @@ fn gguf_bpe_matches_the_hf_tokenizer() {
 #[test]
 fn split_regexes_load_and_round_trip() {
     let dir = fixture("qwen3");
-    for pre in ["qwen2", "llama-bpe", "default"] {
+    for pre in ["qwen2", "llama-bpe", "smollm", "default"] {
         let gg = Tokenizer::from_gguf_path(&write(pre, &gguf_from_hf(&dir, pre, "qwen3", false)))
             .unwrap();
         for text in TEXTS {
             let ids = gg.encode_with(text, false, false).unwrap();
             assert_eq!(gg.decode(&ids), *text, "{pre}");
         }
-        // Qwen2 splits digits one by one; Llama 3 in groups of up to three.
+        // Qwen2 and SmolLM split digits one by one; Llama 3 in groups of up to three.
         let digits = gg.encode("12345", false).unwrap();
         let n = digits.len();
         match pre {
-            "qwen2" => assert_eq!(n, 5, "{digits:?}"),
+            "qwen2" | "smollm" => assert_eq!(n, 5, "{digits:?}"),
             "llama-bpe" => assert!(n >= 2, "{digits:?}"),
             _ => {}
         }

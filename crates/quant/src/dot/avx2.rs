@@ -18,6 +18,13 @@ pub(super) unsafe fn dot(ty: GgmlType, row: &[u8], x: &[f32], a: ActRef<'_>) -> 
         GgmlType::Q4_0 => q4_0(row, a),
         GgmlType::Q4_K => q4_k(row, a),
         GgmlType::Q6_K => q6_k(row, a),
+        GgmlType::Q4_1 => q4_1(row, a),
+        GgmlType::Q5_1 => q5_1(row, a),
+        GgmlType::IQ4_NL => iq4_nl(row, a),
+        GgmlType::Q2_K => q2_k(row, a),
+        GgmlType::Q3_K => q3_k(row, a),
+        GgmlType::Q5_K => q5_k(row, a),
+        GgmlType::IQ4_XS => iq4_xs(row, a),
         _ => unreachable!("has_dot checked by callers"),
     }
 }
@@ -49,6 +56,13 @@ pub(super) unsafe fn dot_rows(
         GgmlType::Q4_0 => each!(row => q4_0(row, a)),
         GgmlType::Q4_K => each!(row => q4_k(row, a)),
         GgmlType::Q6_K => each!(row => q6_k(row, a)),
+        GgmlType::Q4_1 => each!(row => q4_1(row, a)),
+        GgmlType::Q5_1 => each!(row => q5_1(row, a)),
+        GgmlType::IQ4_NL => each!(row => iq4_nl(row, a)),
+        GgmlType::Q2_K => each!(row => q2_k(row, a)),
+        GgmlType::Q3_K => each!(row => q3_k(row, a)),
+        GgmlType::Q5_K => each!(row => q5_k(row, a)),
+        GgmlType::IQ4_XS => each!(row => iq4_xs(row, a)),
         _ => unreachable!("has_dot checked by callers"),
     }
 }
@@ -219,7 +233,7 @@ unsafe fn bytes_from_bits_32(x: u32) -> __m256i {
 /// 16 bytes of nibbles -> 32 bytes: low nibbles then high nibbles.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles_32(p: *const u8) -> __m256i {
+pub(super) unsafe fn nibbles_32(p: *const u8) -> __m256i {
     let t = _mm_loadu_si128(p as *const __m128i);
     let v = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
     _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
@@ -416,6 +430,295 @@ unsafe fn q6_k(row: &[u8], a: ActRef<'_>) -> f32 {
             }
         }
         let d = _mm256_set1_ps(f16_at(bp.add(208)) * *a.d.get_unchecked(b));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc)
+}
+
+/// Horizontal sum of 8 i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+    _mm_cvtsi128_si32(s)
+}
+
+/// One Q4_1/Q5_1 block: (d * dx, sum(q * x) as 8 f32 lanes, m * dx * sum(x)).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn affine_block<const FIVE: bool>(
+    bp: *const u8,
+    x: *const u8,
+    dx: f32,
+    sx: i16,
+) -> (__m256, __m256, f32) {
+    let q = if FIVE {
+        let qh = (bp.add(4) as *const u32).read_unaligned();
+        let hb = _mm256_and_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0x10));
+        _mm256_or_si256(nibbles_32(bp.add(8)), hb)
+    } else {
+        nibbles_32(bp.add(4))
+    };
+    let p = mul_sum_us8(q, load(x));
+    let dm = _mm_cvtph_ps(_mm_loadl_epi64(bp as *const __m128i)); // [d, m, ..]
+    let (d, m) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
+    (
+        _mm256_set1_ps(d * dx),
+        _mm256_cvtepi32_ps(p),
+        m * dx * sx as f32,
+    )
+}
+
+/// Q4_1 / Q5_1: d * dx * sum(q * x) + m * dx * sum(x) per block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn affine<const FIVE: bool>(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let bsz = if FIVE { 8 + QK / 2 } else { 4 + QK / 2 };
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let (mut acc0, mut acc1, mut accm) = (_mm256_setzero_ps(), _mm256_setzero_ps(), 0.0f32);
+    let mut b = 0;
+    while b + 2 <= nb {
+        let (d0, p0, m0) = affine_block::<FIVE>(
+            w.add(b * bsz),
+            xq.add(b * QK),
+            *a.d.get_unchecked(b),
+            *a.sums.get_unchecked(b),
+        );
+        let (d1, p1, m1) = affine_block::<FIVE>(
+            w.add((b + 1) * bsz),
+            xq.add((b + 1) * QK),
+            *a.d.get_unchecked(b + 1),
+            *a.sums.get_unchecked(b + 1),
+        );
+        acc0 = _mm256_fmadd_ps(d0, p0, acc0);
+        acc1 = _mm256_fmadd_ps(d1, p1, acc1);
+        accm += m0 + m1;
+        b += 2;
+    }
+    if b < nb {
+        let (d0, p0, m0) = affine_block::<FIVE>(
+            w.add(b * bsz),
+            xq.add(b * QK),
+            *a.d.get_unchecked(b),
+            *a.sums.get_unchecked(b),
+        );
+        acc0 = _mm256_fmadd_ps(d0, p0, acc0);
+        accm += m0;
+    }
+    hsum(_mm256_add_ps(acc0, acc1)) + accm
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_1(row: &[u8], a: ActRef<'_>) -> f32 {
+    affine::<false>(row, a)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_1(row: &[u8], a: ActRef<'_>) -> f32 {
+    affine::<true>(row, a)
+}
+
+/// `KVALUES_IQ4NL` in both 128-bit lanes, for `pshufb` lookups.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn iq4nl_table() -> __m256i {
+    let t = _mm_loadu_si128(crate::dequant::KVALUES_IQ4NL.as_ptr() as *const __m128i);
+    _mm256_broadcastsi128_si256(t)
+}
+
+/// Sum of 32 i8 * i8 products (`w` values within -127..=127) as 16 i16 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn mul_ss8_i16(w: __m256i, x: __m256i) -> __m256i {
+    _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+}
+
+/// One IQ4_NL block: (d * dx, sum(kv[q] * x) as 8 f32 lanes).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_nl_block(bp: *const u8, x: *const u8, dx: f32, table: __m256i) -> (__m256, __m256) {
+    let v = _mm256_shuffle_epi8(table, nibbles_32(bp.add(2)));
+    let p = _mm256_madd_epi16(mul_ss8_i16(v, load(x)), _mm256_set1_epi16(1));
+    (_mm256_set1_ps(f16_head(bp) * dx), _mm256_cvtepi32_ps(p))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_nl(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let (w, xq, xd) = (row.as_ptr(), a.qs.as_ptr() as *const u8, a.d.as_ptr());
+    let table = iq4nl_table();
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut b = 0;
+    while b + 2 <= nb {
+        let (d0, p0) = iq4_nl_block(w.add(b * 18), xq.add(b * QK), *xd.add(b), table);
+        let (d1, p1) = iq4_nl_block(
+            w.add((b + 1) * 18),
+            xq.add((b + 1) * QK),
+            *xd.add(b + 1),
+            table,
+        );
+        acc0 = _mm256_fmadd_ps(d0, p0, acc0);
+        acc1 = _mm256_fmadd_ps(d1, p1, acc1);
+        b += 2;
+    }
+    if b < nb {
+        let (d0, p0) = iq4_nl_block(w.add(b * 18), xq.add(b * QK), *xd.add(b), table);
+        acc0 = _mm256_fmadd_ps(d0, p0, acc0);
+    }
+    hsum(_mm256_add_ps(acc0, acc1))
+}
+
+/// The four 2-bit fields (bits 0-1, 2-3, 4-5, 6-7) of 32 bytes, each as 32 bytes 0..=3.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn crumbs(q: __m256i, m3: __m256i) -> [__m256i; 4] {
+    [
+        _mm256_and_si256(q, m3),
+        _mm256_and_si256(_mm256_srli_epi16(q, 2), m3),
+        _mm256_and_si256(_mm256_srli_epi16(q, 4), m3),
+        _mm256_and_si256(_mm256_srli_epi16(q, 6), m3),
+    ]
+}
+
+/// sum_j mins[j] * bsums[j] over 16 groups (`mins` 16 u8 in a 128-bit register).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn min_sum_16(mins: __m128i, bsums: *const i16) -> i32 {
+    let bs = _mm256_loadu_si256(bsums as *const __m256i);
+    hsum_i32(_mm256_madd_epi16(_mm256_cvtepu8_epi16(mins), bs))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q2_k(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let m3 = _mm256_set1_epi8(3);
+    let m4 = _mm_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    let mut accm = 0.0f32;
+    for b in 0..nb {
+        let bp = w.add(b * 84);
+        let dx = *a.d.get_unchecked(b);
+        let sc = _mm_loadu_si128(bp as *const __m128i);
+        let scales = _mm_and_si128(sc, m4);
+        let mins = _mm_and_si128(_mm_srli_epi16(sc, 4), m4);
+        let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(
+            (bp.add(80) as *const i32).read_unaligned(),
+        ));
+        let (d, dmin) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
+        accm += dmin * dx * min_sum_16(mins, a.sums.as_ptr().add(16 * b)) as f32;
+        let x = xq.add(b * QK_K);
+        let mut sumi = _mm256_setzero_si256();
+        for n in 0..2 {
+            for (j, qj) in crumbs(load(bp.add(16 + 32 * n)), m3)
+                .into_iter()
+                .enumerate()
+            {
+                let p = _mm256_maddubs_epi16(qj, load(x.add(128 * n + 32 * j)));
+                let p = _mm256_madd_epi16(p, scale_pair(scales, 4 * n + j));
+                sumi = _mm256_add_epi32(sumi, p);
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc) - accm
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q3_k(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let m3 = _mm256_set1_epi8(3);
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..nb {
+        let bp = w.add(b * 110);
+        let sc = crate::dequant::q3_k_scales(std::slice::from_raw_parts(bp.add(96), 12));
+        let scales = _mm_loadu_si128(sc.as_ptr() as *const __m128i);
+        let x = xq.add(b * QK_K);
+        let hm = load(bp);
+        // sum_j sc_j * (sum(q * x) - 4 * bsums_j) with q = q2 | high bit << 2 in 0..=7.
+        let bias = _mm256_madd_epi16(
+            _mm256_cvtepi8_epi16(scales),
+            _mm256_loadu_si256(a.sums.as_ptr().add(16 * b) as *const __m256i),
+        );
+        let mut sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(bias, 2));
+        for n in 0..2 {
+            for (j, q2) in crumbs(load(bp.add(32 + 32 * n)), m3)
+                .into_iter()
+                .enumerate()
+            {
+                let bit = _mm256_set1_epi8((1u8 << (4 * n + j)) as i8);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+                let qj = _mm256_or_si256(q2, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+                let p = _mm256_maddubs_epi16(qj, load(x.add(128 * n + 32 * j)));
+                let p = _mm256_madd_epi16(p, scale_pair(scales, 4 * n + j));
+                sumi = _mm256_add_epi32(sumi, p);
+            }
+        }
+        let d = _mm256_set1_ps(f16_at(bp.add(108)) * *a.d.get_unchecked(b));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_k(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let sixteen = _mm256_set1_epi8(16);
+    let mut acc = _mm256_setzero_ps();
+    let mut accm = 0.0f32;
+    for b in 0..nb {
+        let bp = w.add(b * 176);
+        let dx = *a.d.get_unchecked(b);
+        let sm = unpack_k4_scales(std::slice::from_raw_parts(bp.add(4), 12));
+        accm +=
+            f16_head(bp.add(2)) * dx * q4_k_min_sum(&sm[8..], a.sums.as_ptr().add(16 * b)) as f32;
+        let x = xq.add(b * QK_K);
+        let qh = load(bp.add(16));
+        let mut sumi = _mm256_setzero_si256();
+        for k in 0..4 {
+            let q4 = load(bp.add(48 + 32 * k));
+            let b0 = _mm256_set1_epi8((1u8 << (2 * k)) as i8);
+            let b1 = _mm256_set1_epi8((1u8 << (2 * k + 1)) as i8);
+            let h0 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), sixteen);
+            let h1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen);
+            let lo = _mm256_or_si256(_mm256_and_si256(q4, m4), h0);
+            let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), m4), h1);
+            let p0 = _mm256_maddubs_epi16(lo, load(x.add(64 * k)));
+            let p1 = _mm256_maddubs_epi16(hi, load(x.add(64 * k + 32)));
+            let p0 = _mm256_madd_epi16(p0, _mm256_set1_epi16(sm[2 * k] as i16));
+            let p1 = _mm256_madd_epi16(p1, _mm256_set1_epi16(sm[2 * k + 1] as i16));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+        }
+        let d = _mm256_set1_ps(f16_head(bp) * dx);
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc) - accm
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_xs(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let table = iq4nl_table();
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..nb {
+        let bp = w.add(b * 136);
+        let blk = std::slice::from_raw_parts(bp, 136);
+        let x = xq.add(b * QK_K);
+        let mut sumi = _mm256_setzero_si256();
+        for ib in 0..8 {
+            let v = _mm256_shuffle_epi8(table, nibbles_32(bp.add(8 + 16 * ib)));
+            let p = mul_ss8_i16(v, load(x.add(32 * ib)));
+            let ls = crate::dequant::iq4_xs_scale(blk, ib) as i16;
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16(ls)));
+        }
+        let d = _mm256_set1_ps(f16_head(bp) * *a.d.get_unchecked(b));
         acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
     }
     hsum(acc)

@@ -2,7 +2,8 @@
 #![cfg(target_arch = "x86_64")]
 
 use super::avx2::{
-    f16_at, f16_head, hsum, q4_k_min_sum, q6_k_bias, q6_k_unpack, scale_pair, unpack_k4_scales,
+    crumbs, f16_at, f16_head, hsum, iq4nl_table, min_sum_16, q4_k_min_sum, q6_k_bias, q6_k_unpack,
+    scale_pair, unpack_k4_scales,
 };
 use crate::activation::ActRef;
 use crate::types::{GgmlType, QK, QK_K};
@@ -21,6 +22,13 @@ pub(super) unsafe fn dot(ty: GgmlType, row: &[u8], x: &[f32], a: ActRef<'_>) -> 
         GgmlType::Q4_0 => legacy::<false>(row, a),
         GgmlType::Q4_K => q4_k(row, a),
         GgmlType::Q6_K => q6_k(row, a),
+        GgmlType::Q4_1 => q4_1(row, a),
+        GgmlType::Q5_1 => q5_1(row, a),
+        GgmlType::IQ4_NL => iq4_nl(row, a),
+        GgmlType::Q2_K => q2_k(row, a),
+        GgmlType::Q3_K => q3_k(row, a),
+        GgmlType::Q5_K => q5_k(row, a),
+        GgmlType::IQ4_XS => iq4_xs(row, a),
         _ => unreachable!("has_dot checked by callers"),
     }
 }
@@ -52,6 +60,13 @@ pub(super) unsafe fn dot_rows(
         GgmlType::Q4_0 => each!(row => legacy::<false>(row, a)),
         GgmlType::Q4_K => each!(row => q4_k(row, a)),
         GgmlType::Q6_K => each!(row => q6_k(row, a)),
+        GgmlType::Q4_1 => each!(row => q4_1(row, a)),
+        GgmlType::Q5_1 => each!(row => q5_1(row, a)),
+        GgmlType::IQ4_NL => each!(row => iq4_nl(row, a)),
+        GgmlType::Q2_K => each!(row => q2_k(row, a)),
+        GgmlType::Q3_K => each!(row => q3_k(row, a)),
+        GgmlType::Q5_K => each!(row => q5_k(row, a)),
+        GgmlType::IQ4_XS => each!(row => iq4_xs(row, a)),
         _ => unreachable!("has_dot checked by callers"),
     }
 }
@@ -145,7 +160,7 @@ unsafe fn q8_0(row: &[u8], a: ActRef<'_>) -> f32 {
 /// 16 bytes of nibbles -> 32 bytes: low nibbles then high nibbles.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn nibbles_32(p: *const u8) -> __m256i {
+pub(super) unsafe fn nibbles_32(p: *const u8) -> __m256i {
     let t = _mm_loadu_si128(p as *const __m128i);
     let v = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
     _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
@@ -256,6 +271,255 @@ unsafe fn q6_k(row: &[u8], a: ActRef<'_>) -> f32 {
             }
         }
         let d = _mm256_set1_ps(f16_at(bp.add(208)) * *a.d.get_unchecked(b));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc)
+}
+
+/// One Q4_1/Q5_1 block: (d * dx, sum(q * x) as 8 f32 lanes, m * dx * sum(x)).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn affine_block<const FIVE: bool>(
+    bp: *const u8,
+    x: *const u8,
+    dx: f32,
+    sx: i16,
+) -> (__m256, __m256, f32) {
+    let q = if FIVE {
+        let qh = (bp.add(4) as *const u32).read_unaligned();
+        let hb = _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10));
+        _mm256_or_si256(nibbles_32(bp.add(8)), hb)
+    } else {
+        nibbles_32(bp.add(4))
+    };
+    let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, load(x));
+    let dm = _mm_cvtph_ps(_mm_loadl_epi64(bp as *const __m128i)); // [d, m, ..]
+    let (d, m) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
+    (
+        _mm256_set1_ps(d * dx),
+        _mm256_cvtepi32_ps(p),
+        m * dx * sx as f32,
+    )
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn affine<const FIVE: bool>(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let bsz = if FIVE { 8 + QK / 2 } else { 4 + QK / 2 };
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let (mut acc0, mut acc1, mut accm) = (_mm256_setzero_ps(), _mm256_setzero_ps(), 0.0f32);
+    let mut b = 0;
+    while b + 2 <= nb {
+        let (d0, p0, m0) = affine_block::<FIVE>(
+            w.add(b * bsz),
+            xq.add(b * QK),
+            *a.d.get_unchecked(b),
+            *a.sums.get_unchecked(b),
+        );
+        let (d1, p1, m1) = affine_block::<FIVE>(
+            w.add((b + 1) * bsz),
+            xq.add((b + 1) * QK),
+            *a.d.get_unchecked(b + 1),
+            *a.sums.get_unchecked(b + 1),
+        );
+        acc0 = _mm256_fmadd_ps(d0, p0, acc0);
+        acc1 = _mm256_fmadd_ps(d1, p1, acc1);
+        accm += m0 + m1;
+        b += 2;
+    }
+    if b < nb {
+        let (d0, p0, m0) = affine_block::<FIVE>(
+            w.add(b * bsz),
+            xq.add(b * QK),
+            *a.d.get_unchecked(b),
+            *a.sums.get_unchecked(b),
+        );
+        acc0 = _mm256_fmadd_ps(d0, p0, acc0);
+        accm += m0;
+    }
+    hsum(_mm256_add_ps(acc0, acc1)) + accm
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4_1(row: &[u8], a: ActRef<'_>) -> f32 {
+    affine::<false>(row, a)
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q5_1(row: &[u8], a: ActRef<'_>) -> f32 {
+    affine::<true>(row, a)
+}
+
+/// One IQ4_NL block: (d * dx, sum(kv[q] * x) as 8 f32 lanes).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn iq4_nl_block(bp: *const u8, x: *const u8, dx: f32, table: __m256i) -> (__m256, __m256) {
+    let v = _mm256_shuffle_epi8(table, nibbles_32(bp.add(2)));
+    let xv = load(x);
+    let p = _mm256_dpbusd_epi32(
+        _mm256_setzero_si256(),
+        _mm256_abs_epi8(v),
+        _mm256_sign_epi8(xv, v),
+    );
+    (_mm256_set1_ps(f16_head(bp) * dx), _mm256_cvtepi32_ps(p))
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn iq4_nl(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let (w, xq, xd) = (row.as_ptr(), a.qs.as_ptr() as *const u8, a.d.as_ptr());
+    let table = iq4nl_table();
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut b = 0;
+    while b + 2 <= nb {
+        let (d0, p0) = iq4_nl_block(w.add(b * 18), xq.add(b * QK), *xd.add(b), table);
+        let (d1, p1) = iq4_nl_block(
+            w.add((b + 1) * 18),
+            xq.add((b + 1) * QK),
+            *xd.add(b + 1),
+            table,
+        );
+        acc0 = _mm256_fmadd_ps(d0, p0, acc0);
+        acc1 = _mm256_fmadd_ps(d1, p1, acc1);
+        b += 2;
+    }
+    if b < nb {
+        let (d0, p0) = iq4_nl_block(w.add(b * 18), xq.add(b * QK), *xd.add(b), table);
+        acc0 = _mm256_fmadd_ps(d0, p0, acc0);
+    }
+    hsum(_mm256_add_ps(acc0, acc1))
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q2_k(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let m3 = _mm256_set1_epi8(3);
+    let m4 = _mm_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    let mut accm = 0.0f32;
+    for b in 0..nb {
+        let bp = w.add(b * 84);
+        let dx = *a.d.get_unchecked(b);
+        let sc = _mm_loadu_si128(bp as *const __m128i);
+        let scales = _mm_and_si128(sc, m4);
+        let mins = _mm_and_si128(_mm_srli_epi16(sc, 4), m4);
+        let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(
+            (bp.add(80) as *const i32).read_unaligned(),
+        ));
+        let (d, dmin) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
+        accm += dmin * dx * min_sum_16(mins, a.sums.as_ptr().add(16 * b)) as f32;
+        let x = xq.add(b * QK_K);
+        let mut sumi = _mm256_setzero_si256();
+        for n in 0..2 {
+            for (j, qj) in crumbs(load(bp.add(16 + 32 * n)), m3)
+                .into_iter()
+                .enumerate()
+            {
+                let p = _mm256_maddubs_epi16(qj, load(x.add(128 * n + 32 * j)));
+                sumi = _mm256_dpwssd_epi32(sumi, p, scale_pair(scales, 4 * n + j));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc) - accm
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q3_k(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let m3 = _mm256_set1_epi8(3);
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..nb {
+        let bp = w.add(b * 110);
+        let sc = crate::dequant::q3_k_scales(std::slice::from_raw_parts(bp.add(96), 12));
+        let scales = _mm_loadu_si128(sc.as_ptr() as *const __m128i);
+        let x = xq.add(b * QK_K);
+        let hm = load(bp);
+        // sum_j sc_j * (sum(q * x) - 4 * bsums_j) with q = q2 | high bit << 2 in 0..=7.
+        let bias = _mm256_madd_epi16(
+            _mm256_cvtepi8_epi16(scales),
+            _mm256_loadu_si256(a.sums.as_ptr().add(16 * b) as *const __m256i),
+        );
+        let mut sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(bias, 2));
+        for n in 0..2 {
+            for (j, q2) in crumbs(load(bp.add(32 + 32 * n)), m3)
+                .into_iter()
+                .enumerate()
+            {
+                let bit = _mm256_set1_epi8((1u8 << (4 * n + j)) as i8);
+                let set = _mm256_test_epi8_mask(hm, bit);
+                let qj = _mm256_mask_add_epi8(q2, set, q2, _mm256_set1_epi8(4));
+                let p = _mm256_maddubs_epi16(qj, load(x.add(128 * n + 32 * j)));
+                sumi = _mm256_dpwssd_epi32(sumi, p, scale_pair(scales, 4 * n + j));
+            }
+        }
+        let d = _mm256_set1_ps(f16_at(bp.add(108)) * *a.d.get_unchecked(b));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q5_k(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let sixteen = _mm256_set1_epi8(16);
+    let mut acc = _mm256_setzero_ps();
+    let mut accm = 0.0f32;
+    for b in 0..nb {
+        let bp = w.add(b * 176);
+        let dx = *a.d.get_unchecked(b);
+        let sm = unpack_k4_scales(std::slice::from_raw_parts(bp.add(4), 12));
+        accm +=
+            f16_head(bp.add(2)) * dx * q4_k_min_sum(&sm[8..], a.sums.as_ptr().add(16 * b)) as f32;
+        let x = xq.add(b * QK_K);
+        let qh = load(bp.add(16));
+        let mut sumi = _mm256_setzero_si256();
+        for k in 0..4 {
+            let q4 = load(bp.add(48 + 32 * k));
+            let b0 = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((1u8 << (2 * k)) as i8));
+            let b1 = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((1u8 << (2 * k + 1)) as i8));
+            let lo = _mm256_and_si256(q4, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            let lo = _mm256_mask_add_epi8(lo, b0, lo, sixteen);
+            let hi = _mm256_mask_add_epi8(hi, b1, hi, sixteen);
+            let p0 = _mm256_maddubs_epi16(lo, load(x.add(64 * k)));
+            let p1 = _mm256_maddubs_epi16(hi, load(x.add(64 * k + 32)));
+            sumi = _mm256_dpwssd_epi32(sumi, p0, _mm256_set1_epi16(sm[2 * k] as i16));
+            sumi = _mm256_dpwssd_epi32(sumi, p1, _mm256_set1_epi16(sm[2 * k + 1] as i16));
+        }
+        let d = _mm256_set1_ps(f16_head(bp) * dx);
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc) - accm
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn iq4_xs(row: &[u8], a: ActRef<'_>) -> f32 {
+    let nb = a.d.len();
+    let (w, xq) = (row.as_ptr(), a.qs.as_ptr() as *const u8);
+    let table = iq4nl_table();
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..nb {
+        let bp = w.add(b * 136);
+        let blk = std::slice::from_raw_parts(bp, 136);
+        let x = xq.add(b * QK_K);
+        let mut sumi = _mm256_setzero_si256();
+        for ib in 0..8 {
+            let v = _mm256_shuffle_epi8(table, nibbles_32(bp.add(8 + 16 * ib)));
+            let xv = load(x.add(32 * ib));
+            let p = _mm256_dpbusd_epi32(
+                _mm256_setzero_si256(),
+                _mm256_abs_epi8(v),
+                _mm256_sign_epi8(xv, v),
+            );
+            let ls = crate::dequant::iq4_xs_scale(blk, ib);
+            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, _mm256_set1_epi32(ls)));
+        }
+        let d = _mm256_set1_ps(f16_head(bp) * *a.d.get_unchecked(b));
         acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
     }
     hsum(acc)

@@ -88,10 +88,17 @@ pub(crate) fn has_dot(ty: GgmlType) -> bool {
             | GgmlType::F16
             | GgmlType::BF16
             | GgmlType::Q4_0
+            | GgmlType::Q4_1
             | GgmlType::Q5_0
+            | GgmlType::Q5_1
             | GgmlType::Q8_0
+            | GgmlType::IQ4_NL
+            | GgmlType::Q2_K
+            | GgmlType::Q3_K
             | GgmlType::Q4_K
+            | GgmlType::Q5_K
             | GgmlType::Q6_K
+            | GgmlType::IQ4_XS
     )
 }
 

@@ -52,10 +52,57 @@ impl Rng {
     }
 }
 
-/// A random `rows x cols` matrix quantized to `ty` (row-major ggml bytes).
+/// Byte offsets of the f16 scales (and mins) inside one block of `ty`.
+pub fn f16_scale_offsets(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        GgmlType::Q8_K => &[],
+        _ => &[0],
+    }
+}
+
+/// The largest |sub-block scale * quant| of `ty` (so random scales can keep |w| near 0.1).
+fn max_scaled_quant(ty: GgmlType) -> f32 {
+    match ty {
+        GgmlType::Q4_1 => 15.0,
+        GgmlType::Q5_1 => 31.0,
+        GgmlType::IQ4_NL => 127.0,
+        GgmlType::Q2_K => 45.0,
+        GgmlType::Q3_K => 128.0,
+        GgmlType::Q5_K => 63.0 * 31.0,
+        GgmlType::IQ4_XS => 32.0 * 127.0,
+        _ => 16.0,
+    }
+}
+
+/// `rows` rows of `cols` values of `ty` made of random bytes with sane f16 scales (finite,
+/// sized so |w| <= ~0.1 like the quantized test matrices; small ones are f16 subnormals): every
+/// bit pattern of the quants, sub-block scales and masks.
+pub fn random_blocks(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let rb = ty.row_bytes(cols).unwrap();
+    let mut data: Vec<u8> = (0..rows * rb).map(|_| rng.next_u64() as u8).collect();
+    let amp = 0.1 / max_scaled_quant(ty);
+    for blk in data.chunks_exact_mut(ty.type_size()) {
+        for &o in f16_scale_offsets(ty) {
+            let d = half::f16::from_f32(rng.f32() * amp).to_bits().to_le_bytes();
+            blk[o..o + 2].copy_from_slice(&d);
+        }
+    }
+    data
+}
+
+/// A random `rows x cols` matrix quantized to `ty` (row-major ggml bytes); random blocks
+/// (`random_blocks`) for the types `quantize_row` does not support.
 pub fn random_matrix(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
     let rb = ty.row_bytes(cols).unwrap();
     let mut data = vec![0u8; rows * rb];
+    let probe = vec![0.0f32; ty.block_size()];
+    if quantize_row(ty, &probe, &mut vec![0u8; ty.type_size()]).is_err() {
+        return random_blocks(rng, ty, rows, cols);
+    }
     for r in 0..rows {
         let src: Vec<f32> = (0..cols).map(|_| rng.normal() * 0.05).collect();
         quantize_row(ty, &src, &mut data[r * rb..(r + 1) * rb]).unwrap();
@@ -74,5 +121,12 @@ pub fn dot_types() -> Vec<(GgmlType, Vec<usize>)> {
         (GgmlType::Q4_0, vec![64, 640]),
         (GgmlType::Q4_K, vec![256, 1024]),
         (GgmlType::Q6_K, vec![512, 1024]),
+        (GgmlType::Q4_1, vec![96, 640]),
+        (GgmlType::Q5_1, vec![64, 640]),
+        (GgmlType::IQ4_NL, vec![160, 640]),
+        (GgmlType::Q2_K, vec![256, 1024]),
+        (GgmlType::Q3_K, vec![512, 1024]),
+        (GgmlType::Q5_K, vec![256, 1024]),
+        (GgmlType::IQ4_XS, vec![512, 1024]),
     ]
 }

@@ -1,0 +1,251 @@
+//! SmolLM2-135M-Instruct (llama architecture, 30 global layers, GQA 9/3, Q4_1 weights with a Q8_0
+//! tied embedding, GPT-2 BPE with the `smollm` pre-tokenizer, ChatML template) against llama.cpp.
+//! Fixtures in tests/fixtures/smollm2, made by scripts/fixtures/make_smollm2_fixtures.py with
+//! llama-cpp-python. The model is `slowfast fetch smollm2-135m`; without it every test prints
+//! why it skipped (and fails under SLOWFAST_REQUIRE_MODEL=1, where CI has fetched it).
+use std::path::PathBuf;
+
+use slowfast_engine::eval::nll_of;
+use slowfast_engine::{KvDtype, Loaded, Session};
+use slowfast_loader::fetch::{test_known_model, SMOLLM2_135M};
+use slowfast_model::{LogitsRows, MatmulPrecision};
+use slowfast_tokenizer::ChatMessage;
+
+fn fixture(name: &str) -> serde_json::Value {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/smollm2")
+        .join(name);
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn floats(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+fn load(precision: MatmulPrecision) -> Option<Loaded> {
+    let p = test_known_model(&SMOLLM2_135M)?;
+    let mut m = slowfast_engine::load(p.to_str().unwrap(), &mut |_| {}).unwrap();
+    m.model.precision = precision;
+    Some(m)
+}
+
+/// Log-probs of every next token, prefilled in chunks of 512 with all-row logits.
+fn logprobs(m: &Loaded, toks: &[u32], kv: KvDtype) -> Vec<f64> {
+    let chunk = 512;
+    let mut s = Session::new(&m.model, toks.len(), kv, chunk);
+    let vocab = m.model.cfg.vocab_size;
+    let mut out = Vec::new();
+    for (ci, c) in toks.chunks(chunk).enumerate() {
+        let logits = s.forward(c, LogitsRows::All).unwrap().to_vec();
+        for (r, row) in logits.chunks(vocab).enumerate() {
+            let i = ci * chunk + r;
+            if i + 1 < toks.len() {
+                out.push(-nll_of(row, toks[i + 1]));
+            }
+        }
+    }
+    out
+}
+
+fn mean_nll(lp: &[f64]) -> f64 {
+    -lp.iter().sum::<f64>() / lp.len() as f64
+}
+
+#[test]
+fn config_is_smollm2() {
+    let Some(m) = load(MatmulPrecision::Fast) else {
+        return;
+    };
+    let c = &m.model.cfg;
+    assert_eq!(
+        (
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim
+        ),
+        (30, 9, 3, 64)
+    );
+    assert!(c.layer_sliding.iter().all(|s| !s), "every layer is global");
+    assert_eq!(c.vocab_size, 49152);
+    assert!(!m.tokenizer.adds_bos());
+    assert_eq!(m.tokenizer.eos_ids()[0], 2, "<|im_end|>");
+}
+
+#[test]
+fn tokenizer_and_chat_template_match_llama_cpp() {
+    let Some(m) = load(MatmulPrecision::Fast) else {
+        return;
+    };
+    let f = fixture("tokenizer.json");
+    let cases = f["cases"].as_array().unwrap();
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let ours = m.tokenizer.encode_with(text, true, false).unwrap();
+        assert_eq!(ours, ids(&case["ids"]), "tokenization of {text:?}");
+    }
+    eprintln!("{} strings tokenized as llama.cpp does", cases.len());
+    for chat in f["chats"].as_array().unwrap() {
+        let messages: Vec<ChatMessage> = serde_json::from_value(chat["messages"].clone()).unwrap();
+        let prompt = m.tokenizer.apply_chat_template(&messages, true).unwrap();
+        assert_eq!(prompt, chat["prompt"].as_str().unwrap());
+        assert_eq!(
+            m.tokenizer.encode(&prompt, true).unwrap(),
+            ids(&chat["ids"]),
+            "chat prompt ids"
+        );
+    }
+}
+
+#[test]
+fn nll_on_2k_tokens_matches_llama_cpp() {
+    let Some(m) = load(MatmulPrecision::Fast) else {
+        return;
+    };
+    // The gemma3 passage (whole paragraphs, <= 2048 tokens): per-position log-probs.
+    let f = fixture("logprobs_2k.json");
+    let toks = ids(&f["token_ids"]);
+    let ours = m
+        .tokenizer
+        .encode(f["text"].as_str().unwrap(), true)
+        .unwrap();
+    assert_eq!(ours, toks, "tokenization of the passage differs");
+    let want = floats(&f["logprobs"]);
+    let got = logprobs(&m, &toks, KvDtype::F16);
+    assert_eq!(got.len(), want.len());
+    let d: Vec<f64> = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).collect();
+    let mean_d = d.iter().sum::<f64>() / d.len() as f64;
+    let (ours, theirs) = (mean_nll(&got), mean_nll(&want));
+    eprintln!(
+        "passage ({} tokens): nll {ours:.4} vs llama.cpp {theirs:.4}; per-position mean |d| {mean_d:.4}",
+        toks.len()
+    );
+    assert!((ours - theirs).abs() <= 0.02, "{ours} vs {theirs}");
+    assert!(mean_d <= 0.08, "mean |d logprob| {mean_d}");
+}
+
+/// 8192 tokens with all-row logits: 176 s on two busy cores, so not in the default run
+/// (`cargo test --release -p slowfast-engine --test smollm2_llamacpp -- --ignored`);
+/// docs/results.md has the measured numbers.
+#[test]
+#[ignore]
+fn nll_on_8k_tokens_matches_llama_cpp() {
+    let Some(m) = load(MatmulPrecision::Fast) else {
+        return;
+    };
+    let run = &fixture("nll_reference.json")["runs"][1];
+    assert_eq!(run["N"], 8192);
+    let toks = ids(&run["token_ids"]);
+    let t = std::time::Instant::now();
+    let ours = mean_nll(&logprobs(&m, &toks, KvDtype::F16));
+    let theirs = run["nll"].as_f64().unwrap();
+    eprintln!(
+        "N=8192: nll {ours:.4} vs llama.cpp {theirs:.4} ({:.1} s)",
+        t.elapsed().as_secs_f64()
+    );
+    assert!((ours - theirs).abs() <= 0.02, "{ours} vs {theirs}");
+}
+
+fn greedy_case(m: &Loaded, case: &serde_json::Value, kv: KvDtype) -> (Vec<u32>, Vec<u32>) {
+    let prompt = ids(&case["prompt_ids"]);
+    let want = ids(&case["greedy_ids"]);
+    let ours = m
+        .tokenizer
+        .encode(case["prompt"].as_str().unwrap(), true)
+        .unwrap();
+    assert_eq!(ours, prompt, "prompt tokenization differs");
+    let mut s = Session::new(&m.model, prompt.len() + want.len() + 1, kv, 512);
+    let mut logits = s.prefill(&prompt, &mut |_, _| {}).unwrap().to_vec();
+    let mut got = Vec::new();
+    for _ in 0..want.len() {
+        let t = slowfast_engine::sampler::argmax(&logits).unwrap();
+        got.push(t);
+        logits = s.step(t).unwrap().to_vec();
+    }
+    (got, want)
+}
+
+fn equal_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter()
+        .zip(b)
+        .position(|(x, y)| x != y)
+        .unwrap_or(a.len().min(b.len()))
+}
+
+#[test]
+fn greedy_32_tokens_equal_llama_cpp_q4_1() {
+    // The fast path (8-bit activations in decode, f16 KV) against llama.cpp on the same Q4_1
+    // file. llama.cpp rounds activations to Q8_1 blocks for its Q4_1 matmuls, we to our own
+    // 8-bit blocks (and both round K/V to f16); where that moves a near-tie, llama.cpp Q4_1
+    // itself parts from llama.cpp on the F32-dequantized weights (3 of the 7 prompts here; the
+    // top-2 gap moves by up to 0.21 nats between the two at the first fibonacci token). So a
+    // prompt passes when it reproduces all 32 tokens of one of the two llama.cpp runs, or parts
+    // from both only at a step where their top-2 gap is below 0.3 nats; exact agreement on every
+    // prompt is checked against the F32 reference in exact mode below.
+    let Some(m) = load(MatmulPrecision::Fast) else {
+        return;
+    };
+    let q4 = fixture("greedy.json");
+    let f32 = fixture("greedy_dequant_f32.json");
+    let (q4, f32) = (
+        q4["cases"].as_array().unwrap(),
+        f32["cases"].as_array().unwrap(),
+    );
+    assert_eq!((q4.len(), f32.len()), (7, 7));
+    let (mut full, mut agree) = (0, 0);
+    for (case, exact) in q4.iter().zip(f32) {
+        assert_eq!(case["prompt"], exact["prompt"]);
+        let (got, want) = greedy_case(&m, case, KvDtype::F16);
+        let want_f32 = ids(&exact["greedy_ids"]);
+        let (n_q4, n_f32) = (equal_prefix(&got, &want), equal_prefix(&got, &want_f32));
+        eprintln!(
+            "{:?}: equal to llama.cpp Q4_1 for {n_q4}, to llama.cpp F32 for {n_f32} of 32 tokens",
+            case["prompt"]
+        );
+        agree += n_q4.max(n_f32);
+        if got == want || got == want_f32 {
+            full += 1;
+            continue;
+        }
+        let gap = |c: &serde_json::Value, i: usize| floats(&c["top2_gap"])[i];
+        let gap = gap(case, n_q4).min(gap(exact, n_f32));
+        assert!(
+            gap < 0.3,
+            "prompt {:?} parts from llama.cpp where its top-2 gap is {gap}: {:?} vs Q4_1 {:?} / F32 {:?}",
+            case["prompt"],
+            m.tokenizer.decode(&got),
+            m.tokenizer.decode(&want),
+            m.tokenizer.decode(&want_f32)
+        );
+    }
+    eprintln!("{full} of 7 prompts equal for all 32 tokens; {agree} of 224 tokens agree");
+    // Measured: 4 of 7 fully equal, 163 of 224 tokens (docs/results.md).
+    assert!(full >= 4, "only {full} of 7 prompts fully equal");
+    assert!(agree >= 150, "only {agree} of 224 tokens agree");
+}
+
+#[test]
+fn greedy_32_tokens_equal_llama_cpp_f32_in_exact_mode() {
+    let Some(m) = load(MatmulPrecision::Exact) else {
+        return;
+    };
+    for case in fixture("greedy_dequant_f32.json")["cases"]
+        .as_array()
+        .unwrap()
+    {
+        let (got, want) = greedy_case(&m, case, KvDtype::F32);
+        assert_eq!(got, want, "prompt {:?}", case["prompt"]);
+    }
+}
