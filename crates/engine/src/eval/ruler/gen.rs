@@ -76,12 +76,7 @@ impl<'t> RulerGen<'t> {
         i: usize,
         samples: usize,
     ) -> Result<RulerSample, EngineError> {
-        let t = RulerTask::ALL.iter().position(|&x| x == task).unwrap_or(0) as u64;
-        let mut rng = SplitMix64::new(
-            self.seed
-                ^ (t + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                ^ (i as u64).wrapping_mul(0xA24B_AED4_963E_E407),
-        );
+        let mut rng = sample_rng(self.seed, task, i);
         match task.niah() {
             Some(p) => self.niah(task, p, &mut rng, even_depth(i, samples)),
             None => match task {
@@ -338,6 +333,15 @@ fn insert(units: &[String], needles: &[(f64, String)], sep: &str) -> String {
     parts.join(sep)
 }
 
+/// The generator of sample `i` of `task`. The seed, the task and the sample are hashed in
+/// turn: seeds that differ by multiples of SplitMix64's increment would give shifted copies
+/// of one stream (correlated draws across tasks).
+pub fn sample_rng(seed: u64, task: RulerTask, i: usize) -> SplitMix64 {
+    let t = RulerTask::ALL.iter().position(|&x| x == task).unwrap_or(0) as u64;
+    let h = |x: u64| SplitMix64::new(x).next_u64();
+    SplitMix64::new(h(h(h(seed) ^ t) ^ i as u64))
+}
+
 /// Depth (percent) of sample `i` of `samples`: evenly from 0 to 100 (50 for one sample).
 pub fn even_depth(i: usize, samples: usize) -> f64 {
     if samples <= 1 {
@@ -384,6 +388,25 @@ mod tests {
         assert_eq!(
             (0..4).map(|i| even_depth(i, 5)).collect::<Vec<_>>(),
             [0.0, 25.0, 50.0, 75.0]
+        );
+    }
+
+    #[test]
+    fn samples_draw_from_unrelated_streams() {
+        // A stream shifted from another shares its outputs: none may repeat across the
+        // (task, sample) pairs of one seed.
+        let mut seen = std::collections::HashSet::new();
+        for task in RulerTask::ALL {
+            for i in 0..8 {
+                let mut r = sample_rng(0, task, i);
+                for _ in 0..64 {
+                    assert!(seen.insert(r.next_u64()), "{} sample {i}", task.name());
+                }
+            }
+        }
+        assert_ne!(
+            sample_rng(1, RulerTask::Vt, 0).next_u64(),
+            sample_rng(0, RulerTask::Vt, 0).next_u64()
         );
     }
 
