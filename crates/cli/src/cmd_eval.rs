@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use slowfast_engine::eval::agree::{eval_agree, AgreeOptions};
 use slowfast_engine::eval::passkey::{eval_passkey_on, PasskeyOptions};
+use slowfast_engine::eval::ruler::{eval_ruler, RulerOptions, RulerTask};
 use slowfast_engine::eval::stability::{eval_stability, StabilityOptions};
 use slowfast_engine::eval::{eval_nll_on, EvalRecord, Metrics, NllOptions};
 use slowfast_engine::PolicySpec;
@@ -24,6 +25,21 @@ use crate::common::{read_text, ModelArgs, PolicyArgs};
              (5-digit numbers) at --passkey-depths in a haystack (--input, else a generated
              filler), optional distractor numbers, and a completion-style question at the
              end; accuracy = exact match of the first number decoded.
+  ruler      RULER's synthetic tasks, generated offline from --seed (--ruler-tasks, default
+             all): niah_single_1 (repeated filler, word -> 7-digit number), niah_single_2
+             (essay, word -> number), niah_single_3 (essay, word -> UUID), niah_multikey_1
+             (essay, 4 keys, one asked), niah_multikey_2 (distractor needles, word ->
+             number), niah_multikey_3 (distractor needles, UUID -> UUID), niah_multivalue (4
+             values of one key), niah_multiquery (4 keys asked), vt (variable tracking: one
+             chain of 4 hops), cwe (common-words extraction), fwe (frequent-words
+             extraction). Each prompt's haystack grows until the prompt plus the task's
+             answer budget (128 tokens for niah, 30 vt, 120 cwe, 50 fwe) fits --context;
+             the prompt ends with RULER's answer prefix and each policy answers greedily.
+             Score: string_match_all (mean over the expected strings of case-insensitive
+             substring hits, x100), averaged over --ruler-samples prompts per task; the
+             table shows each task and the mean. The essay tasks need --input (a long
+             English text, e.g. data/texts/austen_prideprejudice.txt from
+             scripts/get_texts.sh). --chat wraps prompts for instruct models.
   stability  dense attention over the last E tokens of N tokens of --input (teacher-forced):
              per global layer and query head, the top-k keys of each decode step; mean
              Jaccard overlap of consecutive steps within a sentence and across a sentence
@@ -32,14 +48,15 @@ pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Task to run (see Tasks below).
-    #[arg(long, default_value = "nll", value_parser = ["nll", "agree", "passkey", "stability"])]
+    #[arg(long, default_value = "nll", value_parser = ["nll", "agree", "passkey", "ruler", "stability"])]
     pub task: String,
     /// UTF-8 text to evaluate on (nll, agree, stability need it; passkey uses it as haystack,
-    /// else a generated filler).
+    /// else a generated filler; ruler: the essay haystack of niah_single_2, niah_single_3,
+    /// niah_multikey_1, niah_multivalue and niah_multiquery).
     #[arg(long, short = 'i')]
     pub input: Option<PathBuf>,
     /// Context length N in tokens (nll: the text is tokenized with BOS and truncated to N+1
-    /// tokens; passkey: the whole prompt, question included).
+    /// tokens; passkey: the whole prompt, question included; ruler: prompt plus answer budget).
     #[arg(long, default_value_t = 8192)]
     pub context: usize,
     /// E: decode steps scored after a prefill of N-E tokens [default: 512 for nll and
@@ -62,7 +79,8 @@ pub struct Args {
     /// policy, and a second prefill for SFI).
     #[arg(long)]
     pub agree_no_teacher_forced: bool,
-    /// passkey: seed of the trials (keys, names, depths of the other pieces, haystack offsets).
+    /// passkey and ruler: seed of the prompts (keys, values, names, depths of the other
+    /// pieces, haystack offsets, word lists).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// passkey: number of trials (prompts); each policy answers every one.
@@ -88,6 +106,19 @@ pub struct Args {
     /// alone (a follow-up question: the sparse memory was chosen before the question came).
     #[arg(long, default_value = "prefill", value_parser = ["prefill", "decode"])]
     pub passkey_question: String,
+    /// ruler: comma-separated tasks to run (`all`, or any of niah_single_1, niah_single_2,
+    /// niah_single_3, niah_multikey_1, niah_multikey_2, niah_multikey_3, niah_multivalue,
+    /// niah_multiquery, vt, cwe, fwe).
+    #[arg(long, default_value = "all")]
+    pub ruler_tasks: String,
+    /// ruler: prompts per task; the asked needle's depth goes evenly from 0 to 100 % over
+    /// them (50 % with one).
+    #[arg(long, default_value_t = 4)]
+    pub ruler_samples: usize,
+    /// ruler: wrap each prompt in the model's chat template as a user turn, the answer prefix
+    /// starting the model's turn (for instruct models; base models take the plain prompt).
+    #[arg(long)]
+    pub chat: bool,
     /// stability: keys in each step's support (top-k by attention logit, per query head).
     #[arg(long, default_value_t = 64)]
     pub stability_topk: usize,
@@ -125,6 +156,15 @@ fn table(rs: &[EvalRecord]) -> String {
         Metrics::Passkey(_) => s.push_str(
             "| task | policy | kv budget | context | trials | accuracy | by depth (right/trials) | retained |\n|---|---|---|---|---|---|---|---|\n",
         ),
+        Metrics::Ruler(m) => {
+            s.push_str("| task | policy | kv budget | context | samples |");
+            for t in &m.tasks {
+                s.push_str(&format!(" {} |", t.task));
+            }
+            s.push_str(" average | retained |\n|---|---|---|---|---|");
+            s.push_str(&"---|".repeat(m.tasks.len() + 2));
+            s.push('\n');
+        }
         Metrics::Stability(m) => {
             s.push_str("| task | policy | context | steps | top-k | boundaries | jaccard within | jaccard across |");
             for d in &m.jaccard_by_distance {
@@ -178,6 +218,21 @@ fn table(rs: &[EvalRecord]) -> String {
                     .join(", "),
                 r.retained_fraction
             ),
+            Metrics::Ruler(m) => {
+                let mut l = format!(
+                    "| {} | {} | {} | {} | {} |",
+                    r.task,
+                    r.policy,
+                    budget(r),
+                    r.context,
+                    m.samples
+                );
+                for t in &m.tasks {
+                    l.push_str(&format!(" {:.1} |", t.score));
+                }
+                l.push_str(&format!(" {:.1} | {:.3} |", m.score, r.retained_fraction));
+                l
+            }
             Metrics::Stability(m) => {
                 let mut l = format!(
                     "| {} | {} | {} | {} | {} | {} | {} | {} |",
@@ -207,8 +262,11 @@ fn check(a: &Args, e: Option<usize>) -> Result<()> {
     if a.context == 0 {
         bail!("--context must be at least 1");
     }
-    if a.task != "passkey" && a.input.is_none() {
+    if !matches!(a.task.as_str(), "passkey" | "ruler") && a.input.is_none() {
         bail!("--task {} needs --input (a UTF-8 text file)", a.task);
+    }
+    if a.chat && a.task != "ruler" {
+        bail!("--chat is for --task ruler (got --task {})", a.task);
     }
     if let Some(e) = e {
         let ok = match a.task.as_str() {
@@ -229,7 +287,7 @@ fn check(a: &Args, e: Option<usize>) -> Result<()> {
 
 pub fn run(a: Args) -> Result<()> {
     let e = match a.task.as_str() {
-        "passkey" => None,
+        "passkey" | "ruler" => None,
         "agree" => Some(a.eval_tokens.unwrap_or(128)),
         _ => Some(a.eval_tokens.unwrap_or(512)),
     };
@@ -286,6 +344,34 @@ pub fn run(a: Args) -> Result<()> {
     };
     if a.task == "passkey" {
         pk.validate()?;
+    }
+    let ruler = RulerOptions {
+        context: a.context,
+        kv: a.model.kv(),
+        chunk: a.model.chunk,
+        tasks: if a.task == "ruler" {
+            RulerTask::parse_list(&a.ruler_tasks)?
+        } else {
+            Vec::new()
+        },
+        samples: a.ruler_samples,
+        seed: a.seed,
+        chat: a.chat,
+    };
+    if a.task == "ruler" {
+        ruler.validate()?;
+        let essay: Vec<&str> = ruler
+            .tasks
+            .iter()
+            .filter(|t| t.needs_essay())
+            .map(|t| t.name())
+            .collect();
+        if !essay.is_empty() && a.input.is_none() {
+            bail!(
+                "--task ruler: {} hide needles in an essay and need --input (a long English text, e.g. data/texts/austen_prideprejudice.txt from scripts/get_texts.sh); or leave them out with --ruler-tasks",
+                essay.join(", ")
+            );
+        }
     }
     let text = a.input.as_deref().map(read_text).transpose()?;
     let m = a.model.load()?;
@@ -363,6 +449,9 @@ pub fn run(a: Args) -> Result<()> {
                 }
             };
             recs = eval_passkey_on(device, &m, hay, &pk, &specs, &mut progress)?;
+        }
+        "ruler" => {
+            recs = eval_ruler(&m, text.as_deref(), &ruler, &specs, &mut progress)?;
         }
         "stability" => {
             let ids = encode(true)?;

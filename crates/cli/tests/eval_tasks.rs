@@ -1,4 +1,4 @@
-//! `slowfast eval --task agree|passkey|stability` as a user runs it: every bad flag gives an
+//! `slowfast eval --task agree|passkey|ruler|stability` as a user runs it: every bad flag gives an
 //! error naming it (before any model loads), and each task runs end to end on the tiny
 //! Gemma 3 fixture (random weights: the numbers are not meaningful, the records are checked).
 use std::path::PathBuf;
@@ -173,7 +173,11 @@ fn eval_help_explains_every_task_flag() {
         "--passkey-question",
         "--stability-topk",
         "--stability-distances",
+        "--ruler-tasks",
+        "--ruler-samples",
+        "--chat",
         "agree      greedy",
+        "ruler      RULER's",
         "passkey    ",
         "stability  dense",
     ] {
@@ -288,4 +292,143 @@ fn passkey_and_stability_write_their_records() {
         assert!((0.0..=1.0).contains(&j), "{k} = {j}");
     }
     assert!(!s["per_head"].as_array().unwrap().is_empty());
+}
+
+/// The Gemma 3 fixture with room for 2048 positions (its config says 256; the weights are
+/// random and RoPE takes any position), so RULER's answer budgets fit beside a prompt.
+fn fixture_2k() -> String {
+    let dir = tmp("fixture2k");
+    for e in std::fs::read_dir(fixture()).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    let cfg = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["max_position_embeddings"] = 2048.into();
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    dir.to_str().unwrap().to_owned()
+}
+
+#[test]
+fn bad_ruler_flags_are_named_before_loading_a_model() {
+    let t = text();
+    let m = ["--model", "/nonexistent/model.gguf", "--task", "ruler"];
+    fails(
+        &args(&m, &["--ruler-tasks", "vt,niah_single_7", "-i", &t]),
+        "--ruler-tasks: unknown task `niah_single_7`",
+    );
+    fails(
+        &args(&m, &["--ruler-samples", "0", "-i", &t]),
+        "--ruler-samples",
+    );
+    fails(&args(&m, &[]), "niah_single_2, niah_single_3");
+    fails(
+        &args(&m, &["--ruler-tasks", "vt,niah_multivalue"]),
+        "niah_multivalue hide needles in an essay and need --input",
+    );
+    fails(
+        &[
+            "--model",
+            "/nonexistent/model.gguf",
+            "--task",
+            "passkey",
+            "--chat",
+        ],
+        "--chat is for --task ruler",
+    );
+    // Flags fine, no essay task: the missing model is the error.
+    fails(
+        &args(&m, &["--ruler-tasks", "vt,cwe,fwe,niah_single_1"]),
+        "/nonexistent/model.gguf",
+    );
+}
+
+#[test]
+fn ruler_runs_every_task_under_each_policy() {
+    let essay = tmp("essay").join("essay.txt");
+    std::fs::write(
+        &essay,
+        "It is a truth universally acknowledged, that a single man in possession of a good \
+fortune, must be in want of a wife. \"My dear Mr. Bennet,\" said his lady to him one day, \
+\"have you heard that Netherfield Park is let at last?\" Mr. Bennet replied that he had not.\n"
+            .repeat(40),
+    )
+    .unwrap();
+    let json = tmp("json").join("ruler.json");
+    let out = bin()
+        .arg("eval")
+        .args([
+            "--model",
+            &fixture_2k(),
+            "--kv-dtype",
+            "f32",
+            "--task",
+            "ruler",
+        ])
+        .args(["--context", "2048", "--ruler-samples", "1", "--seed", "3"])
+        .args(["-i", essay.to_str().unwrap()])
+        .args([
+            "--policies",
+            "full,sfi",
+            "--kv-budget",
+            "256",
+            "--sinks",
+            "2",
+        ])
+        .args(["--sfi-recent", "32", "--json", json.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("ruler vt sample 1/1"),
+        "progress on stderr: {err}"
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.starts_with("| task | policy | kv budget | context | samples | niah_single_1 |"),
+        "{table}"
+    );
+    assert!(table.contains("| fwe | average | retained |"), "{table}");
+    let r: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let names: Vec<_> = r.iter().map(|x| x["policy"].as_str().unwrap()).collect();
+    assert_eq!(names, ["full", "sfi"]);
+    let all = [
+        "niah_single_1",
+        "niah_single_2",
+        "niah_single_3",
+        "niah_multikey_1",
+        "niah_multikey_2",
+        "niah_multikey_3",
+        "niah_multivalue",
+        "niah_multiquery",
+        "vt",
+        "cwe",
+        "fwe",
+    ];
+    for x in &r {
+        assert_eq!(
+            (x["task"].as_str(), x["context"].as_u64()),
+            (Some("ruler"), Some(2048))
+        );
+        let tasks = x["tasks"].as_array().unwrap();
+        let got: Vec<_> = tasks.iter().map(|t| t["task"].as_str().unwrap()).collect();
+        assert_eq!(got, all);
+        let mut sum = 0.0;
+        for t in tasks {
+            let s = t["score"].as_f64().unwrap();
+            assert!((0.0..=100.0).contains(&s), "{t}");
+            sum += s;
+            assert_eq!(t["samples"], 1);
+            let a = &t["answers"][0];
+            assert!(a["prompt_tokens"].as_u64().unwrap() + t["budget"].as_u64().unwrap() <= 2048);
+            assert!(!a["expected"].as_array().unwrap().is_empty());
+        }
+        let avg = x["score"].as_f64().unwrap();
+        assert!((avg - sum / all.len() as f64).abs() < 1e-9);
+        assert!((0.0..=100.0).contains(&avg));
+    }
+    assert_eq!(r[1]["kv_budget"], 256);
 }

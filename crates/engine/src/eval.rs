@@ -1,9 +1,10 @@
 //! `slowfast eval`: quality measurements, one record per (task, policy). `nll` (here):
 //! prefill N−E tokens of a text, then E teacher-forced decode steps; the mean next-token
 //! negative log-likelihood (natural log) over the E predictions those steps make (of tokens
-//! t_{N−E+1} .. t_N). `agree`, `passkey` and `stability` live in the submodules.
+//! t_{N−E+1} .. t_N). `agree`, `passkey`, `ruler` and `stability` live in the submodules.
 pub mod agree;
 pub mod passkey;
+pub mod ruler;
 pub mod stability;
 
 use std::time::Instant;
@@ -21,7 +22,7 @@ pub struct EvalRecord {
     pub model: String,
     pub context: usize,
     /// Decode steps the task scored (nll, agree, stability) or answer tokens per trial
-    /// (passkey).
+    /// (passkey; ruler: the largest answer budget of its tasks).
     pub eval_tokens: usize,
     /// KV budget in tokens (None for full KV).
     pub kv_budget: Option<usize>,
@@ -46,6 +47,7 @@ pub enum Metrics {
     Nll(NllMetrics),
     Agree(agree::AgreeMetrics),
     Passkey(passkey::PasskeyMetrics),
+    Ruler(ruler::RulerMetrics),
     Stability(stability::StabilityMetrics),
 }
 
