@@ -129,11 +129,31 @@ impl GgmlType {
 
     /// The names of [`Self::SUPPORTED`], comma-separated (for error messages).
     pub fn supported_names() -> String {
-        Self::SUPPORTED
-            .iter()
-            .map(|t| t.name())
-            .collect::<Vec<_>>()
-            .join(", ")
+        names(Self::SUPPORTED)
+    }
+
+    /// The types `quantize_row` writes (random-weight models can be built in these); a subset of
+    /// [`Self::SUPPORTED`]: the others load from files but have no quantizer here.
+    pub const QUANTIZABLE: &'static [GgmlType] = &[
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q5_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_K,
+    ];
+
+    /// True for the types `quantize_row` writes.
+    pub fn is_quantizable(self) -> bool {
+        Self::QUANTIZABLE.contains(&self)
+    }
+
+    /// The names of [`Self::QUANTIZABLE`], comma-separated (for error messages).
+    pub fn quantizable_names() -> String {
+        names(Self::QUANTIZABLE)
     }
 
     pub(crate) fn unsupported(self, op: &'static str) -> QuantError {
@@ -142,6 +162,14 @@ impl GgmlType {
             op,
         }
     }
+}
+
+fn names(types: &[GgmlType]) -> String {
+    types
+        .iter()
+        .map(|t| t.name())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 impl std::fmt::Display for GgmlType {

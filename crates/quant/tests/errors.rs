@@ -136,3 +136,19 @@ fn the_supported_list_is_what_dequantize_and_matvec_take() {
     );
     assert_eq!(names.split(", ").count(), GgmlType::SUPPORTED.len());
 }
+
+#[test]
+fn the_quantizable_list_is_what_quantize_row_takes() {
+    // Every type in GgmlType::QUANTIZABLE quantizes a row of 256 values, and only those; each
+    // is also SUPPORTED (what can be written can be read).
+    let x: Vec<f32> = (0..256).map(|i| (i as f32 * 0.37).sin()).collect();
+    for &ty in GgmlType::ALL {
+        let mut dst = vec![0u8; ty.row_bytes(256).unwrap()];
+        let q = quantize_row(ty, &x, &mut dst);
+        assert_eq!(q.is_ok(), ty.is_quantizable(), "{ty} quantize_row: {q:?}");
+        assert!(!ty.is_quantizable() || ty.is_supported(), "{ty}");
+    }
+    let names = GgmlType::quantizable_names();
+    assert_eq!(names.split(", ").count(), GgmlType::QUANTIZABLE.len());
+    assert!(!names.contains("Q3_K"), "{names}");
+}
