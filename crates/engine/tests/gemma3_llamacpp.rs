@@ -2,58 +2,17 @@
 //! llama-cpp-python). Two references: llama.cpp on the Q4_K_M file itself (its matmuls round
 //! activations to 8 bits), and llama.cpp on the same weights dequantized to F32 with an f32 KV
 //! cache (exact arithmetic on the same weights).
-use std::path::PathBuf;
+mod llamacpp;
+use llamacpp::{fixture, floats, ids, logprobs};
 
-use slowfast_engine::eval::nll_of;
 use slowfast_engine::{KvDtype, Loaded, Session};
-use slowfast_model::{LogitsRows, MatmulPrecision};
-
-fn fixture(name: &str) -> serde_json::Value {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/gemma3")
-        .join(name);
-    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn floats(v: &serde_json::Value) -> Vec<f64> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect()
-}
+use slowfast_model::MatmulPrecision;
 
 fn load(precision: MatmulPrecision) -> Option<Loaded> {
     let p = slowfast_loader::test_model_path()?;
     let mut m = slowfast_engine::load(p.to_str().unwrap(), &mut |_| {}).unwrap();
     m.model.precision = precision;
     Some(m)
-}
-
-/// Log-probs of every next token, prefilled in chunks of 512 with all-row logits.
-fn logprobs(m: &Loaded, toks: &[u32], kv: KvDtype) -> Vec<f64> {
-    let chunk = 512;
-    let mut s = Session::new(&m.model, toks.len(), kv, chunk);
-    let vocab = m.model.cfg.vocab_size;
-    let mut out = Vec::new();
-    for (ci, c) in toks.chunks(chunk).enumerate() {
-        let logits = s.forward(c, LogitsRows::All).unwrap().to_vec();
-        for (r, row) in logits.chunks(vocab).enumerate() {
-            let i = ci * chunk + r;
-            if i + 1 < toks.len() {
-                out.push(-nll_of(row, toks[i + 1]));
-            }
-        }
-    }
-    out
 }
 
 struct Diff {
@@ -80,7 +39,7 @@ fn logprobs_on_2k_tokens_match_llama_cpp() {
         return;
     };
     // Same weights in exact arithmetic: every position within 0.02 nats.
-    let f = fixture("logprobs_2k_dequant_f32.json");
+    let f = fixture("gemma3", "logprobs_2k_dequant_f32.json");
     let toks = ids(&f["token_ids"]);
     let ours = m
         .tokenizer
@@ -102,7 +61,7 @@ fn logprobs_on_2k_tokens_match_llama_cpp() {
     // llama.cpp on the Q4_K_M file with an f16 KV cache: its 8-bit activation rounding moves
     // each log-prob by 0.068 nats on average (llama.cpp Q4 vs llama.cpp F32 on this passage),
     // so per position we can only be as close as that noise; the mean NLL must agree.
-    let f = fixture("logprobs_2k.json");
+    let f = fixture("gemma3", "logprobs_2k.json");
     assert_eq!(ids(&f["token_ids"]), toks);
     let got = logprobs(&m, &toks, KvDtype::F16);
     let d = compare(&got, &floats(&f["logprobs"]));
@@ -156,7 +115,10 @@ fn greedy_32_tokens_equal_llama_cpp_q4() {
     // average, up to 0.7). Every prompt must agree on its first 8 tokens and over 75% of all
     // tokens; exact agreement over all 32 tokens is checked against the F32 reference below.
     let (mut agree, mut total) = (0, 0);
-    for case in fixture("greedy.json")["cases"].as_array().unwrap() {
+    for case in fixture("gemma3", "greedy.json")["cases"]
+        .as_array()
+        .unwrap()
+    {
         let (got, want, gaps) = greedy_case(&m, case, KvDtype::F16);
         let first = got
             .iter()
@@ -181,7 +143,7 @@ fn greedy_32_tokens_equal_llama_cpp_q4() {
         agree * 4 > total * 3,
         "only {agree} of {total} tokens agree"
     );
-    let capital = &fixture("greedy.json")["cases"][0];
+    let capital = &fixture("gemma3", "greedy.json")["cases"][0];
     let text = m
         .tokenizer
         .decode(&greedy_case(&m, capital, KvDtype::F16).0);
@@ -193,7 +155,7 @@ fn greedy_32_tokens_equal_llama_cpp_f32_in_exact_mode() {
     let Some(m) = load(MatmulPrecision::Exact) else {
         return;
     };
-    for case in fixture("greedy_dequant_f32.json")["cases"]
+    for case in fixture("gemma3", "greedy_dequant_f32.json")["cases"]
         .as_array()
         .unwrap()
     {

@@ -3,60 +3,19 @@
 //! Fixtures in tests/fixtures/smollm2, made by scripts/fixtures/make_smollm2_fixtures.py with
 //! llama-cpp-python. The model is `slowfast fetch smollm2-135m`; without it every test prints
 //! why it skipped (and fails under SLOWFAST_REQUIRE_MODEL=1, where CI has fetched it).
-use std::path::PathBuf;
+mod llamacpp;
+use llamacpp::{fixture, floats, ids, logprobs};
 
-use slowfast_engine::eval::nll_of;
 use slowfast_engine::{KvDtype, Loaded, Session};
 use slowfast_loader::fetch::{test_known_model, SMOLLM2_135M};
-use slowfast_model::{LogitsRows, MatmulPrecision};
+use slowfast_model::MatmulPrecision;
 use slowfast_tokenizer::ChatMessage;
-
-fn fixture(name: &str) -> serde_json::Value {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/smollm2")
-        .join(name);
-    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn floats(v: &serde_json::Value) -> Vec<f64> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect()
-}
 
 fn load(precision: MatmulPrecision) -> Option<Loaded> {
     let p = test_known_model(&SMOLLM2_135M)?;
     let mut m = slowfast_engine::load(p.to_str().unwrap(), &mut |_| {}).unwrap();
     m.model.precision = precision;
     Some(m)
-}
-
-/// Log-probs of every next token, prefilled in chunks of 512 with all-row logits.
-fn logprobs(m: &Loaded, toks: &[u32], kv: KvDtype) -> Vec<f64> {
-    let chunk = 512;
-    let mut s = Session::new(&m.model, toks.len(), kv, chunk);
-    let vocab = m.model.cfg.vocab_size;
-    let mut out = Vec::new();
-    for (ci, c) in toks.chunks(chunk).enumerate() {
-        let logits = s.forward(c, LogitsRows::All).unwrap().to_vec();
-        for (r, row) in logits.chunks(vocab).enumerate() {
-            let i = ci * chunk + r;
-            if i + 1 < toks.len() {
-                out.push(-nll_of(row, toks[i + 1]));
-            }
-        }
-    }
-    out
 }
 
 fn mean_nll(lp: &[f64]) -> f64 {
@@ -89,7 +48,7 @@ fn tokenizer_and_chat_template_match_llama_cpp() {
     let Some(m) = load(MatmulPrecision::Fast) else {
         return;
     };
-    let f = fixture("tokenizer.json");
+    let f = fixture("smollm2", "tokenizer.json");
     let cases = f["cases"].as_array().unwrap();
     for case in cases {
         let text = case["text"].as_str().unwrap();
@@ -115,7 +74,7 @@ fn nll_on_2k_tokens_matches_llama_cpp() {
         return;
     };
     // The gemma3 passage (whole paragraphs, <= 2048 tokens): per-position log-probs.
-    let f = fixture("logprobs_2k.json");
+    let f = fixture("smollm2", "logprobs_2k.json");
     let toks = ids(&f["token_ids"]);
     let ours = m
         .tokenizer
@@ -145,7 +104,7 @@ fn nll_on_8k_tokens_matches_llama_cpp() {
     let Some(m) = load(MatmulPrecision::Fast) else {
         return;
     };
-    let run = &fixture("nll_reference.json")["runs"][1];
+    let run = &fixture("smollm2", "nll_reference.json")["runs"][1];
     assert_eq!(run["N"], 8192);
     let toks = ids(&run["token_ids"]);
     let t = std::time::Instant::now();
@@ -197,8 +156,8 @@ fn greedy_32_tokens_equal_llama_cpp_q4_1() {
     let Some(m) = load(MatmulPrecision::Fast) else {
         return;
     };
-    let q4 = fixture("greedy.json");
-    let f32 = fixture("greedy_dequant_f32.json");
+    let q4 = fixture("smollm2", "greedy.json");
+    let f32 = fixture("smollm2", "greedy_dequant_f32.json");
     let (q4, f32) = (
         q4["cases"].as_array().unwrap(),
         f32["cases"].as_array().unwrap(),
@@ -241,7 +200,7 @@ fn greedy_32_tokens_equal_llama_cpp_f32_in_exact_mode() {
     let Some(m) = load(MatmulPrecision::Exact) else {
         return;
     };
-    for case in fixture("greedy_dequant_f32.json")["cases"]
+    for case in fixture("smollm2", "greedy_dequant_f32.json")["cases"]
         .as_array()
         .unwrap()
     {
