@@ -3,9 +3,9 @@
 //! activations to 8 bits), and llama.cpp on the same weights dequantized to F32 with an f32 KV
 //! cache (exact arithmetic on the same weights).
 mod llamacpp;
-use llamacpp::{fixture, floats, ids, logprobs};
+use llamacpp::{fixture, floats, greedy_case, ids, logprobs};
 
-use slowfast_engine::{KvDtype, Loaded, Session};
+use slowfast_engine::{KvDtype, Loaded};
 use slowfast_model::MatmulPrecision;
 
 fn load(precision: MatmulPrecision) -> Option<Loaded> {
@@ -80,26 +80,13 @@ fn logprobs_on_2k_tokens_match_llama_cpp() {
     );
 }
 
-fn greedy_case(
+/// A greedy case with llama.cpp's top-2 logit gap at each step.
+fn greedy_case_gaps(
     m: &Loaded,
     case: &serde_json::Value,
     kv: KvDtype,
 ) -> (Vec<u32>, Vec<u32>, Vec<f64>) {
-    let prompt = ids(&case["prompt_ids"]);
-    let want = ids(&case["greedy_ids"]);
-    let ours = m
-        .tokenizer
-        .encode(case["prompt"].as_str().unwrap(), true)
-        .unwrap();
-    assert_eq!(ours, prompt, "prompt tokenization differs");
-    let mut s = Session::new(&m.model, prompt.len() + want.len() + 1, kv, 512);
-    let mut logits = s.prefill(&prompt, &mut |_, _| {}).unwrap().to_vec();
-    let mut got = Vec::new();
-    for _ in 0..want.len() {
-        let t = slowfast_engine::sampler::argmax(&logits).unwrap();
-        got.push(t);
-        logits = s.step(t).unwrap().to_vec();
-    }
+    let (got, want) = greedy_case(m, case, kv);
     (got, want, floats(&case["top2_gap"]))
 }
 
@@ -119,7 +106,7 @@ fn greedy_32_tokens_equal_llama_cpp_q4() {
         .as_array()
         .unwrap()
     {
-        let (got, want, gaps) = greedy_case(&m, case, KvDtype::F16);
+        let (got, want, gaps) = greedy_case_gaps(&m, case, KvDtype::F16);
         let first = got
             .iter()
             .zip(&want)
@@ -159,7 +146,7 @@ fn greedy_32_tokens_equal_llama_cpp_f32_in_exact_mode() {
         .as_array()
         .unwrap()
     {
-        let (got, want, _) = greedy_case(&m, case, KvDtype::F32);
+        let (got, want) = greedy_case(&m, case, KvDtype::F32);
         assert_eq!(got, want, "prompt {:?}", case["prompt"]);
     }
 }

@@ -4,9 +4,9 @@
 //! llama-cpp-python. The model is `slowfast fetch smollm2-135m`; without it every test prints
 //! why it skipped (and fails under SLOWFAST_REQUIRE_MODEL=1, where CI has fetched it).
 mod llamacpp;
-use llamacpp::{fixture, floats, ids, logprobs};
+use llamacpp::{fixture, floats, greedy_case, ids, logprobs};
 
-use slowfast_engine::{KvDtype, Loaded, Session};
+use slowfast_engine::{KvDtype, Loaded};
 use slowfast_loader::fetch::{test_known_model, SMOLLM2_135M};
 use slowfast_model::MatmulPrecision;
 use slowfast_tokenizer::ChatMessage;
@@ -115,25 +115,6 @@ fn nll_on_8k_tokens_matches_llama_cpp() {
         t.elapsed().as_secs_f64()
     );
     assert!((ours - theirs).abs() <= 0.02, "{ours} vs {theirs}");
-}
-
-fn greedy_case(m: &Loaded, case: &serde_json::Value, kv: KvDtype) -> (Vec<u32>, Vec<u32>) {
-    let prompt = ids(&case["prompt_ids"]);
-    let want = ids(&case["greedy_ids"]);
-    let ours = m
-        .tokenizer
-        .encode(case["prompt"].as_str().unwrap(), true)
-        .unwrap();
-    assert_eq!(ours, prompt, "prompt tokenization differs");
-    let mut s = Session::new(&m.model, prompt.len() + want.len() + 1, kv, 512);
-    let mut logits = s.prefill(&prompt, &mut |_, _| {}).unwrap().to_vec();
-    let mut got = Vec::new();
-    for _ in 0..want.len() {
-        let t = slowfast_engine::sampler::argmax(&logits).unwrap();
-        got.push(t);
-        logits = s.step(t).unwrap().to_vec();
-    }
-    (got, want)
 }
 
 fn equal_prefix(a: &[u32], b: &[u32]) -> usize {

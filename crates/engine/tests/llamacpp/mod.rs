@@ -1,5 +1,5 @@
 //! What the llama.cpp comparison tests share (gemma3_llamacpp.rs, smollm2_llamacpp.rs): their
-//! JSON fixtures under tests/fixtures/<model>/ and the log-probs of a text under full KV.
+//! JSON fixtures under tests/fixtures/<model>/, the log-probs of a text under full KV, greedy cases.
 #![allow(dead_code)] // each test file uses its own part
 
 use std::path::PathBuf;
@@ -50,4 +50,25 @@ pub fn logprobs(m: &Loaded, toks: &[u32], kv: KvDtype) -> Vec<f64> {
         }
     }
     out
+}
+
+/// A greedy fixture case (`prompt`, `prompt_ids`, `greedy_ids`): checks the prompt's ids, then
+/// decodes as many tokens greedily; returns (ours, llama.cpp's).
+pub fn greedy_case(m: &Loaded, case: &serde_json::Value, kv: KvDtype) -> (Vec<u32>, Vec<u32>) {
+    let prompt = ids(&case["prompt_ids"]);
+    let want = ids(&case["greedy_ids"]);
+    let ours = m
+        .tokenizer
+        .encode(case["prompt"].as_str().unwrap(), true)
+        .unwrap();
+    assert_eq!(ours, prompt, "prompt tokenization differs");
+    let mut s = Session::new(&m.model, prompt.len() + want.len() + 1, kv, 512);
+    let mut logits = s.prefill(&prompt, &mut |_, _| {}).unwrap().to_vec();
+    let mut got = Vec::new();
+    for _ in 0..want.len() {
+        let t = slowfast_engine::sampler::argmax(&logits).unwrap();
+        got.push(t);
+        logits = s.step(t).unwrap().to_vec();
+    }
+    (got, want)
 }
