@@ -12,6 +12,7 @@ pub mod load;
 pub mod sampler;
 pub mod scheduler;
 pub mod session;
+pub mod spec;
 pub mod stop;
 
 pub use device::Device;

@@ -229,6 +229,53 @@ impl Sampler {
     /// Sample one token from `logits` (`[vocab]`). Does not record it; see `accept`.
     /// NaN logits count as -inf.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplerError> {
+        if let Some(t) = self.filter(logits)? {
+            return Ok(t);
+        }
+        Ok(draw(&self.cand, &mut self.weights, &mut self.rng))
+    }
+
+    /// The distribution `sample` draws from for `logits` under this sampler's settings and
+    /// current history (penalties, temperature, top-k, top-p, min-p): (probability, token id)
+    /// pairs with probability > 0, summing to 1, written into `out` (cleared first). Greedy
+    /// (temperature 0): the argmax alone with probability 1 (lowest id on ties, as `sample`).
+    /// The pairs are in no particular order. Draws nothing from the random stream.
+    pub fn distribution(
+        &mut self,
+        logits: &[f32],
+        out: &mut Vec<(f32, u32)>,
+    ) -> Result<(), SamplerError> {
+        out.clear();
+        if let Some(t) = self.filter(logits)? {
+            out.push((1.0, t));
+            return Ok(());
+        }
+        let total = weigh(&self.cand, &mut self.weights);
+        if total.is_nan() {
+            // A +inf logit (after scaling) makes every weight NaN; `draw` then falls through
+            // to the last candidate, always.
+            out.push((1.0, self.cand[self.cand.len() - 1].1));
+            return Ok(());
+        }
+        let inv = 1.0 / total;
+        out.extend(
+            self.cand
+                .iter()
+                .zip(&self.weights)
+                .map(|(c, &w)| ((w as f64 * inv) as f32, c.1))
+                .filter(|&(p, _)| p > 0.0),
+        );
+        Ok(())
+    }
+
+    /// The sampler's random stream (speculative acceptance draws from it).
+    pub fn rng_mut(&mut self) -> &mut Rng {
+        &mut self.rng
+    }
+
+    /// The chain up to the draw, shared by `sample` and `distribution`: `Some(argmax)` when
+    /// greedy, else `None` with the surviving (scaled logit, id) candidates in `self.cand`.
+    fn filter(&mut self, logits: &[f32]) -> Result<Option<u32>, SamplerError> {
         if logits.len() != self.vocab_size {
             return Err(SamplerError::LogitsLen {
                 got: logits.len(),
@@ -247,7 +294,7 @@ impl Sampler {
         }
         let src: &[f32] = if penalize { &self.work } else { logits };
         if self.cfg.temperature == 0.0 {
-            return argmax(src).ok_or(SamplerError::NoCandidates);
+            return argmax(src).map(Some).ok_or(SamplerError::NoCandidates);
         }
         collect_top_k(src, self.cfg.top_k, &mut self.cand);
         if self.cand.is_empty() {
@@ -269,7 +316,7 @@ impl Sampler {
             let threshold = max + self.cfg.min_p.ln();
             self.cand.retain(|c| c.0 >= threshold);
         }
-        Ok(draw(&self.cand, &mut self.weights, &mut self.rng))
+        Ok(None)
     }
 
     /// llama.cpp semantics: each distinct token of the last `repeat_last_n` gets its logit
@@ -414,12 +461,18 @@ fn keep_top_p(cand: &mut Vec<(f32, u32)>, p: f32) {
     cand.truncate(end);
 }
 
-/// Draw one id with probability proportional to exp(logit).
-fn draw(cand: &[(f32, u32)], weights: &mut Vec<f32>, rng: &mut Rng) -> u32 {
+/// `weights[i] = exp(logit_i - max)` for each candidate; returns their sum (in f64, in order).
+/// `draw` and `Sampler::distribution` both read these, so they describe the same distribution.
+fn weigh(cand: &[(f32, u32)], weights: &mut Vec<f32>) -> f64 {
     let max = cand.iter().map(|c| c.0).fold(f32::NEG_INFINITY, f32::max);
     weights.clear();
     weights.extend(cand.iter().map(|c| (c.0 - max).exp()));
-    let total: f64 = weights.iter().map(|&w| w as f64).sum();
+    weights.iter().map(|&w| w as f64).sum()
+}
+
+/// Draw one id with probability proportional to exp(logit).
+fn draw(cand: &[(f32, u32)], weights: &mut Vec<f32>, rng: &mut Rng) -> u32 {
+    let total = weigh(cand, weights);
     let u = rng.next_f64() * total;
     let mut cum = 0.0;
     for (c, &w) in cand.iter().zip(weights.iter()) {

@@ -400,3 +400,176 @@ fn sampling_does_not_reallocate() {
         assert_eq!(before, buffers(&s));
     }
 }
+
+/// A digest of `sample`'s outputs over random logits and configs (penalties included), pinned
+/// from the code before `distribution` was split out, so the refactor cannot change a draw.
+fn sample_digest() -> u64 {
+    let mut rng = Rng::new(2024);
+    let mut digest = 0xCBF2_9CE4_8422_2325u64;
+    for trial in 0..60u64 {
+        let n = 1 + (rng.next_u64() % 300) as usize;
+        let c = SamplerConfig {
+            temperature: [0.0, 0.5, 1.0, 1.7][(trial % 4) as usize],
+            top_k: [0, 1, 5, 40][(trial % 4) as usize],
+            top_p: [1.0, 0.9, 0.5][(trial % 3) as usize],
+            min_p: [0.0, 0.05, 0.2][(trial % 3) as usize],
+            repetition_penalty: [1.0, 1.3][(trial % 2) as usize],
+            repeat_last_n: 16,
+            presence_penalty: [0.0, 0.4][(trial % 5 == 0) as usize],
+            frequency_penalty: [0.0, 0.3][(trial % 7 == 0) as usize],
+            seed: trial,
+        };
+        let mut s = Sampler::new(c, n).unwrap();
+        for _ in 0..20 {
+            let logits = random_logits(&mut rng, n);
+            let t = s.sample_and_accept(&logits).unwrap();
+            digest = (digest ^ t as u64).wrapping_mul(0x0100_0000_01B3);
+        }
+    }
+    digest
+}
+
+#[test]
+fn sample_outputs_are_pinned() {
+    assert_eq!(sample_digest(), 4_130_222_452_524_478_297);
+}
+
+/// `distribution` describes `sample`: for random logits and configs (penalties with a history
+/// included), the frequencies of many draws pass a chi-square test against it at p-value 1e-4;
+/// it is a probability distribution (positive, summing to 1, distinct ids); it draws nothing
+/// from the random stream.
+#[test]
+fn distribution_is_what_sample_draws_from() {
+    use crate::spec::sample::chi2::goodness_of_fit;
+    let mut rng = Rng::new(31);
+    let draws = 40_000;
+    let mut dist = vec![];
+    for trial in 0..24u64 {
+        let n = 3 + (rng.next_u64() % 30) as usize;
+        let mut logits = random_logits(&mut rng, n);
+        if trial % 4 == 1 {
+            logits[0] = f32::NEG_INFINITY;
+            logits[n - 1] = f32::NAN;
+        }
+        let c = SamplerConfig {
+            temperature: 0.4 + rng.next_f64() as f32 * 1.2,
+            top_k: [0, 3, 10][(trial % 3) as usize],
+            top_p: [1.0, 0.9, 0.6, 0.95][(trial % 4) as usize],
+            min_p: [0.0, 0.05, 0.2][(trial % 3) as usize],
+            repetition_penalty: [1.0, 1.5][(trial % 2) as usize],
+            repeat_last_n: 8,
+            presence_penalty: [0.0, 0.5][(trial % 5 == 0) as usize],
+            frequency_penalty: [0.0, 0.3][(trial % 3 == 0) as usize],
+            seed: trial,
+        };
+        let mut s = Sampler::new(c.clone(), n).unwrap();
+        for _ in 0..5 {
+            s.accept((rng.next_u64() % n as u64) as u32);
+        }
+        let before = s.clone();
+        s.distribution(&logits, &mut dist).unwrap();
+        assert_eq!(s.rng.next_u64(), before.rng.clone().next_u64());
+        let mut s = before;
+        let sum: f64 = dist.iter().map(|d| d.0 as f64).sum();
+        assert!((sum - 1.0).abs() < 1e-5, "trial {trial}: sum {sum}");
+        assert!(dist.iter().all(|d| d.0 > 0.0 && (d.1 as usize) < n));
+        let mut ids: Vec<u32> = dist.iter().map(|d| d.1).collect();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(ids.len(), dist.len(), "trial {trial}: repeated ids");
+        let mut probs = vec![0.0f64; n];
+        for &(p, id) in &dist {
+            probs[id as usize] = p as f64;
+        }
+        let mut counts = vec![0u64; n];
+        for _ in 0..draws {
+            counts[s.sample(&logits).unwrap() as usize] += 1;
+        }
+        let pv = goodness_of_fit(&counts, &probs);
+        assert!(
+            pv > 1e-4,
+            "trial {trial} {c:?}: p-value {pv}, {counts:?} vs {dist:?}"
+        );
+    }
+}
+
+#[test]
+fn greedy_distribution_is_the_one_hot_argmax() {
+    let mut rng = Rng::new(8);
+    let mut dist = vec![];
+    for trial in 0..100u64 {
+        let n = 1 + (rng.next_u64() % 40) as usize;
+        // Coarse logits: ties, which go to the lowest id.
+        let logits: Vec<f32> = (0..n).map(|_| (rng.next_u64() % 4) as f32).collect();
+        let c = SamplerConfig {
+            repetition_penalty: [1.0, 1.4][(trial % 2) as usize],
+            repeat_last_n: 4,
+            top_k: 5, // ignored when greedy, as in `sample`
+            ..SamplerConfig::greedy()
+        };
+        let mut s = Sampler::new(c, n).unwrap();
+        s.accept((rng.next_u64() % n as u64) as u32);
+        s.distribution(&logits, &mut dist).unwrap();
+        assert_eq!(
+            dist,
+            vec![(1.0, s.sample(&logits).unwrap())],
+            "trial {trial}"
+        );
+    }
+    // Errors are those of `sample`.
+    let mut s = Sampler::new(SamplerConfig::greedy(), 3).unwrap();
+    let e = s.distribution(&[f32::NEG_INFINITY; 3], &mut dist);
+    assert_eq!(e, Err(SamplerError::NoCandidates));
+    let mut s = Sampler::new(cfg(1.0), 3).unwrap();
+    let e = s.distribution(&[f32::NAN; 3], &mut dist);
+    assert_eq!(e, Err(SamplerError::NoCandidates));
+    assert!(s.distribution(&[0.0; 2], &mut dist).is_err());
+}
+
+/// The support of `distribution` is the reference filter chain's, at vocabulary sizes where the
+/// chi-square test above is too slow.
+#[test]
+fn distribution_support_matches_reference() {
+    let mut rng = Rng::new(12);
+    let mut dist = vec![];
+    for trial in 0..60u64 {
+        let n = if trial % 10 == 0 {
+            20_000
+        } else {
+            1 + (rng.next_u64() % 700) as usize
+        };
+        let logits = random_logits(&mut rng, n);
+        let c = SamplerConfig {
+            temperature: 0.3 + rng.next_f64() as f32 * 1.5,
+            top_k: [0, 1, 5, 50, 1000][(trial % 5) as usize],
+            top_p: [1.0, 0.9, 0.5, 0.05][(trial % 4) as usize],
+            min_p: [0.0, 0.05, 0.3][(trial % 3) as usize],
+            ..SamplerConfig::greedy()
+        };
+        let mut s = Sampler::new(c.clone(), n).unwrap();
+        s.distribution(&logits, &mut dist).unwrap();
+        let mut got: Vec<u32> = dist.iter().map(|x| x.1).collect();
+        got.sort();
+        assert_eq!(got, reference_support(&logits, &c), "trial {trial} {c:?}");
+    }
+}
+
+/// A +inf logit: `sample` always falls through to the last candidate, and `distribution` says so.
+#[test]
+fn distribution_with_infinite_logits_matches_sample() {
+    let logits = [0.0, f32::INFINITY, 1.0, f32::INFINITY, 2.0];
+    let mut dist = vec![];
+    for seed in 0..20 {
+        let c = SamplerConfig {
+            seed,
+            ..SamplerConfig::default()
+        };
+        let mut s = Sampler::new(c, 5).unwrap();
+        s.distribution(&logits, &mut dist).unwrap();
+        assert_eq!(dist.len(), 1);
+        assert_eq!(dist[0].0, 1.0);
+        for _ in 0..10 {
+            assert_eq!(s.sample(&logits).unwrap(), dist[0].1);
+        }
+    }
+}

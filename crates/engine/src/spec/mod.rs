@@ -1,0 +1,2 @@
+//! Speculative decoding's pure parts: the acceptance arithmetic and the n-gram drafter.
+pub mod sample;
