@@ -1,2 +1,3 @@
 //! Speculative decoding's pure parts: the acceptance arithmetic and the n-gram drafter.
+pub mod ngram;
 pub mod sample;

@@ -340,7 +340,9 @@ mod tests {
     }
 
     /// The (p, q) pairs of the exactness tests over 8 tokens.
-    fn pairs() -> Vec<(&'static str, Vec<(f32, u32)>, Vec<(f32, u32)>)> {
+    type Dist = Vec<(f32, u32)>;
+
+    fn pairs() -> Vec<(&'static str, Dist, Dist)> {
         let mut rng = Rng::new(0xD1CE);
         let mut out = vec![];
         for _ in 0..4 {
