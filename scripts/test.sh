@@ -17,6 +17,9 @@ echo "== fetching the default model and SmolLM2-135M (cached after the first run
 cargo run --release -q -p slowfast -- fetch gemma3-270m
 cargo run --release -q -p slowfast -- fetch smollm2-135m
 
+echo "== long English texts from Debian packages (scripts/get_texts.sh; the speculative test's prompt)"
+bash scripts/get_texts.sh >/dev/null
+
 echo "== compiling the CUDA path (feature cuda: kernels crate, GPU decoder tests, CLI)"
 cargo build -q -p slowfast-cuda --features cuda --tests
 cargo build -q -p slowfast-engine --features cuda --tests

@@ -3,11 +3,11 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use slowfast_engine::generate::{generate, GenerateOptions};
+use slowfast_engine::generate::{generate_with_draft, GenerateOptions};
 use slowfast_engine::sampler::SamplerConfig;
 use slowfast_tokenizer::ChatMessage;
 
-use crate::common::{read_text, ModelArgs, PolicyArgs};
+use crate::common::{read_text, ModelArgs, PolicyArgs, SpecArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -84,6 +84,8 @@ pub struct Args {
     pub policy: String,
     #[command(flatten)]
     pub sparse: PolicyArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Print one JSON object with the text and timings at the end instead of streaming.
     #[arg(long)]
     pub json: bool,
@@ -104,6 +106,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     // Validate everything the user typed before the (slow) model load.
     sampler.validate()?;
+    let speculate = a.spec.options()?;
     let prompt = match (&a.prompt, &a.prompt_file) {
         (Some(p), _) => p.clone(),
         (None, Some(f)) => read_text(f)?,
@@ -113,6 +116,7 @@ pub fn run(a: Args) -> Result<()> {
         bail!("the prompt is empty");
     }
     let m = a.model.load()?;
+    let draft = a.spec.load_draft()?;
     let text = if a.chat {
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
@@ -124,10 +128,12 @@ pub fn run(a: Args) -> Result<()> {
         prompt
     };
     let ids = m.tokenizer.encode_with(&text, true, a.chat)?;
-    let policy = a
-        .sparse
-        .spec(&a.policy, ids.len() + a.max_new_tokens)?
-        .with_vocab(&m.tokenizer);
+    let context = ids.len() + a.max_new_tokens;
+    let policy = match a.spec.session_policy(&a.policy, &a.sparse, context)? {
+        Some(p) => p,
+        None => a.sparse.spec(&a.policy, context)?,
+    }
+    .with_vocab(&m.tokenizer);
     let opts = GenerateOptions {
         max_new_tokens: a.max_new_tokens,
         sampler,
@@ -137,10 +143,11 @@ pub fn run(a: Args) -> Result<()> {
         chunk: a.model.chunk,
         policy,
         device: a.model.device(),
+        speculate,
     };
     let stdout = std::io::stdout();
     let json = a.json;
-    let out = generate(&m, &ids, &opts, &mut |piece| {
+    let out = generate_with_draft(&m, draft.as_ref(), &ids, &opts, &mut |piece| {
         if !json {
             let mut o = stdout.lock();
             let _ = o.write_all(piece.as_bytes());
@@ -167,6 +174,7 @@ pub fn run(a: Args) -> Result<()> {
             "kv_bytes": out.kv_bytes,
             "seed": seed,
             "tokens": out.tokens,
+            "speculative": out.speculative,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
@@ -179,6 +187,17 @@ pub fn run(a: Args) -> Result<()> {
             out.decode_tok_s,
             out.stop_reason
         );
+        if let Some(r) = &out.speculative {
+            eprintln!(
+                "[speculative ({}, {} tokens): {} drafted, {} accepted ({:.1} %), {:.2} tokens per verification]",
+                r.drafter,
+                r.spec_tokens,
+                r.stats.drafted,
+                r.stats.accepted,
+                100.0 * r.acceptance_rate,
+                r.tokens_per_verification
+            );
+        }
     }
     Ok(())
 }

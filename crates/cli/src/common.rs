@@ -209,3 +209,103 @@ impl PolicyArgs {
         )?)
     }
 }
+
+/// Speculative decoding flags, shared by generate, eval and serve.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SpecArgs {
+    /// Speculative decoding, lossless (the output is full KV's: its greedy text, or its
+    /// sampling distribution): a drafter proposes --spec-tokens tokens, one dense pass over
+    /// the whole KV verifies them. Drafters: sfi (SFI's fast path of the same model, with
+    /// --kv-budget and the --sfi-* knobs; verifications are its slow steps), streaming
+    /// (StreamingLLM KV of the same model, --kv-budget), ngram (prompt lookup, no model),
+    /// model (a smaller model with the same vocabulary, --draft-model). CPU only so far.
+    #[arg(long, value_parser = ["sfi", "streaming", "ngram", "model"])]
+    pub speculate: Option<String>,
+    /// Tokens drafted per verification: a count (1-32), `adaptive` (chosen each round from the
+    /// running acceptance rate and the measured draft and verification times, at most 8) or
+    /// `adaptive:N` (at most N).
+    #[arg(long, default_value = "6")]
+    pub spec_tokens: String,
+    /// --speculate sfi: when a verification refreshes the Selector's memory from its dense
+    /// attention: `every` verification, or only when SFI's `trigger` fires on the kept tokens.
+    #[arg(long, default_value = "every", value_parser = ["every", "trigger"])]
+    pub spec_refresh: String,
+    /// --speculate ngram: longest suffix (in tokens) looked up in the history; shorter ones
+    /// down to 1 are tried when it does not match.
+    #[arg(long, default_value_t = 3)]
+    pub spec_ngram: usize,
+    /// --speculate model: the draft model (same forms as --model); its vocabulary must be the
+    /// model's.
+    #[arg(long)]
+    pub draft_model: Option<String>,
+}
+
+impl SpecArgs {
+    /// The validated options (None without --speculate).
+    pub fn options(&self) -> Result<Option<slowfast_engine::spec::SpecOptions>> {
+        use slowfast_engine::spec::{DraftKind, SpecOptions, SpecTokens};
+        let Some(name) = &self.speculate else {
+            if self.draft_model.is_some() {
+                bail!("--draft-model is used by --speculate model only");
+            }
+            return Ok(None);
+        };
+        let drafter: DraftKind = name.parse().map_err(anyhow::Error::msg)?;
+        let tokens: SpecTokens = self.spec_tokens.parse().map_err(anyhow::Error::msg)?;
+        if drafter == DraftKind::Model && self.draft_model.is_none() {
+            bail!("--speculate model needs --draft-model");
+        }
+        if drafter != DraftKind::Model && self.draft_model.is_some() {
+            bail!("--draft-model is used by --speculate model only (got --speculate {name})");
+        }
+        if self.spec_ngram == 0 {
+            bail!("--spec-ngram must be at least 1");
+        }
+        Ok(Some(SpecOptions {
+            drafter,
+            tokens,
+            refresh_every: self.spec_refresh == "every",
+            ngram_max: self.spec_ngram,
+            ngram_min: 1,
+        }))
+    }
+
+    /// The session's policy under speculation: the drafter's own (sfi, streaming) or full KV;
+    /// `policy` (the --policy flag) must be full, since the output is full KV's.
+    pub fn session_policy(
+        &self,
+        policy: &str,
+        sparse: &PolicyArgs,
+        context: usize,
+    ) -> Result<Option<slowfast_engine::PolicySpec>> {
+        let Some(opts) = self.options()? else {
+            return Ok(None);
+        };
+        if policy != "full" {
+            bail!(
+                "--speculate is lossless (the output is full KV's), so --policy must stay full (got --policy {policy}); the sfi and streaming drafters take --kv-budget"
+            );
+        }
+        Ok(Some(if opts.drafter.is_self() {
+            if sparse.prefill != "full" {
+                bail!(
+                    "--speculate {}: --prefill must be full",
+                    opts.drafter.name()
+                );
+            }
+            sparse.spec(opts.drafter.name(), context)?
+        } else {
+            slowfast_engine::PolicySpec::Full
+        }))
+    }
+
+    /// Load the draft model of --speculate model.
+    pub fn load_draft(&self) -> Result<Option<Loaded>> {
+        let Some(spec) = &self.draft_model else {
+            return Ok(None);
+        };
+        let m = slowfast_engine::load(spec, &mut |s| eprintln!("{s}"))
+            .with_context(|| format!("loading draft model `{spec}`"))?;
+        Ok(Some(m))
+    }
+}

@@ -7,7 +7,8 @@ use slowfast_tokenizer::StreamDecoder;
 use crate::device::Device;
 use crate::load::Loaded;
 use crate::sampler::{Sampler, SamplerConfig};
-use crate::session::{KvDtype, PolicySpec, DEFAULT_CHUNK};
+use crate::session::{KvDtype, PolicySpec, Session, DEFAULT_CHUNK};
+use crate::spec::{SpecOptions, SpecReport, Speculator};
 use crate::stop::StopMatcher;
 use crate::EngineError;
 use slowfast_kv::PolicyStats;
@@ -23,6 +24,9 @@ pub struct GenerateOptions {
     pub chunk: usize,
     pub policy: PolicySpec,
     pub device: Device,
+    /// Speculative decoding (CPU): the drafter and γ. With `sfi` / `streaming` drafters
+    /// `policy` is the drafter's; the output is full KV's either way.
+    pub speculate: Option<SpecOptions>,
 }
 
 impl Default for GenerateOptions {
@@ -36,6 +40,7 @@ impl Default for GenerateOptions {
             chunk: DEFAULT_CHUNK,
             policy: PolicySpec::Full,
             device: Device::Cpu,
+            speculate: None,
         }
     }
 }
@@ -63,11 +68,30 @@ pub struct GenerateOutput {
     pub kv_bytes: usize,
     pub policy: String,
     pub policy_stats: PolicyStats,
+    /// Speculative decoding's counters (None without it).
+    pub speculative: Option<SpecReport>,
 }
 
 /// Generate from `prompt_ids`, calling `on_text` with each piece of text that is safe to print.
 pub fn generate(
     m: &Loaded,
+    prompt_ids: &[u32],
+    opts: &GenerateOptions,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<GenerateOutput, EngineError> {
+    generate_with_draft(m, None, prompt_ids, opts, on_text)
+}
+
+/// Where the tokens after the first come from: plain decode steps, or draft–verify rounds.
+enum Decoder<'m> {
+    Plain(Box<dyn crate::device::Steps + 'm>),
+    Spec(Box<Speculator<'m>>),
+}
+
+/// `generate` with a draft model for `--speculate model`.
+pub fn generate_with_draft(
+    m: &Loaded,
+    draft: Option<&Loaded>,
     prompt_ids: &[u32],
     opts: &GenerateOptions,
     on_text: &mut dyn FnMut(&str),
@@ -87,20 +111,48 @@ pub fn generate(
         )));
     }
     let max_new = opts.max_new_tokens.min(ctx - prompt_ids.len());
-    let mut sess = crate::device::session(
-        opts.device,
-        &m.model,
-        needed.min(ctx),
-        opts.kv_dtype,
-        opts.chunk,
-        &opts.policy,
-    )?;
     let mut sampler = Sampler::new(opts.sampler.clone(), m.model.cfg.vocab_size)?;
     for &t in prompt_ids {
         sampler.accept(t);
     }
     let t0 = Instant::now();
-    sess.prefill(prompt_ids, &mut |_, _| {})?;
+    let mut dec = match &opts.speculate {
+        None => {
+            let mut sess = crate::device::session(
+                opts.device,
+                &m.model,
+                needed.min(ctx),
+                opts.kv_dtype,
+                opts.chunk,
+                &opts.policy,
+            )?;
+            sess.prefill(prompt_ids, &mut |_, _| {})?;
+            Decoder::Plain(sess)
+        }
+        Some(spec) => {
+            if opts.device != Device::Cpu {
+                return Err(EngineError::BadInput(
+                    "--speculate runs on the CPU only so far; use --device cpu".into(),
+                ));
+            }
+            if let Some(d) = draft {
+                crate::spec::check_same_vocab(&m.tokenizer, &d.tokenizer)?;
+            }
+            // Room for the last round's drafts past the final token.
+            let cap = (needed + crate::spec::MAX_SPEC_TOKENS + 1).min(ctx);
+            let mut sess =
+                Session::try_with_policy(&m.model, cap, opts.kv_dtype, opts.chunk, &opts.policy)?;
+            sess.prefill(prompt_ids, &mut |_, _| {})?;
+            Decoder::Spec(Box::new(Speculator::new(
+                sess,
+                prompt_ids,
+                spec.clone(),
+                draft.map(|d| &d.model),
+                opts.kv_dtype,
+                &opts.sampler,
+            )?))
+        }
+    };
     let prefill_seconds = t0.elapsed().as_secs_f64();
 
     let eos = m.tokenizer.eos_ids().to_vec();
@@ -111,8 +163,32 @@ pub fn generate(
     let mut reason = StopReason::MaxTokens;
     let t1 = Instant::now();
     let mut decode_steps = 0usize;
+    let mut queue = std::collections::VecDeque::new();
+    let mut last = 0u32;
     for i in 0..max_new {
-        let tok = sampler.sample_and_accept(sess.logits())?;
+        if queue.is_empty() {
+            match &mut dec {
+                Decoder::Plain(sess) => {
+                    if i > 0 {
+                        sess.step(last)?;
+                        decode_steps += 1;
+                    }
+                    queue.push_back(sampler.sample_and_accept(sess.logits())?);
+                }
+                Decoder::Spec(spec) => {
+                    if i == 0 {
+                        let logits = spec.session().logits();
+                        queue.push_back(sampler.sample_and_accept(logits)?);
+                    } else {
+                        let new = spec.round(last, &mut sampler, max_new - i)?;
+                        decode_steps += new.len();
+                        queue.extend(new);
+                    }
+                }
+            }
+        }
+        let tok = queue.pop_front().expect("refilled above");
+        last = tok;
         if !opts.ignore_eos && eos.contains(&tok) {
             reason = StopReason::Eos;
             break;
@@ -127,10 +203,6 @@ pub fn generate(
         if step.stopped.is_some() {
             reason = StopReason::StopString;
             break;
-        }
-        if i + 1 < max_new {
-            sess.step(tok)?;
-            decode_steps += 1;
         }
     }
     if reason != StopReason::StopString {
@@ -158,8 +230,21 @@ pub fn generate(
         prefill_tok_s: prompt_ids.len() as f64 / prefill_seconds.max(1e-9),
         decode_tok_s: decode_steps as f64 / decode_seconds.max(1e-9),
         stop_reason: reason,
-        kv_bytes: sess.kv_bytes(),
-        policy: sess.policy_name().to_owned(),
-        policy_stats: sess.policy_stats(),
+        kv_bytes: match &dec {
+            Decoder::Plain(s) => s.kv_bytes(),
+            Decoder::Spec(s) => s.session().kv_bytes(),
+        },
+        policy: match &dec {
+            Decoder::Plain(s) => s.policy_name().to_owned(),
+            Decoder::Spec(s) => s.session().policy_name().to_owned(),
+        },
+        policy_stats: match &dec {
+            Decoder::Plain(s) => s.policy_stats(),
+            Decoder::Spec(s) => s.session().policy_stats(),
+        },
+        speculative: match &dec {
+            Decoder::Plain(_) => None,
+            Decoder::Spec(s) => Some(SpecReport::new(s.options(), s.stats())),
+        },
     })
 }

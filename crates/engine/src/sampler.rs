@@ -273,6 +273,18 @@ impl Sampler {
         &mut self.rng
     }
 
+    /// Restart the random stream from `seed` (a drafter's own stream), keeping the history.
+    pub fn reseed(&mut self, seed: u64) {
+        self.rng = Rng::new(seed);
+    }
+
+    /// Take `other`'s token history (the penalties' window), keeping settings and stream.
+    pub fn copy_history(&mut self, other: &Sampler) {
+        self.history.clear();
+        self.history.extend_from_slice(&other.history);
+        self.history_next = other.history_next;
+    }
+
     /// The chain up to the draw, shared by `sample` and `distribution`: `Some(argmax)` when
     /// greedy, else `None` with the surviving (scaled logit, id) candidates in `self.cand`.
     fn filter(&mut self, logits: &[f32]) -> Result<Option<u32>, SamplerError> {

@@ -446,6 +446,76 @@ impl<'m> Session<'m> {
     pub fn logits(&self) -> &[f32] {
         &self.logits
     }
+
+    /// Drop positions `>= len` from the cache (a draft model's rejected tokens); the policy is
+    /// not told, so this is for full KV sessions.
+    pub fn truncate(&mut self, len: usize) {
+        match &mut self.cache {
+            Cache::F32(c, _) => c.truncate(len),
+            Cache::F16(c, _) => c.truncate(len),
+        }
+    }
+
+    /// Speculative decoding, self-drafting: the decode steps from here on are drafts of the
+    /// session's sparse policy, undone by `end_draft`. Errors for policies that cannot draft.
+    pub fn begin_draft(&mut self) -> Result<(), EngineError> {
+        let r = match &mut self.cache {
+            Cache::F32(_, p) => p.begin_draft(),
+            Cache::F16(_, p) => p.begin_draft(),
+        };
+        r.map_err(EngineError::BadInput)
+    }
+
+    /// End of the draft steps: the cache goes back to `len` positions (the drafted keys go).
+    pub fn end_draft(&mut self, len: usize) {
+        match &mut self.cache {
+            Cache::F32(c, p) => {
+                c.truncate(len);
+                p.end_draft(len)
+            }
+            Cache::F16(c, p) => {
+                c.truncate(len);
+                p.end_draft(len)
+            }
+        }
+    }
+
+    /// A verification forward: `tokens` at the current position in one pass over the weights,
+    /// every row's logits (`[tokens.len(), vocab]`), each bit-equal to a dense decode step at
+    /// its position (the policy reads densely until `end_verify`). Always follow it with
+    /// `end_verify`.
+    pub fn verify(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
+        let pos = self.pos();
+        let (m, s, l) = (self.model, &mut self.scratch, &mut self.logits);
+        let scale = m.cfg.attn_scale;
+        match &mut self.cache {
+            Cache::F32(c, p) => {
+                p.begin_verify(pos, scale);
+                m.verify_forward(tokens, pos, c, p.as_mut(), s, l)?
+            }
+            Cache::F16(c, p) => {
+                p.begin_verify(pos, scale);
+                m.verify_forward(tokens, pos, c, p.as_mut(), s, l)?
+            }
+        }
+        Ok(&self.logits)
+    }
+
+    /// After a verification: the cache goes back to `len` positions, `fed` being the tokens
+    /// at `len - fed.len() .. len` it kept; the policy may refresh its sparse memory from the
+    /// verification's dense attention (always with `refresh`, else when its trigger fires).
+    pub fn end_verify(&mut self, fed: &[u32], len: usize, refresh: bool) {
+        match &mut self.cache {
+            Cache::F32(c, p) => {
+                c.truncate(len);
+                p.end_verify(fed, len, refresh, c)
+            }
+            Cache::F16(c, p) => {
+                c.truncate(len);
+                p.end_verify(fed, len, refresh, c)
+            }
+        }
+    }
 }
 
 /// FastKV's token-selective prefill into an empty `c`, then the layers it left holding only

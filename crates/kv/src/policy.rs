@@ -174,6 +174,34 @@ pub trait KvPolicy<T: CacheElem>: Send {
     }
 
     fn stats(&self) -> PolicyStats;
+
+    /// Speculative decoding with this policy as the drafter (its sparse decode steps propose
+    /// tokens; a dense multi-row forward through it verifies them). Draft steps are about to
+    /// run that `end_draft` undoes: the policy must not let them change what survives (SFI's
+    /// trigger does not advance while drafting). Policies that evict (H2O, SnapKV) or keep
+    /// per-step state they cannot roll back refuse, naming themselves.
+    fn begin_draft(&mut self) -> Result<(), String> {
+        Err(format!(
+            "the {} policy cannot draft for speculative decoding (drafters: sfi, streaming)",
+            self.name()
+        ))
+    }
+
+    /// The draft steps are over and the store was cut back to `len` positions (the drafted
+    /// keys are gone): forget anything derived from positions `>= len`.
+    fn end_draft(&mut self, _len: usize) {}
+
+    /// A verification forward is about to run: one-row decode calls at positions `pos0`,
+    /// `pos0 + 1`, ... (each exactly what a dense decode step at that position computes), which
+    /// the policy must read densely (what `FullPolicy` reads) and capture nothing from. `scale`
+    /// is the model's attention scale. Full KV needs nothing.
+    fn begin_verify(&mut self, _pos0: usize, _scale: f32) {}
+
+    /// The verification ran and the store was then cut back to `len` positions: `fed` are the
+    /// tokens the verification fed at positions `len - fed.len() .. len` that were kept. With
+    /// `refresh`, or when the policy's own trigger fires on `fed`, the policy may rebuild its
+    /// sparse memory from the verification's dense attention (a verification is a slow step).
+    fn end_verify(&mut self, _fed: &[u32], _len: usize, _refresh: bool, _store: &KvStore<T>) {}
 }
 
 /// Push the stored segments of positions `r` of kv head `h` into `out`.

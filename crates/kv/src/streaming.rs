@@ -12,6 +12,8 @@ pub struct StreamingPolicy {
     pub recent: usize,
     stats: PolicyStats,
     step: StepCounter,
+    /// A verification is running: decode calls read densely.
+    verifying: bool,
 }
 
 impl StreamingPolicy {
@@ -22,6 +24,7 @@ impl StreamingPolicy {
             recent,
             stats: PolicyStats::default(),
             step: StepCounter::default(),
+            verifying: false,
         }
     }
 }
@@ -39,7 +42,10 @@ impl<T: CacheElem> KvPolicy<T> for StreamingPolicy {
     ) {
         reset_out(out, store.n_kv_heads);
         let (lo, hi) = (call.lo, call.hi());
-        let sparse = call.is_decode() && !call.sliding && hi - lo > self.sinks + self.recent;
+        let sparse = call.is_decode()
+            && !call.sliding
+            && !self.verifying
+            && hi - lo > self.sinks + self.recent;
         for (h, o) in out.iter_mut().enumerate() {
             if sparse {
                 push_range(store, call.layer, h, lo..lo + self.sinks, o);
@@ -67,6 +73,19 @@ impl<T: CacheElem> KvPolicy<T> for StreamingPolicy {
 
     fn stats(&self) -> PolicyStats {
         self.stats.clone()
+    }
+
+    /// StreamingLLM keeps no state besides its counters: drafting needs no undo.
+    fn begin_draft(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn begin_verify(&mut self, _pos0: usize, _scale: f32) {
+        self.verifying = true;
+    }
+
+    fn end_verify(&mut self, _fed: &[u32], _len: usize, _refresh: bool, _store: &KvStore<T>) {
+        self.verifying = false;
     }
 }
 

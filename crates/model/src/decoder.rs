@@ -266,6 +266,69 @@ impl Model {
     ) -> Result<(), ModelError> {
         let c = &self.cfg;
         let n = tokens.len();
+        self.check_forward(tokens, pos0, cache)?;
+        self.embed(tokens, s);
+        self.rope(RowPos::Range(pos0), n, s);
+        self.run_layers(
+            0..c.num_hidden_layers,
+            n,
+            RowPos::Range(pos0),
+            cache,
+            policy,
+            s,
+        )?;
+        cache.set_len(pos0 + n);
+        policy.end_forward(pos0, n);
+        self.head(n, rows, Rows::Chunk, s, logits)
+    }
+
+    /// Speculative verification: `tokens` at positions `pos0..pos0 + n` in one pass over the
+    /// weights, each row computed exactly as a one-token `forward_with` at its position would
+    /// be (per-row products, and per row a one-row attention call through `policy` over the
+    /// keys up to its position), so the rows' logits are bit-equal to decoding the tokens one
+    /// by one. Every row's K/V is written first; row i reads none past its own. `logits`
+    /// receives `[n, vocab]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn verify_forward<T: CacheElem>(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        cache: &mut KvStore<T>,
+        policy: &mut dyn KvPolicy<T>,
+        s: &mut Scratch,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        let c = &self.cfg;
+        let n = tokens.len();
+        self.check_forward(tokens, pos0, cache)?;
+        self.embed(tokens, s);
+        self.rope(RowPos::Range(pos0), n, s);
+        let qw = c.num_attention_heads * c.head_dim;
+        for l in 0..c.num_hidden_layers {
+            self.layer(l, n, Rows::Independent, s, |a| {
+                cache
+                    .write(l, pos0, a.k, a.v)
+                    .map_err(|e| ModelError::Compute(format!("layer {l}: {e}")))?;
+                for i in 0..n {
+                    let (q, out) = (&a.q[i * qw..(i + 1) * qw], &mut a.out[i * qw..(i + 1) * qw]);
+                    attend_layer(c, l, q, pos0 + i, 1, a.window, None, cache, policy, out)?;
+                }
+                Ok(())
+            })?;
+        }
+        cache.set_len(pos0 + n);
+        policy.end_forward(pos0, n);
+        self.head(n, LogitsRows::All, Rows::Independent, s, logits)
+    }
+
+    /// The checks every forward makes before touching the cache.
+    fn check_forward<T: CacheElem>(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        cache: &KvStore<T>,
+    ) -> Result<(), ModelError> {
+        let n = tokens.len();
         if n == 0 {
             return Err(ModelError::Compute("forward called with no tokens".into()));
         }
@@ -282,25 +345,13 @@ impl Model {
                 capacity: cap,
             });
         }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
             return Err(ModelError::Compute(format!(
                 "token id {bad} is outside the vocabulary of {} tokens",
-                c.vocab_size
+                self.cfg.vocab_size
             )));
         }
-        self.embed(tokens, s);
-        self.rope(RowPos::Range(pos0), n, s);
-        self.run_layers(
-            0..c.num_hidden_layers,
-            n,
-            RowPos::Range(pos0),
-            cache,
-            policy,
-            s,
-        )?;
-        cache.set_len(pos0 + n);
-        policy.end_forward(pos0, n);
-        self.head(n, rows, Rows::Chunk, s, logits)
+        Ok(())
     }
 
     /// Run the `n` rows of the residual stream `s.x` (positions `pos`, RoPE tables already in

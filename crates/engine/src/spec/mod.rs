@@ -1,3 +1,10 @@
-//! Speculative decoding's pure parts: the acceptance arithmetic and the n-gram drafter.
+//! Speculative decoding: the draft–verify loop (`speculator`), the acceptance arithmetic
+//! (`sample`) and the n-gram drafter (`ngram`).
 pub mod ngram;
 pub mod sample;
+pub mod speculator;
+
+pub use speculator::{
+    check_same_vocab, DraftKind, SpecOptions, SpecReport, SpecStats, SpecTokens, Speculator,
+    MAX_SPEC_TOKENS,
+};

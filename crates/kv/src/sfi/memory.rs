@@ -1,7 +1,9 @@
 //! The SFI policy: per global layer, a compact buffer of sink + Selector-chosen keys/values
 //! (rebuilt at each refresh, contiguous per kv head) read together with the recent window in
 //! place; slow steps (trigger) and the prefill bootstrap attend densely and refresh it.
-use slowfast_backend::cpu::attention::{KvPositions, KvSegment};
+use slowfast_backend::cpu::attention::{
+    attention_with_logits, AttnShape, KvPositions, KvSegment, Mask, QueryPositions,
+};
 
 use super::selector::{select_into, Selection, SelectorConfig, SelectorInput, SelectorScratch};
 use super::trigger::{Trigger, TriggerConfig, TriggerError};
@@ -92,6 +94,14 @@ pub struct SfiPolicy<T> {
     stats: PolicyStats,
     step: StepCounter,
     refreshes: usize,
+    /// Speculative drafting is under way: the trigger does not advance (verifications are
+    /// the slow steps, see `end_verify`).
+    drafting: bool,
+    /// A verification starting at this position is running: decode calls read densely, and
+    /// the first row's queries are kept per global layer (`vq`) for a refresh at its end.
+    verifying: Option<usize>,
+    vq: Vec<Option<Vec<f32>>>,
+    scale: f32,
 }
 
 impl<T: CacheElem> SfiPolicy<T> {
@@ -117,8 +127,11 @@ impl<T: CacheElem> SfiPolicy<T> {
             pending: Vec::new(),
             stats: PolicyStats::default(),
             step: StepCounter::default(),
-
             refreshes: 0,
+            drafting: false,
+            verifying: None,
+            vq: Vec::new(),
+            scale: 1.0,
         })
     }
 
@@ -267,6 +280,21 @@ impl<T: CacheElem> SfiPolicy<T> {
     }
 }
 
+impl<T> SfiPolicy<T> {
+    /// Forget what was derived from positions `>= len` (speculative decoding cut them off):
+    /// the cached key norms, and captures not yet selected from.
+    fn forget_from(&mut self, len: usize) {
+        for layer in &mut self.key_norms {
+            for kn in layer.iter_mut() {
+                kn.truncate(len);
+            }
+        }
+        for p in &mut self.pending {
+            *p = None;
+        }
+    }
+}
+
 /// `sqrt(sum x^2)` with eight independent partial sums (vectorises).
 fn l2_norm(x: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
@@ -286,7 +314,7 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
     }
 
     fn capture_rows(&self, call: &AttnCall) -> usize {
-        if call.sliding || call.hi() <= self.dense_below() {
+        if call.sliding || call.hi() <= self.dense_below() || self.verifying.is_some() {
             0
         } else if !call.is_decode() {
             // Every prefill chunk captures; the last one's selection is what decode starts with.
@@ -309,6 +337,7 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
         let (lo, hi) = (call.lo, call.hi());
         let dense = call.sliding
             || !call.is_decode()
+            || self.verifying.is_some()
             || self.capture_rows(call) > 0
             || self.mem(call.layer).is_none();
         if dense {
@@ -403,7 +432,104 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
     }
 
     fn on_token(&mut self, token: u32) {
-        self.slow_now = self.trigger.on_token(token);
+        self.slow_now = !self.drafting && self.trigger.on_token(token);
+    }
+
+    fn begin_draft(&mut self) -> Result<(), String> {
+        self.drafting = true;
+        Ok(())
+    }
+
+    fn end_draft(&mut self, len: usize) {
+        self.drafting = false;
+        self.slow_now = false;
+        self.refreshed = false;
+        self.forget_from(len);
+    }
+
+    fn query(&mut self, call: &AttnCall, q: &[f32]) {
+        if self.verifying == Some(call.pos0) && call.is_decode() && !call.sliding {
+            if self.vq.len() <= call.layer {
+                self.vq.resize_with(call.layer + 1, || None);
+            }
+            let v = self.vq[call.layer].get_or_insert_with(Vec::new);
+            v.clear();
+            v.extend_from_slice(q);
+        }
+    }
+
+    fn begin_verify(&mut self, pos0: usize, scale: f32) {
+        self.verifying = Some(pos0);
+        self.scale = scale;
+        for v in &mut self.vq {
+            *v = None;
+        }
+    }
+
+    fn end_verify(&mut self, fed: &[u32], len: usize, refresh: bool, store: &KvStore<T>) {
+        let pos0 = self.verifying.take();
+        // The verification's per-row reads are no decode step of the policy's.
+        self.step = StepCounter::default();
+        // The kept tokens as if decoded one by one: the trigger sees each.
+        let mut fired = false;
+        for &t in fed {
+            fired |= self.trigger.on_token(t);
+        }
+        self.forget_from(len);
+        let Some(pos0) = pos0 else { return };
+        if !(refresh || fired) || pos0 >= len {
+            return;
+        }
+        // The slow step's capture: the first verified row (always kept), dense over every
+        // key it sees, as a slow decode step at `pos0` would capture it.
+        let vq = std::mem::take(&mut self.vq);
+        for (layer, q) in vq.iter().enumerate() {
+            let Some(q) = q else { continue };
+            if store.layer(layer).is_compact() {
+                continue;
+            }
+            let hi = pos0 + 1;
+            let (nkv, d) = (store.n_kv_heads, store.head_dim);
+            let n_heads = q.len() / d.max(1);
+            let shape = AttnShape {
+                n_heads,
+                n_kv_heads: nkv,
+                head_dim: d,
+                scale: self.scale,
+            };
+            let segs: Vec<Vec<KvSegment<'_, T>>> = (0..nkv)
+                .map(|h| {
+                    let mut o = Vec::new();
+                    push_range(store, layer, h, 0..hi, &mut o);
+                    o
+                })
+                .collect();
+            let mut out = vec![0.0f32; q.len()];
+            let mut logits = vec![0.0f32; n_heads * hi];
+            let mask = Mask {
+                causal: true,
+                window: None,
+            };
+            let ok = attention_with_logits(
+                &shape,
+                q,
+                QueryPositions::Start(pos0 as u32),
+                &segs,
+                mask,
+                &mut out,
+                None,
+                &mut logits,
+            );
+            drop(segs);
+            if ok.is_ok() {
+                self.refresh(layer, 1, &logits, store, n_heads, hi, hi);
+            }
+        }
+        self.vq = vq;
+        if self.refreshed {
+            self.trigger.reset_after_refresh();
+            self.refreshed = false;
+        }
     }
 
     fn stats(&self) -> PolicyStats {

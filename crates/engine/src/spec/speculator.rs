@@ -1,0 +1,601 @@
+//! Speculative decoding on the CPU: a drafter proposes up to γ tokens, the target (full KV of
+//! the same model) scores all of them in one multi-row pass that reads the weights and the KV
+//! once, and the longest acceptable prefix is kept (greedy: the tokens equal to the target's
+//! argmax; sampling: speculative rejection sampling, `spec::sample::verify_token`). The output
+//! is therefore the target's: full KV's greedy text, or full KV's sampling distribution.
+//!
+//! Drafters:
+//! - `sfi` / `streaming`: the same session's sparse policy. Its decode steps draft; the
+//!   verification runs through the same policy as a dense multi-row call, so it doubles as
+//!   SFI's slow step (the Selector refreshes from it: every verification, or when the trigger
+//!   fires). Drafted keys are cut off before the verification rewrites those positions.
+//! - `ngram`: prompt lookup over the history, no model.
+//! - `model`: a second, smaller model with the same vocabulary, full KV of its own.
+use std::time::Instant;
+
+use super::ngram::NgramDrafter;
+use super::sample::{draw, verify_token};
+use crate::sampler::{Sampler, SamplerConfig};
+use crate::session::{KvDtype, Session};
+use crate::EngineError;
+use slowfast_model::Model;
+
+/// Which drafter proposes tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftKind {
+    /// The SFI fast path of the target model (lossless SFI).
+    Sfi,
+    /// StreamingLLM KV of the target model (MagicDec's drafter).
+    Streaming,
+    /// Prompt lookup (n-gram match over the history).
+    Ngram,
+    /// A separate draft model (`--draft-model`).
+    Model,
+}
+
+impl DraftKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            DraftKind::Sfi => "sfi",
+            DraftKind::Streaming => "streaming",
+            DraftKind::Ngram => "ngram",
+            DraftKind::Model => "model",
+        }
+    }
+    /// Drafters that are the target session's own sparse policy.
+    pub fn is_self(self) -> bool {
+        matches!(self, DraftKind::Sfi | DraftKind::Streaming)
+    }
+}
+
+impl std::str::FromStr for DraftKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "sfi" => Ok(DraftKind::Sfi),
+            "streaming" => Ok(DraftKind::Streaming),
+            "ngram" => Ok(DraftKind::Ngram),
+            "model" => Ok(DraftKind::Model),
+            _ => Err(format!(
+                "unknown drafter `{s}` (sfi, streaming, ngram or model)"
+            )),
+        }
+    }
+}
+
+/// Tokens drafted per verification.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecTokens {
+    Fixed(usize),
+    /// Chosen before each verification from the running acceptance rate and the measured
+    /// draft and verification times, up to `max`.
+    Adaptive {
+        max: usize,
+    },
+}
+
+impl SpecTokens {
+    pub fn max(self) -> usize {
+        match self {
+            SpecTokens::Fixed(n) | SpecTokens::Adaptive { max: n } => n,
+        }
+    }
+    pub fn label(self) -> String {
+        match self {
+            SpecTokens::Fixed(n) => n.to_string(),
+            SpecTokens::Adaptive { max } => format!("adaptive(<={max})"),
+        }
+    }
+}
+
+/// Most tokens one verification may draft (the verification is one prefill-sized chunk).
+pub const MAX_SPEC_TOKENS: usize = 32;
+
+impl std::str::FromStr for SpecTokens {
+    type Err = String;
+    /// `N` (fixed) or `adaptive` / `adaptive:N` (at most N, default 8).
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || {
+            format!("--spec-tokens: `{s}` is not a count in 1..={MAX_SPEC_TOKENS}, `adaptive` or `adaptive:N`")
+        };
+        let check = |n: usize| {
+            if (1..=MAX_SPEC_TOKENS).contains(&n) {
+                Ok(n)
+            } else {
+                Err(bad())
+            }
+        };
+        match s.trim() {
+            "adaptive" => Ok(SpecTokens::Adaptive { max: 8 }),
+            t => match t.strip_prefix("adaptive:") {
+                Some(n) => Ok(SpecTokens::Adaptive {
+                    max: check(n.parse().map_err(|_| bad())?)?,
+                }),
+                None => Ok(SpecTokens::Fixed(check(t.parse().map_err(|_| bad())?)?)),
+            },
+        }
+    }
+}
+
+/// Speculative decoding settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpecOptions {
+    pub drafter: DraftKind,
+    pub tokens: SpecTokens,
+    /// SFI drafter: refresh the Selector's memory from every verification (true) or only when
+    /// the SFI trigger fires on the kept tokens (false).
+    pub refresh_every: bool,
+    /// N-gram drafter: longest and shortest suffix matched.
+    pub ngram_max: usize,
+    pub ngram_min: usize,
+}
+
+impl Default for SpecOptions {
+    fn default() -> Self {
+        SpecOptions {
+            drafter: DraftKind::Sfi,
+            tokens: SpecTokens::Fixed(6),
+            refresh_every: true,
+            ngram_max: 3,
+            ngram_min: 1,
+        }
+    }
+}
+
+/// Counters of one speculative run (for `--json`, eval and `/metrics`).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct SpecStats {
+    /// Tokens the drafter proposed.
+    pub drafted: usize,
+    /// Of those, tokens the target accepted.
+    pub accepted: usize,
+    /// Verification passes.
+    pub verifications: usize,
+    /// Tokens the verifications produced (accepted drafts + one correction or bonus each).
+    pub produced: usize,
+    pub draft_seconds: f64,
+    pub verify_seconds: f64,
+}
+
+impl SpecStats {
+    /// Accepted over drafted (0 when nothing was drafted).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+    /// Mean tokens produced per verification.
+    pub fn tokens_per_verification(&self) -> f64 {
+        if self.verifications == 0 {
+            0.0
+        } else {
+            self.produced as f64 / self.verifications as f64
+        }
+    }
+    pub fn add(&mut self, o: &SpecStats) {
+        self.drafted += o.drafted;
+        self.accepted += o.accepted;
+        self.verifications += o.verifications;
+        self.produced += o.produced;
+        self.draft_seconds += o.draft_seconds;
+        self.verify_seconds += o.verify_seconds;
+    }
+}
+
+/// The stats with their derived rates, as `--json` prints them.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SpecReport {
+    pub drafter: &'static str,
+    pub spec_tokens: String,
+    #[serde(flatten)]
+    pub stats: SpecStats,
+    pub acceptance_rate: f64,
+    pub tokens_per_verification: f64,
+}
+
+impl SpecReport {
+    pub fn new(opts: &SpecOptions, stats: &SpecStats) -> Self {
+        SpecReport {
+            drafter: opts.drafter.name(),
+            spec_tokens: opts.tokens.label(),
+            stats: stats.clone(),
+            acceptance_rate: stats.acceptance_rate(),
+            tokens_per_verification: stats.tokens_per_verification(),
+        }
+    }
+}
+
+/// Running estimates behind adaptive γ: acceptance probability of one drafted token, seconds
+/// per draft step, and seconds per verification (fixed part and per drafted token).
+#[derive(Debug, Clone)]
+struct Adapt {
+    alpha: f64,
+    draft_s: f64,
+    verify_s: f64,
+    seen: usize,
+}
+
+impl Adapt {
+    fn new() -> Self {
+        Adapt {
+            alpha: 0.8,
+            draft_s: 0.0,
+            verify_s: 0.0,
+            seen: 0,
+        }
+    }
+
+    /// γ maximising expected tokens per second: a verification of γ drafts yields
+    /// (1 − α^(γ+1)) / (1 − α) tokens and costs γ draft steps plus one verification.
+    fn pick(&self, max: usize) -> usize {
+        if self.seen < 2 {
+            return max.min(4);
+        }
+        let a = self.alpha.clamp(0.0, 0.999);
+        (1..=max)
+            .max_by(|&x, &y| {
+                let rate = |g: usize| {
+                    let tokens = (1.0 - a.powi(g as i32 + 1)) / (1.0 - a);
+                    tokens / (g as f64 * self.draft_s + self.verify_s).max(1e-9)
+                };
+                rate(x).total_cmp(&rate(y))
+            })
+            .unwrap_or(1)
+    }
+
+    /// One verification: `drafted` tokens of which `accepted` were kept, its draft and
+    /// verification times.
+    fn update(&mut self, drafted: usize, accepted: usize, draft_s: f64, verify_s: f64) {
+        let w = 0.2;
+        if drafted > 0 {
+            // The first rejection ends a verification: accepted / (accepted + 1 rejection) is
+            // the per-token acceptance estimate of a geometric run.
+            let rejected = (accepted < drafted) as usize;
+            let a = accepted as f64 / (accepted + rejected).max(1) as f64;
+            self.alpha = (1.0 - w) * self.alpha + w * a;
+            let d = draft_s / drafted as f64;
+            self.draft_s = if self.seen == 0 {
+                d
+            } else {
+                (1.0 - w) * self.draft_s + w * d
+            };
+        }
+        self.verify_s = if self.seen == 0 {
+            verify_s
+        } else {
+            (1.0 - w) * self.verify_s + w * verify_s
+        };
+        self.seen += 1;
+    }
+}
+
+enum Drafter<'m> {
+    /// The target session's own policy drafts.
+    SelfPolicy,
+    Ngram(NgramDrafter),
+    Model {
+        sess: Box<Session<'m>>,
+        /// Committed tokens not yet in the draft model's cache (fed before the next draft).
+        lag: Vec<u32>,
+    },
+}
+
+/// Speculative decoding over one prefilled sequence.
+pub struct Speculator<'m> {
+    target: Session<'m>,
+    drafter: Drafter<'m>,
+    opts: SpecOptions,
+    stats: SpecStats,
+    adapt: Adapt,
+    /// Per drafted position, the drafter's distribution (reused buffers).
+    q: Vec<Vec<(f32, u32)>>,
+    p: Vec<(f32, u32)>,
+    drafts: Vec<u32>,
+    /// The drafter's sampler: the target's settings and history, its own random stream (and
+    /// the draft model's vocabulary width).
+    ds: Sampler,
+}
+
+/// Refuses a draft model whose tokenizer differs from the target's, naming the first
+/// differing token.
+pub fn check_same_vocab(
+    target: &slowfast_tokenizer::Tokenizer,
+    draft: &slowfast_tokenizer::Tokenizer,
+) -> Result<(), EngineError> {
+    let (a, b) = (target.vocab_size(), draft.vocab_size());
+    if a != b {
+        return Err(EngineError::BadInput(format!(
+            "--draft-model: its vocabulary has {b} tokens but the model's has {a}; speculative decoding needs the same vocabulary"
+        )));
+    }
+    for id in 0..a as u32 {
+        if target.token_bytes(id, true) != draft.token_bytes(id, true) {
+            return Err(EngineError::BadInput(format!(
+                "--draft-model: token {id} is {:?} in the draft model's vocabulary but {:?} in the model's; speculative decoding needs the same vocabulary",
+                String::from_utf8_lossy(&draft.token_bytes(id, true)),
+                String::from_utf8_lossy(&target.token_bytes(id, true)),
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl<'m> Speculator<'m> {
+    /// Speculative decoding over `target`, a session that has prefilled `prompt` and whose
+    /// policy is the drafter's (`sfi`, `streaming`) or full KV (`ngram`, `model`). A draft
+    /// model (`draft`, with `kind` = Model) is prefilled with the prompt here.
+    pub fn new(
+        target: Session<'m>,
+        prompt: &[u32],
+        opts: SpecOptions,
+        draft: Option<&'m Model>,
+        kv: KvDtype,
+        sampler: &SamplerConfig,
+    ) -> Result<Self, EngineError> {
+        if opts.tokens.max() == 0 || opts.tokens.max() > MAX_SPEC_TOKENS {
+            return Err(EngineError::BadInput(format!(
+                "--spec-tokens must be in 1..={MAX_SPEC_TOKENS}"
+            )));
+        }
+        let drafter = match opts.drafter {
+            DraftKind::Sfi | DraftKind::Streaming => {
+                let name = target.policy_name();
+                if name != opts.drafter.name() {
+                    return Err(EngineError::BadInput(format!(
+                        "--speculate {}: the session runs the {name} policy, not the drafter's",
+                        opts.drafter.name()
+                    )));
+                }
+                Drafter::SelfPolicy
+            }
+            DraftKind::Ngram => {
+                if opts.ngram_min == 0 || opts.ngram_min > opts.ngram_max {
+                    return Err(EngineError::BadInput(format!(
+                        "n-gram drafter: need 1 <= min ({}) <= max ({})",
+                        opts.ngram_min, opts.ngram_max
+                    )));
+                }
+                let mut d = NgramDrafter::new(opts.ngram_max, opts.ngram_min);
+                d.extend(prompt);
+                Drafter::Ngram(d)
+            }
+            DraftKind::Model => {
+                let m = draft.ok_or_else(|| {
+                    EngineError::BadInput("--speculate model needs --draft-model".into())
+                })?;
+                let mut sess = Box::new(Session::new(
+                    m,
+                    target.capacity(),
+                    kv,
+                    target.chunk.max(MAX_SPEC_TOKENS),
+                ));
+                // The prompt minus its last token: the pending token of each draft is fed first.
+                if prompt.len() > 1 {
+                    sess.prefill(&prompt[..prompt.len() - 1], &mut |_, _| {})?;
+                }
+                Drafter::Model {
+                    sess,
+                    lag: prompt[prompt.len().saturating_sub(1)..].to_vec(),
+                }
+            }
+        };
+        let vocab = match (opts.drafter, draft) {
+            (DraftKind::Model, Some(m)) => m.cfg.vocab_size,
+            _ => target.model.cfg.vocab_size,
+        };
+        let mut ds = Sampler::new(sampler.clone(), vocab)?;
+        ds.reseed(sampler.seed ^ 0xD2AF_7000_5EC0_DE00);
+        if opts.drafter != DraftKind::Model && draft.is_some() {
+            return Err(EngineError::BadInput(
+                "--draft-model is only used with --speculate model".into(),
+            ));
+        }
+        if opts.drafter.is_self() {
+            // Refuse non-drafting policies before the first step.
+            let mut t = target;
+            t.begin_draft()?;
+            let len = t.pos();
+            t.end_draft(len);
+            return Ok(Self::assemble(t, drafter, opts, ds));
+        }
+        if target.policy_name() != "full" {
+            return Err(EngineError::BadInput(format!(
+                "--speculate {}: the target must run full KV, not {}",
+                opts.drafter.name(),
+                target.policy_name()
+            )));
+        }
+        Ok(Self::assemble(target, drafter, opts, ds))
+    }
+
+    fn assemble(target: Session<'m>, drafter: Drafter<'m>, opts: SpecOptions, ds: Sampler) -> Self {
+        Speculator {
+            target,
+            drafter,
+            opts,
+            stats: SpecStats::default(),
+            adapt: Adapt::new(),
+            q: Vec::new(),
+            p: Vec::new(),
+            drafts: Vec::new(),
+            ds,
+        }
+    }
+
+    pub fn session(&self) -> &Session<'m> {
+        &self.target
+    }
+    pub fn stats(&self) -> &SpecStats {
+        &self.stats
+    }
+    pub fn options(&self) -> &SpecOptions {
+        &self.opts
+    }
+
+    /// One draft–verify round after the pending token `t0` (already sampled and recorded in
+    /// `sampler`, not yet in the cache). Returns the new tokens, at most `max_out` of them
+    /// and at least one: the accepted drafts, then the target's own token (a correction, or a
+    /// bonus when every draft was accepted), each recorded in `sampler`. The last one is the
+    /// next pending token.
+    pub fn round(
+        &mut self,
+        t0: u32,
+        sampler: &mut Sampler,
+        max_out: usize,
+    ) -> Result<Vec<u32>, EngineError> {
+        let n = self.target.pos();
+        let room = self.target.capacity().saturating_sub(n + 1);
+        let want = match self.opts.tokens {
+            SpecTokens::Fixed(g) => g,
+            SpecTokens::Adaptive { max } => self.adapt.pick(max),
+        };
+        // At least one draft: a one-row pass would be a (sparse) decode step, not a check.
+        let gamma = want.min(max_out.saturating_sub(1)).min(room).max(1);
+        if n + 2 > self.target.capacity() {
+            return Err(EngineError::BadInput(format!(
+                "speculative decoding: the cache of {} positions is full",
+                self.target.capacity()
+            )));
+        }
+        let t_draft = Instant::now();
+        self.draft(t0, gamma, sampler)?;
+        let draft_s = t_draft.elapsed().as_secs_f64();
+        let g = self.drafts.len();
+        let t_verify = Instant::now();
+        let mut out = Vec::with_capacity(g + 1);
+        if g == 0 {
+            // Nothing proposed (n-gram without a match): a plain dense step.
+            let logits = self.target.step(t0)?;
+            sampler.distribution(logits, &mut self.p)?;
+            let t = draw(&self.p, sampler.rng_mut());
+            sampler.accept(t);
+            out.push(t);
+        } else {
+            let mut fed = Vec::with_capacity(g + 1);
+            fed.push(t0);
+            fed.extend_from_slice(&self.drafts);
+            let vocab = self.target.model.cfg.vocab_size;
+            let logits = self.target.verify(&fed)?;
+            for i in 0..=g {
+                sampler.distribution(&logits[i * vocab..(i + 1) * vocab], &mut self.p)?;
+                if i == g {
+                    let t = draw(&self.p, sampler.rng_mut());
+                    sampler.accept(t);
+                    out.push(t);
+                    break;
+                }
+                let d = self.drafts[i];
+                match verify_token(&self.p, &self.q[i], d, sampler.rng_mut()) {
+                    None => {
+                        sampler.accept(d);
+                        out.push(d);
+                    }
+                    Some(t) => {
+                        sampler.accept(t);
+                        out.push(t);
+                        break;
+                    }
+                }
+            }
+            let accepted = out.len() - 1;
+            // Keep t0 and the accepted drafts; the last token of `out` is pending.
+            fed.truncate(accepted + 1);
+            self.target
+                .end_verify(&fed, n + accepted + 1, self.opts.refresh_every);
+        }
+        let verify_s = t_verify.elapsed().as_secs_f64();
+        let accepted = out.len() - 1;
+        self.after_round(&out);
+        self.stats.drafted += g;
+        self.stats.accepted += accepted;
+        self.stats.verifications += 1;
+        self.stats.produced += out.len();
+        self.stats.draft_seconds += draft_s;
+        self.stats.verify_seconds += verify_s;
+        self.adapt.update(g, accepted, draft_s, verify_s);
+        out.truncate(max_out.max(1));
+        Ok(out)
+    }
+
+    /// Propose up to `gamma` tokens after `t0` into `self.drafts`, with the drafter's
+    /// distribution of each in `self.q`.
+    fn draft(&mut self, t0: u32, gamma: usize, sampler: &Sampler) -> Result<(), EngineError> {
+        self.drafts.clear();
+        if self.q.len() < gamma {
+            self.q.resize_with(gamma, Vec::new);
+        }
+        // Drafts follow the target's sampler settings and history, on their own stream.
+        let ds = &mut self.ds;
+        ds.copy_history(sampler);
+        match &mut self.drafter {
+            Drafter::SelfPolicy => {
+                let n = self.target.pos();
+                self.target.begin_draft()?;
+                let mut tok = t0;
+                let r = (|| {
+                    for i in 0..gamma {
+                        let logits = self.target.step(tok)?;
+                        ds.distribution(logits, &mut self.q[i])?;
+                        tok = draw(&self.q[i], ds.rng_mut());
+                        ds.accept(tok);
+                        self.drafts.push(tok);
+                    }
+                    Ok::<(), EngineError>(())
+                })();
+                self.target.end_draft(n);
+                r?;
+            }
+            Drafter::Ngram(d) => {
+                d.propose(gamma, &mut self.drafts);
+                self.drafts.truncate(gamma);
+                // A deterministic proposal: q is the drafted token with probability 1.
+                for (q, &t) in self.q.iter_mut().zip(&self.drafts) {
+                    q.clear();
+                    q.push((1.0, t));
+                }
+            }
+            Drafter::Model { sess, lag } => {
+                lag.push(t0);
+                // The committed tokens it has not seen, then t0: the last row drafts.
+                sess.forward(lag, slowfast_model::LogitsRows::Last)?;
+                lag.clear();
+                for i in 0..gamma {
+                    if i > 0 {
+                        let t = self.drafts[i - 1];
+                        sess.forward(&[t], slowfast_model::LogitsRows::Last)?;
+                    }
+                    ds.distribution(sess.logits(), &mut self.q[i])?;
+                    let t = draw(&self.q[i], ds.rng_mut());
+                    ds.accept(t);
+                    self.drafts.push(t);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Bring the drafter's view up to the committed tokens `out` (after the round's `t0`; the
+    /// last one is pending, not yet in any cache).
+    fn after_round(&mut self, out: &[u32]) {
+        match &mut self.drafter {
+            Drafter::SelfPolicy => {}
+            Drafter::Ngram(d) => d.extend(out),
+            Drafter::Model { sess, lag, .. } => {
+                // Its cache holds t0 at n0 and drafts d1.. after it; keep those accepted
+                // (equal to `out`'s prefix) whose keys it computed (all but the last draft).
+                let n0 = self.target.pos() - (out.len() - 1) - 1;
+                let accepted = out.len() - 1;
+                let drafted_in_cache = self.drafts.len().saturating_sub(1);
+                let keep = accepted.min(drafted_in_cache);
+                sess.truncate(n0 + 1 + keep);
+                lag.clear();
+                lag.extend_from_slice(&out[keep..out.len() - 1]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

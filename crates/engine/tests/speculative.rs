@@ -1,0 +1,159 @@
+//! Lossless speculative decoding on the default model: at an 8K context, 256 greedy tokens of
+//! every drafter (SFI's fast path, StreamingLLM, prompt lookup, a draft model) are full KV's
+//! tokens, with an f16 KV cache as users run it. The prompt is Jane Austen's Emma from
+//! scripts/get_texts.sh; without the model or the text the test says why it skipped (and fails
+//! under SLOWFAST_REQUIRE_MODEL=1, where CI has both).
+use std::path::PathBuf;
+
+use slowfast_engine::sampler::{Sampler, SamplerConfig};
+use slowfast_engine::session::{policy_spec, KvDtype, PolicySpec, Session};
+use slowfast_engine::spec::{DraftKind, SpecOptions, SpecTokens, Speculator};
+use slowfast_engine::Loaded;
+
+const CONTEXT: usize = 8192;
+const NEW: usize = 256;
+
+fn load() -> Option<(Loaded, Vec<u32>)> {
+    let p = slowfast_loader::test_model_path()?;
+    let text = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data/texts/austen_emma.txt");
+    let Ok(text) = std::fs::read_to_string(&text) else {
+        if std::env::var("SLOWFAST_REQUIRE_MODEL").as_deref() == Ok("1") {
+            panic!("{} is missing: run scripts/get_texts.sh", text.display());
+        }
+        eprintln!(
+            "skipped: {} is missing (scripts/get_texts.sh)",
+            text.display()
+        );
+        return None;
+    };
+    let m = slowfast_engine::load(p.to_str().unwrap(), &mut |_| {}).unwrap();
+    // Past the front matter; the prompt leaves room for the generated tokens.
+    let start = text.len() / 7;
+    let start = (start..text.len())
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap();
+    let mut ids = m
+        .tokenizer
+        .encode(&text[start..start + 60_000], true)
+        .unwrap();
+    ids.truncate(CONTEXT - NEW);
+    Some((m, ids))
+}
+
+/// `NEW` greedy tokens: the first from the prefill's logits, the rest from `spec`'s rounds.
+fn decode(spec: &mut Speculator<'_>, sampler: &mut Sampler) -> Vec<u32> {
+    let mut out = vec![sampler.sample_and_accept(spec.session().logits()).unwrap()];
+    while out.len() < NEW {
+        let last = *out.last().unwrap();
+        let new = spec.round(last, sampler, NEW - out.len()).unwrap();
+        out.extend(new);
+    }
+    out.truncate(NEW);
+    out
+}
+
+fn sampler(m: &Loaded, prompt: &[u32]) -> Sampler {
+    let mut s = Sampler::new(SamplerConfig::greedy(), m.model.cfg.vocab_size).unwrap();
+    for &t in prompt {
+        s.accept(t);
+    }
+    s
+}
+
+#[test]
+fn every_drafter_gives_full_kv_greedy_tokens_at_8k() {
+    let Some((m, prompt)) = load() else { return };
+    let cap = CONTEXT + 64;
+    let kv = KvDtype::F16;
+    let mut full = Session::try_with_policy(&m.model, cap, kv, 512, &PolicySpec::Full).unwrap();
+    full.prefill(&prompt, &mut |_, _| {}).unwrap();
+    // Full KV, one token a step.
+    let mut want = Vec::with_capacity(NEW);
+    {
+        let mut s = full.fork(&PolicySpec::Full).unwrap();
+        let mut smp = sampler(&m, &prompt);
+        let mut t = smp.sample_and_accept(s.logits()).unwrap();
+        want.push(t);
+        while want.len() < NEW {
+            t = smp.sample_and_accept(s.step(t).unwrap()).unwrap();
+            want.push(t);
+        }
+    }
+    let opts = |drafter, tokens, refresh_every| SpecOptions {
+        drafter,
+        tokens,
+        refresh_every,
+        ..SpecOptions::default()
+    };
+    let budget = Some(0.2);
+    let streaming = policy_spec("streaming", budget, 4, CONTEXT).unwrap();
+    let sfi = policy_spec("sfi", budget, 4, CONTEXT)
+        .unwrap()
+        .with_vocab(&m.tokenizer);
+    let greedy = SamplerConfig::greedy();
+    let mut cases: Vec<(&str, Speculator<'_>)> = Vec::new();
+    for (name, o) in [
+        (
+            "ngram/6",
+            opts(DraftKind::Ngram, SpecTokens::Fixed(6), true),
+        ),
+        (
+            "model(itself)/4",
+            opts(DraftKind::Model, SpecTokens::Fixed(4), true),
+        ),
+    ] {
+        let draft = (o.drafter == DraftKind::Model).then_some(&m.model);
+        let s = full.fork(&PolicySpec::Full).unwrap();
+        cases.push((
+            name,
+            Speculator::new(s, &prompt, o, draft, kv, &greedy).unwrap(),
+        ));
+    }
+    let s = full.fork(&streaming).unwrap();
+    let o = opts(DraftKind::Streaming, SpecTokens::Fixed(4), true);
+    cases.push((
+        "streaming/4",
+        Speculator::new(s, &prompt, o, None, kv, &greedy).unwrap(),
+    ));
+    for (name, o) in [
+        (
+            "sfi/6/every",
+            opts(DraftKind::Sfi, SpecTokens::Fixed(6), true),
+        ),
+        (
+            "sfi/adaptive/trigger",
+            opts(DraftKind::Sfi, SpecTokens::Adaptive { max: 8 }, false),
+        ),
+    ] {
+        // SFI bootstraps its memory in its own prefill.
+        let mut s = Session::try_with_policy(&m.model, cap, kv, 512, &sfi).unwrap();
+        s.prefill(&prompt, &mut |_, _| {}).unwrap();
+        cases.push((
+            name,
+            Speculator::new(s, &prompt, o, None, kv, &greedy).unwrap(),
+        ));
+    }
+    for (name, mut spec) in cases {
+        let got = decode(&mut spec, &mut sampler(&m, &prompt));
+        let st = spec.stats();
+        eprintln!(
+            "{name}: acceptance {:.3}, {:.2} tokens per verification ({} verifications)",
+            st.acceptance_rate(),
+            st.tokens_per_verification(),
+            st.verifications
+        );
+        let first = got.iter().zip(&want).position(|(a, b)| a != b);
+        assert_eq!(
+            first, None,
+            "{name}: differs from full KV at token {first:?}"
+        );
+        assert!(st.accepted > 0, "{name}: nothing accepted: {st:?}");
+        if name.starts_with("model(itself)") {
+            // Its chunked catch-up forwards may differ from single steps in the last bits only.
+            assert!(
+                st.acceptance_rate() > 0.95,
+                "{name}: drafting for itself: {st:?}"
+            );
+        }
+    }
+}
