@@ -207,48 +207,70 @@ impl SpecReport {
     }
 }
 
-/// Running estimates behind adaptive γ: acceptance probability of one drafted token, seconds
-/// per draft step, and seconds per verification (fixed part and per drafted token).
+/// Running estimates behind adaptive γ: the acceptance probability of one drafted token,
+/// seconds per draft step, and the verification's seconds as `a + b * rows` (rows = γ + 1),
+/// fitted by exponentially weighted least squares (a GPU verification is nearly flat in its
+/// rows, a CPU one nearly proportional).
 #[derive(Debug, Clone)]
 struct Adapt {
     alpha: f64,
     draft_s: f64,
-    verify_s: f64,
+    /// Weighted sums of (rows, seconds): weight, x, y, xx, xy.
+    sums: [f64; 5],
     seen: usize,
 }
 
 impl Adapt {
+    /// Weight of the newest round in the running estimates.
+    const W: f64 = 0.2;
+
     fn new() -> Self {
         Adapt {
             alpha: 0.8,
             draft_s: 0.0,
-            verify_s: 0.0,
+            sums: [0.0; 5],
             seen: 0,
         }
     }
 
+    /// The fitted verification cost `(a, b)` of `a + b * rows`.
+    fn verify_cost(&self) -> (f64, f64) {
+        let [w, x, y, xx, xy] = self.sums;
+        if w <= 0.0 {
+            return (0.0, 0.0);
+        }
+        let (mx, my) = (x / w, y / w);
+        let var = xx / w - mx * mx;
+        if var > 1e-6 {
+            let b = ((xy / w - mx * my) / var).max(0.0);
+            ((my - b * mx).max(0.0), b)
+        } else {
+            (0.0, my / mx.max(1.0))
+        }
+    }
+
     /// γ maximising expected tokens per second: a verification of γ drafts yields
-    /// (1 − α^(γ+1)) / (1 − α) tokens and costs γ draft steps plus one verification.
+    /// (1 − α^(γ+1)) / (1 − α) tokens and costs γ draft steps plus its verification.
     fn pick(&self, max: usize) -> usize {
         if self.seen < 2 {
             return max.min(4);
         }
         let a = self.alpha.clamp(0.0, 0.999);
+        let (va, vb) = self.verify_cost();
+        let rate = |g: usize| {
+            let tokens = (1.0 - a.powi(g as i32 + 1)) / (1.0 - a);
+            let cost = g as f64 * self.draft_s + va + vb * (g + 1) as f64;
+            tokens / cost.max(1e-12)
+        };
         (1..=max)
-            .max_by(|&x, &y| {
-                let rate = |g: usize| {
-                    let tokens = (1.0 - a.powi(g as i32 + 1)) / (1.0 - a);
-                    tokens / (g as f64 * self.draft_s + self.verify_s).max(1e-9)
-                };
-                rate(x).total_cmp(&rate(y))
-            })
+            .max_by(|&x, &y| rate(x).total_cmp(&rate(y)))
             .unwrap_or(1)
     }
 
     /// One verification: `drafted` tokens of which `accepted` were kept, its draft and
     /// verification times.
     fn update(&mut self, drafted: usize, accepted: usize, draft_s: f64, verify_s: f64) {
-        let w = 0.2;
+        let w = Self::W;
         if drafted > 0 {
             // The first rejection ends a verification: accepted / (accepted + 1 rejection) is
             // the per-token acceptance estimate of a geometric run.
@@ -262,11 +284,14 @@ impl Adapt {
                 (1.0 - w) * self.draft_s + w * d
             };
         }
-        self.verify_s = if self.seen == 0 {
-            verify_s
-        } else {
-            (1.0 - w) * self.verify_s + w * verify_s
-        };
+        let x = (drafted + 1) as f64;
+        for (s, v) in self
+            .sums
+            .iter_mut()
+            .zip([1.0, x, verify_s, x * x, x * verify_s])
+        {
+            *s = (1.0 - w) * *s + v;
+        }
         self.seen += 1;
     }
 }
@@ -599,3 +624,53 @@ impl<'m> Speculator<'m> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod adapt_tests {
+    use super::Adapt;
+
+    /// Feeds rounds whose costs follow `verify(rows)` and `draft` seconds a step, with a
+    /// per-token acceptance `alpha`, and returns the γ picked at the end.
+    fn settle(alpha: f64, draft: f64, verify: impl Fn(usize) -> f64) -> usize {
+        let mut a = Adapt::new();
+        let mut g = 4;
+        for i in 0..200 {
+            // A deterministic geometric run: accept while the running product stays above a
+            // fixed pseudo-random threshold.
+            let u = ((i * 7919) % 97) as f64 / 97.0;
+            let mut accepted = 0;
+            while accepted < g && alpha.powi(accepted as i32 + 1) > u {
+                accepted += 1;
+            }
+            a.update(g, accepted, g as f64 * draft, verify(g + 1));
+            g = a.pick(8);
+        }
+        g
+    }
+
+    #[test]
+    fn flat_verifications_and_cheap_drafts_draft_long() {
+        // GPU-like: the verification costs the same at any row count, drafts a tenth of it.
+        assert!(settle(0.95, 0.1, |_| 1.0) >= 6);
+    }
+
+    #[test]
+    fn proportional_verifications_draft_short() {
+        // CPU-like: every verified row costs 0.6 of a step and a draft step 0.8: speculation
+        // cannot pay, so γ drops to the least.
+        assert_eq!(settle(0.7, 0.8, |rows| 0.6 * rows as f64), 1);
+    }
+
+    #[test]
+    fn the_fit_recovers_a_linear_cost() {
+        let mut a = Adapt::new();
+        for g in [1usize, 3, 5, 7, 2, 6].iter().cycle().take(60) {
+            a.update(*g, 0, 0.0, 0.5 + 0.25 * (*g + 1) as f64);
+        }
+        let (va, vb) = a.verify_cost();
+        assert!(
+            (va - 0.5).abs() < 1e-6 && (vb - 0.25).abs() < 1e-6,
+            "{va} {vb}"
+        );
+    }
+}
