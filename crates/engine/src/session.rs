@@ -466,6 +466,15 @@ impl<'m> Session<'m> {
         r.map_err(EngineError::BadInput)
     }
 
+    /// Most tokens one `verify` can take (sliding-window rings bound it; see
+    /// `Model::verify_rows_max`).
+    pub fn verify_rows_max(&self) -> usize {
+        match &self.cache {
+            Cache::F32(c, _) => self.model.verify_rows_max(c),
+            Cache::F16(c, _) => self.model.verify_rows_max(c),
+        }
+    }
+
     /// End of the draft steps: the cache goes back to `len` positions (the drafted keys go).
     pub fn end_draft(&mut self, len: usize) {
         match &mut self.cache {

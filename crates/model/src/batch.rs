@@ -220,6 +220,105 @@ mod tests {
         check(&qwen2_like(GgmlType::Q8_0), 5, 5);
     }
 
+    /// `verify_forward` of `k` tokens after each prompt (with a rejected tail cut off and
+    /// verified again) against one-token forwards: bit-equal logits and K/V.
+    fn check_verify(m: &Model, k: usize) {
+        let mut s = Scratch::default();
+        let v = m.cfg.vocab_size;
+        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for (alone, mut verified) in sequences(m, 6, &mut s)
+            .into_iter()
+            .zip(sequences(m, 6, &mut s))
+        {
+            let mut alone = alone;
+            let p0 = alone.cache.len();
+            let tokens: Vec<u32> = (0..k).map(|i| ((p0 * 13 + i * 29) % v) as u32).collect();
+            let (mut want, mut row) = (Vec::new(), Vec::new());
+            for (i, t) in tokens.iter().enumerate() {
+                m.forward_with(
+                    &[*t],
+                    p0 + i,
+                    &mut alone.cache,
+                    alone.policy.as_mut(),
+                    &mut s,
+                    LogitsRows::Last,
+                    &mut row,
+                )
+                .unwrap();
+                want.extend_from_slice(&row);
+            }
+            // A first verification whose last rows are rejected, then the real one.
+            let mut got = Vec::new();
+            let junk: Vec<u32> = tokens.iter().map(|t| (t + 1) % v as u32).collect();
+            let pol = verified.policy.as_mut();
+            m.verify_forward(&junk, p0, &mut verified.cache, pol, &mut s, &mut got)
+                .unwrap();
+            verified.cache.truncate(p0);
+            m.verify_forward(&tokens, p0, &mut verified.cache, pol, &mut s, &mut got)
+                .unwrap();
+            assert_eq!(got.len(), k * v);
+            assert_eq!(bits(&got), bits(&want), "prompt of {p0} tokens");
+            assert_eq!(verified.cache.len(), p0 + k);
+            for l in 0..m.cfg.num_hidden_layers {
+                let lo = alone.cache.len().saturating_sub(alone.cache.held(l, 0));
+                for h in 0..m.cfg.num_key_value_heads {
+                    let seg = |c: &KvStore<f32>| {
+                        c.segments(l, h, lo, p0 + k)
+                            .into_iter()
+                            .flatten()
+                            .flat_map(|g| {
+                                g.k.iter()
+                                    .chain(g.v)
+                                    .map(|x| x.to_bits())
+                                    .collect::<Vec<_>>()
+                            })
+                            .collect::<Vec<_>>()
+                    };
+                    assert_eq!(
+                        seg(&verified.cache),
+                        seg(&alone.cache),
+                        "layer {l} head {h}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn verification_rows_equal_one_token_forwards() {
+        // The caches of `sequences` hold window (6) + chunk (4) slots in sliding layers: room
+        // for 5 verified rows.
+        check_verify(&gemma_like(GgmlType::F32), 5);
+        check_verify(&gemma_like(GgmlType::Q8_0), 3);
+        check_verify(&qwen2_like(GgmlType::Q8_0), 4);
+        // Without sliding layers any count fits.
+        let mut global = gemma_like(GgmlType::Q8_0);
+        global.cfg.layer_sliding = vec![false; 3];
+        check_verify(&global, 9);
+    }
+
+    #[test]
+    fn a_verification_longer_than_the_ring_allows_is_an_error() {
+        let m = gemma_like(GgmlType::F32);
+        let mut s = Scratch::default();
+        let mut seq = sequences(&m, 1, &mut s).remove(0);
+        assert_eq!(m.verify_rows_max(&seq.cache), 5);
+        let p0 = seq.cache.len();
+        let mut lg = Vec::new();
+        let e = m
+            .verify_forward(
+                &[1; 6],
+                p0,
+                &mut seq.cache,
+                seq.policy.as_mut(),
+                &mut s,
+                &mut lg,
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("at most 5 rows"), "{e}");
+        assert_eq!(seq.cache.len(), p0, "nothing written");
+    }
+
     #[test]
     fn bad_batches_name_the_row() {
         let m = gemma_like(GgmlType::F32);

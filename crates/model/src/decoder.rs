@@ -301,6 +301,12 @@ impl Model {
         let c = &self.cfg;
         let n = tokens.len();
         self.check_forward(tokens, pos0, cache)?;
+        let most = self.verify_rows_max(cache);
+        if n > most {
+            return Err(ModelError::Compute(format!(
+                "a verification of {n} rows needs more window-ring slots than the cache holds (at most {most} rows; a larger prefill chunk makes room)"
+            )));
+        }
         self.embed(tokens, s);
         self.rope(RowPos::Range(pos0), n, s);
         let qw = c.num_attention_heads * c.head_dim;
@@ -319,6 +325,20 @@ impl Model {
         cache.set_len(pos0 + n);
         policy.end_forward(pos0, n);
         self.head(n, LogitsRows::All, Rows::Independent, s, logits)
+    }
+
+    /// Most rows one `verify_forward` can take on `cache`: it writes every row's K/V before
+    /// the first row attends, so a sliding layer's ring must hold that row's window and the
+    /// rows after it (unbounded without sliding layers).
+    pub fn verify_rows_max<T: CacheElem>(&self, cache: &KvStore<T>) -> usize {
+        (0..self.cfg.num_hidden_layers)
+            .filter(|&l| self.cfg.is_sliding(l) && cache.layer(l).spec.ring)
+            .filter_map(|l| {
+                let w = self.cfg.sliding_window?;
+                Some((cache.layer(l).spec.capacity + 1).saturating_sub(w))
+            })
+            .min()
+            .unwrap_or(usize::MAX)
     }
 
     /// The checks every forward makes before touching the cache.

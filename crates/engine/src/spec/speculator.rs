@@ -477,7 +477,12 @@ impl<'m> Speculator<'m> {
             SpecTokens::Adaptive { max } => self.adapt.pick(max),
         };
         // At least one draft: a one-row pass would be a (sparse) decode step, not a check.
-        let gamma = want.min(max_out.saturating_sub(1)).min(room).max(1);
+        let rows = self.target.verify_rows_max();
+        let gamma = want
+            .min(max_out.saturating_sub(1))
+            .min(room)
+            .min(rows.saturating_sub(1))
+            .max(1);
         if n + 2 > self.target.capacity() {
             return Err(EngineError::BadInput(format!(
                 "speculative decoding: the cache of {} positions is full",

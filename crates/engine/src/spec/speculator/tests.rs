@@ -390,3 +390,19 @@ fn a_draft_model_with_another_vocabulary_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn a_small_window_ring_bounds_the_drafts() {
+    // Gemma 3's fixture slides a window of 8; with prefill chunks of 2 its rings hold 10
+    // slots, so a verification takes at most 3 rows: γ = 8 is cut to 2 and stays exact.
+    let m = named("gemma3");
+    let p = prompt(60);
+    let mut o = opts(24, PolicySpec::Full, None);
+    o.chunk = 2;
+    let want = generate(&m, &p, &o, &mut |_| {}).unwrap().tokens;
+    o.speculate = Some(spec(DraftKind::Ngram, SpecTokens::Fixed(8), true));
+    let out = generate(&m, &p, &o, &mut |_| {}).unwrap();
+    assert_eq!(out.tokens, want);
+    let st = out.speculative.unwrap().stats;
+    assert!(st.drafted <= 2 * st.verifications, "{st:?}");
+}
