@@ -430,6 +430,38 @@ def test_kv_policy_wrong_field_type(server):
     assert_error(server.post("/v1/completions", body), 400, "kv_budget", "kv_policy")
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "streaming"])
+def test_speculate_gives_full_kv_tokens(server, drafter):
+    """Lossless speculative decoding: the greedy tokens of a speculative request are full
+    KV's (`generate`'s), and /metrics counts its drafts and verifications."""
+    ref = generate_ref(SHORT, 24)
+    before = server.metrics()
+    spec = {"drafter": drafter, "spec_tokens": 4}
+    body = {"model": MODEL, "prompt": SHORT, "max_tokens": 24, "temperature": 0,
+            "return_token_ids": True, "speculate": spec}
+    if drafter == "streaming":
+        body["kv_policy"] = {"kv_budget": 8}
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 200, r.text[:500]
+    c = r.json()["choices"][0]
+    assert c["token_ids"] == ref["tokens"], f"speculative {c['token_ids']} vs generate {ref['tokens']}"
+    after = server.metrics()
+    for name in ("slowfast_spec_verifications_total", "slowfast_spec_drafted_tokens_total"):
+        assert after.get(name) > before.get(name), name
+    assert after.get("slowfast_spec_accepted_tokens_total") <= after.get("slowfast_spec_drafted_tokens_total")
+
+
+def test_speculate_refusals_name_the_field(server):
+    base = {"model": MODEL, "prompt": SHORT, "max_tokens": 2}
+    for extra, param in [
+        ({"speculate": {"drafter": "eagle"}}, "speculate.drafter"),
+        ({"speculate": {"drafter": "ngram", "spec_tokens": 99}}, "speculate.spec_tokens"),
+        ({"speculate": {"drafter": "ngram"}, "logprobs": 1}, "speculate"),
+        ({"speculate": {"drafter": "ngram"}, "kv_policy": {"name": "sfi"}}, "kv_policy.name"),
+    ]:
+        assert_error(server.post("/v1/completions", {**base, **extra}), 400, param)
+
+
 def _long_text(min_tokens: int) -> str:
     # prose.txt is ~790 tokens; repeat it (with paragraph breaks) past min_tokens
     w = " ".join(prose_words())

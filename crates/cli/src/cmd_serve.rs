@@ -6,7 +6,7 @@ use slowfast_engine::scheduler::{self, SchedulerConfig};
 use slowfast_engine::KvDtype;
 use slowfast_server::{KvPolicyRequest, ServerConfig};
 
-use crate::common::{ModelArgs, PolicyArgs};
+use crate::common::{ModelArgs, PolicyArgs, SpecArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -24,6 +24,11 @@ pub struct Args {
     pub policy: String,
     #[command(flatten)]
     pub sparse: PolicyArgs,
+    /// Speculative decoding of every request that does not choose (extension field
+    /// `speculate`, which may also say `{"drafter": "off"}`); see `generate --help`. Such a
+    /// sequence runs its own draft–verify rounds beside the batched step (CPU only).
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Sequences decoded together at most (the running batch).
     #[arg(long, default_value_t = 8)]
     pub max_batch: usize,
@@ -78,7 +83,12 @@ pub fn run(a: Args) -> Result<()> {
             bail!("{name} must be a number of seconds in (0, 86400], not {v}");
         }
     }
+    let speculate = a.spec.options()?;
+    if speculate.is_some() && a.model.device() != slowfast_engine::Device::Cpu {
+        bail!("--speculate runs on the CPU only so far (--device cpu)");
+    }
     let loaded = Arc::new(a.model.load()?);
+    let draft = a.spec.load_draft()?.map(Arc::new);
     let ctx = loaded.model.cfg.max_position_embeddings;
     let max_context = a.max_context.unwrap_or(ctx.min(8192));
     if max_context < 2 || max_context > ctx {
@@ -91,6 +101,10 @@ pub fn run(a: Args) -> Result<()> {
         .spec(&default_name, max_context)
         .with_context(|| format!("--policy {default_name}"))?
         .with_vocab(&loaded.tokenizer);
+    // The drafter's policy must resolve too (a budget for sfi / streaming; --policy full).
+    a.spec
+        .session_policy(&a.policy, &a.sparse, max_context)
+        .context("--speculate")?;
     let tok = loaded.clone();
     let resolve = move |req: Option<&KvPolicyRequest>, context: usize| {
         let mut p = defaults.clone();
@@ -135,6 +149,7 @@ pub fn run(a: Args) -> Result<()> {
         kv_memory,
         max_context,
         default_policy,
+        draft,
     };
     let (handle, _thread) = scheduler::spawn(loaded.clone(), sched_cfg)?;
     let cfg = ServerConfig {
@@ -148,6 +163,7 @@ pub fn run(a: Args) -> Result<()> {
         max_batch: a.max_batch,
         header_read_timeout: std::time::Duration::from_secs_f64(a.header_read_timeout),
         body_read_timeout: std::time::Duration::from_secs_f64(a.body_read_timeout),
+        speculate,
     };
     slowfast_server::run(cfg, loaded, handle, Arc::new(resolve))?;
     Ok(())

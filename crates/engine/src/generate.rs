@@ -85,7 +85,7 @@ pub fn generate(
 /// Where the tokens after the first come from: plain decode steps, or draft–verify rounds.
 enum Decoder<'m> {
     Plain(Box<dyn crate::device::Steps + 'm>),
-    Spec(Box<Speculator<'m>>),
+    Spec(Box<Session<'m>>, Box<Speculator<'m>>),
 }
 
 /// `generate` with a draft model for `--speculate model`.
@@ -143,14 +143,15 @@ pub fn generate_with_draft(
             let mut sess =
                 Session::try_with_policy(&m.model, cap, opts.kv_dtype, opts.chunk, &opts.policy)?;
             sess.prefill(prompt_ids, &mut |_, _| {})?;
-            Decoder::Spec(Box::new(Speculator::new(
-                sess,
+            let spec = Speculator::new(
+                &mut sess,
                 prompt_ids,
                 spec.clone(),
                 draft.map(|d| &d.model),
                 opts.kv_dtype,
                 &opts.sampler,
-            )?))
+            )?;
+            Decoder::Spec(Box::new(sess), Box::new(spec))
         }
     };
     let prefill_seconds = t0.elapsed().as_secs_f64();
@@ -175,12 +176,11 @@ pub fn generate_with_draft(
                     }
                     queue.push_back(sampler.sample_and_accept(sess.logits())?);
                 }
-                Decoder::Spec(spec) => {
+                Decoder::Spec(sess, spec) => {
                     if i == 0 {
-                        let logits = spec.session().logits();
-                        queue.push_back(sampler.sample_and_accept(logits)?);
+                        queue.push_back(sampler.sample_and_accept(sess.logits())?);
                     } else {
-                        let new = spec.round(last, &mut sampler, max_new - i)?;
+                        let new = spec.round(sess, last, &mut sampler, max_new - i)?;
                         decode_steps += new.len();
                         queue.extend(new);
                     }
@@ -232,19 +232,19 @@ pub fn generate_with_draft(
         stop_reason: reason,
         kv_bytes: match &dec {
             Decoder::Plain(s) => s.kv_bytes(),
-            Decoder::Spec(s) => s.session().kv_bytes(),
+            Decoder::Spec(s, _) => s.kv_bytes(),
         },
         policy: match &dec {
             Decoder::Plain(s) => s.policy_name().to_owned(),
-            Decoder::Spec(s) => s.session().policy_name().to_owned(),
+            Decoder::Spec(s, _) => s.policy_name().to_owned(),
         },
         policy_stats: match &dec {
             Decoder::Plain(s) => s.policy_stats(),
-            Decoder::Spec(s) => s.session().policy_stats(),
+            Decoder::Spec(s, _) => s.policy_stats(),
         },
         speculative: match &dec {
             Decoder::Plain(_) => None,
-            Decoder::Spec(s) => Some(SpecReport::new(s.options(), s.stats())),
+            Decoder::Spec(_, s) => Some(SpecReport::new(s.options(), s.stats())),
         },
     })
 }

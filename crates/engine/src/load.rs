@@ -21,6 +21,15 @@ pub struct Loaded {
     pub name: String,
 }
 
+impl std::fmt::Debug for Loaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loaded")
+            .field("name", &self.name)
+            .field("arch", &self.model.cfg.arch.name())
+            .finish_non_exhaustive()
+    }
+}
+
 /// Parse `random:<preset>[@<dtype>]` (dtype: bf16 (default), f16, f32, q8_0, q4_k, ...).
 fn parse_random(spec: &str) -> Result<ModelSource, EngineError> {
     let (preset, ty) = match spec.split_once('@') {

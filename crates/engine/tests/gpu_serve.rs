@@ -63,6 +63,7 @@ fn sched(m: &Arc<Loaded>, max_batch: usize, policy: &PolicySpec) -> SchedulerHan
         kv_memory: usize::MAX,
         max_context: MAX_CONTEXT,
         default_policy: policy.clone(),
+        draft: None,
     };
     scheduler::spawn(m.clone(), cfg).unwrap().0
 }
@@ -400,6 +401,7 @@ fn serve_throughput_with_and_without_graphs() {
                 kv_memory: usize::MAX,
                 max_context: 1024,
                 default_policy: PolicySpec::Full,
+                draft: None,
             };
             let h = scheduler::spawn(m.clone(), cfg).unwrap().0;
             let _ = together(&h, &reqs[..4], &PolicySpec::Full); // warm-up

@@ -161,8 +161,7 @@ fn huggingface_hub_cache_round_trip() {
     assert_eq!(greedy_tokens(&format!("hf:{REPO}")), want);
     assert_eq!(greedy_tokens(REPO), want, "bare repo id");
     let e = slowfast_engine::load("hf:fixture/absent", &mut |_| {})
-        .err()
-        .expect("absent repo")
+        .expect_err("absent repo")
         .to_string();
     assert!(e.contains("huggingface-cli download fixture/absent"), "{e}");
 

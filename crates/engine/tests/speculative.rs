@@ -41,11 +41,15 @@ fn load() -> Option<(Loaded, Vec<u32>)> {
 }
 
 /// `NEW` greedy tokens: the first from the prefill's logits, the rest from `spec`'s rounds.
-fn decode(spec: &mut Speculator<'_>, sampler: &mut Sampler) -> Vec<u32> {
-    let mut out = vec![sampler.sample_and_accept(spec.session().logits()).unwrap()];
+fn decode<'m>(
+    sess: &mut Session<'m>,
+    spec: &mut Speculator<'m>,
+    sampler: &mut Sampler,
+) -> Vec<u32> {
+    let mut out = vec![sampler.sample_and_accept(sess.logits()).unwrap()];
     while out.len() < NEW {
         let last = *out.last().unwrap();
-        let new = spec.round(last, sampler, NEW - out.len()).unwrap();
+        let new = spec.round(sess, last, sampler, NEW - out.len()).unwrap();
         out.extend(new);
     }
     out.truncate(NEW);
@@ -91,7 +95,7 @@ fn every_drafter_gives_full_kv_greedy_tokens_at_8k() {
         .unwrap()
         .with_vocab(&m.tokenizer);
     let greedy = SamplerConfig::greedy();
-    let mut cases: Vec<(&str, Speculator<'_>)> = Vec::new();
+    let mut cases: Vec<(&str, Session<'_>, Speculator<'_>)> = Vec::new();
     for (name, o) in [
         (
             "ngram/6",
@@ -103,18 +107,14 @@ fn every_drafter_gives_full_kv_greedy_tokens_at_8k() {
         ),
     ] {
         let draft = (o.drafter == DraftKind::Model).then_some(&m.model);
-        let s = full.fork(&PolicySpec::Full).unwrap();
-        cases.push((
-            name,
-            Speculator::new(s, &prompt, o, draft, kv, &greedy).unwrap(),
-        ));
+        let mut s = full.fork(&PolicySpec::Full).unwrap();
+        let spec = Speculator::new(&mut s, &prompt, o, draft, kv, &greedy).unwrap();
+        cases.push((name, s, spec));
     }
-    let s = full.fork(&streaming).unwrap();
+    let mut s = full.fork(&streaming).unwrap();
     let o = opts(DraftKind::Streaming, SpecTokens::Fixed(4), true);
-    cases.push((
-        "streaming/4",
-        Speculator::new(s, &prompt, o, None, kv, &greedy).unwrap(),
-    ));
+    let spec = Speculator::new(&mut s, &prompt, o, None, kv, &greedy).unwrap();
+    cases.push(("streaming/4", s, spec));
     for (name, o) in [
         (
             "sfi/6/every",
@@ -128,13 +128,11 @@ fn every_drafter_gives_full_kv_greedy_tokens_at_8k() {
         // SFI bootstraps its memory in its own prefill.
         let mut s = Session::try_with_policy(&m.model, cap, kv, 512, &sfi).unwrap();
         s.prefill(&prompt, &mut |_, _| {}).unwrap();
-        cases.push((
-            name,
-            Speculator::new(s, &prompt, o, None, kv, &greedy).unwrap(),
-        ));
+        let spec = Speculator::new(&mut s, &prompt, o, None, kv, &greedy).unwrap();
+        cases.push((name, s, spec));
     }
-    for (name, mut spec) in cases {
-        let got = decode(&mut spec, &mut sampler(&m, &prompt));
+    for (name, mut s, mut spec) in cases {
+        let got = decode(&mut s, &mut spec, &mut sampler(&m, &prompt));
         let st = spec.stats();
         eprintln!(
             "{name}: acceptance {:.3}, {:.2} tokens per verification ({} verifications)",

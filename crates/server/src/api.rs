@@ -8,6 +8,7 @@ use serde::de::{MapAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use slowfast_engine::sampler::SamplerConfig;
 use slowfast_engine::scheduler::Request;
+use slowfast_engine::spec::{DraftKind, SpecOptions};
 use slowfast_engine::PolicySpec;
 use slowfast_tokenizer::{ChatMessage, Tokenizer};
 
@@ -27,6 +28,19 @@ pub struct KvPolicyRequest {
     pub sfi_refresh_interval: Option<usize>,
     pub sfi_min_gap: Option<usize>,
     pub sfi_trigger: Option<String>,
+}
+
+/// Speculative decoding of one request (extension field `speculate`; CPU): the drafter, and
+/// optionally γ and SFI's refresh. Absent, the server's `--speculate` holds.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SpeculateRequest {
+    /// sfi, streaming, ngram, model, or off (plain decoding even if the server speculates).
+    pub drafter: String,
+    /// A count (1-32), `adaptive` or `adaptive:N`; default: the server's `--spec-tokens`.
+    pub spec_tokens: Option<serde_json::Value>,
+    /// sfi: `every` or `trigger`; default: the server's `--spec-refresh`.
+    pub refresh: Option<String>,
 }
 
 /// Resolves a request's KV policy (None: the server's default) for a sequence of `context`
@@ -114,6 +128,8 @@ pub struct Body {
     // --- extensions ---
     #[serde(default, deserialize_with = "opt_object")]
     pub kv_policy: Option<KvPolicyRequest>,
+    #[serde(default, deserialize_with = "opt_object")]
+    pub speculate: Option<SpeculateRequest>,
     #[serde(default)]
     pub ignore_eos: bool,
     #[serde(default)]
@@ -205,6 +221,55 @@ pub struct Limits<'a> {
     pub resolve: &'a PolicyResolver,
     /// Tokens that end a chat reply (see `end_of_turn_ids`).
     pub end_of_turn: &'a [u32],
+    /// The server's speculative decoding (`serve --speculate`), for requests that say none.
+    pub speculate: Option<&'a SpecOptions>,
+}
+
+/// The request's speculative decoding: its `speculate` field over the server's default.
+fn speculation(
+    req: Option<&SpeculateRequest>,
+    default: Option<&SpecOptions>,
+) -> Result<Option<SpecOptions>, ApiError> {
+    let Some(r) = req else {
+        return Ok(default.cloned());
+    };
+    if r.drafter == "off" {
+        return Ok(None);
+    }
+    let drafter: DraftKind = r.drafter.parse().map_err(|e: String| {
+        ApiError::bad(
+            "speculate.drafter",
+            e.replace("drafter", "speculate.drafter"),
+        )
+    })?;
+    let mut o = default.cloned().unwrap_or_default();
+    o.drafter = drafter;
+    if let Some(v) = &r.spec_tokens {
+        let text = match v {
+            serde_json::Value::Number(n) => n.to_string(),
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        o.tokens = text.parse().map_err(|e: String| {
+            ApiError::bad(
+                "speculate.spec_tokens",
+                e.replace("--spec-tokens", "speculate.spec_tokens"),
+            )
+        })?;
+    }
+    if let Some(f) = &r.refresh {
+        o.refresh_every = match f.as_str() {
+            "every" => true,
+            "trigger" => false,
+            _ => {
+                return Err(ApiError::bad(
+                    "speculate.refresh",
+                    format!("speculate.refresh `{f}` is not one of every, trigger"),
+                ))
+            }
+        };
+    }
+    Ok(Some(o))
 }
 
 /// Checks a body and builds the scheduler's request.
@@ -467,7 +532,38 @@ pub fn check(body: Body, ep: Endpoint, lim: &Limits) -> Result<(Request, Shape),
             ));
         }
     }
-    let policy = (lim.resolve)(body.kv_policy.as_ref(), prompt.len() + max_tokens)
+    let speculate = speculation(body.speculate.as_ref(), lim.speculate)?;
+    if speculate.is_some() && logprobs.is_some() {
+        return Err(ApiError::bad(
+            "speculate",
+            "logprobs are not available with speculative decoding; send \"speculate\": {\"drafter\": \"off\"} or no logprobs".to_string(),
+        ));
+    }
+    // Lossless speculation: the sequence runs the drafter's own policy (sfi, streaming) or
+    // full KV (ngram, model), whatever the server's default policy is.
+    let kv_policy = match &speculate {
+        None => body.kv_policy.clone(),
+        Some(o) => {
+            let want = if o.drafter.is_self() {
+                o.drafter.name()
+            } else {
+                "full"
+            };
+            let mut kp = body.kv_policy.clone().unwrap_or_default();
+            if let Some(n) = kp.name.as_deref().filter(|&n| n != want) {
+                return Err(ApiError::bad(
+                    "kv_policy.name",
+                    format!(
+                        "kv_policy.name `{n}` with speculate.drafter `{}`: speculative decoding is lossless (full KV's output) and runs the {want} policy",
+                        o.drafter.name()
+                    ),
+                ));
+            }
+            kp.name = Some(want.to_owned());
+            Some(kp)
+        }
+    };
+    let policy = (lim.resolve)(kv_policy.as_ref(), prompt.len() + max_tokens)
         .map_err(|e| ApiError::bad("kv_policy", e))?;
     let shape = Shape {
         endpoint: ep,
@@ -489,6 +585,7 @@ pub fn check(body: Body, ep: Endpoint, lim: &Limits) -> Result<(Request, Shape),
             },
             policy,
             logprobs,
+            speculate,
         },
         shape,
     ))

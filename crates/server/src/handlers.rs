@@ -227,6 +227,7 @@ async fn handle(
             tokenizer: &s.loaded.tokenizer,
             resolve: s.resolve.as_ref(),
             end_of_turn: &s.end_of_turn,
+            speculate: s.cfg.speculate.as_ref(),
         };
         api::check(body, ep, &lim)
     });

@@ -44,6 +44,8 @@ pub struct ServerConfig {
     pub header_read_timeout: std::time::Duration,
     /// A request body not received whole this long after its head gets a 408.
     pub body_read_timeout: std::time::Duration,
+    /// Speculative decoding of requests that do not say (`serve --speculate`).
+    pub speculate: Option<slowfast_engine::spec::SpecOptions>,
 }
 
 pub(crate) struct AppState {

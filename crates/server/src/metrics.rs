@@ -192,6 +192,24 @@ impl Metrics {
             "Prompt tokens prefilled.",
             ld(&g.prefill_tokens),
         );
+        counter(
+            &mut s,
+            "slowfast_spec_drafted_tokens_total",
+            "Speculative decoding: tokens the drafters proposed.",
+            ld(&g.spec_drafted),
+        );
+        counter(
+            &mut s,
+            "slowfast_spec_accepted_tokens_total",
+            "Speculative decoding: drafted tokens the verifications accepted (accepted / drafted = the acceptance rate).",
+            ld(&g.spec_accepted),
+        );
+        counter(
+            &mut s,
+            "slowfast_spec_verifications_total",
+            "Speculative decoding: verification passes (tokens produced by speculative sequences / verifications = mean tokens per verification).",
+            ld(&g.spec_verifications),
+        );
         self.ttft.write(
             &mut s,
             "slowfast_time_to_first_token_seconds",

@@ -58,6 +58,7 @@ fn app() -> Router {
         kv_memory: usize::MAX,
         max_context: 64,
         default_policy: PolicySpec::Full,
+        draft: None,
     };
     let (handle, _thread) = scheduler::spawn(loaded.clone(), sched_cfg).unwrap();
     let cfg = ServerConfig {
@@ -71,6 +72,7 @@ fn app() -> Router {
         max_batch: 2,
         header_read_timeout: std::time::Duration::from_secs(10),
         body_read_timeout: std::time::Duration::from_secs(30),
+        speculate: None,
     };
     let resolve: Arc<PolicyResolver> =
         Arc::new(|_: Option<&KvPolicyRequest>, _: usize| Ok::<_, String>(PolicySpec::Full));

@@ -1,29 +1,41 @@
 //! The scheduler's CPU device: each sequence is a `Session` (its own KV store and policy);
 //! a decode step runs every row through one batched forward (`batch::step_batch`), whose
-//! rows are bit-equal to decoding each sequence alone.
+//! rows are bit-equal to decoding each sequence alone. A speculative sequence also carries
+//! its drafter and decodes by its own draft–verify rounds.
 use slowfast_kv::PolicyStats;
 use slowfast_model::{Model, Scratch};
 
 use super::BatchDevice;
+use crate::sampler::{Sampler, SamplerConfig};
 use crate::session::{KvDtype, PolicySpec, Session};
+use crate::spec::{SpecOptions, SpecStats, Speculator};
 use crate::EngineError;
 
 pub(super) struct CpuDevice<'m> {
     model: &'m Model,
+    /// The model of `speculate` requests with the `model` drafter (`serve --draft-model`).
+    draft: Option<&'m Model>,
     kv: KvDtype,
     chunk: usize,
     scratch: Scratch,
 }
 
 impl<'m> CpuDevice<'m> {
-    pub fn new(model: &'m Model, kv: KvDtype, chunk: usize) -> Self {
+    pub fn new(model: &'m Model, draft: Option<&'m Model>, kv: KvDtype, chunk: usize) -> Self {
         CpuDevice {
             model,
+            draft,
             kv,
             chunk,
             scratch: Scratch::default(),
         }
     }
+}
+
+/// A CPU sequence: its session, and its drafter when it decodes speculatively.
+pub(super) struct CpuSeq<'m> {
+    sess: Session<'m>,
+    spec: Option<Box<Speculator<'m>>>,
 }
 
 /// KV bytes a `Session` of `capacity` tokens allocates (before an evicting policy shrinks it).
@@ -42,56 +54,95 @@ pub fn kv_bytes_for(model: &Model, capacity: usize, chunk: usize, kv: KvDtype) -
 }
 
 impl<'m> BatchDevice for CpuDevice<'m> {
-    type Seq = Session<'m>;
+    type Seq = CpuSeq<'m>;
 
     fn kv_estimate(&self, _policy: &PolicySpec, capacity: usize) -> usize {
         kv_bytes_for(self.model, capacity, self.chunk, self.kv)
     }
 
-    fn open(&mut self, policy: &PolicySpec, capacity: usize) -> Result<Session<'m>, EngineError> {
-        Session::try_with_policy(self.model, capacity, self.kv, self.chunk, policy)
+    fn open(&mut self, policy: &PolicySpec, capacity: usize) -> Result<CpuSeq<'m>, EngineError> {
+        let sess = Session::try_with_policy(self.model, capacity, self.kv, self.chunk, policy)?;
+        Ok(CpuSeq { sess, spec: None })
     }
 
-    fn prefill_plan(&self, seq: &Session<'m>, n: usize) -> Vec<(usize, usize)> {
-        seq.prefill_plan(n)
+    fn prefill_plan(&self, seq: &CpuSeq<'m>, n: usize) -> Vec<(usize, usize)> {
+        seq.sess.prefill_plan(n)
     }
 
     fn prefill_part(
         &mut self,
-        seq: &mut Session<'m>,
+        seq: &mut CpuSeq<'m>,
         prompt: &[u32],
         plan: &[(usize, usize)],
         i: usize,
     ) -> Result<(), EngineError> {
-        seq.prefill_part(prompt, plan, i)
+        seq.sess.prefill_part(prompt, plan, i)
     }
 
     fn decode(
         &mut self,
-        seqs: &mut [&mut Session<'m>],
+        seqs: &mut [&mut CpuSeq<'m>],
         tokens: &[u32],
         _greedy: bool,
     ) -> Result<(), EngineError> {
-        crate::batch::step_batch(seqs, tokens, &mut self.scratch)
+        let mut sessions: Vec<&mut Session<'m>> = seqs.iter_mut().map(|s| &mut s.sess).collect();
+        crate::batch::step_batch(&mut sessions, tokens, &mut self.scratch)
     }
 
-    fn logits<'a>(&'a self, seq: &'a Session<'m>) -> &'a [f32] {
-        seq.logits()
+    fn logits<'a>(&'a self, seq: &'a CpuSeq<'m>) -> &'a [f32] {
+        seq.sess.logits()
     }
 
-    fn kv_bytes(&self, seq: &Session<'m>) -> usize {
-        seq.kv_bytes()
+    fn kv_bytes(&self, seq: &CpuSeq<'m>) -> usize {
+        seq.sess.kv_bytes()
     }
 
-    fn stats(&self, seq: &Session<'m>) -> PolicyStats {
-        seq.policy_stats()
+    fn stats(&self, seq: &CpuSeq<'m>) -> PolicyStats {
+        seq.sess.policy_stats()
     }
 
-    fn policy_name(&self, seq: &Session<'m>) -> &'static str {
-        seq.policy_name()
+    fn policy_name(&self, seq: &CpuSeq<'m>) -> &'static str {
+        seq.sess.policy_name()
     }
 
-    fn close(&mut self, seq: Session<'m>) {
+    fn close(&mut self, seq: CpuSeq<'m>) {
         drop(seq);
+    }
+
+    fn spec_attach(
+        &mut self,
+        seq: &mut CpuSeq<'m>,
+        opts: &SpecOptions,
+        prompt: &[u32],
+        sampler: &SamplerConfig,
+    ) -> Result<(), EngineError> {
+        let draft = match opts.drafter {
+            crate::spec::DraftKind::Model => Some(self.draft.ok_or_else(|| {
+                EngineError::BadInput(
+                    "speculate: the model drafter needs a server started with --draft-model".into(),
+                )
+            })?),
+            _ => None,
+        };
+        let spec = Speculator::new(&mut seq.sess, prompt, opts.clone(), draft, self.kv, sampler)?;
+        seq.spec = Some(Box::new(spec));
+        Ok(())
+    }
+
+    fn spec_round(
+        &mut self,
+        seq: &mut CpuSeq<'m>,
+        t0: u32,
+        sampler: &mut Sampler,
+        max_out: usize,
+    ) -> Result<Vec<u32>, EngineError> {
+        let spec = seq.spec.as_mut().ok_or_else(|| {
+            EngineError::BadInput("a speculative round of a sequence without a drafter".into())
+        })?;
+        spec.round(&mut seq.sess, t0, sampler, max_out)
+    }
+
+    fn spec_stats(&self, seq: &CpuSeq<'m>) -> Option<SpecStats> {
+        seq.spec.as_ref().map(|s| s.stats().clone())
     }
 }

@@ -21,8 +21,9 @@ use std::time::Duration;
 
 use slowfast_kv::PolicyStats;
 
-use crate::sampler::SamplerConfig;
+use crate::sampler::{Sampler, SamplerConfig};
 use crate::session::PolicySpec;
+use crate::spec::{SpecOptions, SpecStats};
 use crate::{Device, EngineError, KvDtype, Loaded};
 pub use channel::{collect, ChannelSink, Outcome};
 pub use cpu::kv_bytes_for;
@@ -45,6 +46,10 @@ pub struct Request {
     pub policy: PolicySpec,
     /// Log-probabilities: None = off; Some(n) = the chosen token's and the `n` most likely.
     pub logprobs: Option<usize>,
+    /// Speculative decoding of this sequence (CPU; lossless): its own draft–verify rounds
+    /// instead of a row of the batched step. `policy` is then the drafter's (sfi, streaming)
+    /// or full KV.
+    pub speculate: Option<SpecOptions>,
 }
 
 impl Request {
@@ -60,6 +65,7 @@ impl Request {
             stop_tokens: Vec::new(),
             policy,
             logprobs: None,
+            speculate: None,
         }
     }
 }
@@ -141,6 +147,9 @@ pub struct SchedulerConfig {
     /// The server's default KV policy (resolved for `max_context`). On the GPU it is the
     /// decoder's one policy: every request must run it.
     pub default_policy: PolicySpec,
+    /// The draft model of speculative requests with the `model` drafter (same vocabulary,
+    /// checked at spawn).
+    pub draft: Option<Arc<Loaded>>,
 }
 
 /// Live counters, read by the server's `/metrics`.
@@ -156,6 +165,10 @@ pub struct Gauges {
     pub decode_steps: AtomicU64,
     pub decode_rows: AtomicU64,
     pub prefill_tokens: AtomicU64,
+    /// Speculative decoding: tokens drafted, drafts accepted, verification passes.
+    pub spec_drafted: AtomicU64,
+    pub spec_accepted: AtomicU64,
+    pub spec_verifications: AtomicU64,
 }
 
 /// Why `submit` refused a request.
@@ -243,6 +256,36 @@ pub(crate) trait BatchDevice {
     fn policy_name(&self, seq: &Self::Seq) -> &'static str;
     /// Frees the sequence's KV.
     fn close(&mut self, seq: Self::Seq);
+    /// Speculative decoding: give a just-opened sequence for `prompt` its drafter. Devices
+    /// without it refuse.
+    fn spec_attach(
+        &mut self,
+        _seq: &mut Self::Seq,
+        _opts: &SpecOptions,
+        _prompt: &[u32],
+        _sampler: &SamplerConfig,
+    ) -> Result<(), EngineError> {
+        Err(EngineError::BadInput(
+            "speculative decoding runs on the CPU only so far (serve --device cpu)".into(),
+        ))
+    }
+    /// One draft–verify round after the pending token `t0` (see `Speculator::round`): the new
+    /// tokens, already recorded in `sampler`.
+    fn spec_round(
+        &mut self,
+        _seq: &mut Self::Seq,
+        _t0: u32,
+        _sampler: &mut Sampler,
+        _max_out: usize,
+    ) -> Result<Vec<u32>, EngineError> {
+        Err(EngineError::BadInput(
+            "speculative decoding runs on the CPU only so far".into(),
+        ))
+    }
+    /// The sequence's speculative counters (None without a drafter).
+    fn spec_stats(&self, _seq: &Self::Seq) -> Option<SpecStats> {
+        None
+    }
 }
 
 /// Starts the scheduler thread over `loaded`; the thread ends when every handle is dropped
@@ -255,6 +298,9 @@ pub fn spawn(
         return Err(EngineError::BadInput(
             "--max-batch, --chunk and --max-context must be at least 1".into(),
         ));
+    }
+    if let Some(d) = &cfg.draft {
+        crate::spec::check_same_vocab(&loaded.tokenizer, &d.tokenizer)?;
     }
     let gauges = Arc::new(Gauges::default());
     gauges
@@ -274,7 +320,12 @@ pub fn spawn(
             Device::Cpu => {
                 let _ = ready_tx.send(Ok(()));
                 supervise(&loaded, &cfg, &rx, &gauges, || {
-                    Ok(cpu::CpuDevice::new(&loaded.model, cfg.kv_dtype, cfg.chunk))
+                    Ok(cpu::CpuDevice::new(
+                        &loaded.model,
+                        cfg.draft.as_ref().map(|d| &d.model),
+                        cfg.kv_dtype,
+                        cfg.chunk,
+                    ))
                 });
             }
             #[cfg(feature = "cuda")]
@@ -427,7 +478,7 @@ fn run<D: BatchDevice>(
         let mut seqs: Vec<&mut D::Seq> = Vec::new();
         let mut tokens: Vec<u32> = Vec::new();
         let mut greedy = true;
-        for s in running.iter_mut() {
+        for s in running.iter_mut().filter(|s| !s.st.speculative()) {
             if let Some(t) = s.st.pending {
                 greedy &= s.st.greedy();
                 seqs.push(&mut s.seq);
@@ -452,7 +503,9 @@ fn run<D: BatchDevice>(
             g.decode_steps.fetch_add(1, Ordering::Relaxed);
             g.decode_rows
                 .fetch_add(tokens.len() as u64, Ordering::Relaxed);
-            let stepped = running.iter_mut().filter(|s| s.st.pending.is_some());
+            let stepped = running
+                .iter_mut()
+                .filter(|s| s.st.pending.is_some() && !s.st.speculative());
             match &r {
                 // Sampling (a pass over the vocabulary a row) runs on the pool, a row a task.
                 Ok(()) => sequence::sample_all(stepped, &dev, m),
@@ -464,6 +517,39 @@ fn run<D: BatchDevice>(
             }
         } else {
             drop(seqs);
+        }
+        // 4b. Speculative sequences: a draft–verify round each (several tokens).
+        for s in running.iter_mut().filter(|s| s.st.speculative()) {
+            let Some(t) = s.st.pending.take() else {
+                continue;
+            };
+            let before = dev.spec_stats(&s.seq).unwrap_or_default();
+            let max_out = s.st.remaining();
+            let r = dev.spec_round(&mut s.seq, t, s.st.sampler_mut(), max_out);
+            let after = dev.spec_stats(&s.seq).unwrap_or_default();
+            let d = |a: usize, b: usize| a.saturating_sub(b) as u64;
+            g.spec_drafted
+                .fetch_add(d(after.drafted, before.drafted), Ordering::Relaxed);
+            g.spec_accepted
+                .fetch_add(d(after.accepted, before.accepted), Ordering::Relaxed);
+            g.spec_verifications.fetch_add(
+                d(after.verifications, before.verifications),
+                Ordering::Relaxed,
+            );
+            match r {
+                Ok(tokens) => {
+                    g.decode_rows
+                        .fetch_add(tokens.len() as u64, Ordering::Relaxed);
+                    let info = (dev.policy_name(&s.seq), dev.stats(&s.seq));
+                    for tok in tokens {
+                        s.st.emit(tok, None, m, info.clone());
+                        if s.st.finished {
+                            break;
+                        }
+                    }
+                }
+                Err(e) => s.st.fail(&e.to_string()),
+            }
         }
         // 5. Prefill under the step's token budget, oldest first (at least one part a step).
         let mut budget = cfg.prefill_tokens_per_step;

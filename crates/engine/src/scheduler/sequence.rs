@@ -8,7 +8,7 @@ use crate::sampler::Sampler;
 use slowfast_kv::PolicyStats;
 
 /// The policy's name and counters, for the final event.
-type PolicyInfo = (&'static str, PolicyStats);
+pub(super) type PolicyInfo = (&'static str, PolicyStats);
 use crate::stop::StopMatcher;
 use crate::{EngineError, Loaded};
 
@@ -43,6 +43,8 @@ pub(super) struct SeqState {
     max_new: usize,
     generated: usize,
     pub finished: bool,
+    /// Decoded by speculative rounds (`BatchDevice::spec_round`), not the batched step.
+    speculative: bool,
 }
 
 impl<S> Sequence<S> {
@@ -95,10 +97,20 @@ impl<S> Sequence<S> {
             Ok(x) => x,
             Err(e) => return Err((sink, e)),
         };
-        let seq = match dev.open(&req.policy, capacity_of(&req, m)) {
+        if req.speculate.is_some() && req.logprobs.is_some() {
+            let e = "logprobs are not available with speculative decoding (speculate)";
+            return Err((sink, EngineError::BadInput(e.into())));
+        }
+        let mut seq = match dev.open(&req.policy, capacity_of(&req, m)) {
             Ok(s) => s,
             Err(e) => return Err((sink, e)),
         };
+        if let Some(o) = &req.speculate {
+            if let Err(e) = dev.spec_attach(&mut seq, o, &req.prompt, &req.sampler) {
+                dev.close(seq);
+                return Err((sink, e));
+            }
+        }
         let plan = dev.prefill_plan(&seq, req.prompt.len());
         let st = SeqState {
             sink,
@@ -128,6 +140,7 @@ impl<S> Sequence<S> {
             max_new,
             generated: 0,
             finished: false,
+            speculative: req.speculate.is_some(),
             prompt: req.prompt,
         };
         Ok(Sequence { seq, st })
@@ -144,6 +157,21 @@ impl SeqState {
     /// (temperature 0, no penalties, no logprobs).
     pub fn greedy(&self) -> bool {
         self.greedy
+    }
+
+    /// Whether speculative rounds decode this sequence.
+    pub fn speculative(&self) -> bool {
+        self.speculative
+    }
+
+    /// Tokens still to generate.
+    pub fn remaining(&self) -> usize {
+        self.max_new.saturating_sub(self.generated)
+    }
+
+    /// The sampler (speculative rounds sample and record their tokens in it).
+    pub fn sampler_mut(&mut self) -> &mut Sampler {
+        &mut self.sampler
     }
 
     /// Tokens of the next prefill part.
@@ -168,13 +196,22 @@ impl SeqState {
                 Err(e) => return self.fail(&e.to_string()),
             },
         };
+        self.emit(tok, Some(logits), m, info);
+    }
+
+    /// A token chosen (and recorded in the sampler): stream it, and either queue it for the
+    /// next decode step or finish. `logits` (its row) serve the logprobs.
+    pub fn emit(&mut self, tok: u32, logits: Option<&[f32]>, m: &Loaded, info: PolicyInfo) {
         if !self.ignore_eos && self.eos.contains(&tok) {
             return self.finish(FinishReason::Stop, true, info);
         }
         self.generated += 1;
         let piece = self.stream.push(&m.tokenizer, tok);
         let step = self.stops.push(&piece);
-        let logprob = self.logprobs.map(|n| logprob_of(logits, tok, n));
+        let logprob = match (self.logprobs, logits) {
+            (Some(n), Some(l)) => Some(logprob_of(l, tok, n)),
+            _ => None,
+        };
         let out = TokenOut {
             id: tok,
             text: step.emit,

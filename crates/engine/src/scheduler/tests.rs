@@ -26,6 +26,7 @@ fn cfg(max_batch: usize, max_queue: usize) -> SchedulerConfig {
         kv_memory: usize::MAX,
         max_context: 256,
         default_policy: PolicySpec::Full,
+        draft: None,
     }
 }
 
@@ -101,6 +102,87 @@ fn batched_greedy_equals_generate_alone() {
             > h.gauges().decode_steps.load(Ordering::Relaxed),
         "some decode steps must have batched several rows"
     );
+}
+
+#[test]
+fn speculative_requests_in_a_batch_give_full_kv_tokens() {
+    use crate::spec::{DraftKind, SpecOptions, SpecTokens};
+    let m = loaded();
+    let mut c = cfg(8, 16);
+    c.draft = Some(loaded());
+    let (h, _t) = spawn(m.clone(), c).unwrap();
+    let (tx, rx) = channel();
+    // Plain rows and speculative sequences side by side; the output is full KV's.
+    let kinds = [
+        (None, "full"),
+        (Some(DraftKind::Ngram), "full"),
+        (Some(DraftKind::Streaming), "streaming"),
+        (None, "streaming"),
+        (Some(DraftKind::Sfi), "sfi"),
+        (Some(DraftKind::Model), "full"),
+    ];
+    let mut want = Vec::new();
+    for (i, &(drafter, p)) in kinds.iter().enumerate() {
+        let prompt = tokens(30 + 20 * i, i as u32);
+        let max_tokens = 20 + 3 * i;
+        let ctx = prompt.len() + max_tokens;
+        let knobs = crate::session::SfiKnobs {
+            recent: 8,
+            min_gap: 2,
+            refresh_interval: 6,
+            ..Default::default()
+        };
+        let budget = (p != "full").then_some(24.0);
+        let spec = crate::session::policy_spec_with(p, budget, 2, ctx, &knobs)
+            .unwrap()
+            .with_vocab(&m.tokenizer);
+        let opts = GenerateOptions {
+            max_new_tokens: max_tokens,
+            sampler: SamplerConfig::greedy(),
+            ignore_eos: true,
+            kv_dtype: KvDtype::F32,
+            chunk: 16,
+            policy: if drafter.is_some() {
+                PolicySpec::Full
+            } else {
+                spec.clone()
+            },
+            ..Default::default()
+        };
+        want.push(generate(&m, &prompt, &opts, &mut |_| {}).unwrap().tokens);
+        let mut r = request(prompt, max_tokens, spec);
+        r.speculate = drafter.map(|d| SpecOptions {
+            drafter: d,
+            tokens: SpecTokens::Fixed(4),
+            ..SpecOptions::default()
+        });
+        let (sink, _) = ChannelSink::new(i, &tx);
+        h.submit(r, sink).unwrap();
+    }
+    let got = collect(&rx, kinds.len());
+    for (i, ((toks, fin, err), w)) in got.iter().zip(&want).enumerate() {
+        assert!(err.is_none(), "request {i}: {err:?}");
+        assert_eq!(toks, w, "request {i} ({:?})", kinds[i]);
+        assert_eq!(fin.as_ref().unwrap().reason, FinishReason::Length);
+    }
+    let g = h.gauges();
+    let (d, a, v) = (
+        g.spec_drafted.load(Ordering::Relaxed),
+        g.spec_accepted.load(Ordering::Relaxed),
+        g.spec_verifications.load(Ordering::Relaxed),
+    );
+    assert!(
+        v > 0 && a > 0 && a <= d,
+        "drafted {d}, accepted {a}, verifications {v}"
+    );
+    // A speculative request asking for logprobs is refused, alone.
+    let mut r = request(tokens(10, 9), 4, PolicySpec::Full);
+    r.logprobs = Some(2);
+    r.speculate = Some(SpecOptions::default());
+    let (sink, _) = ChannelSink::new(0, &tx);
+    h.submit(r, sink).unwrap();
+    let (_, _, err) = collect(&rx, 1).remove(0);
+    assert!(err.unwrap().contains("logprobs"));
 }
 
 #[test]

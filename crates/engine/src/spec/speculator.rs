@@ -307,9 +307,9 @@ enum Drafter<'m> {
     },
 }
 
-/// Speculative decoding over one prefilled sequence.
+/// Speculative decoding of one sequence: the drafter's state beside the target's `Session`
+/// (which the caller keeps and hands to each `round`).
 pub struct Speculator<'m> {
-    target: Session<'m>,
     drafter: Drafter<'m>,
     opts: SpecOptions,
     stats: SpecStats,
@@ -348,11 +348,11 @@ pub fn check_same_vocab(
 }
 
 impl<'m> Speculator<'m> {
-    /// Speculative decoding over `target`, a session that has prefilled `prompt` and whose
+    /// Speculative decoding over `target`, a session for `prompt` (prefilled or not yet) whose
     /// policy is the drafter's (`sfi`, `streaming`) or full KV (`ngram`, `model`). A draft
     /// model (`draft`, with `kind` = Model) is prefilled with the prompt here.
     pub fn new(
-        target: Session<'m>,
+        target: &mut Session<'m>,
         prompt: &[u32],
         opts: SpecOptions,
         draft: Option<&'m Model>,
@@ -419,11 +419,10 @@ impl<'m> Speculator<'m> {
         }
         if opts.drafter.is_self() {
             // Refuse non-drafting policies before the first step.
-            let mut t = target;
-            t.begin_draft()?;
-            let len = t.pos();
-            t.end_draft(len);
-            return Ok(Self::assemble(t, drafter, opts, ds));
+            target.begin_draft()?;
+            let len = target.pos();
+            target.end_draft(len);
+            return Ok(Self::assemble(drafter, opts, ds));
         }
         if target.policy_name() != "full" {
             return Err(EngineError::BadInput(format!(
@@ -432,12 +431,11 @@ impl<'m> Speculator<'m> {
                 target.policy_name()
             )));
         }
-        Ok(Self::assemble(target, drafter, opts, ds))
+        Ok(Self::assemble(drafter, opts, ds))
     }
 
-    fn assemble(target: Session<'m>, drafter: Drafter<'m>, opts: SpecOptions, ds: Sampler) -> Self {
+    fn assemble(drafter: Drafter<'m>, opts: SpecOptions, ds: Sampler) -> Self {
         Speculator {
-            target,
             drafter,
             opts,
             stats: SpecStats::default(),
@@ -449,9 +447,6 @@ impl<'m> Speculator<'m> {
         }
     }
 
-    pub fn session(&self) -> &Session<'m> {
-        &self.target
-    }
     pub fn stats(&self) -> &SpecStats {
         &self.stats
     }
@@ -466,38 +461,39 @@ impl<'m> Speculator<'m> {
     /// next pending token.
     pub fn round(
         &mut self,
+        target: &mut Session<'m>,
         t0: u32,
         sampler: &mut Sampler,
         max_out: usize,
     ) -> Result<Vec<u32>, EngineError> {
-        let n = self.target.pos();
-        let room = self.target.capacity().saturating_sub(n + 1);
+        let n = target.pos();
+        let room = target.capacity().saturating_sub(n + 1);
         let want = match self.opts.tokens {
             SpecTokens::Fixed(g) => g,
             SpecTokens::Adaptive { max } => self.adapt.pick(max),
         };
         // At least one draft: a one-row pass would be a (sparse) decode step, not a check.
-        let rows = self.target.verify_rows_max();
+        let rows = target.verify_rows_max();
         let gamma = want
             .min(max_out.saturating_sub(1))
             .min(room)
             .min(rows.saturating_sub(1))
             .max(1);
-        if n + 2 > self.target.capacity() {
+        if n + 2 > target.capacity() {
             return Err(EngineError::BadInput(format!(
                 "speculative decoding: the cache of {} positions is full",
-                self.target.capacity()
+                target.capacity()
             )));
         }
         let t_draft = Instant::now();
-        self.draft(t0, gamma, sampler)?;
+        self.draft(target, t0, gamma, sampler)?;
         let draft_s = t_draft.elapsed().as_secs_f64();
         let g = self.drafts.len();
         let t_verify = Instant::now();
         let mut out = Vec::with_capacity(g + 1);
         if g == 0 {
             // Nothing proposed (n-gram without a match): a plain dense step.
-            let logits = self.target.step(t0)?;
+            let logits = target.step(t0)?;
             sampler.distribution(logits, &mut self.p)?;
             let t = draw(&self.p, sampler.rng_mut());
             sampler.accept(t);
@@ -506,8 +502,8 @@ impl<'m> Speculator<'m> {
             let mut fed = Vec::with_capacity(g + 1);
             fed.push(t0);
             fed.extend_from_slice(&self.drafts);
-            let vocab = self.target.model.cfg.vocab_size;
-            let logits = self.target.verify(&fed)?;
+            let vocab = target.model.cfg.vocab_size;
+            let logits = target.verify(&fed)?;
             for i in 0..=g {
                 sampler.distribution(&logits[i * vocab..(i + 1) * vocab], &mut self.p)?;
                 if i == g {
@@ -532,12 +528,11 @@ impl<'m> Speculator<'m> {
             let accepted = out.len() - 1;
             // Keep t0 and the accepted drafts; the last token of `out` is pending.
             fed.truncate(accepted + 1);
-            self.target
-                .end_verify(&fed, n + accepted + 1, self.opts.refresh_every);
+            target.end_verify(&fed, n + accepted + 1, self.opts.refresh_every);
         }
         let verify_s = t_verify.elapsed().as_secs_f64();
         let accepted = out.len() - 1;
-        self.after_round(&out);
+        self.after_round(target.pos(), &out);
         self.stats.drafted += g;
         self.stats.accepted += accepted;
         self.stats.verifications += 1;
@@ -551,7 +546,13 @@ impl<'m> Speculator<'m> {
 
     /// Propose up to `gamma` tokens after `t0` into `self.drafts`, with the drafter's
     /// distribution of each in `self.q`.
-    fn draft(&mut self, t0: u32, gamma: usize, sampler: &Sampler) -> Result<(), EngineError> {
+    fn draft(
+        &mut self,
+        target: &mut Session<'m>,
+        t0: u32,
+        gamma: usize,
+        sampler: &Sampler,
+    ) -> Result<(), EngineError> {
         self.drafts.clear();
         if self.q.len() < gamma {
             self.q.resize_with(gamma, Vec::new);
@@ -561,12 +562,12 @@ impl<'m> Speculator<'m> {
         ds.copy_history(sampler);
         match &mut self.drafter {
             Drafter::SelfPolicy => {
-                let n = self.target.pos();
-                self.target.begin_draft()?;
+                let n = target.pos();
+                target.begin_draft()?;
                 let mut tok = t0;
                 let r = (|| {
                     for i in 0..gamma {
-                        let logits = self.target.step(tok)?;
+                        let logits = target.step(tok)?;
                         ds.distribution(logits, &mut self.q[i])?;
                         tok = draw(&self.q[i], ds.rng_mut());
                         ds.accept(tok);
@@ -574,7 +575,7 @@ impl<'m> Speculator<'m> {
                     }
                     Ok::<(), EngineError>(())
                 })();
-                self.target.end_draft(n);
+                target.end_draft(n);
                 r?;
             }
             Drafter::Ngram(d) => {
@@ -608,14 +609,14 @@ impl<'m> Speculator<'m> {
 
     /// Bring the drafter's view up to the committed tokens `out` (after the round's `t0`; the
     /// last one is pending, not yet in any cache).
-    fn after_round(&mut self, out: &[u32]) {
+    fn after_round(&mut self, target_len: usize, out: &[u32]) {
         match &mut self.drafter {
             Drafter::SelfPolicy => {}
             Drafter::Ngram(d) => d.extend(out),
             Drafter::Model { sess, lag, .. } => {
                 // Its cache holds t0 at n0 and drafts d1.. after it; keep those accepted
                 // (equal to `out`'s prefix) whose keys it computed (all but the last draft).
-                let n0 = self.target.pos() - (out.len() - 1) - 1;
+                let n0 = target_len - (out.len() - 1) - 1;
                 let accepted = out.len() - 1;
                 let drafted_in_cache = self.drafts.len().saturating_sub(1);
                 let keep = accepted.min(drafted_in_cache);

@@ -20,6 +20,15 @@ fn resolver() -> Box<PolicyResolver> {
 }
 
 fn run(json: &str, ep: Endpoint) -> Result<(Request, Shape), ApiError> {
+    run_with(json, ep, None)
+}
+
+/// `run` on a server whose default speculation is `speculate` (`serve --speculate`).
+fn run_with(
+    json: &str,
+    ep: Endpoint,
+    speculate: Option<&SpecOptions>,
+) -> Result<(Request, Shape), ApiError> {
     let t = tok();
     let r = resolver();
     let lim = Limits {
@@ -28,8 +37,80 @@ fn run(json: &str, ep: Endpoint) -> Result<(Request, Shape), ApiError> {
         tokenizer: &t,
         resolve: r.as_ref(),
         end_of_turn: &[7],
+        speculate,
     };
     check(parse(json.as_bytes())?, ep, &lim)
+}
+
+#[test]
+fn speculate_picks_the_drafter_and_its_policy() {
+    use slowfast_engine::spec::SpecTokens;
+    let c = Endpoint::Completions;
+    // The drafter's own policy for sfi/streaming, full KV for ngram/model.
+    let (r, _) = run(
+        r#"{"prompt": "hi", "speculate": {"drafter": "streaming", "spec_tokens": 3}}"#,
+        c,
+    )
+    .unwrap();
+    let o = r.speculate.expect("speculation");
+    assert_eq!(
+        (o.drafter, o.tokens),
+        (DraftKind::Streaming, SpecTokens::Fixed(3))
+    );
+    assert_eq!(r.policy.name(), "streaming");
+    let (r, _) = run(
+        r#"{"prompt": "hi", "speculate": {"drafter": "ngram", "spec_tokens": "adaptive:5", "refresh": "trigger"}}"#,
+        c,
+    )
+    .unwrap();
+    let o = r.speculate.unwrap();
+    assert_eq!(o.tokens, SpecTokens::Adaptive { max: 5 });
+    assert!(!o.refresh_every);
+    assert_eq!(r.policy.name(), "full");
+    // The server's default, and `off`.
+    let d = SpecOptions {
+        drafter: DraftKind::Ngram,
+        ..SpecOptions::default()
+    };
+    let (r, _) = run_with(r#"{"prompt": "hi"}"#, c, Some(&d)).unwrap();
+    assert_eq!(r.speculate, Some(d.clone()));
+    let (r, _) = run_with(
+        r#"{"prompt": "hi", "speculate": {"drafter": "off"}}"#,
+        c,
+        Some(&d),
+    )
+    .unwrap();
+    assert_eq!(r.speculate, None);
+    // Refusals name the field.
+    for (body, param) in [
+        (
+            r#"{"prompt": "hi", "speculate": {"drafter": "eagle"}}"#,
+            "speculate.drafter",
+        ),
+        (
+            r#"{"prompt": "hi", "speculate": {"drafter": "ngram", "spec_tokens": 0}}"#,
+            "speculate.spec_tokens",
+        ),
+        (
+            r#"{"prompt": "hi", "speculate": {"drafter": "ngram", "refresh": "often"}}"#,
+            "speculate.refresh",
+        ),
+        (
+            r#"{"prompt": "hi", "speculate": {"drafter": "ngram", "gamma": 2}}"#,
+            "speculate.gamma",
+        ),
+        (
+            r#"{"prompt": "hi", "speculate": {"drafter": "ngram"}, "kv_policy": {"name": "streaming"}}"#,
+            "kv_policy.name",
+        ),
+        (
+            r#"{"prompt": "hi", "speculate": {"drafter": "ngram"}, "logprobs": 2}"#,
+            "speculate",
+        ),
+    ] {
+        let e = err(body, c);
+        assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+    }
 }
 
 fn err(json: &str, ep: Endpoint) -> ApiError {
