@@ -89,6 +89,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let loaded = Arc::new(a.model.load()?);
     let draft = a.spec.load_draft()?.map(Arc::new);
+    let draft_model = draft.is_some();
     let ctx = loaded.model.cfg.max_position_embeddings;
     let max_context = a.max_context.unwrap_or(ctx.min(8192));
     if max_context < 2 || max_context > ctx {
@@ -164,6 +165,7 @@ pub fn run(a: Args) -> Result<()> {
         header_read_timeout: std::time::Duration::from_secs_f64(a.header_read_timeout),
         body_read_timeout: std::time::Duration::from_secs_f64(a.body_read_timeout),
         speculate,
+        draft_model,
     };
     slowfast_server::run(cfg, loaded, handle, Arc::new(resolve))?;
     Ok(())

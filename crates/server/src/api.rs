@@ -223,6 +223,8 @@ pub struct Limits<'a> {
     pub end_of_turn: &'a [u32],
     /// The server's speculative decoding (`serve --speculate`), for requests that say none.
     pub speculate: Option<&'a SpecOptions>,
+    /// Whether the server has a draft model (`serve --draft-model`) for the `model` drafter.
+    pub draft_model: bool,
 }
 
 /// The request's speculative decoding: its `speculate` field over the server's default.
@@ -533,6 +535,16 @@ pub fn check(body: Body, ep: Endpoint, lim: &Limits) -> Result<(Request, Shape),
         }
     }
     let speculate = speculation(body.speculate.as_ref(), lim.speculate)?;
+    if speculate
+        .as_ref()
+        .is_some_and(|o| o.drafter == DraftKind::Model)
+        && !lim.draft_model
+    {
+        return Err(ApiError::bad(
+            "speculate.drafter",
+            "speculate.drafter `model` needs a server started with --draft-model".to_string(),
+        ));
+    }
     if speculate.is_some() && logprobs.is_some() {
         return Err(ApiError::bad(
             "speculate",

@@ -228,6 +228,7 @@ async fn handle(
             resolve: s.resolve.as_ref(),
             end_of_turn: &s.end_of_turn,
             speculate: s.cfg.speculate.as_ref(),
+            draft_model: s.cfg.draft_model,
         };
         api::check(body, ep, &lim)
     });

@@ -46,6 +46,8 @@ pub struct ServerConfig {
     pub body_read_timeout: std::time::Duration,
     /// Speculative decoding of requests that do not say (`serve --speculate`).
     pub speculate: Option<slowfast_engine::spec::SpecOptions>,
+    /// A draft model was loaded (`serve --draft-model`): requests may use the `model` drafter.
+    pub draft_model: bool,
 }
 
 pub(crate) struct AppState {

@@ -73,6 +73,7 @@ fn app() -> Router {
         header_read_timeout: std::time::Duration::from_secs(10),
         body_read_timeout: std::time::Duration::from_secs(30),
         speculate: None,
+        draft_model: false,
     };
     let resolve: Arc<PolicyResolver> =
         Arc::new(|_: Option<&KvPolicyRequest>, _: usize| Ok::<_, String>(PolicySpec::Full));

@@ -38,6 +38,7 @@ fn run_with(
         resolve: r.as_ref(),
         end_of_turn: &[7],
         speculate,
+        draft_model: false,
     };
     check(parse(json.as_bytes())?, ep, &lim)
 }
@@ -83,6 +84,10 @@ fn speculate_picks_the_drafter_and_its_policy() {
     assert_eq!(r.speculate, None);
     // Refusals name the field.
     for (body, param) in [
+        (
+            r#"{"prompt": "hi", "speculate": {"drafter": "model"}}"#,
+            "speculate.drafter",
+        ),
         (
             r#"{"prompt": "hi", "speculate": {"drafter": "eagle"}}"#,
             "speculate.drafter",
