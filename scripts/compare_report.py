@@ -10,8 +10,8 @@ Reads every `slowfast eval --json` file in the DIRs, named as compare_policies.p
 (oracle-sfi with --oracle-every N, shown as the policy `oracle-sfi/N`). Prints, per model and
 context, a RULER table (each task's score and the prompts behind it, the average over the
 tasks that ran for every policy of the row's model and context) and a table of NLL, teacher-
-forced agreement and passkey accuracy; cells not run are `–`. Draws RULER at each budget and
-Δnll against the budget (needs matplotlib).
+forced agreement and passkey accuracy; cells not run are `–`. --plot draws, per model, the
+RULER average and Δnll of each policy at budget 0.2 (needs matplotlib).
 """
 import argparse
 import glob
@@ -149,75 +149,63 @@ def other_table(nll, agree, passkey, m, ctx):
     return "\n".join(lines)
 
 
-def plot(ruler, nll, contexts, out):
+def plot(ruler, nll, contexts, out, budget=0.2):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), gridspec_kw={"width_ratios": [1.3, 1]})
     colors = {p: plt.cm.tab10(i) for i, p in enumerate(ORDER)}
     for row, m in enumerate(MODELS):
         cs = contexts.get(m, [])
-        # RULER average at 0.2 (bars), one group per context: tasks run for every policy.
+        # RULER average at `budget` (bars), one bar per context: rows with every task only.
         ax = axes[row][0]
-        pols = [p for p in ORDER]
+        avgs = {ctx: ruler_table(ruler, m, ctx)[1] for ctx in cs}
+        extra = sorted({p for a in avgs.values() for p, _ in a if "/" in p}, key=porder)
+        pols = ORDER + extra
         width = 0.8 / max(1, len(cs))
         for ci, ctx in enumerate(cs):
-            _, avgs = ruler_table(ruler, m, ctx)
-            ys = [avgs.get((p, None if p == "full" else 0.2)) for p in pols]
+            ys = [avgs[ctx].get((p, None if p == "full" else budget)) for p in pols]
             xs = [i + (ci - (len(cs) - 1) / 2) * width for i in range(len(pols))]
-            ax.bar([x for x, y in zip(xs, ys) if y is not None], [y for y in ys if y is not None],
-                   width=width * 0.95, label=f"{ctx // 1024}K", alpha=0.9 if ci == 0 else 0.55,
-                   color=[colors[p] for p, y in zip(pols, ys) if y is not None],
+            ok = [(x, y, colors.get(p.split("/")[0], "grey")) for x, y, p in zip(xs, ys, pols)
+                  if y is not None]
+            ax.bar([o[0] for o in ok], [o[1] for o in ok], width=width * 0.95,
+                   color=[o[2] for o in ok], alpha=0.9 if ci == 0 else 0.5,
                    hatch=None if ci == 0 else "//", edgecolor="k", lw=0.4)
+            for x, y, _ in ok:
+                ax.text(x, y + 1, f"{y:.0f}", ha="center", fontsize=6)
         ax.set_xticks(range(len(pols)))
         ax.set_xticklabels(pols, rotation=45, ha="right", fontsize=8)
-        ax.set(ylabel="RULER average (0–100)", ylim=(0, 105),
-               title=f"{m}: RULER at budget 0.2 (solid {cs[0] // 1024}K"
+        ax.set(ylabel="RULER average over the tasks (0–100)", ylim=(0, 108),
+               title=f"{m}: RULER at budget {budget} (solid {cs[0] // 1024}K"
                + (f", hatched {cs[1] // 1024}K)" if len(cs) > 1 else ")"))
         ax.grid(axis="y", alpha=0.3)
-        # RULER average against the budget at the lower context.
+        # Δnll at `budget`, the lower context, prose (solid) and code (hatched).
         ax = axes[row][1]
         ctx = cs[0] if cs else None
-        rows = ruler_rows(ruler, m, ctx) if ctx else []
-        tasks = sorted({k for _, _, sc, _ in rows for k in sc})
-        for p in ORDER[1:8]:
-            pts = sorted((b, sum(v[0] for v in sc.values()) / len(sc), len(sc))
-                         for pp, b, sc, _ in rows if pp == p and b is not None)
-            if pts:
-                ax.plot([x[0] for x in pts], [x[1] for x in pts],
-                        "-o" if p == "sfi" else "--s", color=colors[p], label=p, ms=4)
-        f = [sum(v[0] for v in sc.values()) / len(sc) for pp, b, sc, _ in rows if pp == "full"]
-        if f:
-            ax.axhline(f[0], color="k", lw=0.8, ls=":", label="full KV")
-        ax.set(xlabel="KV budget (fraction of the context)", ylabel="RULER average",
-               title=f"{m} {ctx // 1024 if ctx else '?'}K: RULER vs budget (tasks run)",
-               ylim=(-3, 105))
-        ax.set_xticks([0.1, 0.2, 0.5])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        # Δnll against the budget at the lower context, prose and code.
-        ax = axes[row][2]
-        for text, ls in (("prose", "-"), ("code", ":")):
+        pols = [p for p in ORDER if p != "full"]
+        for ti, text in enumerate(("prose", "code")):
             f = nll.get((m, ctx, text, None, "full"))
             if f is None:
                 continue
-            for p in ORDER[1:]:
-                pts = sorted((k[3], r["nll"] - f["nll"]) for k, r in nll.items()
-                             if k[:3] == (m, ctx, text) and k[4] == p and k[3] is not None)
-                if pts:
-                    ax.plot([x for x, _ in pts], [y for _, y in pts], ls, marker="o" if p == "sfi" else "s",
-                            color=colors[p], ms=4, label=f"{p} ({text})" if text == "prose" else None)
+            ys = [nll.get((m, ctx, text, budget, p)) for p in pols]
+            xs = [i + (ti - 0.5) * 0.4 for i in range(len(pols))]
+            ok = [(x, r["nll"] - f["nll"], colors[p]) for x, r, p in zip(xs, ys, pols) if r]
+            ax.bar([o[0] for o in ok], [o[1] for o in ok], width=0.38,
+                   color=[o[2] for o in ok], alpha=0.9 if ti == 0 else 0.5,
+                   hatch=None if ti == 0 else "//", edgecolor="k", lw=0.4)
         ax.axhline(0.0, color="k", lw=0.8)
-        ax.set(xlabel="KV budget (fraction of the context)", ylabel="Δnll vs full KV (nats/token)",
-               title=f"{m} {ctx // 1024 if ctx else '?'}K: Δnll (solid prose, dotted code)")
-        ax.set_xticks([0.1, 0.2, 0.5])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.set_xticks(range(len(pols)))
+        ax.set_xticklabels(pols, rotation=45, ha="right", fontsize=8)
+        ax.set(ylabel="Δnll vs full KV (nats/token)",
+               title=f"{m} {ctx // 1024 if ctx else 0}K: Δnll at {budget} "
+               "(solid prose, hatched code)")
+        ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    fig.savefig(out, format=out.rsplit(".", 1)[-1], metadata={"Date": None} if out.endswith("svg") else None)
+    fig.savefig(out, format=out.rsplit(".", 1)[-1],
+                metadata={"Date": None} if out.endswith("svg") else None)
     print(f"wrote {out}")
 
 
