@@ -48,6 +48,8 @@ fuzz_target!(|data: &[u8]| {
         tokenizer: tok,
         resolve: &resolve,
         end_of_turn: eot(),
+        speculate: None,
+        draft_model: false,
     };
     // `check` takes the body by value: parse it again for the second endpoint.
     let _ = api::check(body, Endpoint::Completions, &lim);
