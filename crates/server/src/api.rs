@@ -235,17 +235,17 @@ fn speculation(
     let Some(r) = req else {
         return Ok(default.cloned());
     };
-    if r.drafter == "off" {
-        return Ok(None);
-    }
-    let drafter: DraftKind = r.drafter.parse().map_err(|e: String| {
-        ApiError::bad(
-            "speculate.drafter",
-            e.replace("drafter", "speculate.drafter"),
-        )
-    })?;
+    // Every field is checked, `off` included (a bad value is refused whatever the drafter).
+    let drafter: Option<DraftKind> = match r.drafter.as_str() {
+        "off" => None,
+        d => Some(d.parse().map_err(|e: String| {
+            ApiError::bad(
+                "speculate.drafter",
+                e.replace("drafter", "speculate.drafter"),
+            )
+        })?),
+    };
     let mut o = default.cloned().unwrap_or_default();
-    o.drafter = drafter;
     if let Some(v) = &r.spec_tokens {
         let text = match v {
             serde_json::Value::Number(n) => n.to_string(),
@@ -271,7 +271,7 @@ fn speculation(
             }
         };
     }
-    Ok(Some(o))
+    Ok(drafter.map(|d| SpecOptions { drafter: d, ..o }))
 }
 
 /// Checks a body and builds the scheduler's request.

@@ -89,6 +89,10 @@ fn speculate_picks_the_drafter_and_its_policy() {
             "speculate.drafter",
         ),
         (
+            r#"{"prompt": "hi", "speculate": {"drafter": "off", "refresh": "AAA"}}"#,
+            "speculate.refresh",
+        ),
+        (
             r#"{"prompt": "hi", "speculate": {"drafter": "eagle"}}"#,
             "speculate.drafter",
         ),
