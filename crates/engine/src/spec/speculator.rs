@@ -364,25 +364,36 @@ impl<'m> Speculator<'m> {
                 "--spec-tokens must be in 1..={MAX_SPEC_TOKENS}"
             )));
         }
-        let drafter = match opts.drafter {
-            DraftKind::Sfi | DraftKind::Streaming => {
-                let name = target.policy_name();
-                if name != opts.drafter.name() {
-                    return Err(EngineError::BadInput(format!(
-                        "--speculate {}: the session runs the {name} policy, not the drafter's",
-                        opts.drafter.name()
-                    )));
-                }
-                Drafter::SelfPolicy
+        if opts.drafter != DraftKind::Model && draft.is_some() {
+            return Err(EngineError::BadInput(
+                "--draft-model is only used with --speculate model".into(),
+            ));
+        }
+        // The session's policy before any work (a draft model's prefill): the drafter's own
+        // (it must be able to draft), else full KV.
+        if opts.drafter.is_self() {
+            let name = target.policy_name();
+            if name != opts.drafter.name() {
+                return Err(EngineError::BadInput(format!(
+                    "--speculate {}: the session runs the {name} policy, not the drafter's",
+                    opts.drafter.name()
+                )));
             }
+            target.begin_draft()?;
+            let len = target.pos();
+            target.end_draft(len);
+        } else if target.policy_name() != "full" {
+            return Err(EngineError::BadInput(format!(
+                "--speculate {}: the target must run full KV, not {}",
+                opts.drafter.name(),
+                target.policy_name()
+            )));
+        }
+        let drafter = match opts.drafter {
+            DraftKind::Sfi | DraftKind::Streaming => Drafter::SelfPolicy,
             DraftKind::Ngram => {
-                if opts.ngram_min == 0 || opts.ngram_min > opts.ngram_max {
-                    return Err(EngineError::BadInput(format!(
-                        "n-gram drafter: need 1 <= min ({}) <= max ({})",
-                        opts.ngram_min, opts.ngram_max
-                    )));
-                }
-                let mut d = NgramDrafter::new(opts.ngram_max, opts.ngram_min);
+                let mut d = NgramDrafter::try_new(opts.ngram_max, opts.ngram_min)
+                    .map_err(|e| EngineError::BadInput(e.to_string()))?;
                 d.extend(prompt);
                 Drafter::Ngram(d)
             }
@@ -412,30 +423,7 @@ impl<'m> Speculator<'m> {
         };
         let mut ds = Sampler::new(sampler.clone(), vocab)?;
         ds.reseed(sampler.seed ^ 0xD2AF_7000_5EC0_DE00);
-        if opts.drafter != DraftKind::Model && draft.is_some() {
-            return Err(EngineError::BadInput(
-                "--draft-model is only used with --speculate model".into(),
-            ));
-        }
-        if opts.drafter.is_self() {
-            // Refuse non-drafting policies before the first step.
-            target.begin_draft()?;
-            let len = target.pos();
-            target.end_draft(len);
-            return Ok(Self::assemble(drafter, opts, ds));
-        }
-        if target.policy_name() != "full" {
-            return Err(EngineError::BadInput(format!(
-                "--speculate {}: the target must run full KV, not {}",
-                opts.drafter.name(),
-                target.policy_name()
-            )));
-        }
-        Ok(Self::assemble(drafter, opts, ds))
-    }
-
-    fn assemble(drafter: Drafter<'m>, opts: SpecOptions, ds: Sampler) -> Self {
-        Speculator {
+        Ok(Speculator {
             drafter,
             opts,
             stats: SpecStats::default(),
@@ -444,7 +432,7 @@ impl<'m> Speculator<'m> {
             p: Vec::new(),
             drafts: Vec::new(),
             ds,
-        }
+        })
     }
 
     pub fn stats(&self) -> &SpecStats {
