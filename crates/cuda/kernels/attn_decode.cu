@@ -53,13 +53,30 @@ struct PostArgs {
     bf16* vw;
 };
 
-template <int D, int STAGES, bool SPARSE, bool POST = false>
+// VERIFY (attn_verify_*, dense): speculative verification, `rps` query rows per sequence at
+// consecutive positions, causal among themselves. Row r of sequence b is q row b * rps + r with
+// its own length seq_lens[b * rps + r] (the rows' keys and values are in the cache already);
+// the block's keys run from the first row's window start to the last row's length, and each
+// row masks what it may not see. The virtual query group is rps x G heads (row-major: r, then
+// head), cut into the mma's 16-row groups, so every K/V tile is read once for all rows of a
+// 16-row group (G = 4: four rows a group) and the few groups of a block column share it in L2.
+// With logits != null, row 0 of a sequence whose capture[slot] is set leaves its scaled scores
+// (log2 units) at logits[slot, head, j], j < its length, for the Selector (SFI's slow step).
+struct VerifyArgs {
+    u32 rps;
+    float* logits;
+    const u32* capture;
+    u32 lstride;
+};
+
+template <int D, int STAGES, bool SPARSE, bool POST = false, bool VERIFY = false>
 __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                  const bf16* __restrict__ v_cache, const u32* __restrict__ seq_lens,
                                                  const u32* __restrict__ slots, float* __restrict__ part_o,
                                                  float* __restrict__ part_ml, u32 n_heads, u32 kv_heads,
                                                  u32 capacity, u32 num_slots, u32 window, u32 chunk,
-                                                 float scale_log2, SparseArgs sp, PostArgs pa = {}) {
+                                                 float scale_log2, SparseArgs sp, PostArgs pa = {},
+                                                 VerifyArgs va = {1, nullptr, nullptr, 0}) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr int CH = D / 8, STR = D + 8, DT = D / 8, BK = DEC_BK;
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [16][STR]
@@ -69,13 +86,36 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
 
     const int split = blockIdx.x, splits = gridDim.x, b = blockIdx.z;
     const int G = n_heads / kv_heads;
-    const int row_groups = (G + 15) / 16;
+    // VERIFY: R query rows of one sequence (row0 = its first q row); GV virtual group rows.
+    const int R = VERIFY ? (int)va.rps : 1;
+    const int GV = R * G;
+    const int row0 = b * R;
+    const int row_groups = (GV + 15) / 16;
     const int kvh = blockIdx.y / row_groups, rg = blockIdx.y % row_groups;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, tig = lane & 3;
+    // The q row and head of virtual group row vr (< GV).
+    auto vrow = [&](int vr) { return row0 + vr / G; };
+    auto vhead = [&](int vr) { return kvh * G + vr % G; };
 
-    const u32 slot = slots[b];
-    int len = slot < num_slots ? (int)min(seq_lens[b], capacity) : 0;
+    const u32 slot = slots[row0];
+    int len = slot < num_slots ? (int)min(seq_lens[row0 + R - 1], capacity) : 0;
+    // VERIFY: the visible keys [lim_lo, lim_hi) of this thread's two mma rows (g, g + 8), and
+    // where row 0's captured scores go.
+    int lim_lo[2] = {0, 0}, lim_hi[2] = {len, len};
+    float* vl[2] = {nullptr, nullptr};
+    if constexpr (VERIFY) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int vr = min(rg * 16 + g + 8 * i, GV - 1);
+            const int r = vr / G;
+            lim_hi[i] = slot < num_slots ? (int)min(seq_lens[row0 + r], capacity) : 0;
+            lim_lo[i] = window ? max(0, lim_hi[i] - (int)window) : 0;
+            if (va.logits != nullptr && r == 0 && rg * 16 + g + 8 * i < GV && slot < num_slots &&
+                va.capture[slot] != 0)
+                vl[i] = va.logits + ((u64)slot * n_heads + vhead(vr)) * va.lstride;
+        }
+    }
     // Dense: keys [s_lo, s_hi) are cache rows. Sparse: virtual indices (compact rows, then the
     // recent rows from rlo); `n_c` compact rows come first.
     int s_lo, s_hi, n_c = 0, rlo = 0;
@@ -100,8 +140,10 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         s_lo = split * ch;
         s_hi = min(vlen, s_lo + ch);
     } else {
-        const int lo_seq = window ? max(0, len - (int)window) : 0;
-        if (chunk == 0) {
+        // VERIFY: from the first row's window start (its length is the shortest).
+        const int lo_len = VERIFY ? (slot < num_slots ? (int)min(seq_lens[row0], capacity) : 0) : len;
+        const int lo_seq = window ? max(0, lo_len - (int)window) : 0;
+        if (VERIFY || chunk == 0) {
             // Balanced on every step: ceil(n / splits) keys a split, not rounded to the 64-key
             // tiles (a split's last tile may be partial), so the longest split is at most one key
             // longer than the mean whatever the length (a host chunk of 33 tiles for 32K + 1
@@ -121,9 +163,9 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         pdl_wait();
         pdl_trigger();
         for (int r = threadIdx.x; r < 16; r += DEC_THREADS) {
-            const int hig = rg * 16 + r;
-            if (hig >= G) continue;
-            const u64 idx = ((u64)b * n_heads + kvh * G + hig) * splits + split;
+            const int vr = rg * 16 + r;
+            if (vr >= GV) continue;
+            const u64 idx = ((u64)vrow(vr) * n_heads + vhead(vr)) * splits + split;
             part_ml[idx * 2] = NEG_INF;
             part_ml[idx * 2 + 1] = 0.0f;
         }
@@ -227,9 +269,9 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         }
     } else {
         for (int idx = threadIdx.x; idx < 16 * CH; idx += DEC_THREADS) {
-            const int r = idx / CH, c = idx % CH, hig = rg * 16 + r;
+            const int r = idx / CH, c = idx % CH, vr = rg * 16 + r;
             uint4 v = make_uint4(0, 0, 0, 0);
-            if (hig < G) v = *reinterpret_cast<const uint4*>(q + ((u64)b * n_heads + kvh * G + hig) * D + c * 8);
+            if (vr < GV) v = *reinterpret_cast<const uint4*>(q + ((u64)vrow(vr) * n_heads + vhead(vr)) * D + c * 8);
             *reinterpret_cast<uint4*>(qs + r * STR + c * 8) = v;
         }
     }
@@ -276,8 +318,13 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int j = jw + nt * 8 + 2 * tig + (e & 1);
-                const float v = j < s_hi ? s[nt][e] * scale_log2 : NEG_INF;
+                bool vis = j < s_hi;
+                if constexpr (VERIFY) vis = vis && j < lim_hi[e >> 1] && j >= lim_lo[e >> 1];
+                const float v = vis ? s[nt][e] * scale_log2 : NEG_INF;
                 s[nt][e] = v;
+                if constexpr (VERIFY) {
+                    if (vl[e >> 1] != nullptr && vis) vl[e >> 1][j] = v;
+                }
                 if constexpr (SPARSE) {
                     const int hig = rg * 16 + g + 8 * (e >> 1);
                     if (lrow != nullptr && j < s_hi && hig < G) lrow[(u64)(g + 8 * (e >> 1)) * sp.lstride + j] = v;
@@ -349,7 +396,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         mls[64 + warp * 16 + g + 8] = l_r[1];
     }
     __syncthreads();
-    const int nrows = min(16, G - rg * 16);
+    const int nrows = min(16, GV - rg * 16);
     float* ow = obuf + warp * 16 * OSTR;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -367,14 +414,14 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < nrows * D; idx += DEC_THREADS) {
-        const int r = idx / D, d = idx % D, hig = rg * 16 + r;
+        const int r = idx / D, d = idx % D, vr = rg * 16 + r;
         const float* o = obuf + r * OSTR + d;
-        part_o[(((u64)b * n_heads + kvh * G + hig) * splits + split) * D + d] =
+        part_o[(((u64)vrow(vr) * n_heads + vhead(vr)) * splits + split) * D + d] =
             o[0] + o[16 * OSTR] + o[32 * OSTR] + o[48 * OSTR];
     }
     if (threadIdx.x < 16) {
-        const int r = threadIdx.x, hig = rg * 16 + r;
-        if (hig < G) {
+        const int r = threadIdx.x, vr = rg * 16 + r;
+        if (vr < GV) {
             float M = NEG_INF;
             for (int w = 0; w < 4; ++w) M = fmaxf(M, mls[w * 16 + r]);
             const float base = M == NEG_INF ? 0.0f : M;
@@ -383,7 +430,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
                 const float mw = mls[w * 16 + r];
                 if (mw != NEG_INF) L += mls[64 + w * 16 + r] * exp2f(mw - base);
             }
-            const u64 idx = ((u64)b * n_heads + kvh * G + hig) * splits + split;
+            const u64 idx = ((u64)vrow(vr) * n_heads + vhead(vr)) * splits + split;
             part_ml[idx * 2] = M;
             part_ml[idx * 2 + 1] = L;
         }
@@ -462,6 +509,26 @@ SPARSE_DECODE_ENTRY(attn_sparse_decode_d256, 256, 2)
 SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d64, 64, 4)
 SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d128, 128, 3)
 SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d256, 256, 2)
+
+// Speculative verification (VERIFY above): grid (splits, kv_heads * ceil(rps * G / 16),
+// sequences), the dense kernel's smem and partials for sequences x rps rows (reduce over them);
+// the split is always the device's even one.
+#define VERIFY_ENTRY(NAME, D, STAGES)                                                                    \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS)                                            \
+        NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, const u32* seq_lens,               \
+             const u32* slots, float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity,    \
+             u32 num_slots, u32 window, float scale_log2, u32 rps, float* logits, const u32* capture,    \
+             u32 lstride) {                                                                              \
+        SparseArgs sp = {};                                                                              \
+        PostArgs pa = {};                                                                                \
+        VerifyArgs va = {rps, logits, capture, lstride};                                                 \
+        attn_decode_impl<D, STAGES, false, false, true>(q, k_cache, v_cache, seq_lens, slots, part_o,     \
+                                                        part_ml, n_heads, kv_heads, capacity, num_slots,  \
+                                                        window, 0, scale_log2, sp, pa, va);              \
+    }
+VERIFY_ENTRY(attn_verify_d64, 64, 4)
+VERIFY_ENTRY(attn_verify_d128, 128, 3)
+VERIFY_ENTRY(attn_verify_d256, 256, 2)
 
 // Merges the splits: out [batch, n_heads, D] bf16, lse [batch, n_heads] (natural log) or null.
 // Warp w sums splits w, w + 8, ... with float4 loads; its first RED_U rows are loaded before

@@ -184,11 +184,15 @@ pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
         // 1 KiB to align the swizzled tiles, Q [128][128], then K and V [128][128] a stage
         "attn_prefill_d128_wg" => 1024 + 128 * 256 + 2 * 2 * 128 * 256,
         "attn_prefill_d128_wg3" => 1024 + 128 * 256 + 3 * 2 * 128 * 256,
-        "attn_decode_d64" | "attn_sparse_decode_d64" => s(16 + 2 * 4 * 64, 64),
-        "attn_decode_d128" | "attn_sparse_decode_d128" => s(16 + 2 * 3 * 64, 128),
+        "attn_decode_d64" | "attn_sparse_decode_d64" | "attn_verify_d64" => s(16 + 2 * 4 * 64, 64),
+        "attn_decode_d128" | "attn_sparse_decode_d128" | "attn_verify_d128" => {
+            s(16 + 2 * 3 * 64, 128)
+        }
         "attn_decode_d128_s4" => s(16 + 2 * 4 * 64, 128),
         "attn_decode_d128_s6" => s(16 + 2 * 6 * 64, 128),
-        "attn_decode_d256" | "attn_sparse_decode_d256" => s(16 + 2 * 2 * 64, 256),
+        "attn_decode_d256" | "attn_sparse_decode_d256" | "attn_verify_d256" => {
+            s(16 + 2 * 2 * 64, 256)
+        }
         // the same rings, then RoPE angles [2][128] f32, a row a warp [4][256] f32, new k, v [2][d]
         "attn_decode_post_d64" => s(16 + 2 * 4 * 64, 64) + POST_SMEM + 4 * 64,
         "attn_decode_post_d128" => s(16 + 2 * 3 * 64, 128) + POST_SMEM + 4 * 128,

@@ -160,6 +160,8 @@ pub struct GpuDecoder {
     step_no: usize,
     /// The slots whose memory the last `decode_step` refreshed (its slow rows).
     last_refresh: Vec<usize>,
+    /// Speculative verification (allocated by the first `verify`).
+    ver: Option<VerifyBufs>,
 }
 
 /// An asynchronous refresh waiting to be published: its (slot, length) pairs, the event that
@@ -244,6 +246,26 @@ enum Attn {
     Prefill { slot: usize, pos0: usize },
     /// One token for each of `batch` slots.
     Decode,
+    /// Speculative verification: `rps` consecutive tokens of every slot (`verify`).
+    Verify { rps: usize },
+}
+
+/// Speculative verification's buffers: `rows` = slots x rows a slot at most.
+struct VerifyBufs {
+    acts: Acts,
+    /// Per row: its sequence length (position + 1).
+    lens: GpuBuffer<u32>,
+    /// `[rows, vocab]` and their argmax.
+    logits: GpuBuffer<f32>,
+    next: GpuBuffer<u32>,
+    /// Its own partials, so a captured decode graph's workspace never moves.
+    ws: AttnWorkspace,
+    /// Rows a slot, each slot's length before, and the longest sequence, of the last `verify`.
+    rps: usize,
+    pos0: Vec<usize>,
+    span: usize,
+    /// SFI slots whose row 0 captured scores in the last `verify` (for `refresh_from_verify`).
+    captured: Vec<Refresh>,
 }
 
 impl GpuDecoder {
@@ -380,6 +402,7 @@ impl GpuDecoder {
             pending: Vec::new(),
             step_no: 0,
             last_refresh: Vec::new(),
+            ver: None,
             hdk,
             layers,
             caches,
@@ -532,6 +555,233 @@ impl GpuDecoder {
         self.slot_len[slot] = len;
         if let Some(sp) = self.sparse.as_mut() {
             sp.reset_slot(&self.ctx, slot)?;
+        }
+        Ok(())
+    }
+
+    /// Shortens slot `slot` to its first `len` tokens, as `truncate` does, but keeps the
+    /// policy's memory where it stays valid (SFI: a memory built at a length within `len`):
+    /// speculative decoding cuts rejected drafts this way after every verification.
+    pub fn rewind(&mut self, slot: usize, len: usize) -> Result<(), CudaError> {
+        self.check_slot(slot)?;
+        if len > self.slot_len[slot] {
+            return Err(bad(format!(
+                "rewind slot {slot} of {} tokens to {len}",
+                self.slot_len[slot]
+            )));
+        }
+        if len == self.slot_len[slot] {
+            return Ok(());
+        }
+        // A refresh still pending for this slot and built past `len` must not be published
+        // later: publish it now, so the check below forgets it. One built within `len` stays
+        // pending (its Selector keeps overlapping the next steps).
+        if self
+            .pending
+            .iter()
+            .any(|p| p.slots.iter().any(|&(s, l)| s == slot && l > len))
+        {
+            self.flush_refreshes()?;
+        }
+        self.slot_len[slot] = len;
+        if let Some(sp) = self.sparse.as_mut() {
+            sp.rewind_slot(&self.ctx, slot, len)?;
+        }
+        Ok(())
+    }
+
+    /// Prepares decode steps after `rewind` / `verify` / `set_next` like `begin_decode`, but
+    /// keeps a captured graph: its kernels read the lengths and positions from the device and
+    /// split each sequence's keys there, so any length is exact (the split count, sized for the
+    /// span at capture, only balances the work).
+    pub fn resume_decode(&mut self) -> Result<(), CudaError> {
+        if self.graph.is_none() {
+            return self.begin_decode();
+        }
+        if let Some(s) = self.slot_len.iter().position(|&l| l == 0) {
+            return Err(bad(format!(
+                "slot {s} is empty: prefill it before decoding"
+            )));
+        }
+        let pos: Vec<u32> = self.slot_len.iter().map(|&l| l as u32).collect();
+        let lens: Vec<u32> = pos.iter().map(|p| p + 1).collect();
+        self.ctx.upload_into(&pos, &mut self.dec.pos)?;
+        self.ctx.upload_into(&lens, &mut self.dec_lens)
+    }
+
+    /// Speculative verification: scores `rows` tokens of every slot in one pass, slot s's
+    /// `tokens[s * rows..(s + 1) * rows]` at positions `slot_len(s)..`, with dense attention
+    /// over the slot's whole cache (each K/V tile read once for all rows, `attn_verify`), and
+    /// leaves every row's logits and argmax (`verify_logits`, `verify_argmax`). Their keys and
+    /// values are written into the cache and each slot grows by `rows`; `rewind` cuts what is
+    /// rejected. SFI: row 0 of each slot with `capture[s]` also leaves its scores, from which
+    /// `refresh_from_verify` rebuilds the memory (the verification is its slow step).
+    pub fn verify(
+        &mut self,
+        tokens: &[u32],
+        rows: usize,
+        capture: &[bool],
+    ) -> Result<(), CudaError> {
+        let ns = self.kv.num_slots;
+        if rows == 0 || rows > 64 || tokens.len() != ns * rows {
+            return Err(bad(format!(
+                "verify: {} tokens for {ns} slots x {rows} rows (1..=64 rows)",
+                tokens.len()
+            )));
+        }
+        if capture.len() != ns {
+            return Err(bad(format!(
+                "verify: {} capture flags for {ns} slots",
+                capture.len()
+            )));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.spec.vocab) {
+            return Err(bad(format!("token id {t} outside the vocabulary")));
+        }
+        for (s, &l) in self.slot_len.iter().enumerate() {
+            if l == 0 {
+                return Err(bad(format!(
+                    "slot {s} is empty: prefill it before verifying"
+                )));
+            }
+            if l + rows > self.kv.capacity {
+                return Err(bad(format!(
+                    "verify: slot {s} holds {l} of {} tokens, no room for {rows} rows",
+                    self.kv.capacity
+                )));
+            }
+        }
+        // Pending refreshes are published first when this pass captures: their Selector reads
+        // the scores it overwrites.
+        if capture.iter().any(|&c| c) {
+            self.flush_refreshes()?;
+        }
+        let n = ns * rows;
+        if self.ver.as_ref().is_none_or(|v| v.acts.rows < n) {
+            self.ver = None;
+            self.ver = Some(VerifyBufs {
+                acts: Acts::new(&self.ctx, &self.spec, self.hdk, n)?,
+                lens: self.ctx.alloc(n)?,
+                logits: self.ctx.alloc(n * self.spec.vocab)?,
+                next: self.ctx.alloc(n)?,
+                ws: AttnWorkspace::new(),
+                rps: rows,
+                pos0: Vec::new(),
+                span: 0,
+                captured: Vec::new(),
+            });
+        }
+        let pos: Vec<u32> = (0..n)
+            .map(|i| (self.slot_len[i / rows] + i % rows) as u32)
+            .collect();
+        let lens: Vec<u32> = pos.iter().map(|p| p + 1).collect();
+        let slots: Vec<u32> = (0..n).map(|i| (i / rows) as u32).collect();
+        let mut refresh = Vec::new();
+        if let Some(sp) = self.sparse.as_mut().filter(|s| s.sfi().is_some()) {
+            if capture.iter().any(|&c| c) {
+                sp.set_capture(&self.ctx, capture)?;
+                for (s, _) in capture.iter().enumerate().filter(|c| *c.1) {
+                    refresh.push(Refresh {
+                        slot: s,
+                        len: self.slot_len[s] + 1,
+                        rows: 1,
+                        boot_row0: None,
+                    });
+                }
+            }
+        }
+        {
+            let v = self.ver.as_mut().expect("allocated above");
+            self.ctx.upload_into(tokens, &mut v.acts.ids)?;
+            self.ctx.upload_into(&pos, &mut v.acts.pos)?;
+            self.ctx.upload_into(&slots, &mut v.acts.slots)?;
+            self.ctx.upload_into(&lens, &mut v.lens)?;
+            v.rps = rows;
+            v.pos0 = self.slot_len.clone();
+            v.span = self.slot_len.iter().max().copied().unwrap_or(0) + rows;
+            v.captured = refresh.clone();
+        }
+        self.ctx.set_pdl_mode(PdlMode::Off);
+        self.forward(n, Attn::Verify { rps: rows }, &refresh)?;
+        let (h, vocab) = (self.spec.hidden, self.spec.vocab);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed).device_ptr();
+        let v = self.ver.as_mut().expect("allocated above");
+        self.ctx.linear_raw(
+            v.acts.xb.device_ptr(),
+            head,
+            v.logits.device_ptr(),
+            cudaDataType::CUDA_R_32F,
+            n,
+            h,
+            vocab,
+        )?;
+        self.ctx.argmax(&v.logits, &mut v.next, n, vocab)?;
+        for l in self.slot_len.iter_mut() {
+            *l += rows;
+        }
+        self.slow_steps += 1;
+        Ok(())
+    }
+
+    /// The argmax of every row of the last `verify`, `[slots x rows]` (synchronises).
+    pub fn verify_argmax(&self) -> Result<Vec<u32>, CudaError> {
+        let v = self
+            .ver
+            .as_ref()
+            .ok_or_else(|| bad("verify_argmax before any verify".into()))?;
+        let all = self.ctx.download(&v.next)?;
+        Ok(all[..self.kv.num_slots * v.rps].to_vec())
+    }
+
+    /// The logits of every row of the last `verify`, `[slots x rows, vocab]` (synchronises).
+    pub fn verify_logits(&self) -> Result<Vec<f32>, CudaError> {
+        let v = self
+            .ver
+            .as_ref()
+            .ok_or_else(|| bad("verify_logits before any verify".into()))?;
+        let all = self.ctx.download(&v.logits)?;
+        Ok(all[..self.kv.num_slots * v.rps * self.spec.vocab].to_vec())
+    }
+
+    /// SFI: rebuilds the memory of `slots` from the scores their row 0 captured in the last
+    /// `verify` (a memory at the length of that row), as a slow step does: asynchronously with
+    /// a refresh lag (published `lag` decode steps later), else in order. Call before anything
+    /// else runs on the decoder after that `verify` (a `rewind` to at least row 0's length is
+    /// fine).
+    pub fn refresh_from_verify(&mut self, slots: &[usize]) -> Result<(), CudaError> {
+        let Some(v) = self.ver.as_ref() else {
+            return Ok(());
+        };
+        let refresh: Vec<Refresh> = v
+            .captured
+            .iter()
+            .filter(|r| slots.contains(&r.slot))
+            .copied()
+            .collect();
+        if refresh.is_empty() {
+            return Ok(());
+        }
+        if let Some(r) = refresh.iter().find(|r| self.slot_len[r.slot] < r.len) {
+            return Err(bad(format!(
+                "refresh_from_verify: slot {} was cut below its verified row 0",
+                r.slot
+            )));
+        }
+        let nh = self.spec.n_heads;
+        let Some(sp) = self.sparse.as_mut() else {
+            return Ok(());
+        };
+        let staged = self.refresh_lag > 0 && sp.can_stage(&refresh);
+        match sp.refresh_decode(&self.ctx, &refresh, nh, staged)? {
+            Some(done) => self.pending.push(PendingRefresh {
+                slots: refresh.iter().map(|r| (r.slot, r.len)).collect(),
+                done,
+                due: self.step_no + self.refresh_lag,
+            }),
+            None => sp.finish_refresh(&refresh),
+        }
+        if let Some(v) = self.ver.as_mut() {
+            v.captured.retain(|r| !slots.contains(&r.slot));
         }
         Ok(())
     }
@@ -928,13 +1178,20 @@ impl GpuDecoder {
             ws,
             decode_span,
             sparse,
+            ver,
             ..
         } = self;
         let (ctx, hdk, kv) = (&**ctx, *hdk, *kv);
         let (h, nh, nkv, inter) = (s.hidden, s.n_heads, s.n_kv_heads, s.intermediate);
-        let a = match mode {
-            Attn::Prefill { .. } => pre,
-            Attn::Decode => dec,
+        let (a, ws, vlens, span) = match mode {
+            Attn::Prefill { .. } => (pre, ws, None, *decode_span),
+            Attn::Decode => (dec, ws, None, *decode_span),
+            Attn::Verify { .. } => {
+                let v = ver
+                    .as_mut()
+                    .ok_or_else(|| bad("verify forward without its buffers".into()))?;
+                (&mut v.acts, &mut v.ws, Some(&v.lens), v.span)
+            }
         };
         debug_assert!(n <= a.rows);
         let norm = RmsNorm {
@@ -942,7 +1199,7 @@ impl GpuDecoder {
             gemma: false,
         };
         let ids = match mode {
-            Attn::Prefill { .. } => &a.ids,
+            Attn::Prefill { .. } | Attn::Verify { .. } => &a.ids,
             Attn::Decode => &*next,
         };
         // Decode at 1-2 rows runs the fused kernels (ops/fused.rs): one GEMV for
@@ -988,7 +1245,7 @@ impl GpuDecoder {
                 n_heads: nh,
                 scale: s.attn_scale,
                 window,
-                max_seq_len: *decode_span,
+                max_seq_len: span,
                 splits: None,
             };
             // The fused dense step may run qkv_post inside flash-decoding (SLOWFAST_ATTN_POST).
@@ -1022,6 +1279,21 @@ impl GpuDecoder {
                 ctx.qkv_post(&a.qkv, &mut a.q, kc, vc, &a.pos, &a.slots, kv, &p)?;
             }
             match (mode, sp) {
+                (Attn::Verify { rps }, sp) => {
+                    // Dense over every layer; SFI's global layers leave row 0's scores.
+                    let capture = match sp {
+                        Some(sp) if !refresh.is_empty() => sp.verify_capture(l, nh),
+                        _ => None,
+                    };
+                    let lens = vlens.ok_or_else(|| bad("verify without lengths".into()))?;
+                    let p = DecodeAttn {
+                        batch: n / rps,
+                        ..dp
+                    };
+                    ctx.attn_verify(
+                        &a.q, kc, vc, kv, lens, &a.slots, &mut a.att, ws, &p, rps, capture,
+                    )?;
+                }
                 (Attn::Decode, None) if post_in_attn => {}
                 (Attn::Prefill { slot, pos0 }, sp) => {
                     let p = PrefillAttn {

@@ -358,6 +358,36 @@ impl SparseState {
         Ok(())
     }
 
+    /// After slot `s`'s sequence was cut back to `len` tokens (speculative decoding's rejected
+    /// drafts): its memory stays when it was built at a length within `len` (the compact rows
+    /// and the recent window's start are below it), else it is forgotten; key norms past `len`
+    /// are recomputed at the next refresh.
+    pub fn rewind_slot(
+        &mut self,
+        ctx: &CudaContext,
+        s: usize,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        if self.refreshed_len[s] > len {
+            return self.reset_slot(ctx, s);
+        }
+        self.norm_len[s] = self.norm_len[s].min(len);
+        Ok(())
+    }
+
+    /// SFI on global layer `l`: where a verification's row 0 leaves its scores for the
+    /// Selector (the decode capture's logits of that layer, the capture flags, the row stride).
+    pub fn verify_capture(&self, l: usize, n_heads: usize) -> Option<(u64, u64, usize)> {
+        let gi = self.gidx.get(l).copied().flatten()?;
+        self.compact.as_ref()?;
+        let ls = self.num_slots * n_heads * self.kv.capacity * 4;
+        Some((
+            self.logits.device_ptr() + (gi * ls) as u64,
+            self.capture.device_ptr(),
+            self.kv.capacity,
+        ))
+    }
+
     /// Copies slot `from`'s memory to slot `to` (after the KV itself was copied).
     pub fn copy_slot(
         &mut self,

@@ -349,3 +349,133 @@ fn bad_shapes_are_refused() {
         .to_string();
     assert!(e.contains("capacity 16"), "{e}");
 }
+
+/// Speculative verification: `rps` causal rows per sequence against the f64 reference of each
+/// row alone, with row 0's captured scores where the slot's flag is set.
+#[allow(clippy::too_many_arguments)]
+fn run_verify(
+    ctx: &slowfast_cuda::CudaContext,
+    rng: &mut Rng,
+    d: usize,
+    n_heads: usize,
+    kv_heads: usize,
+    first: &[usize],
+    rps: usize,
+    window: Option<usize>,
+) {
+    let seqs = first.len();
+    let cap = first.iter().cloned().max().unwrap_or(1) + rps + 3;
+    let kv = KvLayout {
+        num_slots: seqs + 1,
+        kv_heads,
+        capacity: cap,
+        head_dim: d,
+    };
+    // sequence b lives in slot (b + 1) % num_slots; its rows see first[b] .. first[b] + rps - 1
+    let slot_of: Vec<usize> = (0..seqs).map(|b| (b + 1) % kv.num_slots).collect();
+    let sl: Vec<(usize, usize)> = (0..seqs)
+        .map(|b| (slot_of[b], first[b] + rps - 1))
+        .collect();
+    let kc = fill_cache(rng, &kv, &sl);
+    let vc = fill_cache(rng, &kv, &sl);
+    let rows = seqs * rps;
+    let q = rng.vec_bf16(rows * n_heads * d, 1.0);
+    let scale = 1.0 / (d as f64).sqrt() * 1.5;
+    let lens: Vec<u32> = (0..rows)
+        .map(|i| (first[i / rps] + i % rps) as u32)
+        .collect();
+    let slots: Vec<u32> = (0..rows).map(|i| slot_of[i / rps] as u32).collect();
+    // capture row 0 of every other sequence
+    let flags: Vec<u32> = (0..kv.num_slots)
+        .map(|s| (0..seqs).any(|b| slot_of[b] == s && b % 2 == 0) as u32)
+        .collect();
+    let (dq, dk, dv) = (
+        ctx.upload(&q).unwrap(),
+        ctx.upload(&kc).unwrap(),
+        ctx.upload(&vc).unwrap(),
+    );
+    let (dl, ds, df) = (
+        ctx.upload(&lens).unwrap(),
+        ctx.upload(&slots).unwrap(),
+        ctx.upload(&flags).unwrap(),
+    );
+    let lg = vec![f32::NAN; kv.num_slots * n_heads * cap];
+    let logits = ctx.upload(&lg).unwrap();
+    let mut out = ctx.upload(&nan_bf16(rows * n_heads * d)).unwrap();
+    let mut ws = AttnWorkspace::new();
+    let p = DecodeAttn {
+        batch: seqs,
+        n_heads,
+        scale: scale as f32,
+        window,
+        max_seq_len: cap,
+        splits: None,
+    };
+    let capture = Some((logits.device_ptr(), df.device_ptr(), cap));
+    ctx.attn_verify(
+        &dq, &dk, &dv, kv, &dl, &ds, &mut out, &mut ws, &p, rps, capture,
+    )
+    .unwrap();
+    let got = to_f64(&ctx.download(&out).unwrap());
+    let got_logits = ctx.download(&logits).unwrap();
+    let g = n_heads / kv_heads;
+    let mut want = Vec::new();
+    for i in 0..rows {
+        for h in 0..n_heads {
+            let base = (slots[i] as usize * kv_heads + h / g) * cap * d;
+            let hi = lens[i] as usize;
+            let lo = window.map_or(0, |w| hi.saturating_sub(w));
+            let qo = (i * n_heads + h) * d;
+            want.extend(attend(&q[qo..qo + d], &kc, &vc, base, d, lo, hi, scale).0);
+        }
+    }
+    let what =
+        format!("verify d{d} h{n_heads}/{kv_heads} first {first:?} rows {rps} window {window:?}");
+    assert_close(&what, &got, &want, 2e-2);
+    // row 0's scores of the flagged slots, in log2 units; nothing else written
+    for b in 0..seqs {
+        let s = slot_of[b];
+        for h in 0..n_heads {
+            let base = (s * kv_heads + h / g) * cap * d;
+            let qo = (b * rps * n_heads + h) * d;
+            let hi = first[b];
+            let lo = window.map_or(0, |w| hi.saturating_sub(w));
+            for j in 0..cap {
+                let got = got_logits[(s * n_heads + h) * cap + j];
+                if flags[s] != 0 && j >= lo && j < hi {
+                    let dot: f64 = (0..d)
+                        .map(|c| q[qo + c].to_f64() * kc[base + j * d + c].to_f64())
+                        .sum();
+                    let want = dot * scale * std::f64::consts::LOG2_E;
+                    assert!(
+                        (got as f64 - want).abs() < 2e-2 * (1.0 + want.abs()),
+                        "{what}: score slot {s} head {h} key {j} = {got}, want {want}"
+                    );
+                } else {
+                    assert!(
+                        got.is_nan(),
+                        "{what}: score slot {s} head {h} key {j} written"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn verify_matches_reference() {
+    let Some(ctx) = gpu("verify_matches_reference") else {
+        return;
+    };
+    let mut rng = Rng::new(31);
+    // Qwen3-4B's group of 4: 1 row = one 16-row group partly used, 4 rows fill it, 9 need three
+    run_verify(&ctx, &mut rng, 128, 32, 8, &[3000, 65, 1], 1, None);
+    run_verify(&ctx, &mut rng, 128, 32, 8, &[3000, 65, 1], 4, None);
+    run_verify(&ctx, &mut rng, 128, 32, 8, &[2900, 700, 64], 9, None);
+    run_verify(&ctx, &mut rng, 128, 32, 8, &[2900, 700, 64], 9, Some(512));
+    // Gemma 3 270M: 4 heads, 1 kv head, head dim 256, a 512-key window on most layers
+    run_verify(&ctx, &mut rng, 256, 4, 1, &[4000, 300], 7, Some(512));
+    run_verify(&ctx, &mut rng, 256, 4, 1, &[4000, 300], 3, None);
+    // a group of 16 (rows past one mma group each), head dim 64
+    run_verify(&ctx, &mut rng, 64, 32, 2, &[1500, 17], 5, None);
+}

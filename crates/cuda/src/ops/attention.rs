@@ -353,6 +353,100 @@ impl CudaContext {
         self.decode_launch(OP, kernel, pqkv, io, ws, p, kv, &extra)
     }
 
+    /// Speculative verification: `rows_per_seq` query rows of each of `p.batch` sequences at
+    /// consecutive positions, causal among themselves, dense over the cache (each K/V tile read
+    /// once for a 16-row group of rows x query heads). q, out `[p.batch * rows_per_seq, n_heads,
+    /// head_dim]`; `seq_lens` / `slots` have one entry a row: row r of sequence b sees the first
+    /// `seq_lens[b * rows_per_seq + r]` positions of slot `slots[b * rows_per_seq]` (the last
+    /// `window` of them), the lengths rising by one a row. With `capture = Some((logits, flags,
+    /// lstride))`, row 0 of each sequence whose slot's flag is set writes its scaled scores (log2
+    /// units) to `logits[slot, head, j]` (row stride `lstride`) for SFI's Selector.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_verify(
+        &self,
+        q: &GpuBuffer<bf16>,
+        k_cache: &GpuBuffer<bf16>,
+        v_cache: &GpuBuffer<bf16>,
+        kv: KvLayout,
+        seq_lens: &GpuBuffer<u32>,
+        slots: &GpuBuffer<u32>,
+        out: &mut GpuBuffer<bf16>,
+        ws: &mut AttnWorkspace,
+        p: &DecodeAttn,
+        rows_per_seq: usize,
+        capture: Option<(u64, u64, usize)>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "attn_verify";
+        check_decode(OP, p, &kv)?;
+        if rows_per_seq == 0 || rows_per_seq > 64 {
+            return Err(CudaError::bad(
+                OP,
+                format!("rows_per_seq {rows_per_seq} (1..=64)"),
+            ));
+        }
+        let rows = p.batch * rows_per_seq;
+        let pr = DecodeAttn { batch: rows, ..*p };
+        let pq = q.ptr_min(
+            OP,
+            "q [rows, n_heads, head_dim]",
+            rows * p.n_heads * kv.head_dim,
+        )?;
+        let io = DecodeIo::new(OP, k_cache, v_cache, seq_lens, slots, out, None, &pr, &kv)?;
+        // The plan of a step with rows_per_seq x the query heads a sequence: its row groups.
+        let pv = DecodeAttn {
+            n_heads: p.n_heads * rows_per_seq,
+            max_seq_len: p.max_seq_len + rows_per_seq,
+            ..*p
+        };
+        let kernel = match kv.head_dim {
+            64 => "attn_verify_d64",
+            128 => "attn_verify_d128",
+            _ => "attn_verify_d256",
+        };
+        let splits = {
+            let dev = DecodeDevice {
+                sm_count: self.sm_count() as usize,
+                smem_per_sm: self.smem_per_sm as usize,
+                smem_reserved: self.smem_reserved as usize,
+                stages: 3,
+            };
+            decode_plan(dev, &pv, &kv).1
+        };
+        let d = kv.head_dim;
+        let hrows = rows * p.n_heads;
+        let (part_o, part_ml) = ws.ensure(self, hrows * splits * d, hrows * splits * 2)?;
+        let row_groups = (pv.n_heads / kv.kv_heads).div_ceil(16);
+        let (logits, flags, lstride) = capture.unwrap_or((0, 0, 0));
+        let args = [
+            KArg::P(pq),
+            KArg::P(io.k),
+            KArg::P(io.v),
+            KArg::P(io.lens),
+            KArg::P(io.slots),
+            KArg::P(part_o),
+            KArg::P(part_ml),
+            KArg::U(p.n_heads as u32),
+            KArg::U(kv.kv_heads as u32),
+            KArg::U(kv.capacity as u32),
+            KArg::U(u32_of(OP, "num_slots", kv.num_slots)?),
+            KArg::U(p.window.map_or(Ok(0), |w| u32_of(OP, "window", w))?),
+            KArg::F(p.scale * LOG2E),
+            KArg::U(rows_per_seq as u32),
+            KArg::P(logits),
+            KArg::P(flags),
+            KArg::U(u32_of(OP, "lstride", lstride)?),
+        ];
+        let grid_y = u32_of(OP, "kv_heads * row groups", kv.kv_heads * row_groups)?;
+        self.launch(
+            kernel,
+            (splits as u32, grid_y, p.batch as u32),
+            (128, 1, 1),
+            attn_smem_bytes(kernel).unwrap_or(0),
+            &args,
+        )?;
+        self.attn_decode_reduce_raw(part_o, part_ml, io.out, 0, hrows, p.n_heads, splits, d)
+    }
+
     /// Launches flash-decoding kernel `kernel` (first argument `pq`: q, or the q/k/v row for the
     /// post kernels, whose `extra` arguments follow the common ones) and its reduce.
     #[allow(clippy::too_many_arguments)]
