@@ -60,7 +60,7 @@ fn trace_steps(
     Ok(())
 }
 
-fn gpu_err(e: slowfast_cuda::CudaError) -> EngineError {
+pub(crate) fn gpu_err(e: slowfast_cuda::CudaError) -> EngineError {
     EngineError::BadInput(format!("--device cuda: {e}"))
 }
 
@@ -213,6 +213,12 @@ pub struct GpuSession {
     dec: GpuDecoder,
     logits: Vec<f32>,
     decoding: bool,
+    /// Speculative decoding: steps are drafts (SFI's trigger does not see them).
+    drafting: bool,
+    /// The slot's length changed under a captured graph (`rewind`): `resume_decode` first.
+    resync: bool,
+    /// The last verification's logits `[rows, vocab]`.
+    vlogits: Vec<f32>,
     steps: usize,
     trigger: Option<Trigger>,
     name: &'static str,
@@ -242,6 +248,9 @@ impl GpuSession {
             dec,
             logits: Vec::new(),
             decoding: false,
+            drafting: false,
+            resync: false,
+            vlogits: Vec::new(),
             steps: 0,
             trigger,
             name: policy.name(),
@@ -283,9 +292,13 @@ impl Steps for GpuSession {
         if !self.decoding {
             self.dec.begin_decode().map_err(gpu_err)?;
             self.decoding = true;
+        } else if self.resync {
+            self.dec.resume_decode().map_err(gpu_err)?;
         }
+        self.resync = false;
         self.dec.set_next(&[token]).map_err(gpu_err)?;
-        let fired = self.trigger.as_mut().is_some_and(|t| t.on_token(token));
+        // Drafts are not the sequence: SFI's trigger sees the kept tokens at `end_verify`.
+        let fired = !self.drafting && self.trigger.as_mut().is_some_and(|t| t.on_token(token));
         if fired {
             self.dec.request_refresh(0).map_err(gpu_err)?;
         }
@@ -323,6 +336,80 @@ impl Steps for GpuSession {
             attended_tokens: self.attended,
             dense_tokens: self.dense,
         }
+    }
+}
+
+/// Speculative decoding on the GPU: the same `Speculator` loop as on the CPU. Draft steps are
+/// the session's decode steps (its sparse policy, replayed as the captured graph); a
+/// verification is one `GpuDecoder::verify` pass of all rows (dense, each K/V tile read once);
+/// rejected drafts are cut with `rewind`, which keeps SFI's memory; SFI's Selector refreshes
+/// from the verification's row 0 (every verification, or when the trigger fires on the kept
+/// tokens).
+impl crate::spec::SpecTarget for GpuSession {
+    fn pos(&self) -> usize {
+        self.dec.slot_len(0)
+    }
+    fn capacity(&self) -> usize {
+        self.dec.capacity()
+    }
+    fn vocab_size(&self) -> usize {
+        self.dec.spec().vocab
+    }
+    fn chunk(&self) -> usize {
+        GPU_CHUNK
+    }
+    fn policy_name(&self) -> &'static str {
+        self.name
+    }
+    fn verify_rows_max(&self) -> usize {
+        crate::spec::MAX_SPEC_TOKENS + 1
+    }
+    fn begin_draft(&mut self) -> Result<(), EngineError> {
+        if self.name == "full" {
+            return Err(EngineError::BadInput(
+                "full KV cannot draft: the self-drafters run the sfi or streaming policy".into(),
+            ));
+        }
+        self.drafting = true;
+        Ok(())
+    }
+    fn end_draft(&mut self, len: usize) -> Result<(), EngineError> {
+        self.drafting = false;
+        self.dec.rewind(0, len).map_err(gpu_err)?;
+        self.resync = true;
+        Ok(())
+    }
+    fn step(&mut self, token: u32) -> Result<&[f32], EngineError> {
+        Steps::step(self, token)
+    }
+    fn verify(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
+        if tokens.is_empty() {
+            return Err(EngineError::BadInput("verify: no tokens".into()));
+        }
+        // SFI: row 0 always leaves its scores; end_verify decides whether the Selector runs.
+        let capture = [self.trigger.is_some()];
+        self.dec
+            .verify(tokens, tokens.len(), &capture)
+            .map_err(gpu_err)?;
+        self.vlogits = self.dec.verify_logits().map_err(gpu_err)?;
+        self.dense += (self.dec.slot_len(0) - tokens.len() + 1) as f64;
+        self.attended += (self.dec.slot_len(0) - tokens.len() + 1) as f64;
+        Ok(&self.vlogits)
+    }
+    fn end_verify(&mut self, fed: &[u32], len: usize, refresh: bool) -> Result<(), EngineError> {
+        self.dec.rewind(0, len).map_err(gpu_err)?;
+        self.resync = true;
+        let mut fire = refresh;
+        if let Some(t) = self.trigger.as_mut() {
+            for &tok in fed {
+                fire |= t.on_token(tok);
+            }
+            if fire {
+                self.dec.refresh_from_verify(&[0]).map_err(gpu_err)?;
+                t.reset_after_refresh();
+            }
+        }
+        Ok(())
     }
 }
 
@@ -457,12 +544,16 @@ fn used_gib(ctx: &CudaContext) -> f64 {
 /// from the prefilled cache (SFI: its first step is the bridge, a dense step that builds the
 /// memory) and is timed three ways: fast steps only, slow steps only, and its schedule (SFI:
 /// each sequence refreshes every `refresh_interval` steps, staggered over the batch).
+///
+/// With `spec`, speculative decoding is timed at each context after the policies
+/// (`cuda_spec::time_drafter`, replayed acceptance), against full KV's rate when `full` ran.
 pub fn bench(
     m: &Loaded,
     o: &GpuBenchOptions,
+    spec_opts: Option<&crate::cuda_spec::GpuSpecOptions>,
     spec_for: &dyn Fn(&str, usize) -> Result<PolicySpec, EngineError>,
     progress: &mut dyn FnMut(&str),
-) -> Result<Vec<GpuBenchRecord>, EngineError> {
+) -> Result<(Vec<GpuBenchRecord>, Vec<crate::cuda_spec::GpuSpecRecord>), EngineError> {
     let cfg = &m.model.cfg;
     if o.contexts.is_empty() || o.new_tokens == 0 || o.batch == 0 || o.policies.is_empty() {
         return Err(EngineError::BadInput(
@@ -477,7 +568,24 @@ pub fn bench(
     let max_ctx = *o.contexts.iter().max().unwrap_or(&1);
     let repeats = o.repeats.max(1);
     // Per policy and repeat: a warm-up step and at most three timed runs of new_tokens steps.
-    let capacity = max_ctx + (3 * o.new_tokens + 2 + TRACE_STEPS) * repeats + 2;
+    let mut capacity = max_ctx + (3 * o.new_tokens + 2 + TRACE_STEPS) * repeats + 2;
+    if let Some(so) = spec_opts {
+        let g = so.gammas.iter().copied().max().unwrap_or(1);
+        capacity = capacity.max(max_ctx + 4 + (so.rounds + 1) * (g + 2));
+        for &n in &o.contexts {
+            for d in &so.drafters {
+                so.accept
+                    .check(d, &so.gammas)
+                    .map_err(EngineError::BadInput)?;
+                match d.as_str() {
+                    "ngram" => {}
+                    p => {
+                        gpu_policy(&spec_for(p, n)?)?;
+                    }
+                }
+            }
+        }
+    }
     if max_ctx > cfg.max_position_embeddings {
         return Err(EngineError::BadInput(format!(
             "context {max_ctx} exceeds the model's context of {} tokens",
@@ -518,6 +626,7 @@ pub fn bench(
     let spec = dec.spec().clone();
     let hdk = slowfast_cuda::model::kernel_head_dim(spec.head_dim).unwrap_or(spec.head_dim);
     let mut out = Vec::new();
+    let mut spec_out = Vec::new();
     for &n in &o.contexts {
         let prompt = crate::bench::random_tokens(n, cfg.vocab_size, 0x5107 + n as u64);
         dec.set_policy(GpuKvPolicy::Full).map_err(gpu_err)?;
@@ -711,8 +820,44 @@ pub fn bench(
             ));
             out.push(rec);
         }
+        if let Some(so) = spec_opts {
+            let full = out
+                .iter()
+                .find(|r| r.policy == "full" && r.context == n)
+                .map_or(0.0, |r| r.decode_tok_s);
+            for d in &so.drafters {
+                let (gp, interval) = match d.as_str() {
+                    "ngram" => (GpuKvPolicy::Full, 0),
+                    p => {
+                        let ps = spec_for(p, n)?;
+                        let interval = match &ps {
+                            PolicySpec::Sfi { cfg, .. } => cfg.trigger.refresh_interval.max(1),
+                            _ => 0,
+                        };
+                        (gpu_policy(&ps)?, interval)
+                    }
+                };
+                for s in 0..o.batch {
+                    dec.truncate(s, n).map_err(gpu_err)?;
+                }
+                dec.set_policy(gp).map_err(gpu_err)?;
+                let next = crate::sampler::argmax(&first[..cfg.vocab_size]).unwrap_or(0);
+                dec.set_next(&vec![next; o.batch]).map_err(gpu_err)?;
+                dec.begin_decode().map_err(gpu_err)?;
+                dec.decode_step().map_err(gpu_err)?; // warm-up (SFI: the bridge refresh)
+                let _ = dec.capture_decode();
+                let next = dec.next_tokens().map_err(gpu_err)?;
+                progress(&format!(
+                    "context {n} speculate {d}: {} rounds at γ {:?} x batch {}",
+                    so.rounds, so.gammas, o.batch
+                ));
+                spec_out.extend(crate::cuda_spec::time_drafter(
+                    &mut dec, &m.name, d, so, n, next, interval, full, progress,
+                )?);
+            }
+        }
     }
-    Ok(out)
+    Ok((out, spec_out))
 }
 
 /// A markdown table of GPU bench records, with each sparse policy's speedup over full KV at

@@ -7,8 +7,8 @@ use slowfast_tokenizer::StreamDecoder;
 use crate::device::Device;
 use crate::load::Loaded;
 use crate::sampler::{Sampler, SamplerConfig};
-use crate::session::{KvDtype, PolicySpec, Session, DEFAULT_CHUNK};
-use crate::spec::{SpecOptions, SpecReport, Speculator};
+use crate::session::{KvDtype, PolicySpec, DEFAULT_CHUNK};
+use crate::spec::{SpecOptions, SpecReport, SpecSession, Speculator};
 use crate::stop::StopMatcher;
 use crate::EngineError;
 use slowfast_kv::PolicyStats;
@@ -85,7 +85,7 @@ pub fn generate(
 /// Where the tokens after the first come from: plain decode steps, or draft–verify rounds.
 enum Decoder<'m> {
     Plain(Box<dyn crate::device::Steps + 'm>),
-    Spec(Box<Session<'m>>, Box<Speculator<'m>>),
+    Spec(Box<dyn SpecSession + 'm>, Box<Speculator<'m>>),
 }
 
 /// `generate` with a draft model for `--speculate model`.
@@ -130,28 +130,29 @@ pub fn generate_with_draft(
             Decoder::Plain(sess)
         }
         Some(spec) => {
-            if opts.device != Device::Cpu {
-                return Err(EngineError::BadInput(
-                    "--speculate runs on the CPU only so far; use --device cpu".into(),
-                ));
-            }
             if let Some(d) = draft {
                 crate::spec::check_same_vocab(&m.tokenizer, &d.tokenizer)?;
             }
             // Room for the last round's drafts past the final token.
             let cap = (needed + crate::spec::MAX_SPEC_TOKENS + 1).min(ctx);
-            let mut sess =
-                Session::try_with_policy(&m.model, cap, opts.kv_dtype, opts.chunk, &opts.policy)?;
+            let mut sess = crate::spec::spec_session(
+                opts.device,
+                &m.model,
+                cap,
+                opts.kv_dtype,
+                opts.chunk,
+                &opts.policy,
+            )?;
             sess.prefill(prompt_ids, &mut |_, _| {})?;
             let spec = Speculator::new(
-                &mut sess,
+                sess.target(),
                 prompt_ids,
                 spec.clone(),
                 draft.map(|d| &d.model),
                 opts.kv_dtype,
                 &opts.sampler,
             )?;
-            Decoder::Spec(Box::new(sess), Box::new(spec))
+            Decoder::Spec(sess, Box::new(spec))
         }
     };
     let prefill_seconds = t0.elapsed().as_secs_f64();
@@ -180,7 +181,7 @@ pub fn generate_with_draft(
                     if i == 0 {
                         queue.push_back(sampler.sample_and_accept(sess.logits())?);
                     } else {
-                        let new = spec.round(sess, last, &mut sampler, max_new - i)?;
+                        let new = spec.round(sess.target(), last, &mut sampler, max_new - i)?;
                         decode_steps += new.len();
                         queue.extend(new);
                     }
@@ -236,7 +237,7 @@ pub fn generate_with_draft(
         },
         policy: match &dec {
             Decoder::Plain(s) => s.policy_name().to_owned(),
-            Decoder::Spec(s, _) => s.policy_name().to_owned(),
+            Decoder::Spec(s, _) => crate::device::Steps::policy_name(&**s).to_owned(),
         },
         policy_stats: match &dec {
             Decoder::Plain(s) => s.policy_stats(),

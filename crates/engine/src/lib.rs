@@ -3,6 +3,8 @@ pub mod batch;
 pub mod bench;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_spec;
 pub mod device;
 pub mod error;
 pub mod eval;

@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use super::ngram::NgramDrafter;
 use super::sample::{draw, verify_token};
+use super::target::SpecTarget;
 use crate::sampler::{Sampler, SamplerConfig};
 use crate::session::{KvDtype, Session};
 use crate::EngineError;
@@ -155,6 +156,9 @@ pub struct SpecStats {
     pub produced: usize,
     pub draft_seconds: f64,
     pub verify_seconds: f64,
+    /// Per count of drafted tokens g (a key per g seen): how many verifications of g drafts
+    /// accepted 0, 1, ..., g of them (`bench --spec-accept` replays these).
+    pub accept_hist: std::collections::BTreeMap<usize, Vec<usize>>,
 }
 
 impl SpecStats {
@@ -181,6 +185,12 @@ impl SpecStats {
         self.produced += o.produced;
         self.draft_seconds += o.draft_seconds;
         self.verify_seconds += o.verify_seconds;
+        for (&g, h) in &o.accept_hist {
+            let mine = self.accept_hist.entry(g).or_insert_with(|| vec![0; g + 1]);
+            for (m, x) in mine.iter_mut().zip(h) {
+                *m += x;
+            }
+        }
     }
 }
 
@@ -352,7 +362,7 @@ impl<'m> Speculator<'m> {
     /// policy is the drafter's (`sfi`, `streaming`) or full KV (`ngram`, `model`). A draft
     /// model (`draft`, with `kind` = Model) is prefilled with the prompt here.
     pub fn new(
-        target: &mut Session<'m>,
+        target: &mut dyn SpecTarget,
         prompt: &[u32],
         opts: SpecOptions,
         draft: Option<&'m Model>,
@@ -381,7 +391,7 @@ impl<'m> Speculator<'m> {
             }
             target.begin_draft()?;
             let len = target.pos();
-            target.end_draft(len);
+            target.end_draft(len)?;
         } else if target.policy_name() != "full" {
             return Err(EngineError::BadInput(format!(
                 "--speculate {}: the target must run full KV, not {}",
@@ -405,7 +415,7 @@ impl<'m> Speculator<'m> {
                     m,
                     target.capacity(),
                     kv,
-                    target.chunk.max(MAX_SPEC_TOKENS),
+                    target.chunk().max(MAX_SPEC_TOKENS),
                 ));
                 // The prompt minus its last token: the pending token of each draft is fed first.
                 if prompt.len() > 1 {
@@ -419,7 +429,7 @@ impl<'m> Speculator<'m> {
         };
         let vocab = match (opts.drafter, draft) {
             (DraftKind::Model, Some(m)) => m.cfg.vocab_size,
-            _ => target.model.cfg.vocab_size,
+            _ => target.vocab_size(),
         };
         let mut ds = Sampler::new(sampler.clone(), vocab)?;
         ds.reseed(sampler.seed ^ 0xD2AF_7000_5EC0_DE00);
@@ -449,7 +459,7 @@ impl<'m> Speculator<'m> {
     /// next pending token.
     pub fn round(
         &mut self,
-        target: &mut Session<'m>,
+        target: &mut dyn SpecTarget,
         t0: u32,
         sampler: &mut Sampler,
         max_out: usize,
@@ -490,7 +500,7 @@ impl<'m> Speculator<'m> {
             let mut fed = Vec::with_capacity(g + 1);
             fed.push(t0);
             fed.extend_from_slice(&self.drafts);
-            let vocab = target.model.cfg.vocab_size;
+            let vocab = target.vocab_size();
             let logits = target.verify(&fed)?;
             for i in 0..=g {
                 sampler.distribution(&logits[i * vocab..(i + 1) * vocab], &mut self.p)?;
@@ -516,7 +526,7 @@ impl<'m> Speculator<'m> {
             let accepted = out.len() - 1;
             // Keep t0 and the accepted drafts; the last token of `out` is pending.
             fed.truncate(accepted + 1);
-            target.end_verify(&fed, n + accepted + 1, self.opts.refresh_every);
+            target.end_verify(&fed, n + accepted + 1, self.opts.refresh_every)?;
         }
         let verify_s = t_verify.elapsed().as_secs_f64();
         let accepted = out.len() - 1;
@@ -527,6 +537,12 @@ impl<'m> Speculator<'m> {
         self.stats.produced += out.len();
         self.stats.draft_seconds += draft_s;
         self.stats.verify_seconds += verify_s;
+        if g > 0 {
+            self.stats
+                .accept_hist
+                .entry(g)
+                .or_insert_with(|| vec![0; g + 1])[accepted.min(g)] += 1;
+        }
         self.adapt.update(g, accepted, draft_s, verify_s);
         out.truncate(max_out.max(1));
         Ok(out)
@@ -536,7 +552,7 @@ impl<'m> Speculator<'m> {
     /// distribution of each in `self.q`.
     fn draft(
         &mut self,
-        target: &mut Session<'m>,
+        target: &mut dyn SpecTarget,
         t0: u32,
         gamma: usize,
         sampler: &Sampler,
@@ -563,8 +579,9 @@ impl<'m> Speculator<'m> {
                     }
                     Ok::<(), EngineError>(())
                 })();
-                target.end_draft(n);
+                let e = target.end_draft(n);
                 r?;
+                e?;
             }
             Drafter::Ngram(d) => {
                 d.propose(gamma, &mut self.drafts);
