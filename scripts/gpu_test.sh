@@ -45,7 +45,7 @@ for exe in $(build test slowfast-cuda test --no-run); do
   name="$(basename "$exe")"
   cp "$exe" "$bin/slowfast_cuda-${name%-*}"
 done
-for exe in $(build test slowfast-engine test --no-run --test gpu_model --test gpu_serve); do
+for exe in $(build test slowfast-engine test --no-run --test gpu_model --test gpu_serve --test gpu_speculative); do
   name="$(basename "$exe")"
   cp "$exe" "$bin/slowfast_engine-${name%-*}"
 done
@@ -62,11 +62,18 @@ done
 # The run tool sends the session's checkout: carry fixtures and the reference script too.
 mkdir -p "$bin/fixtures"
 cp -r tests/fixtures/hf tests/fixtures/gguf "$bin/fixtures/"
-cp bench/torch_reference.py bench/serve_load.py scripts/gpu_run.sh "$bin/"
+cp bench/torch_reference.py bench/serve_load.py scripts/gpu_run.sh scripts/gpu_spec.sh "$bin/"
+# gpu_spec.sh's prompts (Emma, from scripts/get_texts.sh) and the default model's checksum
+mkdir -p "$bin/texts"
+if [ -f data/texts/austen_emma.txt ]; then cp data/texts/austen_emma.txt "$bin/texts/"; fi
+M="${SLOWFAST_HOME:-$HOME/.cache/slowfast}/models/gemma-3-270m-q4_k_m.gguf"
+if [ -f "$M" ]; then sha256sum "$M" | cut -c1-64 > "$bin/model.sha256"; fi
 ls -la "$bin" >&2
 du -sh "$bin" >&2
 
 cat <<'CMD'
 # run tool, carry [".bin"], timeout_s 600 (phases: tests kbench bench torch gen sfi sfi-ab binab ...; env CTX, N, BATCH):
 bash .bin/gpu_run.sh tests bench torch
+# speculative decoding (issue 20): bash .bin/gpu_spec.sh tests accept bench (the default model's
+# parts carried first: scripts/gpu_default_model.sh stage)
 CMD

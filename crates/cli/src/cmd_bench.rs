@@ -37,9 +37,31 @@ pub struct Args {
     /// Sequences decoded together (`--device cuda` only; each holds a copy of the prompt).
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
-    /// Write the records as a JSON array to this file.
+    /// Write the records as a JSON array to this file (with --speculate: an object, `runs`
+    /// and `speculative`).
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// `--device cuda`: also time speculative decoding at every context, for these
+    /// comma-separated drafters (sfi, streaming, ngram), each at every --spec-tokens, batched
+    /// over --batch sequences. The acceptance is replayed (--spec-accept) and labelled so: a
+    /// random-weight model's drafts mean nothing. Real end-to-end runs: `generate --speculate`.
+    #[arg(long)]
+    pub speculate: Option<String>,
+    /// With --speculate: comma-separated drafted tokens per verification (γ), each timed.
+    #[arg(long, default_value = "2,4,6,8")]
+    pub spec_tokens: String,
+    /// With --speculate: accepted lengths to replay: `alpha:A` (each draft accepted with
+    /// probability A until the first rejection) or a JSON file {drafter: {γ: [counts of
+    /// verifications accepting 0..=γ]}} (the `accept_hist` of `generate --speculate --json`).
+    #[arg(long, default_value = "alpha:0.9")]
+    pub spec_accept: String,
+    /// With --speculate sfi: refresh the Selector's memory from `every` verification, or on
+    /// `trigger` (every --sfi-refresh-interval tokens a sequence, the bench's trigger).
+    #[arg(long, default_value = "every", value_parser = ["every", "trigger"])]
+    pub spec_refresh: String,
+    /// With --speculate: verification rounds timed per drafter and γ.
+    #[arg(long, default_value_t = 32)]
+    pub spec_rounds: usize,
 }
 
 /// Parse "2k,8k,32768" into token counts (`slowfast_engine::session::parse_contexts`).
@@ -72,6 +94,9 @@ pub fn run(a: Args) -> Result<()> {
     }
     if a.model.device() == slowfast_engine::Device::Cuda {
         return run_cuda(&a, o);
+    }
+    if a.speculate.is_some() {
+        bail!("bench --speculate times the GPU (--device cuda); on the CPU use generate --speculate, which reports its speed");
     }
     if a.batch != 1 {
         bail!("--batch: batched decode runs on --device cuda only");
@@ -113,6 +138,7 @@ fn run_cuda(a: &Args, o: BenchOptions) -> Result<()> {
             gpu_policy(&a.sparse.spec(p, c)?)?;
         }
     }
+    let spec = spec_options(a)?;
     let m = a.model.load()?;
     let go = GpuBenchOptions {
         contexts: o.contexts,
@@ -122,9 +148,58 @@ fn run_cuda(a: &Args, o: BenchOptions) -> Result<()> {
         policies: o.policies,
     };
     let spec_for = |name: &str, ctx: usize| policy_for(a, &m, name, ctx);
-    let recs = bench(&m, &go, &spec_for, &mut |s| eprintln!("{s}"))?;
+    let (recs, spec_recs) = bench(&m, &go, spec.as_ref(), &spec_for, &mut |s| eprintln!("{s}"))?;
     print!("{}", table(&recs));
-    write_json(&a.json, &recs)
+    if spec.is_none() {
+        return write_json(&a.json, &recs);
+    }
+    println!();
+    print!("{}", slowfast_engine::cuda_spec::spec_table(&spec_recs));
+    write_json(
+        &a.json,
+        &serde_json::json!({ "runs": recs, "speculative": spec_recs }),
+    )
+}
+
+/// `--speculate` and its flags, checked before the model load.
+#[cfg(feature = "cuda")]
+fn spec_options(a: &Args) -> Result<Option<slowfast_engine::cuda_spec::GpuSpecOptions>> {
+    use slowfast_engine::spec::replay::AcceptModel;
+    let Some(list) = &a.speculate else {
+        return Ok(None);
+    };
+    let drafters: Vec<String> = list.split(',').map(|d| d.trim().to_owned()).collect();
+    for d in &drafters {
+        if !matches!(d.as_str(), "sfi" | "streaming" | "ngram") {
+            bail!(
+                "--speculate: `{d}` is not a drafter the GPU bench times (sfi, streaming, ngram)"
+            );
+        }
+    }
+    let mut gammas = Vec::new();
+    for g in a.spec_tokens.split(',') {
+        match g.trim().parse::<usize>() {
+            Ok(n) if (1..=slowfast_engine::spec::MAX_SPEC_TOKENS).contains(&n) => gammas.push(n),
+            _ => bail!(
+                "--spec-tokens: `{g}` is not a count in 1..={}",
+                slowfast_engine::spec::MAX_SPEC_TOKENS
+            ),
+        }
+    }
+    if a.spec_rounds == 0 {
+        bail!("--spec-rounds must be at least 1");
+    }
+    let accept = AcceptModel::parse(&a.spec_accept).map_err(anyhow::Error::msg)?;
+    for d in &drafters {
+        accept.check(d, &gammas).map_err(anyhow::Error::msg)?;
+    }
+    Ok(Some(slowfast_engine::cuda_spec::GpuSpecOptions {
+        drafters,
+        gammas,
+        accept,
+        refresh_every: a.spec_refresh == "every",
+        rounds: a.spec_rounds,
+    }))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use slowfast_engine::eval::agree::{eval_agree, AgreeOptions};
-use slowfast_engine::eval::passkey::{eval_passkey_on, PasskeyOptions};
+use slowfast_engine::eval::passkey::{eval_passkey_spec, PasskeyMetrics, PasskeyOptions};
 use slowfast_engine::eval::ruler::{eval_ruler, RulerOptions, RulerTask};
 use slowfast_engine::eval::stability::{eval_stability, StabilityOptions};
 use slowfast_engine::eval::{eval_nll_on, EvalRecord, Metrics, NllOptions};
@@ -72,6 +72,11 @@ pub struct Args {
     pub policies: String,
     #[command(flatten)]
     pub sparse: PolicyArgs,
+    /// passkey: every answer through speculative decoding (--speculate sfi|streaming|ngram and
+    /// the spec flags of generate; --policies full): the answers are full KV's, and the record
+    /// adds the drafter's acceptance (`speculative` in --json).
+    #[command(flatten)]
+    pub spec: crate::common::SpecArgs,
     /// Write the records as a JSON array to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -311,10 +316,25 @@ pub fn run(a: Args) -> Result<()> {
         names.retain(|&p| p != "full");
         names.insert(0, "full");
     }
-    let specs = names
-        .iter()
-        .map(|p| a.sparse.spec(p, a.context))
-        .collect::<Result<Vec<_>, _>>()?;
+    let spec_opts = a.spec.options()?;
+    let specs = match a
+        .spec
+        .session_policy(&names.join(","), &a.sparse, a.context)?
+    {
+        Some(drafter_policy) => {
+            if a.task != "passkey" {
+                bail!(
+                    "--speculate: eval runs it on --task passkey (the other tasks are teacher-forced or not yet speculative; got --task {})",
+                    a.task
+                );
+            }
+            vec![drafter_policy]
+        }
+        None => names
+            .iter()
+            .map(|p| a.sparse.spec(p, a.context))
+            .collect::<Result<Vec<_>, _>>()?,
+    };
     let device = a.model.device();
     if device == slowfast_engine::Device::Cuda && !matches!(a.task.as_str(), "nll" | "passkey") {
         bail!(
@@ -448,7 +468,27 @@ pub fn run(a: Args) -> Result<()> {
                     None
                 }
             };
-            recs = eval_passkey_on(device, &m, hay, &pk, &specs, &mut progress)?;
+            recs = eval_passkey_spec(
+                device,
+                &m,
+                hay,
+                &pk,
+                &specs,
+                spec_opts.as_ref(),
+                &mut progress,
+            )?;
+            for r in &recs {
+                if let Metrics::Passkey(PasskeyMetrics {
+                    speculative: Some(s),
+                    ..
+                }) = &r.metrics
+                {
+                    eprintln!(
+                        "speculate {} (γ {}): acceptance {:.3}, {:.2} tokens a verification",
+                        s.drafter, s.spec_tokens, s.acceptance_rate, s.tokens_per_verification
+                    );
+                }
+            }
         }
         "ruler" => {
             recs = eval_ruler(&m, text.as_deref(), &ruler, &specs, &mut progress)?;

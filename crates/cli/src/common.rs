@@ -218,7 +218,9 @@ pub struct SpecArgs {
     /// the whole KV verifies them. Drafters: sfi (SFI's fast path of the same model, with
     /// --kv-budget and the --sfi-* knobs; verifications are its slow steps), streaming
     /// (StreamingLLM KV of the same model, --kv-budget), ngram (prompt lookup, no model),
-    /// model (a smaller model with the same vocabulary, --draft-model). CPU only so far.
+    /// model (a smaller model with the same vocabulary, --draft-model). On --device cpu and
+    /// cuda (cuda: the drafter's steps replay the decode graph, a verification is one
+    /// multi-row dense pass).
     #[arg(long, value_parser = ["sfi", "streaming", "ngram", "model"])]
     pub speculate: Option<String>,
     /// Tokens drafted per verification: a count (1-32), `adaptive` (chosen each round from the
