@@ -155,3 +155,78 @@ fn every_drafter_gives_full_kv_greedy_tokens_at_8k() {
         }
     }
 }
+
+/// `eval --task passkey --speculate`: the answers are full KV's, token for token (the question
+/// fed as decode steps enters through verification passes), for a self-drafter and prompt
+/// lookup, and the records carry the drafters' counters.
+#[test]
+fn passkey_answers_under_speculation_are_full_kvs() {
+    use slowfast_engine::eval::passkey::{eval_passkey_spec, PasskeyOptions};
+    use slowfast_engine::eval::Metrics;
+    use slowfast_engine::Device;
+    let Some((m, prompt)) = load() else { return };
+    let o = PasskeyOptions {
+        context: 2048,
+        kv: KvDtype::F16,
+        chunk: 512,
+        trials: 3,
+        needles: 1,
+        distractors: 2,
+        depths: vec![0.2, 0.5, 0.8],
+        seed: 3,
+        answer_tokens: 8,
+        question_in_prefill: false,
+    };
+    let hay = Some(prompt);
+    let answers = |recs: &[slowfast_engine::eval::EvalRecord]| match &recs[0].metrics {
+        Metrics::Passkey(p) => (
+            p.answers
+                .iter()
+                .map(|a| a.answer.clone())
+                .collect::<Vec<_>>(),
+            p.speculative.clone(),
+        ),
+        _ => unreachable!("a passkey record"),
+    };
+    let full = eval_passkey_spec(
+        Device::Cpu,
+        &m,
+        hay.clone(),
+        &o,
+        &[PolicySpec::Full],
+        None,
+        &mut |_| {},
+    )
+    .unwrap();
+    let (want, none) = answers(&full);
+    assert!(none.is_none());
+    let streaming = policy_spec("streaming", Some(0.2), 4, o.context).unwrap();
+    for (drafter, policy) in [
+        (DraftKind::Ngram, PolicySpec::Full),
+        (DraftKind::Streaming, streaming),
+    ] {
+        let so = SpecOptions {
+            drafter,
+            tokens: SpecTokens::Fixed(4),
+            ..SpecOptions::default()
+        };
+        let recs = eval_passkey_spec(
+            Device::Cpu,
+            &m,
+            hay.clone(),
+            &o,
+            &[policy],
+            Some(&so),
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(recs[0].policy, "full");
+        let (got, report) = answers(&recs);
+        assert_eq!(got, want, "{drafter:?}: answers differ from full KV's");
+        let r = report.expect("a speculative report");
+        assert!(
+            r.stats.verifications > 0 && r.stats.drafted > 0,
+            "{drafter:?}: {r:?}"
+        );
+    }
+}

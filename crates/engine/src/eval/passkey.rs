@@ -341,6 +341,10 @@ pub struct PasskeyMetrics {
     pub question: String,
     pub per_depth: Vec<DepthAccuracy>,
     pub answers: Vec<PasskeyAnswer>,
+    /// With `eval --speculate`: the drafter's counters over every answer (the answers are
+    /// full KV's, verified).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<crate::spec::SpecReport>,
 }
 
 /// Answer a trial in a prefilled session: feed the rest of the prompt as decode steps, then
@@ -361,6 +365,42 @@ fn answer(
         next = argmax(sess.step(next)?);
         out.push(next);
     }
+    Ok(m.tokenizer.decode(&out))
+}
+
+/// [`answer`] through speculative decoding: the question enters the cache through dense
+/// verification passes (no draft: exact for every drafter), then `opts`' drafter proposes and
+/// dense passes verify the answer's tokens, which are therefore full KV's greedy answer.
+fn answer_spec(
+    m: &Loaded,
+    sess: &mut dyn crate::spec::SpecSession,
+    tokens: &[u32],
+    split: usize,
+    o: &PasskeyOptions,
+    opts: &crate::spec::SpecOptions,
+    stats: &mut crate::spec::SpecStats,
+) -> Result<String, EngineError> {
+    use crate::sampler::{Sampler, SamplerConfig};
+    let vocab = m.model.cfg.vocab_size;
+    let mut last = sess.logits().to_vec();
+    let target = sess.target();
+    for part in tokens[split..].chunks(target.verify_rows_max().max(1)) {
+        let n = target.pos();
+        let l = target.verify(part)?;
+        last = l[(part.len() - 1) * vocab..part.len() * vocab].to_vec();
+        target.end_verify(part, n + part.len(), true)?;
+    }
+    let greedy = SamplerConfig::greedy();
+    let mut sampler = Sampler::new(greedy.clone(), vocab)?;
+    tokens.iter().for_each(|&t| sampler.accept(t));
+    let mut spec = crate::spec::Speculator::new(target, tokens, opts.clone(), None, o.kv, &greedy)?;
+    let mut out = vec![sampler.sample_and_accept(&last)?];
+    while out.len() < o.answer_tokens {
+        let t0 = *out.last().expect("one token");
+        out.extend(spec.round(target, t0, &mut sampler, o.answer_tokens - out.len())?);
+    }
+    out.truncate(o.answer_tokens);
+    stats.add(spec.stats());
     Ok(m.tokenizer.decode(&out))
 }
 
@@ -417,7 +457,29 @@ pub fn eval_passkey_on(
     policies: &[PolicySpec],
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<EvalRecord>, EngineError> {
+    eval_passkey_spec(device, m, haystack, o, policies, None, progress)
+}
+
+/// [`eval_passkey_on`], with `spec`: every answer through speculative decoding (`eval
+/// --speculate`), each of `policies` being a drafter's session policy (the drafter's own, or
+/// full KV for `ngram`); the records carry the acceptance counters.
+pub fn eval_passkey_spec(
+    device: Device,
+    m: &Loaded,
+    haystack: Option<Vec<u32>>,
+    o: &PasskeyOptions,
+    policies: &[PolicySpec],
+    spec: Option<&crate::spec::SpecOptions>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<EvalRecord>, EngineError> {
     o.validate()?;
+    if spec.is_some_and(|s| s.drafter == crate::spec::DraftKind::Model) {
+        return Err(EngineError::BadInput(
+            "eval --speculate: the model drafter is for generate and serve (sfi, streaming, ngram here)".into(),
+        ));
+    }
+    let mut spec_stats = vec![crate::spec::SpecStats::default(); policies.len()];
+    let mut spec_answers: Vec<Option<(String, f64)>> = vec![None; policies.len()];
     check_model_context(m, o.context + o.answer_tokens)?;
     let gen = PasskeyGen::new(&m.tokenizer, haystack)?;
     let mut answers: Vec<Vec<PasskeyAnswer>> = vec![Vec::new(); policies.len()];
@@ -433,12 +495,38 @@ pub fn eval_passkey_on(
             t.question_start
         };
         let cap = o.context + o.answer_tokens;
-        let sessions = prefilled_on(device, m, cap, o, policies, &t.tokens[..split], progress)?;
+        let sessions: Vec<(Box<dyn Steps + '_>, f64)> = match spec {
+            None => prefilled_on(device, m, cap, o, policies, &t.tokens[..split], progress)?,
+            Some(so) => {
+                let mut v = Vec::new();
+                for (pi, p) in policies.iter().enumerate() {
+                    // Room for the last round's drafts past the answer.
+                    let cap = cap + crate::spec::MAX_SPEC_TOKENS + 1;
+                    let mut sess =
+                        crate::spec::spec_session(device, &m.model, cap, o.kv, o.chunk, p)?;
+                    let pf = super::prefill_reporting(&mut *sess, &t.tokens[..split], progress)?;
+                    kv_after_prefill[pi] = sess.kv_bytes();
+                    let t1 = Instant::now();
+                    let text =
+                        answer_spec(m, &mut *sess, &t.tokens, split, o, so, &mut spec_stats[pi])?;
+                    spec_answers[pi] = Some((text, t1.elapsed().as_secs_f64()));
+                    v.push((sess as Box<dyn Steps + '_>, pf));
+                }
+                v
+            }
+        };
         for (pi, ((mut sess, pf), p)) in sessions.into_iter().zip(policies).enumerate() {
-            kv_after_prefill[pi] = sess.kv_bytes();
+            if spec.is_none() {
+                kv_after_prefill[pi] = sess.kv_bytes();
+            }
             let t1 = Instant::now();
-            let text = answer(m, &mut *sess, &t.tokens[split..], o)?;
-            let dec = t1.elapsed().as_secs_f64();
+            let (text, dec) = match spec_answers[pi].take() {
+                Some(done) => done,
+                None => {
+                    let text = answer(m, &mut *sess, &t.tokens[split..], o)?;
+                    (text, t1.elapsed().as_secs_f64())
+                }
+            };
             let got = parse_answer(&text).unwrap_or("").to_string();
             let correct = got == t.answer;
             progress(&format!(
@@ -494,11 +582,12 @@ pub fn eval_passkey_on(
         let stats = &stats[pi];
         recs.push(EvalRecord {
             task: "passkey".into(),
-            policy: p.name().into(),
+            // Speculative answers are full KV's (the session's policy only drafts).
+            policy: if spec.is_some() { "full" } else { p.name() }.into(),
             model: m.name.clone(),
             context: o.context,
             eval_tokens: o.answer_tokens,
-            kv_budget: p.budget(),
+            kv_budget: if spec.is_some() { None } else { p.budget() },
             metrics: Metrics::Passkey(PasskeyMetrics {
                 accuracy: correct as f64 / a.len() as f64,
                 correct,
@@ -514,6 +603,7 @@ pub fn eval_passkey_on(
                 .into(),
                 per_depth,
                 answers: a,
+                speculative: spec.map(|so| crate::spec::SpecReport::new(so, &spec_stats[pi])),
             }),
             retained_fraction: stats.retained_fraction(),
             slow_steps: stats.slow_steps,
