@@ -53,6 +53,15 @@ for p in $phases; do
           done
         done
       done
+      # passkey prompts (eval --speculate: the answers are full KV's; the acceptance is the point)
+      for d in sfi streaming ngram; do
+        for g in 2 4 8; do
+          $B/slowfast eval --device cuda -m $M --task passkey -i $B/texts/austen_emma.txt --context 8192 \
+            --passkey-trials 10 --seed 1 --policies full --speculate $d --spec-tokens $g --kv-budget 0.2 \
+            --passkey-answer-tokens 16 --json "$OUT/pk-spec-$d-$g.json" > "$OUT/pk-spec-$d-$g.md" 2> "$OUT/pk-spec-$d-$g.err" || rc=1
+          grep "speculate" "$OUT/pk-spec-$d-$g.err" | sed "s/^/passkey 8K: /"
+        done
+      done
       python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]
