@@ -6,6 +6,7 @@
 //! evicts the lowest-scored non-recent key (its slot is reused). Sliding layers keep their ring.
 use slowfast_backend::cpu::attention::KvSegment;
 
+use crate::inspect::Held;
 use crate::policy::dense_segments;
 use crate::policy::{AttnCall, KvPolicy, PolicyStats, StepCounter};
 use crate::score::{accumulate_probs, group_sum, keys_per_head, top_k};
@@ -173,6 +174,33 @@ impl<T: CacheElem> KvPolicy<T> for H2oPolicy {
 
     fn stats(&self) -> PolicyStats {
         self.stats.clone()
+    }
+
+    /// Once the layer is over budget and compacted: the heavy hitters (selected) and the
+    /// `recent` newest keys; before that everything, kept.
+    fn held(&self, layer: usize, store: &KvStore<T>) -> Vec<Held> {
+        let len = store.len();
+        let recent_from = len.saturating_sub(self.recent);
+        (0..store.n_kv_heads)
+            .map(|h| {
+                let pos = store.slot_positions(layer, h);
+                if !store.layer(layer).is_compact() {
+                    return Held::kept_slots(&pos);
+                }
+                let heavy: Vec<u32> = pos
+                    .iter()
+                    .copied()
+                    .filter(|&p| (p as usize) < recent_from)
+                    .collect();
+                let recent = pos
+                    .iter()
+                    .map(|&p| p as usize)
+                    .filter(|&p| p >= recent_from)
+                    .min()
+                    .map_or(len..len, |first| first..len);
+                Held::with_roles(0..0, &heavy, recent)
+            })
+            .collect()
     }
 }
 

@@ -3,6 +3,7 @@
 //! and sliding-window layers keep their window.
 use slowfast_backend::cpu::attention::KvSegment;
 
+use crate::inspect::Held;
 use crate::policy::{push_range, reset_out, AttnCall, KvPolicy, PolicyStats, StepCounter};
 use crate::store::{CacheElem, KvStore};
 
@@ -73,6 +74,18 @@ impl<T: CacheElem> KvPolicy<T> for StreamingPolicy {
 
     fn stats(&self) -> PolicyStats {
         self.stats.clone()
+    }
+
+    /// The sinks and the recent window a decode step at position `len` reads (everything
+    /// while the sequence is not longer than the budget).
+    fn held(&self, _layer: usize, store: &KvStore<T>) -> Vec<Held> {
+        let len = store.len();
+        let held = if len < self.sinks + self.recent {
+            Held::kept_range(0..len)
+        } else {
+            Held::with_roles(0..self.sinks, &[], (len + 1 - self.recent)..len)
+        };
+        vec![held; store.n_kv_heads]
     }
 
     /// StreamingLLM keeps no state besides its counters: drafting needs no undo.
