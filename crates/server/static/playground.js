@@ -335,12 +335,13 @@ function renderTimeline() {
 function passkeyExample() {
   const key = String(10000 + Math.floor(Math.random() * 90000));
   const filler = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
-  const before = filler.repeat(70);
-  const after = filler.repeat(70);
+  const before = filler.repeat(45);
+  const after = filler.repeat(45);
   $("prompt").value = before + ` The pass key is ${key}. Remember it. ${key} is the pass key.` + after +
     "\n\nWhat is the pass key? The pass key is";
   $("max-tokens").value = "8";
   $("temperature").value = "0";
+  $("budget").value = "400";
   document.querySelector('input[name="mode"][value="complete"]').checked = true;
   onMode();
 }
