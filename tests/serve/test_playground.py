@@ -205,3 +205,53 @@ def test_memory_highlight_marks_the_pass_key_sfi_kept_and_streaming_lost(page):
     assert pg.locator("#tokens span.t.recent").count() > 0
     shoot(pg, "playground-streaming.png", cells[0]["pos"])
     print(f"pass key {key}: SFI kept and answered it, StreamingLLM lost it ({time.monotonic() - t0:.1f} s)")
+
+
+def test_chat_mode_keeps_the_conversation(page):
+    pg = page
+    pg.check('input[name="mode"][value="chat"]')
+    pg.click("#clear")
+    pick_policy(pg, "sfi", "300")
+    pg.fill("#prompt", "Name a colour.")
+    pg.fill("#max-tokens", "8")
+    body = send(pg, "/v1/chat/completions")
+    assert body["messages"] == [{"role": "user", "content": "Name a colour."}]
+    assert body["kv_policy"] == {"name": "sfi", "kv_budget": 300}
+    msgs = pg.locator("#chat-log .msg")
+    assert msgs.count() == 2
+    assert pg.text_content("#chat-log .msg.user") == "Name a colour."
+    # The memory view shows the rendered chat prompt (template markup included).
+    assert pg.locator("#tokens span.t").count() > int(pg.text_content("#s-prompt")) - 1
+    pg.check('input[name="mode"][value="complete"]')
+
+
+def test_timeline_marks_slow_steps_and_why(page):
+    """SFI over ~900 tokens of prose with a 300-token budget and a refresh at least every 24
+    steps: the timeline marks each slow step with its reason, as the inspection logged it."""
+    from conftest import prose_words
+
+    pg = page
+    pg.fill("#prompt", " ".join(prose_words()))
+    pg.fill("#max-tokens", "72")
+    pick_policy(pg, "sfi", "300")
+    pg.fill("#sfi-interval", "24")
+    body = send(pg)
+    pg.fill("#sfi-interval", "")
+    assert body["kv_policy"] == {"name": "sfi", "kv_budget": 300, "sfi_refresh_interval": 24}
+    slow = int(pg.text_content("#s-slow"))
+    marks = pg.eval_on_selector_all("#timeline .step.slow", "els => els.map(e => e.dataset.reason)")
+    assert slow >= 2 and len(marks) == slow, (slow, marks)
+    assert set(marks) <= {"sentence", "interval"}, marks
+    assert pg.locator("#timeline .step.fast").count() == int(pg.text_content("#s-fast"))
+    # One global layer, then a sliding-window layer (it holds the model's window only).
+    layers = pg.eval_on_selector_all("#layer-pick option", "os => os.map(o => [o.value, o.textContent])")
+    glob = next(v for v, t in layers if v.isdigit() and "sliding" not in t)
+    sliding = next((v for v, t in layers if "sliding" in t), None)
+    pg.select_option("#layer-pick", glob)
+    assert pg.locator("#tokens span.t.selected").count() > 0
+    if sliding is not None:
+        pg.select_option("#layer-pick", sliding)
+        assert pg.locator("#tokens span.t.selected").count() == 0
+        assert pg.locator("#tokens span.t.recent").count() > 0
+    pg.select_option("#layer-pick", glob)
+    shoot(pg, "playground-timeline.png")

@@ -61,7 +61,11 @@ impl Held {
             .filter(|&p| !sinks.contains(&(p as usize)) && !recent.contains(&(p as usize)))
             .collect();
         Held {
-            sinks: if sinks.is_empty() { vec![] } else { vec![run(sinks)] },
+            sinks: if sinks.is_empty() {
+                vec![]
+            } else {
+                vec![run(sinks)]
+            },
             selected: runs_of(&sel),
             recent: if recent.is_empty() {
                 vec![]
@@ -241,7 +245,11 @@ mod tests {
         assert_eq!(l.steps()[1].position, 20);
         l.truncate(15);
         assert_eq!(l.steps().len(), 1);
-        assert_eq!(l.total(), 1, "the steps past the cap were after the cut too");
+        assert_eq!(
+            l.total(),
+            1,
+            "the steps past the cap were after the cut too"
+        );
         let j = serde_json::to_string(&l.steps()[0]).unwrap();
         assert_eq!(j, r#"{"position":10,"reason":"sentence"}"#);
     }

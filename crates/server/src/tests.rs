@@ -177,7 +177,12 @@ async fn an_inspected_request_can_be_fetched_by_its_id() {
     let app = app();
     let body = r#"{"prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 4, "temperature": 0, "ignore_eos": true, "inspect": true}"#;
     let (status, _, bytes) = call(&app, "POST", "/v1/completions", body).await;
-    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&bytes));
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&bytes)
+    );
     let resp: Value = serde_json::from_slice(&bytes).unwrap();
     let id = resp["id"].as_str().unwrap();
     let (status, ctype, bytes) = call(&app, "GET", &format!("/v1/inspect/{id}"), "").await;
@@ -219,7 +224,11 @@ async fn the_playground_and_its_assets_are_served() {
     let app = app();
     for (path, ctype, needle) in [
         ("/", "text/html; charset=utf-8", "/playground.js"),
-        ("/playground.js", "text/javascript; charset=utf-8", "/v1/inspect/"),
+        (
+            "/playground.js",
+            "text/javascript; charset=utf-8",
+            "/v1/inspect/",
+        ),
         ("/playground.css", "text/css; charset=utf-8", ".t.selected"),
     ] {
         let (status, got, bytes) = call(&app, "GET", path, "").await;
@@ -262,7 +271,15 @@ fn an_inspection_record_is_bounded() {
         inspection: None,
     };
     let prompt = vec![5u32; 10_000];
-    let r = inspect::record("cmpl-1", "m", &loaded.tokenizer, &prompt, &[6; 201], &f, &ins);
+    let r = inspect::record(
+        "cmpl-1",
+        "m",
+        &loaded.tokenizer,
+        &prompt,
+        &[6; 201],
+        &f,
+        &ins,
+    );
     assert_eq!(r["truncated"], true);
     let mut runs = 0;
     for l in r["layers"].as_array().unwrap() {

@@ -474,9 +474,7 @@ fn inspection_reports_what_each_policy_holds_at_the_end() {
     assert_eq!(ins.slow_steps_total, f.stats.slow_steps);
     assert_eq!(slow.len(), f.stats.slow_steps);
     assert!(!slow.is_empty());
-    assert!(slow
-        .windows(2)
-        .all(|w| w[0].position < w[1].position));
+    assert!(slow.windows(2).all(|w| w[0].position < w[1].position));
     assert!(slow
         .iter()
         .all(|s| (n..len).contains(&(s.position as usize))));

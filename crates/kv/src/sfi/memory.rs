@@ -701,8 +701,14 @@ mod tests {
         p.observe(&AttnCall::decode(0, len - 1), 1, &logits, &st);
         let held = KvPolicy::<f32>::held(&p, 0, &st);
         assert_eq!(held[0].sinks, vec![[0, 3]]);
-        assert_eq!(held[0].selected, vec![[10, 11], [40, 42], [90, 91], [150, 151]]);
-        assert_eq!(held[1].selected, vec![[20, 21], [60, 62], [110, 111], [130, 131]]);
+        assert_eq!(
+            held[0].selected,
+            vec![[10, 11], [40, 42], [90, 91], [150, 151]]
+        );
+        assert_eq!(
+            held[1].selected,
+            vec![[20, 21], [60, 62], [110, 111], [130, 131]]
+        );
         for h in &held {
             assert_eq!(h.recent, vec![[160, 200]]);
             assert!(h.kept.is_empty());
