@@ -57,25 +57,37 @@ def playground_server():
 
 
 @pytest.fixture(scope="module")
-def page(playground_server):
+def browser():
     _need(sync_playwright is not None, "playwright is not installed (pip install playwright)")
     _need(CHROMIUM is not None, "no chromium on PATH (apt-get install chromium) and $CHROMIUM unset")
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                     args=["--no-sandbox", "--disable-gpu"])
-        ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
-        pg = ctx.new_page()
-        errors: list[str] = []
-        pg.on("pageerror", lambda e: errors.append(str(e)))
-        # Only this server: the page must load nothing from elsewhere.
-        foreign: list[str] = []
-        pg.on("request", lambda r: None if r.url.startswith(playground_server.url) else foreign.append(r.url))
-        pg.goto(playground_server.url + "/")
-        pg.wait_for_function(f"document.getElementById('model').textContent.includes({MODEL!r})")
-        yield pg
-        assert not errors, f"JavaScript errors: {errors}"
-        assert not foreign, f"requests to other origins: {foreign}"
-        browser.close()
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                               args=["--no-sandbox", "--disable-gpu"])
+        yield b
+        b.close()
+
+
+def open_page(browser, server):
+    """A fresh page on `server`'s playground; (page, JavaScript errors, foreign requests)."""
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    pg = ctx.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    # Only this server: the page must load nothing from elsewhere.
+    foreign: list[str] = []
+    pg.on("request", lambda r: None if r.url.startswith(server.url) else foreign.append(r.url))
+    pg.goto(server.url + "/")
+    return pg, errors, foreign
+
+
+@pytest.fixture(scope="module")
+def page(browser, playground_server):
+    pg, errors, foreign = open_page(browser, playground_server)
+    pg.wait_for_function(f"document.getElementById('model').textContent.includes({MODEL!r})")
+    yield pg
+    assert not errors, f"JavaScript errors: {errors}"
+    assert not foreign, f"requests to other origins: {foreign}"
+    pg.context.close()
 
 
 def send(pg, endpoint: str = "/v1/completions") -> dict:
@@ -255,3 +267,28 @@ def test_timeline_marks_slow_steps_and_why(page):
         assert pg.locator("#tokens span.t.recent").count() > 0
     pg.select_option("#layer-pick", glob)
     shoot(pg, "playground-timeline.png")
+
+
+def test_api_key_is_asked_for_and_sent(browser):
+    """A server with --api-key: the page is public, asks for the key, then sends it."""
+    key = "playground-key-42"
+    s = Server("playground-auth", ["--api-key", key, "--max-context", "256", "--max-batch", "1"]).start()
+    try:
+        pg, errors, _ = open_page(browser, s)
+        pg.wait_for_selector("#key-box:not([hidden])")
+        assert "API key needed" in pg.text_content("#model")
+        pg.fill("#api-key", key)
+        pg.dispatch_event("#api-key", "change")
+        pg.wait_for_function(f"document.getElementById('model').textContent.includes({MODEL!r})")
+        pg.fill("#prompt", "Hello")
+        pg.fill("#max-tokens", "3")
+        with pg.expect_request(lambda r: r.url.endswith("/v1/completions")) as req:
+            pg.click("#send")
+        pg.wait_for_function("document.body.dataset.state === 'idle'", timeout=REQUEST_MS)
+        assert req.value.headers.get("authorization") == f"Bearer {key}"
+        assert pg.text_content("#output").strip()
+        assert int(pg.text_content("#s-gen")) >= 1
+        assert not errors, errors
+        pg.context.close()
+    finally:
+        s.stop()

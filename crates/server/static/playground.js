@@ -15,7 +15,10 @@ function headers() {
   if (key) h.Authorization = "Bearer " + key;
   return h;
 }
-$("api-key").addEventListener("change", () => localStorage.setItem("slowfast-key", $("api-key").value));
+$("api-key").addEventListener("change", () => {
+  localStorage.setItem("slowfast-key", $("api-key").value);
+  loadModel();
+});
 
 async function loadModel() {
   const r = await fetch("/v1/models", { headers: headers() });
@@ -25,6 +28,7 @@ async function loadModel() {
     return;
   }
   const j = await r.json();
+  $("key-box").hidden = !$("api-key").value;
   const m = j.data[0];
   $("model").textContent = `model: ${m.id} · context ${m.max_model_len} tokens`;
 }
@@ -110,6 +114,7 @@ async function send() {
   try {
     const r = await fetch(url, { method: "POST", headers: headers(), body: JSON.stringify(body), signal: ctrl.signal });
     if (!r.ok) {
+      if (r.status === 401) $("key-box").hidden = false;
       const j = await r.json().catch(() => ({}));
       throw new Error(`${r.status}: ${(j.error && j.error.message) || r.statusText}`);
     }
