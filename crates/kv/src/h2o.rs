@@ -272,6 +272,12 @@ mod tests {
         assert_eq!(kept, vec![3, 8, 9, 10]);
         assert_eq!(st.held(0, 0), 4, "budget honoured exactly");
         assert_eq!(p.evicted(), 7);
+        // Inspection: the heavy hitters as selected, the two newest as the recent window.
+        let held = KvPolicy::<f32>::held(&p, 0, &st);
+        assert_eq!(held.len(), nkv);
+        assert_eq!(held[0].selected, vec![[3, 4], [8, 9]]);
+        assert_eq!(held[0].recent, vec![[9, 11]]);
+        assert!(held[0].sinks.is_empty() && held[0].kept.is_empty());
     }
 
     #[test]
@@ -293,6 +299,9 @@ mod tests {
         p.end_prefill(&mut st).unwrap();
         assert!(!st.layer(0).is_compact());
         assert_eq!(st.nbytes(), bytes);
+        // Nothing evicted: the inspection shows everything, kept.
+        let held = KvPolicy::<f32>::held(&p, 0, &st);
+        assert_eq!(held, vec![crate::inspect::Held::kept_range(0..10)]);
         assert!(H2oPolicy::new(3, 0).is_err());
     }
 }

@@ -118,6 +118,32 @@ mod tests {
     }
 
     #[test]
+    fn held_is_the_sinks_and_the_window_of_the_next_step() {
+        let d = 2;
+        let mut st = KvStore::<f32>::new(
+            1,
+            d,
+            &[LayerSpec {
+                capacity: 64,
+                ring: false,
+            }],
+        );
+        let kv = vec![0.0; 40 * d];
+        st.write(0, 0, &kv, &kv).unwrap();
+        st.set_len(40);
+        let p = StreamingPolicy::new(4, 8);
+        // The step at position 40 reads 0..4 and 33..41: 33..40 are held now.
+        let held = KvPolicy::<f32>::held(&p, 0, &st);
+        assert_eq!(held[0].sinks, vec![[0, 4]]);
+        assert_eq!(held[0].recent, vec![[33, 40]]);
+        assert!(held[0].selected.is_empty() && held[0].kept.is_empty());
+        // Within the budget: everything.
+        st.truncate(11);
+        let held = KvPolicy::<f32>::held(&StreamingPolicy::new(4, 8), 0, &st);
+        assert_eq!(held, vec![Held::kept_range(0..11)]);
+    }
+
+    #[test]
     fn decode_keeps_sinks_and_recent_and_counts_them() {
         let d = 2;
         let mut st = KvStore::<f32>::new(
