@@ -591,14 +591,24 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
                     .into_iter()
                     .filter(|&p| !recent.contains(&(p as usize)))
                     .collect();
+                // The window is read in place: on a compacted layer (FastKV's propagated
+                // tokens) only the positions the layer holds.
+                let recent = if store.layer(layer).is_compact() {
+                    let held: Vec<u32> = store
+                        .slot_positions(layer, h)
+                        .into_iter()
+                        .filter(|&p| recent.contains(&(p as usize)))
+                        .collect();
+                    runs_of(&held)
+                } else if recent.is_empty() {
+                    vec![]
+                } else {
+                    vec![[recent.start as u32, recent.end as u32]]
+                };
                 Held {
                     sinks: runs_of(&sinks),
                     selected: runs_of(&selected),
-                    recent: if recent.is_empty() {
-                        vec![]
-                    } else {
-                        vec![[recent.start as u32, recent.end as u32]]
-                    },
+                    recent,
                     kept: vec![],
                 }
             })
@@ -826,6 +836,17 @@ mod tests {
             };
             let held: Vec<u32> = pos.iter().copied().filter(|&q| q >= 256).collect();
             assert_eq!(r, &held[..]);
+        }
+        // Inspection: the window is the held positions from 256 (every third one), the
+        // selected keys are at their positions.
+        drop(out);
+        let insp = KvPolicy::<f32>::held(&p, 0, &st);
+        for (h, ins) in insp.iter().enumerate() {
+            let window: Vec<u32> = pos.iter().copied().filter(|&q| q >= 256).collect();
+            assert_eq!(ins.recent, crate::inspect::runs_of(&window));
+            let sel: Vec<u32> = peak_slots[h].iter().map(|&j| pos[j]).collect();
+            assert_eq!(ins.selected, crate::inspect::runs_of(&sel));
+            assert_eq!(ins.sinks, vec![[0, 3]]);
         }
         // Holding no more than the budget: dense.
         let mut q = SfiPolicy::<f32>::new(SfiConfig::new(3, 32, 80), &[], &[], 100).unwrap();
