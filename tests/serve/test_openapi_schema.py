@@ -81,13 +81,46 @@ def check(spec):
 
 def test_the_description_lists_every_path(spec):
     assert set(spec["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models",
-                                  "/health", "/metrics", "/openapi.json"}
+                                  "/health", "/metrics", "/openapi.json", "/v1/inspect/{id}",
+                                  "/", "/playground.js", "/playground.css"}
 
 
 def test_get_endpoints_match(server, check):
     for path in ("/health", "/v1/models", "/openapi.json"):
         check.response("GET", path, server.get(path))
     assert check.response("GET", "/metrics", server.get("/metrics")) == "text/plain"
+    for path, ctype in (("/", "text/html"), ("/playground.js", "text/javascript"),
+                        ("/playground.css", "text/css")):
+        assert check.response("GET", path, server.get(path)) == ctype
+
+
+@pytest.mark.parametrize("policy", [{"name": "sfi", "kv_budget": 300}, {"name": "streaming", "kv_budget": 64},
+                                    {"name": "h2o", "kv_budget": 64}, {"name": "snapkv", "kv_budget": 64},
+                                    {"name": "full"}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_inspections_match(server, check, policy, stream):
+    from conftest import prose
+    body = {"prompt": prose(400), "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "inspect": True, "kv_policy": policy, "stream": stream}
+    r = server.post("/v1/completions", body, stream=stream)
+    assert r.status_code == 200, r.text[:300]
+    rid = sse_events(r)[0]["id"] if stream else r.json()["id"]
+    ins = server.get(f"/v1/inspect/{rid}")
+    check.response("GET", "/v1/inspect/{id}", ins)
+    j = ins.json()
+    assert j["id"] == rid and j["policy"] == policy["name"]
+    assert j["positions"] == j["prompt_tokens"] + 24 - 1 == len(j["tokens"])
+    assert (j["slow_steps"] is not None) == (policy["name"] == "sfi")
+    global_layers = [l for l in j["layers"] if not l["sliding"]]
+    assert global_layers
+    for l in global_layers:
+        for h in l["heads"]:
+            held = sum(b - a for role in ("sinks", "selected", "recent", "kept") for a, b in h[role])
+            if policy["name"] == "full":
+                assert h["kept"] == [[0, j["positions"]]]
+            else:
+                assert held <= policy["kv_budget"] + 24 + 16, (policy, held)  # SFI: the window grows to the next refresh
+    check.response("GET", "/v1/inspect/{id}", server.get("/v1/inspect/cmpl-none"))
 
 
 COMPLETIONS = [

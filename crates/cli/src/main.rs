@@ -34,14 +34,16 @@ enum Cmd {
     /// Generate text from a prompt, streaming it to stdout.
     Generate(cmd_generate::Args),
     /// Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
-    /// /v1/chat/completions, /v1/models, /health, /metrics) with continuous batching.
+    /// /v1/chat/completions, /v1/models, /health, /metrics) with continuous batching, and a
+    /// playground page at / (chat, per-request KV policy, what the policy's memory held).
     ///
     /// Requests join the running batch at step boundaries; long prompts are prefilled in
     /// chunks between decode steps; a client that disconnects cancels its request. Each
     /// request may pick its KV policy with the extension field
     /// `"kv_policy": {"name": "sfi", "kv_budget": 2048}` (also sinks, sfi_recent,
-    /// sfi_refresh_interval, sfi_min_gap, sfi_trigger); `ignore_eos` and
-    /// `return_token_ids` are extensions too. See docs/serving.md.
+    /// sfi_refresh_interval, sfi_min_gap, sfi_trigger); `ignore_eos`, `return_token_ids`
+    /// and `inspect` (what the KV policy held at the end, per layer and kv head, and its slow
+    /// steps, at GET /v1/inspect/{id}) are extensions too. See docs/serving.md.
     Serve(cmd_serve::Args),
     /// Measure quality under KV policies: NLL, greedy agreement, passkey retrieval, support stability.
     Eval(cmd_eval::Args),

@@ -137,6 +137,7 @@ fn alone(m: &Loaded, reqs: &[(Vec<u32>, usize)], policy: &PolicySpec) -> Vec<Out
                 completion_tokens: g.generated_tokens,
                 policy: g.policy,
                 stats: g.policy_stats,
+                inspection: None,
             };
             (g.tokens, Some(fin), None)
         })

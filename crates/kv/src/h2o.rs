@@ -6,6 +6,7 @@
 //! evicts the lowest-scored non-recent key (its slot is reused). Sliding layers keep their ring.
 use slowfast_backend::cpu::attention::KvSegment;
 
+use crate::inspect::Held;
 use crate::policy::dense_segments;
 use crate::policy::{AttnCall, KvPolicy, PolicyStats, StepCounter};
 use crate::score::{accumulate_probs, group_sum, keys_per_head, top_k};
@@ -174,6 +175,33 @@ impl<T: CacheElem> KvPolicy<T> for H2oPolicy {
     fn stats(&self) -> PolicyStats {
         self.stats.clone()
     }
+
+    /// Once the layer is over budget and compacted: the heavy hitters (selected) and the
+    /// `recent` newest keys; before that everything, kept.
+    fn held(&self, layer: usize, store: &KvStore<T>) -> Vec<Held> {
+        let len = store.len();
+        let recent_from = len.saturating_sub(self.recent);
+        (0..store.n_kv_heads)
+            .map(|h| {
+                let pos = store.slot_positions(layer, h);
+                if !store.layer(layer).is_compact() {
+                    return Held::kept_slots(&pos);
+                }
+                let heavy: Vec<u32> = pos
+                    .iter()
+                    .copied()
+                    .filter(|&p| (p as usize) < recent_from)
+                    .collect();
+                let recent = pos
+                    .iter()
+                    .map(|&p| p as usize)
+                    .filter(|&p| p >= recent_from)
+                    .min()
+                    .map_or(len..len, |first| first..len);
+                Held::with_roles(0..0, &heavy, recent)
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -244,6 +272,12 @@ mod tests {
         assert_eq!(kept, vec![3, 8, 9, 10]);
         assert_eq!(st.held(0, 0), 4, "budget honoured exactly");
         assert_eq!(p.evicted(), 7);
+        // Inspection: the heavy hitters as selected, the two newest as the recent window.
+        let held = KvPolicy::<f32>::held(&p, 0, &st);
+        assert_eq!(held.len(), nkv);
+        assert_eq!(held[0].selected, vec![[3, 4], [8, 9]]);
+        assert_eq!(held[0].recent, vec![[9, 11]]);
+        assert!(held[0].sinks.is_empty() && held[0].kept.is_empty());
     }
 
     #[test]
@@ -265,6 +299,9 @@ mod tests {
         p.end_prefill(&mut st).unwrap();
         assert!(!st.layer(0).is_compact());
         assert_eq!(st.nbytes(), bytes);
+        // Nothing evicted: the inspection shows everything, kept.
+        let held = KvPolicy::<f32>::held(&p, 0, &st);
+        assert_eq!(held, vec![crate::inspect::Held::kept_range(0..10)]);
         assert!(H2oPolicy::new(3, 0).is_err());
     }
 }

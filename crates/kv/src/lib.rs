@@ -1,6 +1,7 @@
 //! slowfast-kv: the KV store (preallocated, written in place, compactable per kv head) and, on
 //! top of it, the KV policies that decide what each step attends to and what is kept.
 pub mod h2o;
+pub mod inspect;
 pub mod oracle;
 pub mod policy;
 pub mod probe;
@@ -13,6 +14,7 @@ pub mod store;
 pub mod streaming;
 
 pub use h2o::H2oPolicy;
+pub use inspect::{Held, SlowLog, SlowReason, SlowStep};
 pub use oracle::{OracleConfig, OraclePolicy};
 pub use policy::{AttnCall, FullPolicy, KvPolicy, PolicyStats, StepCounter};
 pub use quest::QuestPolicy;

@@ -5,6 +5,7 @@ use std::ops::Range;
 
 use slowfast_backend::cpu::attention::KvSegment;
 
+use crate::inspect::{Held, SlowLog};
 use crate::store::{CacheElem, KvError, KvStore};
 
 /// Counters every policy reports (for `generate --json`, eval and bench).
@@ -174,6 +175,22 @@ pub trait KvPolicy<T: CacheElem>: Send {
     }
 
     fn stats(&self) -> PolicyStats;
+
+    /// Inspection (read only): per kv head, the positions of global layer `layer` that the
+    /// policy holds now, by role: what its next decode step reads besides the token that step
+    /// adds. The default is every position the store holds for the layer, with no role (full
+    /// KV, and what a one-shot compressor kept).
+    fn held(&self, layer: usize, store: &KvStore<T>) -> Vec<Held> {
+        (0..store.n_kv_heads)
+            .map(|h| Held::kept_slots(&store.slot_positions(layer, h)))
+            .collect()
+    }
+
+    /// Inspection: the log of this sequence's slow steps and their reasons, for policies
+    /// that alternate slow and fast steps (SFI); None for the others.
+    fn slow_log(&self) -> Option<&SlowLog> {
+        None
+    }
 
     /// Speculative decoding with this policy as the drafter (its sparse decode steps propose
     /// tokens; a dense multi-row forward through it verifies them). Draft steps are about to

@@ -3,6 +3,7 @@
 //! and sliding-window layers keep their window.
 use slowfast_backend::cpu::attention::KvSegment;
 
+use crate::inspect::Held;
 use crate::policy::{push_range, reset_out, AttnCall, KvPolicy, PolicyStats, StepCounter};
 use crate::store::{CacheElem, KvStore};
 
@@ -75,6 +76,18 @@ impl<T: CacheElem> KvPolicy<T> for StreamingPolicy {
         self.stats.clone()
     }
 
+    /// The sinks and the recent window a decode step at position `len` reads (everything
+    /// while the sequence is not longer than the budget).
+    fn held(&self, _layer: usize, store: &KvStore<T>) -> Vec<Held> {
+        let len = store.len();
+        let held = if len < self.sinks + self.recent {
+            Held::kept_range(0..len)
+        } else {
+            Held::with_roles(0..self.sinks, &[], (len + 1 - self.recent)..len)
+        };
+        vec![held; store.n_kv_heads]
+    }
+
     /// StreamingLLM keeps no state besides its counters: drafting needs no undo.
     fn begin_draft(&mut self) -> Result<(), String> {
         Ok(())
@@ -102,6 +115,32 @@ mod tests {
                 KvPositions::List(_) => panic!("ranges expected"),
             })
             .collect()
+    }
+
+    #[test]
+    fn held_is_the_sinks_and_the_window_of_the_next_step() {
+        let d = 2;
+        let mut st = KvStore::<f32>::new(
+            1,
+            d,
+            &[LayerSpec {
+                capacity: 64,
+                ring: false,
+            }],
+        );
+        let kv = vec![0.0; 40 * d];
+        st.write(0, 0, &kv, &kv).unwrap();
+        st.set_len(40);
+        let p = StreamingPolicy::new(4, 8);
+        // The step at position 40 reads 0..4 and 33..41: 33..40 are held now.
+        let held = KvPolicy::<f32>::held(&p, 0, &st);
+        assert_eq!(held[0].sinks, vec![[0, 4]]);
+        assert_eq!(held[0].recent, vec![[33, 40]]);
+        assert!(held[0].selected.is_empty() && held[0].kept.is_empty());
+        // Within the budget: everything.
+        st.truncate(11);
+        let held = KvPolicy::<f32>::held(&StreamingPolicy::new(4, 8), 0, &st);
+        assert_eq!(held, vec![Held::kept_range(0..11)]);
     }
 
     #[test]

@@ -134,6 +134,9 @@ pub struct Body {
     pub ignore_eos: bool,
     #[serde(default)]
     pub return_token_ids: bool,
+    /// Keep an inspection of the KV at the end (`GET /v1/inspect/{id}`).
+    #[serde(default)]
+    pub inspect: bool,
 }
 
 /// A struct read from a JSON object only. serde's derive also reads a struct from an array of
@@ -598,6 +601,7 @@ pub fn check(body: Body, ep: Endpoint, lim: &Limits) -> Result<(Request, Shape),
             policy,
             logprobs,
             speculate,
+            inspect: body.inspect,
         },
         shape,
     ))

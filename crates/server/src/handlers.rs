@@ -67,7 +67,7 @@ pub async fn models(State(s): St, headers: HeaderMap) -> Response {
 pub async fn not_found() -> ApiError {
     ApiError::status(
         StatusCode::NOT_FOUND,
-        "no such endpoint (POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /metrics, /openapi.json)",
+        "no such endpoint (POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/inspect/{id}, /health, /metrics, /openapi.json, the playground at /)",
         "not_found",
     )
 }
@@ -143,7 +143,7 @@ async fn read_body(s: &AppState, headers: &HeaderMap, body: Body) -> Result<Byte
     Ok(bytes)
 }
 
-fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+pub(crate) fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &s.cfg.api_key else {
         return Ok(());
     };
@@ -232,6 +232,18 @@ async fn handle(
         };
         api::check(body, ep, &lim)
     });
+    let prepared = prepared.and_then(|(req, shape)| {
+        if req.inspect && s.cfg.device != "cpu" {
+            return Err(ApiError::bad(
+                "inspect",
+                format!(
+                    "inspect: the KV inspection runs on the CPU only (this server runs on {})",
+                    s.cfg.device
+                ),
+            ));
+        }
+        Ok((req, shape))
+    });
     let (req, shape) = match prepared {
         Ok(x) => x,
         Err(e) => {
@@ -239,6 +251,7 @@ async fn handle(
             return e.into_response();
         }
     };
+    let inspect_prompt = req.inspect.then(|| req.prompt.clone());
     let prompt_tokens = req.prompt.len();
     let (tx, rx) = unbounded_channel();
     if let Err(e) = s.sched.submit(req, Box::new(ChannelSink(tx))) {
@@ -264,6 +277,7 @@ async fn handle(
             .unwrap_or(0),
         model: s.cfg.served_model_name.clone(),
         shape,
+        inspect_prompt,
     };
     let tracker = Tracker {
         state: s.clone(),
@@ -290,6 +304,25 @@ struct Meta {
     created: u64,
     model: String,
     shape: Shape,
+    /// The prompt's tokens, kept when the request asked for an inspection.
+    inspect_prompt: Option<Vec<u32>>,
+}
+
+/// Keeps the inspection of a finished request (before its last chunk or its response goes
+/// out, so a client that reads the end can fetch it at once).
+fn keep_inspection(s: &AppState, meta: &Meta, generated: &[u32], f: &Finish) {
+    if let (Some(prompt), Some(ins)) = (&meta.inspect_prompt, &f.inspection) {
+        let rec = crate::inspect::record(
+            &meta.id,
+            &meta.model,
+            &s.loaded.tokenizer,
+            prompt,
+            generated,
+            f,
+            ins,
+        );
+        s.inspections.put(meta.id.clone(), rec);
+    }
 }
 
 /// Collects the events of a non-streaming request into one response.
@@ -308,6 +341,8 @@ async fn whole(
             }
             Some(Event::Done(f)) => {
                 tracker.outcome = Some(Outcome::Ok);
+                let ids: Vec<u32> = toks.iter().map(|t| t.id).collect();
+                keep_inspection(&s, &meta, &ids, &f);
                 let text: String = toks
                     .iter()
                     .map(|t| t.text.as_str())
@@ -451,6 +486,8 @@ struct Streaming {
     meta: Meta,
     sent_role: bool,
     done: bool,
+    /// The ids generated so far (kept for an inspection only).
+    generated: Vec<u32>,
 }
 
 impl Streaming {
@@ -518,11 +555,15 @@ impl Streaming {
             }
         }
         self.tracker.tokens(toks.len());
+        if self.meta.inspect_prompt.is_some() {
+            self.generated.extend(toks.iter().map(|t| t.id));
+        }
         let text: String = toks.iter().map(|t| t.text.as_str()).collect();
         let mut out = Vec::new();
         match end {
             None => out.push(self.chunk(text, &toks, None)),
             Some(Some(Event::Done(f))) => {
+                keep_inspection(&self.s, &self.meta, &self.generated, &f);
                 let text = text + &f.text;
                 out.push(self.chunk(text, &toks, Some(&f)));
                 if self.meta.shape.include_usage {
@@ -580,6 +621,7 @@ fn sse_stream(
         meta,
         sent_role: false,
         done: false,
+        generated: Vec::new(),
     };
     stream::unfold(st, |mut st| async move { st.next().await.map(|v| (v, st)) })
         .flat_map(|v| stream::iter(v.into_iter().map(Ok)))

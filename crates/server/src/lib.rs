@@ -4,7 +4,9 @@
 pub mod api;
 pub mod error;
 mod handlers;
+pub mod inspect;
 pub mod metrics;
+mod playground;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -60,6 +62,8 @@ pub(crate) struct AppState {
     pub created: u64,
     pub next_id: std::sync::atomic::AtomicU64,
     pub end_of_turn: Vec<u32>,
+    /// The inspections of the last requests that asked for one.
+    pub inspections: inspect::Inspections,
 }
 
 /// The routes over a running scheduler.
@@ -81,6 +85,7 @@ pub fn router(
             .unwrap_or(0),
         next_id: std::sync::atomic::AtomicU64::new(1),
         end_of_turn: api::end_of_turn_ids(&loaded.tokenizer),
+        inspections: inspect::Inspections::default(),
         loaded,
     });
     routes()
@@ -103,6 +108,10 @@ fn routes() -> Vec<(Method, &'static str, MethodRouter<Arc<AppState>>)> {
         (Method::GET, "/v1/models", get(handlers::models)),
         (Method::POST, "/v1/completions", post(handlers::completions)),
         (Method::POST, "/v1/chat/completions", post(handlers::chat)),
+        (Method::GET, "/v1/inspect/{id}", get(inspect::get)),
+        (Method::GET, "/", get(playground::index)),
+        (Method::GET, "/playground.js", get(playground::script)),
+        (Method::GET, "/playground.css", get(playground::style)),
     ]
 }
 
@@ -125,7 +134,7 @@ pub fn run(
         })?;
         let bound: SocketAddr = listener.local_addr()?;
         eprintln!(
-            "slowfast serve: `{}` on {}, up to {} sequences of {} tokens; listening on http://{bound}",
+            "slowfast serve: `{}` on {}, up to {} sequences of {} tokens; listening on http://{bound} (playground: http://{bound}/)",
             cfg.served_model_name, cfg.device, cfg.max_batch, cfg.max_context
         );
         let header_timeout = cfg.header_read_timeout;

@@ -171,3 +171,127 @@ async fn every_route_is_served_by_its_handler() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(String::from_utf8_lossy(&bytes).contains("/openapi.json"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inspected_request_can_be_fetched_by_its_id() {
+    let app = app();
+    let body = r#"{"prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 4, "temperature": 0, "ignore_eos": true, "inspect": true}"#;
+    let (status, _, bytes) = call(&app, "POST", "/v1/completions", body).await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&bytes)
+    );
+    let resp: Value = serde_json::from_slice(&bytes).unwrap();
+    let id = resp["id"].as_str().unwrap();
+    let (status, ctype, bytes) = call(&app, "GET", &format!("/v1/inspect/{id}"), "").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(ctype, "application/json");
+    let ins: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(ins["id"], id);
+    assert_eq!(ins["object"], "slowfast.inspection");
+    assert_eq!(ins["policy"], "full");
+    // 6 prompt tokens and 3 of the 4 generated ones were fed.
+    assert_eq!(ins["positions"], 9);
+    assert_eq!(ins["tokens"].as_array().unwrap().len(), 9);
+    let layers = ins["layers"].as_array().unwrap();
+    assert!(!layers.is_empty());
+    for l in layers {
+        for h in l["heads"].as_array().unwrap() {
+            assert_eq!(h["kept"], serde_json::json!([[0, 9]]));
+            assert_eq!(h["sinks"], serde_json::json!([]));
+        }
+    }
+    assert!(ins["slow_steps"].is_null());
+    assert_eq!(ins["truncated"], false);
+    // A request that did not ask has no record; nor has an unknown id.
+    let plain = r#"{"prompt": [5, 6, 7], "max_tokens": 2}"#;
+    let (_, _, bytes) = call(&app, "POST", "/v1/completions", plain).await;
+    let id2 = serde_json::from_slice::<Value>(&bytes).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for path in [format!("/v1/inspect/{id2}"), "/v1/inspect/nope".into()] {
+        let (status, _, bytes) = call(&app, "GET", &path, "").await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{path}");
+        assert!(String::from_utf8_lossy(&bytes).contains("\\\"inspect\\\": true"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_playground_and_its_assets_are_served() {
+    let app = app();
+    for (path, ctype, needle) in [
+        ("/", "text/html; charset=utf-8", "/playground.js"),
+        (
+            "/playground.js",
+            "text/javascript; charset=utf-8",
+            "/v1/inspect/",
+        ),
+        ("/playground.css", "text/css; charset=utf-8", ".t.selected"),
+    ] {
+        let (status, got, bytes) = call(&app, "GET", path, "").await;
+        assert_eq!((status, got.as_str()), (StatusCode::OK, ctype), "{path}");
+        assert!(String::from_utf8_lossy(&bytes).contains(needle), "{path}");
+    }
+    // Nothing the page loads comes from another origin.
+    let html = String::from_utf8(call(&app, "GET", "/", "").await.2).unwrap();
+    assert!(!html.contains("http://") && !html.contains("https://"));
+}
+
+#[test]
+fn an_inspection_record_is_bounded() {
+    use slowfast_engine::scheduler::{Finish, FinishReason, Inspection, LayerHeld};
+    use slowfast_kv::Held;
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/qwen3");
+    let loaded = slowfast_engine::load(dir.to_str().unwrap(), &mut |_| {}).unwrap();
+    // 4 layers x 8 heads, each with 5,000 one-position selected runs: 160,000 runs.
+    let sel: Vec<u32> = (0..5000).map(|i| 10 + 2 * i).collect();
+    let held = Held::with_roles(0..4, &sel, 10_100..10_200);
+    let ins = Inspection {
+        positions: 10_200,
+        layers: (0..4)
+            .map(|l| LayerHeld {
+                layer: l,
+                sliding: false,
+                heads: vec![held.clone(); 8],
+            })
+            .collect(),
+        slow_steps: None,
+        slow_steps_total: 0,
+    };
+    let f = Finish {
+        reason: FinishReason::Length,
+        text: String::new(),
+        prompt_tokens: 10_000,
+        completion_tokens: 201,
+        policy: "sfi".into(),
+        stats: Default::default(),
+        inspection: None,
+    };
+    let prompt = vec![5u32; 10_000];
+    let r = inspect::record(
+        "cmpl-1",
+        "m",
+        &loaded.tokenizer,
+        &prompt,
+        &[6; 201],
+        &f,
+        &ins,
+    );
+    assert_eq!(r["truncated"], true);
+    let mut runs = 0;
+    for l in r["layers"].as_array().unwrap() {
+        for h in l["heads"].as_array().unwrap() {
+            // Sinks and the window survive the cut.
+            assert_eq!(h["sinks"], serde_json::json!([[0, 4]]));
+            assert_eq!(h["recent"], serde_json::json!([[10_100, 10_200]]));
+            for role in ["sinks", "selected", "recent", "kept"] {
+                runs += h[role].as_array().unwrap().len();
+            }
+        }
+    }
+    assert!(runs <= inspect::MAX_RUNS, "{runs}");
+    assert_eq!(r["tokens"].as_array().unwrap().len(), 10_200);
+}

@@ -5,9 +5,9 @@
 use slowfast_kv::PolicyStats;
 use slowfast_model::{Model, Scratch};
 
-use super::BatchDevice;
+use super::{BatchDevice, Inspection};
 use crate::sampler::{Sampler, SamplerConfig};
-use crate::session::{KvDtype, PolicySpec, Session};
+use crate::session::{Cache, KvDtype, PolicySpec, Session};
 use crate::spec::{SpecOptions, SpecStats, Speculator};
 use crate::EngineError;
 
@@ -144,5 +144,12 @@ impl<'m> BatchDevice for CpuDevice<'m> {
 
     fn spec_stats(&self, seq: &CpuSeq<'m>) -> Option<SpecStats> {
         seq.spec.as_ref().map(|s| s.stats().clone())
+    }
+
+    fn inspect(&self, seq: &CpuSeq<'m>) -> Option<Inspection> {
+        Some(match &seq.sess.cache {
+            Cache::F32(store, policy) => Inspection::of(self.model, store, policy.as_ref()),
+            Cache::F16(store, policy) => Inspection::of(self.model, store, policy.as_ref()),
+        })
     }
 }

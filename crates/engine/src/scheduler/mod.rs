@@ -11,6 +11,7 @@ mod channel;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod inspect;
 mod sequence;
 
 use std::collections::VecDeque;
@@ -27,6 +28,7 @@ use crate::spec::{SpecOptions, SpecStats};
 use crate::{Device, EngineError, KvDtype, Loaded};
 pub use channel::{collect, ChannelSink, Outcome};
 pub use cpu::kv_bytes_for;
+pub use inspect::{Inspection, LayerHeld};
 use sequence::Sequence;
 
 /// One generation request, tokenized and validated by the caller.
@@ -50,6 +52,8 @@ pub struct Request {
     /// instead of a row of the batched step. `policy` is then the drafter's (sfi, streaming)
     /// or full KV.
     pub speculate: Option<SpecOptions>,
+    /// Attach an [`Inspection`] of the sequence's KV to its `Finish` (CPU only).
+    pub inspect: bool,
 }
 
 impl Request {
@@ -66,6 +70,7 @@ impl Request {
             policy,
             logprobs: None,
             speculate: None,
+            inspect: false,
         }
     }
 }
@@ -108,6 +113,9 @@ pub struct Finish {
     pub completion_tokens: usize,
     pub policy: String,
     pub stats: PolicyStats,
+    /// What the policy held at the end and its slow steps, when the request asked for it
+    /// (`Request::inspect`) and the device can tell (the CPU).
+    pub inspection: Option<Box<Inspection>>,
 }
 
 /// What the scheduler tells a request's owner.
@@ -284,6 +292,11 @@ pub(crate) trait BatchDevice {
     }
     /// The sequence's speculative counters (None without a drafter).
     fn spec_stats(&self, _seq: &Self::Seq) -> Option<SpecStats> {
+        None
+    }
+    /// What the sequence's policy holds now, layer by layer, and its slow steps (None where
+    /// the device cannot tell).
+    fn inspect(&self, _seq: &Self::Seq) -> Option<Inspection> {
         None
     }
 }
@@ -580,12 +593,20 @@ fn run<D: BatchDevice>(
     }
 }
 
-/// Removes the finished sequences (keeping the others' order) and frees their KV.
+/// Removes the finished sequences (keeping the others' order), sends each its `Done` (with
+/// the inspection of its KV when asked, taken before the KV goes) and frees their KV.
 fn retire<D: BatchDevice>(dev: &mut D, running: &mut Vec<Sequence<D::Seq>>) {
     let mut i = 0;
     while i < running.len() {
         if running[i].st.finished {
-            dev.close(running.remove(i).seq);
+            let mut s = running.remove(i);
+            if let Some(mut f) = s.st.done.take() {
+                if s.st.inspect {
+                    f.inspection = dev.inspect(&s.seq).map(Box::new);
+                }
+                s.st.sink.send(Event::Done(f));
+            }
+            dev.close(s.seq);
         } else {
             i += 1;
         }

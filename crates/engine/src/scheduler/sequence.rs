@@ -43,6 +43,10 @@ pub(super) struct SeqState {
     max_new: usize,
     generated: usize,
     pub finished: bool,
+    /// The end, sent when the sequence retires (after its inspection, if asked for).
+    pub done: Option<Finish>,
+    /// Attach an inspection of the KV to `done`.
+    pub inspect: bool,
     /// Decoded by speculative rounds (`BatchDevice::spec_round`), not the batched step.
     speculative: bool,
 }
@@ -140,6 +144,8 @@ impl<S> Sequence<S> {
             max_new,
             generated: 0,
             finished: false,
+            done: None,
+            inspect: req.inspect,
             speculative: req.speculate.is_some(),
             prompt: req.prompt,
         };
@@ -245,14 +251,15 @@ impl SeqState {
         }
         self.finished = true;
         let (policy, stats) = info;
-        self.sink.send(Event::Done(Finish {
+        self.done = Some(Finish {
             reason,
             text,
             prompt_tokens: self.prompt.len(),
             completion_tokens: self.generated,
             policy: policy.to_owned(),
             stats,
-        }));
+            inspection: None,
+        });
     }
 
     pub fn fail(&mut self, msg: &str) {

@@ -420,3 +420,78 @@ fn a_panicking_step_fails_its_requests_and_the_scheduler_goes_on() {
     drop(handle);
     t.join().unwrap();
 }
+
+#[test]
+fn inspection_reports_what_each_policy_holds_at_the_end() {
+    let m = loaded();
+    let (h, _t) = spawn(m.clone(), cfg(4, 16)).unwrap();
+    let (tx, rx) = channel();
+    let (n, max_tokens) = (120usize, 20usize);
+    let knobs = crate::session::SfiKnobs {
+        recent: 8,
+        min_gap: 2,
+        refresh_interval: 6,
+        ..Default::default()
+    };
+    let policies = ["sfi", "streaming", "full", "sfi"];
+    for (i, p) in policies.iter().enumerate() {
+        let budget = (*p != "full").then_some(24.0);
+        let spec = crate::session::policy_spec_with(p, budget, 2, n + max_tokens, &knobs)
+            .unwrap()
+            .with_vocab(&m.tokenizer);
+        let mut req = request(tokens(n, 3), max_tokens, spec);
+        req.inspect = i < 3; // the last one does not ask
+        let (sink, _) = ChannelSink::new(i, &tx);
+        h.submit(req, sink).unwrap();
+    }
+    let got = collect(&rx, policies.len());
+    let fin = |i: usize| got[i].1.as_ref().unwrap();
+    // Every position fed: the prompt and the generated tokens but the last.
+    let len = n + max_tokens - 1;
+    let layers = m.model.cfg.num_hidden_layers;
+
+    let f = fin(0);
+    let ins = f.inspection.as_ref().expect("asked for");
+    assert_eq!(ins.positions, len);
+    assert_eq!(ins.layers.len(), layers);
+    for l in &ins.layers {
+        assert_eq!(l.heads.len(), m.model.cfg.num_key_value_heads);
+        for hd in &l.heads {
+            assert_eq!(hd.sinks, vec![[0, 2]], "layer {}", l.layer);
+            let [[r0, r1]] = hd.recent[..] else {
+                panic!("one recent run: {hd:?}")
+            };
+            // The window starts at a page boundary at most `recent` back from a refresh.
+            assert_eq!((r1 as usize, r0 % 16), (len, 0));
+            assert!(len - (r0 as usize) < 8 + 16 + 6 + 16, "{r0}");
+            let sel: usize = hd.selected.iter().map(|r| (r[1] - r[0]) as usize).sum();
+            assert!(sel > 0 && sel <= 14, "selected {sel}");
+            assert!(hd.selected.iter().all(|r| r[0] >= 2 && r[1] <= r0));
+            assert!(hd.kept.is_empty());
+        }
+    }
+    let slow = ins.slow_steps.as_ref().expect("SFI logs its slow steps");
+    assert_eq!(ins.slow_steps_total, f.stats.slow_steps);
+    assert_eq!(slow.len(), f.stats.slow_steps);
+    assert!(!slow.is_empty());
+    assert!(slow.windows(2).all(|w| w[0].position < w[1].position));
+    assert!(slow
+        .iter()
+        .all(|s| (n..len).contains(&(s.position as usize))));
+
+    let ins = fin(1).inspection.as_ref().expect("asked for");
+    for l in &ins.layers {
+        for hd in &l.heads {
+            assert_eq!(hd.sinks, vec![[0, 2]]);
+            assert_eq!(hd.recent, vec![[(len + 1 - 22) as u32, len as u32]]);
+            assert!(hd.selected.is_empty() && hd.kept.is_empty());
+        }
+    }
+    assert!(ins.slow_steps.is_none());
+
+    let ins = fin(2).inspection.as_ref().expect("asked for");
+    for l in &ins.layers {
+        assert_eq!(l.heads[0], slowfast_kv::Held::kept_range(0..len));
+    }
+    assert!(fin(3).inspection.is_none());
+}

@@ -6,7 +6,8 @@ use slowfast_backend::cpu::attention::{
 };
 
 use super::selector::{select_into, Selection, SelectorConfig, SelectorInput, SelectorScratch};
-use super::trigger::{Trigger, TriggerConfig, TriggerError};
+use super::trigger::{Trigger, TriggerConfig, TriggerError, TriggerStats};
+use crate::inspect::{runs_of, Held, SlowLog, SlowReason};
 use crate::policy::{push_range, reset_out, AttnCall, KvPolicy, PolicyStats, StepCounter};
 use crate::store::{CacheElem, KvError, KvStore};
 
@@ -102,6 +103,23 @@ pub struct SfiPolicy<T> {
     verifying: Option<usize>,
     vq: Vec<Option<Vec<f32>>>,
     scale: f32,
+    /// Why the trigger made this decode step slow (set with `slow_now`).
+    reason: Option<SlowReason>,
+    /// The slow steps so far (inspection).
+    log: SlowLog,
+}
+
+/// Which trigger counter moved between two readings: the reason of the step that fired.
+fn trigger_reason(before: &TriggerStats, after: &TriggerStats) -> SlowReason {
+    if after.sentence > before.sentence {
+        SlowReason::Sentence
+    } else if after.interval > before.interval {
+        SlowReason::Interval
+    } else if after.periodic > before.periodic {
+        SlowReason::Periodic
+    } else {
+        SlowReason::Random
+    }
 }
 
 impl<T: CacheElem> SfiPolicy<T> {
@@ -132,6 +150,8 @@ impl<T: CacheElem> SfiPolicy<T> {
             verifying: None,
             vq: Vec::new(),
             scale: 1.0,
+            reason: None,
+            log: SlowLog::default(),
         })
     }
 
@@ -419,9 +439,18 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
         Ok(())
     }
 
-    fn end_forward(&mut self, _pos0: usize, n: usize) {
+    fn end_forward(&mut self, pos0: usize, n: usize) {
         if n == 1 {
+            let slow = self.stats.slow_steps;
             self.step.finish_step(&mut self.stats);
+            if self.stats.slow_steps > slow {
+                let reason = match self.reason {
+                    Some(r) if self.slow_now => r,
+                    _ if self.refreshed => SlowReason::Bootstrap,
+                    _ => SlowReason::Short,
+                };
+                self.log.push(pos0, reason);
+            }
         }
         if self.refreshed && !self.slow_now {
             // Bootstrap or a forced refresh: restart the trigger's reuse count.
@@ -432,7 +461,11 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
     }
 
     fn on_token(&mut self, token: u32) {
+        let before = self.trigger.stats();
         self.slow_now = !self.drafting && self.trigger.on_token(token);
+        self.reason = self
+            .slow_now
+            .then(|| trigger_reason(&before, &self.trigger.stats()));
     }
 
     fn begin_draft(&mut self) -> Result<(), String> {
@@ -445,6 +478,7 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
         self.slow_now = false;
         self.refreshed = false;
         self.forget_from(len);
+        self.log.truncate(len);
     }
 
     fn query(&mut self, call: &AttnCall, q: &[f32]) {
@@ -529,11 +563,60 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
         if self.refreshed {
             self.trigger.reset_after_refresh();
             self.refreshed = false;
+            self.log.push(pos0, SlowReason::Verify);
         }
     }
 
     fn stats(&self) -> PolicyStats {
         self.stats.clone()
+    }
+
+    /// A layer with a memory: its sinks and Selector-chosen keys, and the recent window from
+    /// its page-aligned start to the newest position; a layer without one (the sequence is
+    /// within the budget, or the Selector left it dense) holds everything.
+    fn held(&self, layer: usize, store: &KvStore<T>) -> Vec<Held> {
+        let Some(m) = self.mem(layer) else {
+            return (0..store.n_kv_heads)
+                .map(|h| Held::kept_slots(&store.slot_positions(layer, h)))
+                .collect();
+        };
+        let len = store.len();
+        (0..store.n_kv_heads)
+            .map(|h| {
+                let pos = &m.pos[h * m.len..(h + 1) * m.len];
+                let (sinks, selected): (Vec<u32>, Vec<u32>) =
+                    pos.iter().partition(|&&p| (p as usize) < self.cfg.sinks);
+                let recent = m.recent_start.min(len)..len;
+                let selected: Vec<u32> = selected
+                    .into_iter()
+                    .filter(|&p| !recent.contains(&(p as usize)))
+                    .collect();
+                // The window is read in place: on a compacted layer (FastKV's propagated
+                // tokens) only the positions the layer holds.
+                let recent = if store.layer(layer).is_compact() {
+                    let held: Vec<u32> = store
+                        .slot_positions(layer, h)
+                        .into_iter()
+                        .filter(|&p| recent.contains(&(p as usize)))
+                        .collect();
+                    runs_of(&held)
+                } else if recent.is_empty() {
+                    vec![]
+                } else {
+                    vec![[recent.start as u32, recent.end as u32]]
+                };
+                Held {
+                    sinks: runs_of(&sinks),
+                    selected: runs_of(&selected),
+                    recent,
+                    kept: vec![],
+                }
+            })
+            .collect()
+    }
+
+    fn slow_log(&self) -> Option<&SlowLog> {
+        Some(&self.log)
     }
 }
 
@@ -615,6 +698,92 @@ mod tests {
         }
     }
 
+    #[test]
+    fn held_reports_sinks_selected_and_the_recent_window() {
+        let (nkv, g, d, len) = (2, 2, 4, 200);
+        let st = store(nkv, d, len);
+        let mut p = SfiPolicy::<f32>::new(SfiConfig::new(3, 32, 5), &[], &[], 100).unwrap();
+        // Before any refresh the layer is dense: everything, kept.
+        let dense = KvPolicy::<f32>::held(&p, 0, &st);
+        assert_eq!(dense, vec![Held::kept_range(0..len); nkv]);
+        let peaks = [[10usize, 40, 41, 90, 150], [20, 60, 61, 110, 130]];
+        let logits = peaked_logits(g, len, &[&peaks[0], &peaks[1]]);
+        p.observe(&AttnCall::decode(0, len - 1), 1, &logits, &st);
+        let held = KvPolicy::<f32>::held(&p, 0, &st);
+        assert_eq!(held[0].sinks, vec![[0, 3]]);
+        assert_eq!(
+            held[0].selected,
+            vec![[10, 11], [40, 42], [90, 91], [150, 151]]
+        );
+        assert_eq!(
+            held[1].selected,
+            vec![[20, 21], [60, 62], [110, 111], [130, 131]]
+        );
+        for h in &held {
+            assert_eq!(h.recent, vec![[160, 200]]);
+            assert!(h.kept.is_empty());
+        }
+    }
+
+    /// Drive one decode step of a one-layer sequence at position `pos` through the seam the
+    /// way the model does (token, capture, segments, observe, end of forward).
+    fn decode_step(p: &mut SfiPolicy<f32>, st: &KvStore<f32>, pos: usize, token: u32) {
+        KvPolicy::<f32>::on_token(p, token);
+        let call = AttnCall::decode(0, pos);
+        let rows = KvPolicy::<f32>::capture_rows(p, &call);
+        let mut out = Vec::new();
+        KvPolicy::<f32>::segments(p, &call, st, &mut out);
+        drop(out);
+        if rows > 0 {
+            let logits = peaked_logits(2, pos + 1, &[&[10, 40, 90]]);
+            KvPolicy::<f32>::observe(p, &call, rows, &logits, st);
+        }
+        KvPolicy::<f32>::end_forward(p, pos, 1);
+    }
+
+    #[test]
+    fn slow_log_names_each_slow_steps_reason() {
+        let st = store(1, 4, 200);
+        let mut cfg = SfiConfig::new(3, 32, 3);
+        cfg.trigger = TriggerConfig {
+            kind: super::super::trigger::TriggerKind::Periodic,
+            period: 3,
+            ..TriggerConfig::default()
+        };
+        let mut p = SfiPolicy::<f32>::new(cfg, &[], &[], 100).unwrap();
+        // Step 1 builds the memory (no bootstrap ran), steps 3 and 6 are periodic.
+        for (i, pos) in (150..157).enumerate() {
+            decode_step(&mut p, &st, pos, 7 + i as u32);
+        }
+        let log = KvPolicy::<f32>::slow_log(&p).unwrap();
+        let got: Vec<(u32, SlowReason)> =
+            log.steps().iter().map(|s| (s.position, s.reason)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (150, SlowReason::Bootstrap),
+                (152, SlowReason::Periodic),
+                (155, SlowReason::Periodic)
+            ]
+        );
+        let stats = KvPolicy::<f32>::stats(&p);
+        assert_eq!((stats.slow_steps, stats.fast_steps), (3, 4));
+        assert_eq!(log.total(), stats.slow_steps);
+        // A sequence within the budget: every step dense, logged as short.
+        let short = store(1, 4, 30);
+        let mut q = SfiPolicy::<f32>::new(SfiConfig::new(3, 32, 3), &[], &[], 100).unwrap();
+        for pos in 20..23 {
+            decode_step(&mut q, &short, pos, 7);
+        }
+        let reasons: Vec<SlowReason> = KvPolicy::<f32>::slow_log(&q)
+            .unwrap()
+            .steps()
+            .iter()
+            .map(|s| s.reason)
+            .collect();
+        assert_eq!(reasons, vec![SlowReason::Short; 3]);
+    }
+
     /// A compacted layer (FastKV's propagated tokens): slots carry explicit positions. The
     /// memory holds the sinks by position, the positions of the slots the logits point at, and
     /// the recent window starts at a position; a layer holding no more than the budget stays
@@ -667,6 +836,17 @@ mod tests {
             };
             let held: Vec<u32> = pos.iter().copied().filter(|&q| q >= 256).collect();
             assert_eq!(r, &held[..]);
+        }
+        // Inspection: the window is the held positions from 256 (every third one), the
+        // selected keys are at their positions.
+        drop(out);
+        let insp = KvPolicy::<f32>::held(&p, 0, &st);
+        for (h, ins) in insp.iter().enumerate() {
+            let window: Vec<u32> = pos.iter().copied().filter(|&q| q >= 256).collect();
+            assert_eq!(ins.recent, crate::inspect::runs_of(&window));
+            let sel: Vec<u32> = peak_slots[h].iter().map(|&j| pos[j]).collect();
+            assert_eq!(ins.selected, crate::inspect::runs_of(&sel));
+            assert_eq!(ins.sinks, vec![[0, 3]]);
         }
         // Holding no more than the budget: dense.
         let mut q = SfiPolicy::<f32>::new(SfiConfig::new(3, 32, 80), &[], &[], 100).unwrap();
