@@ -105,6 +105,12 @@ pub fn time_drafter(
         }
         dec.set_next(&next).map_err(gpu_err)?;
         dec.resume_decode().map_err(gpu_err)?;
+        if sfi {
+            // A memory built past the prompt was forgotten by the rewind: the bridge step
+            // rebuilds it outside the timing, as the warm-up did for the first γ.
+            dec.decode_step().map_err(gpu_err)?;
+            next = dec.next_tokens().map_err(gpu_err)?;
+        }
         if dec.slot_len(0) + o.rounds * (rows + 1) + rows > dec.capacity() {
             return Err(EngineError::BadInput(format!(
                 "bench --speculate: {} rounds of γ {gamma} do not fit the cache of {} tokens",
