@@ -651,15 +651,8 @@ pub fn bench(
                 PolicySpec::Sfi { cfg, .. } => cfg.trigger.refresh_interval.max(1),
                 _ => 0,
             };
-            for s in 0..o.batch {
-                dec.truncate(s, n).map_err(gpu_err)?;
-            }
-            dec.set_policy(gp).map_err(gpu_err)?;
-            // Every slot restarts from the prompt's first next token.
             let next = crate::sampler::argmax(&first[..cfg.vocab_size]).unwrap_or(0);
-            dec.set_next(&vec![next; o.batch]).map_err(gpu_err)?;
-            dec.begin_decode().map_err(gpu_err)?;
-            dec.decode_step().map_err(gpu_err)?; // warm-up (workspace; SFI: the bridge refresh)
+            restart_slots(&mut dec, n, gp, next)?;
             ctx.synchronize().map_err(gpu_err)?;
             let mut peak = used_gib(&ctx);
             let sparse = gp != GpuKvPolicy::Full;
@@ -837,14 +830,8 @@ pub fn bench(
                         (gpu_policy(&ps)?, interval)
                     }
                 };
-                for s in 0..o.batch {
-                    dec.truncate(s, n).map_err(gpu_err)?;
-                }
-                dec.set_policy(gp).map_err(gpu_err)?;
                 let next = crate::sampler::argmax(&first[..cfg.vocab_size]).unwrap_or(0);
-                dec.set_next(&vec![next; o.batch]).map_err(gpu_err)?;
-                dec.begin_decode().map_err(gpu_err)?;
-                dec.decode_step().map_err(gpu_err)?; // warm-up (SFI: the bridge refresh)
+                restart_slots(&mut dec, n, gp, next)?;
                 let _ = dec.capture_decode();
                 let next = dec.next_tokens().map_err(gpu_err)?;
                 progress(&format!(
@@ -858,6 +845,25 @@ pub fn bench(
         }
     }
     Ok((out, spec_out))
+}
+
+/// Every slot back to the prompt's first `n` tokens under policy `gp`, each restarting from
+/// the prompt's first next token `next`, and one warm-up step (sizes the workspace; SFI: the
+/// bridge step builds the memory).
+fn restart_slots(
+    dec: &mut GpuDecoder,
+    n: usize,
+    gp: GpuKvPolicy,
+    next: u32,
+) -> Result<(), EngineError> {
+    for s in 0..dec.num_slots() {
+        dec.truncate(s, n).map_err(gpu_err)?;
+    }
+    dec.set_policy(gp).map_err(gpu_err)?;
+    dec.set_next(&vec![next; dec.num_slots()])
+        .map_err(gpu_err)?;
+    dec.begin_decode().map_err(gpu_err)?;
+    dec.decode_step().map_err(gpu_err)
 }
 
 /// A markdown table of GPU bench records, with each sparse policy's speedup over full KV at

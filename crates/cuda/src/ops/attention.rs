@@ -232,6 +232,32 @@ impl DecodeIo {
     }
 }
 
+/// The arguments every dense flash-decoding entry starts with: q (or the q/k/v row), caches,
+/// lengths, slots, the partials, head counts, capacity, slots and window.
+fn decode_args(
+    op: &'static str,
+    pq: u64,
+    io: &DecodeIo,
+    (part_o, part_ml): (u64, u64),
+    p: &DecodeAttn,
+    kv: &KvLayout,
+) -> Result<Vec<KArg>, CudaError> {
+    Ok(vec![
+        KArg::P(pq),
+        KArg::P(io.k),
+        KArg::P(io.v),
+        KArg::P(io.lens),
+        KArg::P(io.slots),
+        KArg::P(part_o),
+        KArg::P(part_ml),
+        KArg::U(p.n_heads as u32),
+        KArg::U(kv.kv_heads as u32),
+        KArg::U(kv.capacity as u32),
+        KArg::U(u32_of(op, "num_slots", kv.num_slots)?),
+        KArg::U(p.window.map_or(Ok(0), |w| u32_of(op, "window", w))?),
+    ])
+}
+
 impl CudaContext {
     /// The dense flash-decoding kernel and (splits, chunk) for `p` on layout `kv` on this
     /// device (see [`decode_plan`]).
@@ -417,25 +443,14 @@ impl CudaContext {
         let (part_o, part_ml) = ws.ensure(self, hrows * splits * d, hrows * splits * 2)?;
         let row_groups = (pv.n_heads / kv.kv_heads).div_ceil(16);
         let (logits, flags, lstride) = capture.unwrap_or((0, 0, 0));
-        let args = [
-            KArg::P(pq),
-            KArg::P(io.k),
-            KArg::P(io.v),
-            KArg::P(io.lens),
-            KArg::P(io.slots),
-            KArg::P(part_o),
-            KArg::P(part_ml),
-            KArg::U(p.n_heads as u32),
-            KArg::U(kv.kv_heads as u32),
-            KArg::U(kv.capacity as u32),
-            KArg::U(u32_of(OP, "num_slots", kv.num_slots)?),
-            KArg::U(p.window.map_or(Ok(0), |w| u32_of(OP, "window", w))?),
+        let mut args = decode_args(OP, pq, &io, (part_o, part_ml), p, &kv)?;
+        args.extend([
             KArg::F(p.scale * LOG2E),
             KArg::U(rows_per_seq as u32),
             KArg::P(logits),
             KArg::P(flags),
             KArg::U(u32_of(OP, "lstride", lstride)?),
-        ];
+        ]);
         let grid_y = u32_of(OP, "kv_heads * row groups", kv.kv_heads * row_groups)?;
         self.launch(
             kernel,
@@ -467,19 +482,8 @@ impl CudaContext {
         let (part_o, part_ml) = ws.ensure(self, rows * splits * d, rows * splits * 2)?;
         let smem = attn_smem_bytes(kernel).unwrap_or(0);
         let row_groups = (p.n_heads / kv.kv_heads).div_ceil(16);
-        let mut args = vec![
-            KArg::P(pq),
-            KArg::P(io.k),
-            KArg::P(io.v),
-            KArg::P(io.lens),
-            KArg::P(io.slots),
-            KArg::P(part_o),
-            KArg::P(part_ml),
-            KArg::U(p.n_heads as u32),
-            KArg::U(kv.kv_heads as u32),
-            KArg::U(kv.capacity as u32),
-            KArg::U(u32_of(op, "num_slots", kv.num_slots)?),
-            KArg::U(p.window.map_or(Ok(0), |w| u32_of(op, "window", w))?),
+        let mut args = decode_args(op, pq, &io, (part_o, part_ml), p, &kv)?;
+        args.extend([
             // 0: the kernel splits each sequence's keys evenly itself
             KArg::U(if self.decode_balance() {
                 0
@@ -487,7 +491,7 @@ impl CudaContext {
                 u32_of(op, "chunk", chunk)?
             }),
             KArg::F(p.scale * LOG2E),
-        ];
+        ]);
         args.extend_from_slice(extra);
         let grid_y = u32_of(op, "kv_heads * row groups", kv.kv_heads * row_groups)?;
         self.launch(
