@@ -17,18 +17,8 @@ use slowfast_model::weights::{Bytes, Weight};
 use slowfast_model::{LogitsRows, MatmulPrecision, Model, Scratch};
 use slowfast_quant::GgmlType;
 
-fn gpu(name: &str) -> Option<Arc<CudaContext>> {
-    match CudaContext::new(0) {
-        Ok(c) => Some(Arc::new(c)),
-        Err(e) => {
-            if std::env::var("SLOWFAST_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("{name}: no GPU: {e}");
-            }
-            eprintln!("skipping {name}: {e}");
-            None
-        }
-    }
-}
+mod gpu_common;
+use gpu_common::gpu;
 
 fn fixtures() -> PathBuf {
     if let Ok(p) = std::env::var("SLOWFAST_FIXTURES") {

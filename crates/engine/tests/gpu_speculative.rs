@@ -18,29 +18,12 @@ use slowfast_engine::session::{policy_spec, KvDtype, PolicySpec};
 use slowfast_engine::spec::{DraftKind, SpecOptions, SpecTarget, SpecTokens, Speculator};
 use slowfast_model::Model;
 
-fn gpu(name: &str) -> Option<Arc<CudaContext>> {
-    match CudaContext::new(0) {
-        Ok(c) => Some(Arc::new(c)),
-        Err(e) => {
-            if std::env::var("SLOWFAST_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("{name}: no GPU: {e}");
-            }
-            eprintln!("skipping {name}: {e}");
-            None
-        }
-    }
-}
+mod gpu_common;
+use gpu_common::gpu;
 
+/// The bench's pseudo-random tokens, from a spread-out odd seed.
 fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % vocab as u64) as u32
-        })
-        .collect()
+    slowfast_engine::bench::random_tokens(n, vocab, seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
 }
 
 /// Max |a - b| over a row, over the row's standard deviation.

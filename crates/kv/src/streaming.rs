@@ -117,9 +117,8 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn held_is_the_sinks_and_the_window_of_the_next_step() {
-        let d = 2;
+    /// One layer of capacity 64 holding 40 zero rows of width `d`.
+    fn store_of_40(d: usize) -> KvStore<f32> {
         let mut st = KvStore::<f32>::new(
             1,
             d,
@@ -131,6 +130,13 @@ mod tests {
         let kv = vec![0.0; 40 * d];
         st.write(0, 0, &kv, &kv).unwrap();
         st.set_len(40);
+        st
+    }
+
+    #[test]
+    fn held_is_the_sinks_and_the_window_of_the_next_step() {
+        let d = 2;
+        let mut st = store_of_40(d);
         let p = StreamingPolicy::new(4, 8);
         // The step at position 40 reads 0..4 and 33..41: 33..40 are held now.
         let held = KvPolicy::<f32>::held(&p, 0, &st);
@@ -146,17 +152,7 @@ mod tests {
     #[test]
     fn decode_keeps_sinks_and_recent_and_counts_them() {
         let d = 2;
-        let mut st = KvStore::<f32>::new(
-            1,
-            d,
-            &[LayerSpec {
-                capacity: 64,
-                ring: false,
-            }],
-        );
-        let kv = vec![0.0; 40 * d];
-        st.write(0, 0, &kv, &kv).unwrap();
-        st.set_len(40);
+        let st = store_of_40(d);
         let mut p = StreamingPolicy::new(4, 8);
         {
             let mut out = Vec::new();
