@@ -58,8 +58,12 @@ struct PostArgs {
 // its own length seq_lens[b * rps + r] (the rows' keys and values are in the cache already);
 // the block's keys run from the first row's window start to the last row's length, and each
 // row masks what it may not see. The virtual query group is rps x G heads (row-major: r, then
-// head), cut into the mma's 16-row groups, so every K/V tile is read once for all rows of a
-// 16-row group (G = 4: four rows a group) and the few groups of a block column share it in L2.
+// head), cut into the mma's 16-row groups. A block takes NGB of those groups with 4 warps each
+// (blockDim 128 NGB): the warps of a group split a K/V tile's 64 keys as the decode kernel's do,
+// and all NGB groups read the one tile in shared memory, so each K/V byte leaves DRAM once for
+// up to 16 NGB rows (G = 4, NGB = 3: 12 rows, the target row and 11 drafts). More groups than
+// NGB take further block columns. (One group a block and ceil(rps G / 16) blocks a column read
+// each tile once a group: verification at 5 rows a sequence cost 1.75x a dense step, run 102.)
 // With logits != null, row 0 of a sequence whose capture[slot] is set leaves its scaled scores
 // (log2 units) at logits[slot, head, j], j < its length, for the Selector (SFI's slow step).
 struct VerifyArgs {
@@ -69,7 +73,7 @@ struct VerifyArgs {
     u32 lstride;
 };
 
-template <int D, int STAGES, bool SPARSE, bool POST = false, bool VERIFY = false>
+template <int D, int STAGES, bool SPARSE, bool POST = false, bool VERIFY = false, int NGB = 1>
 __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                  const bf16* __restrict__ v_cache, const u32* __restrict__ seq_lens,
                                                  const u32* __restrict__ slots, float* __restrict__ part_o,
@@ -77,10 +81,11 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
                                                  u32 capacity, u32 num_slots, u32 window, u32 chunk,
                                                  float scale_log2, SparseArgs sp, PostArgs pa = {},
                                                  VerifyArgs va = {1, nullptr, nullptr, 0}) {
+    static_assert(NGB == 1 || (VERIFY && !SPARSE && !POST), "several row groups a block: VERIFY only");
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    constexpr int CH = D / 8, STR = D + 8, DT = D / 8, BK = DEC_BK;
-    bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [16][STR]
-    bf16* ks = qs + 16 * STR;                       // [STAGES][BK][STR]
+    constexpr int CH = D / 8, STR = D + 8, DT = D / 8, BK = DEC_BK, NT = DEC_THREADS * NGB;
+    bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [NGB][16][STR]
+    bf16* ks = qs + NGB * 16 * STR;                 // [STAGES][BK][STR]
     bf16* vs = ks + STAGES * BK * STR;              // [STAGES][BK][STR]
     // The first K/V tiles stream before pdl_wait() (see the prologue below).
 
@@ -91,8 +96,11 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     const int GV = R * G;
     const int row0 = b * R;
     const int row_groups = (GV + 15) / 16;
-    const int kvh = blockIdx.y / row_groups, rg = blockIdx.y % row_groups;
+    const int bcols = (row_groups + NGB - 1) / NGB;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // This warp's row group (of the block's NGB, from rg0) and its quarter of each key tile.
+    const int kvh = blockIdx.y / bcols, rg0 = blockIdx.y % bcols * NGB;
+    const int wg = warp / 4, kw = warp % 4, rg = rg0 + wg;
     const int g = lane >> 2, tig = lane & 3;
     // The q row and head of virtual group row vr (< GV).
     auto vrow = [&](int vr) { return row0 + vr / G; };
@@ -162,8 +170,8 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     if (s_lo >= s_hi) {
         pdl_wait();
         pdl_trigger();
-        for (int r = threadIdx.x; r < 16; r += DEC_THREADS) {
-            const int vr = rg * 16 + r;
+        for (int r = threadIdx.x; r < 16 * NGB; r += NT) {
+            const int vr = rg0 * 16 + r;
             if (vr >= GV) continue;
             const u64 idx = ((u64)vrow(vr) * n_heads + vhead(vr)) * splits + split;
             part_ml[idx * 2] = NEG_INF;
@@ -185,7 +193,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         bf16* kd = ks + (t % STAGES) * BK * STR;
         bf16* vd = vs + (t % STAGES) * BK * STR;
         const int j0 = s_lo + t * BK;
-        for (int idx = threadIdx.x; idx < BK * CH; idx += DEC_THREADS) {
+        for (int idx = threadIdx.x; idx < BK * CH; idx += NT) {
             const int r = idx / CH, c = idx % CH, j = j0 + r;
             const bool ok = j < s_hi;
             const int jj = ok ? j : s_lo;
@@ -268,8 +276,8 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
             }
         }
     } else {
-        for (int idx = threadIdx.x; idx < 16 * CH; idx += DEC_THREADS) {
-            const int r = idx / CH, c = idx % CH, vr = rg * 16 + r;
+        for (int idx = threadIdx.x; idx < NGB * 16 * CH; idx += NT) {
+            const int r = idx / CH, c = idx % CH, vr = rg0 * 16 + r;
             uint4 v = make_uint4(0, 0, 0, 0);
             if (vr < GV) v = *reinterpret_cast<const uint4*>(q + ((u64)vrow(vr) * n_heads + vhead(vr)) * D + c * 8);
             *reinterpret_cast<uint4*>(qs + r * STR + c * 8) = v;
@@ -298,16 +306,16 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
                 __syncthreads();
             }
         }
-        const bf16* kst = ks + (t % STAGES) * BK * STR + warp * 16 * STR;
-        const bf16* vst = vs + (t % STAGES) * BK * STR + warp * 16 * STR;
-        const int jw = s_lo + t * BK + warp * 16;
+        const bf16* kst = ks + (t % STAGES) * BK * STR + kw * 16 * STR;
+        const bf16* vst = vs + (t % STAGES) * BK * STR + kw * 16 * STR;
+        const int jw = s_lo + t * BK + kw * 16;
         if (jw >= s_hi) continue;  // this warp's 16 keys are all past the end
 
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             u32 a[4], bb[4];
-            ldmatrix_x4(a, smem_addr(qs + ((lane & 7) + ((lane >> 3) & 1) * 8) * STR + kk * 16 + (lane >> 4) * 8));
+            ldmatrix_x4(a, smem_addr(qs + (wg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * STR + kk * 16 + (lane >> 4) * 8));
             ldmatrix_x4(bb, smem_addr(kst + ((lane & 7) + (lane >> 4) * 8) * STR + kk * 16 + ((lane >> 3) & 1) * 8));
             mma_16816(s[0], a, bb);
             mma_16816(s[1], a, bb + 2);
@@ -376,14 +384,16 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     cp_async_wait<0>();
     __syncthreads();
 
-    // Merge the four warps' partials (the K/V rings are free now): each warp scales its rows to
-    // the block's max and stores the valid ones (query heads < G) in its own slice
+    // Merge the four warps' partials of each row group (the K/V rings are free now; NGB > 1
+    // needs NGB x 4 slices, which the launch's smem covers): each warp scales its rows to the
+    // group's max and stores the valid ones (query heads < G) in its own slice
     // [16][D + 8] f32, as float2 (row g of the warp lands 8 floats further mod 32 banks: no bank
     // conflicts; one slice for all four warps cost four barriers and 8-way conflicts, run 24's
     // 85 % conflicted shared stores); one barrier, then the slices are summed in warp order.
     constexpr int OSTR = D + 8;
-    float* obuf = reinterpret_cast<float*>(ks);  // [4][16][OSTR]
-    float* mls = obuf + 4 * 16 * OSTR;           // m [4][16], then l [4][16]
+    float* obuf = reinterpret_cast<float*>(ks);  // [NGB][4][16][OSTR]
+    float* mls = obuf + NGB * 4 * 16 * OSTR;     // m [NGB][4][16], then l [NGB][4][16]
+    constexpr int LOFF = NGB * 64;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         l_r[i] += __shfl_xor_sync(0xffffffffu, l_r[i], 1);
@@ -392,8 +402,8 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     if (tig == 0) {
         mls[warp * 16 + g] = m_r[0];
         mls[warp * 16 + g + 8] = m_r[1];
-        mls[64 + warp * 16 + g] = l_r[0];
-        mls[64 + warp * 16 + g + 8] = l_r[1];
+        mls[LOFF + warp * 16 + g] = l_r[0];
+        mls[LOFF + warp * 16 + g + 8] = l_r[1];
     }
     __syncthreads();
     const int nrows = min(16, GV - rg * 16);
@@ -402,7 +412,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     for (int i = 0; i < 2; ++i) {
         const int row = g + 8 * i;
         float M = NEG_INF;
-        for (int w = 0; w < 4; ++w) M = fmaxf(M, mls[w * 16 + row]);
+        for (int w = 0; w < 4; ++w) M = fmaxf(M, mls[(wg * 4 + w) * 16 + row]);
         const float base = M == NEG_INF ? 0.0f : M;
         const float wsc = m_r[i] == NEG_INF ? 0.0f : exp2f(m_r[i] - base);
         if (row < nrows) {
@@ -413,22 +423,23 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         }
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < nrows * D; idx += DEC_THREADS) {
-        const int r = idx / D, d = idx % D, vr = rg * 16 + r;
-        const float* o = obuf + r * OSTR + d;
+    for (int idx = threadIdx.x; idx < NGB * 16 * D; idx += NT) {
+        const int gi = idx / (16 * D), r = idx / D % 16, d = idx % D, vr = (rg0 + gi) * 16 + r;
+        if (vr >= GV) continue;
+        const float* o = obuf + (gi * 64 + r) * OSTR + d;
         part_o[(((u64)vrow(vr) * n_heads + vhead(vr)) * splits + split) * D + d] =
             o[0] + o[16 * OSTR] + o[32 * OSTR] + o[48 * OSTR];
     }
-    if (threadIdx.x < 16) {
-        const int r = threadIdx.x, vr = rg * 16 + r;
+    if (threadIdx.x < 16 * NGB) {
+        const int gi = threadIdx.x / 16, r = threadIdx.x % 16, vr = (rg0 + gi) * 16 + r;
         if (vr < GV) {
             float M = NEG_INF;
-            for (int w = 0; w < 4; ++w) M = fmaxf(M, mls[w * 16 + r]);
+            for (int w = 0; w < 4; ++w) M = fmaxf(M, mls[(gi * 4 + w) * 16 + r]);
             const float base = M == NEG_INF ? 0.0f : M;
             float L = 0.0f;
             for (int w = 0; w < 4; ++w) {
-                const float mw = mls[w * 16 + r];
-                if (mw != NEG_INF) L += mls[64 + w * 16 + r] * exp2f(mw - base);
+                const float mw = mls[(gi * 4 + w) * 16 + r];
+                if (mw != NEG_INF) L += mls[LOFF + (gi * 4 + w) * 16 + r] * exp2f(mw - base);
             }
             const u64 idx = ((u64)vrow(vr) * n_heads + vhead(vr)) * splits + split;
             part_ml[idx * 2] = M;
@@ -510,11 +521,13 @@ SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d64, 64, 4)
 SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d128, 128, 3)
 SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d256, 256, 2)
 
-// Speculative verification (VERIFY above): grid (splits, kv_heads * ceil(rps * G / 16),
-// sequences), the dense kernel's smem and partials for sequences x rps rows (reduce over them);
-// the split is always the device's even one.
-#define VERIFY_ENTRY(NAME, D, STAGES)                                                                    \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS)                                            \
+// Speculative verification (VERIFY above), NGB row groups a block: grid (splits, kv_heads *
+// ceil(ceil(rps * G / 16) / NGB), sequences), block 128 NGB, dynamic smem as
+// verify_smem_bytes on the host says; partials for sequences x rps rows (reduce over them); the
+// split is always the device's even one. NGB is capped by the registers (128 NGB threads) and
+// the merge buffer (NGB <= STAGES keeps it inside the K/V ring).
+#define VERIFY_ENTRY(NAME, D, STAGES, NGB)                                                               \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS * NGB)                                      \
         NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, const u32* seq_lens,               \
              const u32* slots, float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity,    \
              u32 num_slots, u32 window, float scale_log2, u32 rps, float* logits, const u32* capture,    \
@@ -522,13 +535,19 @@ SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d256, 256, 2)
         SparseArgs sp = {};                                                                              \
         PostArgs pa = {};                                                                                \
         VerifyArgs va = {rps, logits, capture, lstride};                                                 \
-        attn_decode_impl<D, STAGES, false, false, true>(q, k_cache, v_cache, seq_lens, slots, part_o,     \
-                                                        part_ml, n_heads, kv_heads, capacity, num_slots,  \
-                                                        window, 0, scale_log2, sp, pa, va);              \
+        attn_decode_impl<D, STAGES, false, false, true, NGB>(q, k_cache, v_cache, seq_lens, slots,        \
+                                                             part_o, part_ml, n_heads, kv_heads,          \
+                                                             capacity, num_slots, window, 0, scale_log2,  \
+                                                             sp, pa, va);                                 \
     }
-VERIFY_ENTRY(attn_verify_d64, 64, 4)
-VERIFY_ENTRY(attn_verify_d128, 128, 3)
-VERIFY_ENTRY(attn_verify_d256, 256, 2)
+VERIFY_ENTRY(attn_verify_d64, 64, 4, 1)
+VERIFY_ENTRY(attn_verify_d64_g2, 64, 4, 2)
+VERIFY_ENTRY(attn_verify_d64_g4, 64, 4, 4)
+VERIFY_ENTRY(attn_verify_d128, 128, 3, 1)
+VERIFY_ENTRY(attn_verify_d128_g2, 128, 3, 2)
+VERIFY_ENTRY(attn_verify_d128_g3, 128, 3, 3)
+VERIFY_ENTRY(attn_verify_d256, 256, 2, 1)
+VERIFY_ENTRY(attn_verify_d256_g2, 256, 2, 2)
 
 // Merges the splits: out [batch, n_heads, D] bf16, lse [batch, n_heads] (natural log) or null.
 // Warp w sums splits w, w + 8, ... with float4 loads; its first RED_U rows are loaded before

@@ -86,6 +86,9 @@ pub struct CudaContext {
     /// (`attn_sparse_decode_post_*`): 0 never, 1 always, 2 in steps of 3+ rows (the default;
     /// `SLOWFAST_SPARSE_POST=0|1`, or [`CudaContext::set_sparse_post`]).
     sparse_post: std::sync::atomic::AtomicU8,
+    /// Blocks a SM of each verification kernel (`VERIFY_VARIANTS`), from the driver's
+    /// occupancy calculator: registers, threads and shared memory together.
+    pub(crate) verify_per_sm: HashMap<&'static str, usize>,
 }
 
 /// Rows up to which `linear` can stream the weights with the GEMV kernel.
@@ -184,14 +187,16 @@ pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
         // 1 KiB to align the swizzled tiles, Q [128][128], then K and V [128][128] a stage
         "attn_prefill_d128_wg" => 1024 + 128 * 256 + 2 * 2 * 128 * 256,
         "attn_prefill_d128_wg3" => 1024 + 128 * 256 + 3 * 2 * 128 * 256,
-        "attn_decode_d64" | "attn_sparse_decode_d64" | "attn_verify_d64" => s(16 + 2 * 4 * 64, 64),
-        "attn_decode_d128" | "attn_sparse_decode_d128" | "attn_verify_d128" => {
-            s(16 + 2 * 3 * 64, 128)
-        }
+        "attn_decode_d64" | "attn_sparse_decode_d64" => s(16 + 2 * 4 * 64, 64),
+        "attn_decode_d128" | "attn_sparse_decode_d128" => s(16 + 2 * 3 * 64, 128),
         "attn_decode_d128_s4" => s(16 + 2 * 4 * 64, 128),
         "attn_decode_d128_s6" => s(16 + 2 * 6 * 64, 128),
-        "attn_decode_d256" | "attn_sparse_decode_d256" | "attn_verify_d256" => {
-            s(16 + 2 * 2 * 64, 256)
+        "attn_decode_d256" | "attn_sparse_decode_d256" => s(16 + 2 * 2 * 64, 256),
+        k if k.starts_with("attn_verify_") => {
+            let v = crate::ops::attention::VERIFY_VARIANTS
+                .iter()
+                .find(|v| v.0 == k)?;
+            crate::ops::attention::verify_smem_bytes(v.1, v.2, v.3) as u32
         }
         // the same rings, then RoPE angles [2][128] f32, a row a warp [4][256] f32, new k, v [2][d]
         "attn_decode_post_d64" => s(16 + 2 * 4 * 64, 64) + POST_SMEM + 4 * 64,
@@ -284,6 +289,14 @@ impl CudaContext {
 
             funcs.insert(k, f);
         }
+        let mut verify_per_sm = HashMap::new();
+        for &(k, d, groups, stages) in crate::ops::attention::VERIFY_VARIANTS {
+            let smem = crate::ops::attention::verify_smem_bytes(d, groups, stages);
+            let n = funcs[k]
+                .occupancy_max_active_blocks_per_multiprocessor((128 * groups) as u32, smem, None)
+                .map_err(drv("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+            verify_per_sm.insert(k, n.max(1) as usize);
+        }
         // The decode stream at the highest priority, the side stream (SFI's asynchronous
         // refresh) at the lowest: when both have blocks waiting, the decode step's go first.
         let (least, greatest) = cudarc::driver::result::stream::get_priority_range()
@@ -368,6 +381,7 @@ impl CudaContext {
             ),
             smem_per_sm,
             smem_reserved,
+            verify_per_sm,
             argmax_scratch,
             wgmma,
             sparse_post: std::sync::atomic::AtomicU8::new(post_mode(

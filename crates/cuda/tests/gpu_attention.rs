@@ -468,14 +468,19 @@ fn verify_matches_reference() {
         return;
     };
     let mut rng = Rng::new(31);
-    // Qwen3-4B's group of 4: 1 row = one 16-row group partly used, 4 rows fill it, 9 need three
+    // Qwen3-4B's group of 4: 1 row = one 16-row group partly used, 4 rows fill it (one group
+    // a block), 5 need two groups (attn_verify_d128_g2), 9 three (_g3: one block reads each
+    // K/V tile for all of them)
     run_verify(&ctx, &mut rng, 128, 32, 8, &[3000, 65, 1], 1, None);
     run_verify(&ctx, &mut rng, 128, 32, 8, &[3000, 65, 1], 4, None);
+    run_verify(&ctx, &mut rng, 128, 32, 8, &[3000, 650, 3], 5, None);
     run_verify(&ctx, &mut rng, 128, 32, 8, &[2900, 700, 64], 9, None);
     run_verify(&ctx, &mut rng, 128, 32, 8, &[2900, 700, 64], 9, Some(512));
-    // Gemma 3 270M: 4 heads, 1 kv head, head dim 256, a 512-key window on most layers
+    // Gemma 3 270M: 4 heads, 1 kv head, head dim 256, a 512-key window on most layers; 7 rows
+    // are two groups (_g2), 9 rows three: two block columns of _g2, the second half idle
     run_verify(&ctx, &mut rng, 256, 4, 1, &[4000, 300], 7, Some(512));
     run_verify(&ctx, &mut rng, 256, 4, 1, &[4000, 300], 3, None);
-    // a group of 16 (rows past one mma group each), head dim 64
+    run_verify(&ctx, &mut rng, 256, 4, 1, &[4000, 300], 9, None);
+    // a group of 16 (rows past one mma group each), head dim 64: 5 groups, two columns of _g4
     run_verify(&ctx, &mut rng, 64, 32, 2, &[1500, 17], 5, None);
 }

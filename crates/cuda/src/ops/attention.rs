@@ -186,6 +186,72 @@ pub(crate) fn decode_plan(
     (k, s, c)
 }
 
+/// Verification kernels (`VERIFY_ENTRY` in kernels/attn_decode.cu): (name, head_dim, 16-row
+/// groups a block, K/V stages).
+pub(crate) const VERIFY_VARIANTS: &[(&str, usize, usize, usize)] = &[
+    ("attn_verify_d64", 64, 1, 4),
+    ("attn_verify_d64_g2", 64, 2, 4),
+    ("attn_verify_d64_g4", 64, 4, 4),
+    ("attn_verify_d128", 128, 1, 3),
+    ("attn_verify_d128_g2", 128, 2, 3),
+    ("attn_verify_d128_g3", 128, 3, 3),
+    ("attn_verify_d256", 256, 1, 2),
+    ("attn_verify_d256_g2", 256, 2, 2),
+];
+
+/// Dynamic shared memory of a verification kernel: its Q rows and K/V ring, or at the end the
+/// merge slices ([groups][4][16][D + 8] f32 and (max, sum) [2][groups][4][16]) where the ring
+/// was, whichever is larger.
+pub(crate) fn verify_smem_bytes(head_dim: usize, groups: usize, stages: usize) -> usize {
+    let str_ = head_dim + 8;
+    let q = groups * 16 * str_ * 2;
+    let ring = 2 * stages * DECODE_BK * str_ * 2;
+    let merge = groups * 64 * str_ * 4 + 2 * groups * 64 * 4;
+    q + ring.max(merge)
+}
+
+/// Verification's kernel for `row_groups` 16-row groups a kv head: (name, groups a block,
+/// block columns a kv head). As few block columns as the widest variant allows, then the
+/// narrowest variant that still covers a column's share, so no group of warps idles needlessly.
+pub(crate) fn verify_kernel(head_dim: usize, row_groups: usize) -> (&'static str, usize, usize) {
+    let d = if matches!(head_dim, 64 | 128) {
+        head_dim
+    } else {
+        256
+    };
+    let variants = || VERIFY_VARIANTS.iter().filter(move |v| v.1 == d);
+    let widest = variants().map(|v| v.2).max().unwrap_or(1);
+    let cols = row_groups.max(1).div_ceil(widest);
+    let want = row_groups.max(1).div_ceil(cols);
+    let v = variants()
+        .filter(|v| v.2 >= want)
+        .min_by_key(|v| v.2)
+        .expect("the widest variant covers want");
+    (v.0, v.2, cols)
+}
+
+/// Splits of a verification launch of `blocks` blocks a split, `per_sm` of which fit a SM at
+/// once, over the `visible` keys (no more splits than 64-key tiles). The verification blocks
+/// are big (one a SM at head_dim 128), so one wave can leave many SMs idle (b6 at 8 kv heads:
+/// 48 blocks a split, 2 splits fill 96 of 132 SMs); so the splits that keep the most SMs busy
+/// over all waves, each wave past the first charged 4 % for its tail, fewest on a tie.
+fn verify_splits(sm_count: usize, per_sm: usize, blocks: usize, visible: usize) -> usize {
+    let resident = (sm_count.max(1) * per_sm.max(1)) as f64;
+    let most = visible.div_ceil(DECODE_BK).clamp(1, 1024);
+    let score = |s: usize| {
+        let total = (blocks.max(1) * s) as f64;
+        let waves = (total / resident).ceil();
+        total / (waves * resident) - 0.04 * (waves - 1.0)
+    };
+    (1..=most).fold(1, |best, s| {
+        if score(s) > score(best) + 1e-9 {
+            s
+        } else {
+            best
+        }
+    })
+}
+
 fn check_decode(op: &'static str, p: &DecodeAttn, kv: &KvLayout) -> Result<(), CudaError> {
     check_heads(op, p.n_heads, kv, p.scale, p.window)?;
     if p.batch == 0 || p.batch > 65535 {
@@ -418,30 +484,25 @@ impl CudaContext {
             rows * p.n_heads * kv.head_dim,
         )?;
         let io = DecodeIo::new(OP, k_cache, v_cache, seq_lens, slots, out, None, &pr, &kv)?;
-        // The plan of a step with rows_per_seq x the query heads a sequence: its row groups.
-        let pv = DecodeAttn {
-            n_heads: p.n_heads * rows_per_seq,
-            max_seq_len: p.max_seq_len + rows_per_seq,
-            ..*p
-        };
-        let kernel = match kv.head_dim {
-            64 => "attn_verify_d64",
-            128 => "attn_verify_d128",
-            _ => "attn_verify_d256",
-        };
-        let splits = {
-            let dev = DecodeDevice {
-                sm_count: self.sm_count() as usize,
-                smem_per_sm: self.smem_per_sm as usize,
-                smem_reserved: self.smem_reserved as usize,
-                stages: 3,
-            };
-            decode_plan(dev, &pv, &kv).1
-        };
+        // rows_per_seq x the query heads a sequence, as 16-row groups of each kv head.
         let d = kv.head_dim;
+        let row_groups = (p.n_heads / kv.kv_heads * rows_per_seq).div_ceil(16);
+        let (kernel, groups, cols) = verify_kernel(d, row_groups);
+        let threads = 128 * groups;
+        let stages = VERIFY_VARIANTS
+            .iter()
+            .find(|v| v.0 == kernel)
+            .map_or(2, |v| v.3);
+        let smem = verify_smem_bytes(d, groups, stages);
+        let visible = (p.max_seq_len + rows_per_seq)
+            .min(kv.capacity)
+            .min(p.window.unwrap_or(usize::MAX))
+            .max(1);
+        let per_sm = self.verify_per_sm.get(kernel).copied().unwrap_or(1);
+        let blocks = p.batch * kv.kv_heads * cols;
+        let splits = verify_splits(self.sm_count() as usize, per_sm, blocks, visible);
         let hrows = rows * p.n_heads;
         let (part_o, part_ml) = ws.ensure(self, hrows * splits * d, hrows * splits * 2)?;
-        let row_groups = (pv.n_heads / kv.kv_heads).div_ceil(16);
         let (logits, flags, lstride) = capture.unwrap_or((0, 0, 0));
         let mut args = decode_args(OP, pq, &io, (part_o, part_ml), p, &kv)?;
         args.extend([
@@ -451,12 +512,12 @@ impl CudaContext {
             KArg::P(flags),
             KArg::U(u32_of(OP, "lstride", lstride)?),
         ]);
-        let grid_y = u32_of(OP, "kv_heads * row groups", kv.kv_heads * row_groups)?;
+        let grid_y = u32_of(OP, "kv_heads * block columns", kv.kv_heads * cols)?;
         self.launch(
             kernel,
             (splits as u32, grid_y, p.batch as u32),
-            (128, 1, 1),
-            attn_smem_bytes(kernel).unwrap_or(0),
+            (threads as u32, 1, 1),
+            smem as u32,
             &args,
         )?;
         self.attn_decode_reduce_raw(part_o, part_ml, io.out, 0, hrows, p.n_heads, splits, d)
@@ -712,6 +773,43 @@ mod tests {
                     assert!(s <= ctx.div_ceil(DECODE_BK).max(1), "{s} splits for {ctx}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn verification_reads_each_tile_once_for_as_many_row_groups_as_a_block_holds() {
+        // Qwen3-4B (G = 4): rows x 4 heads in 16-row groups.
+        let g = |rows: usize| (4 * rows).div_ceil(16);
+        assert_eq!(verify_kernel(128, g(3)), ("attn_verify_d128", 1, 1));
+        assert_eq!(verify_kernel(128, g(5)), ("attn_verify_d128_g2", 2, 1));
+        assert_eq!(verify_kernel(128, g(9)), ("attn_verify_d128_g3", 3, 1));
+        // 4 groups: two columns of two, not a column of three and one of one.
+        assert_eq!(verify_kernel(128, 4), ("attn_verify_d128_g2", 2, 2));
+        assert_eq!(verify_kernel(64, 3), ("attn_verify_d64_g4", 4, 1));
+        assert_eq!(verify_kernel(256, 3), ("attn_verify_d256_g2", 2, 2));
+        // Every variant fits an H200 block (227 KiB) and keeps the decode kernel's ring for one
+        // group (so NGB = 1 launches exactly as before).
+        for &(name, d, groups, stages) in VERIFY_VARIANTS {
+            let smem = verify_smem_bytes(d, groups, stages);
+            assert!(smem <= 232_448, "{name}: {smem} bytes");
+            assert_eq!(attn_smem_bytes(name), Some(smem as u32));
+            if groups == 1 {
+                assert_eq!(smem, (16 + 2 * stages * 64) * (d + 8) * 2, "{name}");
+            }
+        }
+        // b6 at 128K, 48 blocks a split, one a SM: 8 splits are 3 waves at 97 % (384 of 396)
+        // where 2 splits would leave 36 SMs idle; b1 (8 blocks): 16 splits, 128 of 132 SMs.
+        assert_eq!(verify_splits(132, 1, 48, 131_072), 8);
+        assert_eq!(verify_splits(132, 1, 8, 131_072), 16);
+        // never more splits than tiles
+        assert_eq!(verify_splits(132, 2, 8, 100), 2);
+        for blocks in 1..200 {
+            let s = verify_splits(132, 1, blocks, 131_072);
+            let fill = (blocks * s) as f64 / ((blocks * s).div_ceil(132) * 132) as f64;
+            assert!(
+                fill >= 0.8 || blocks * s < 132,
+                "{blocks} blocks: {s} splits fill {fill}"
+            );
         }
     }
 }
