@@ -19,6 +19,13 @@ def load(paths):
     return recs
 
 
+def drafter(r):
+    """The drafter, with SFI's refresh schedule when it refreshed on the trigger (the interval)
+    instead of from every verification."""
+    d = r["drafter"]
+    return d + " trigger" if d == "sfi" and not r.get("refresh_every", True) else d
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+")
@@ -35,12 +42,12 @@ def main():
 
     batches = sorted({r["batch"] for r in recs})
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
-    styles = {"sfi": "-", "streaming": "--", "ngram": ":"}
+    styles = {"sfi": "-", "sfi trigger": "-.", "streaming": "--", "ngram": ":"}
     for ax, b in zip(axes[0], batches):
         rs = [r for r in recs if r["batch"] == b]
-        for d in ["sfi", "streaming", "ngram"]:
+        for d in ["sfi", "sfi trigger", "streaming", "ngram"]:
             for ctx in sorted({r["context"] for r in rs}):
-                pts = sorted((r["gamma"], r["speedup_vs_full"]) for r in rs if r["drafter"] == d and r["context"] == ctx)
+                pts = sorted((r["gamma"], r["speedup_vs_full"]) for r in rs if drafter(r) == d and r["context"] == ctx)
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(d, "-"), marker="o",
                             label=f"{d} {ctx // 1024}K")
@@ -56,8 +63,8 @@ def main():
         with open(a.md, "w") as o:
             o.write("| context | batch | drafter | γ | tokens / verification | tok/s | vs full KV | draft ms | verify ms |\n")
             o.write("|---|---|---|---|---|---|---|---|---|\n")
-            for r in sorted(recs, key=lambda r: (r["context"], r["batch"], r["drafter"], r["gamma"])):
-                o.write(f"| {r['context']} | {r['batch']} | {r['drafter']} | {r['gamma']} | "
+            for r in sorted(recs, key=lambda r: (r["context"], r["batch"], drafter(r), r["gamma"])):
+                o.write(f"| {r['context']} | {r['batch']} | {drafter(r)} | {r['gamma']} | "
                         f"{r['tokens_per_verification']:.2f} | {r['tok_s']:.1f} | {r['speedup_vs_full']:.2f}x | "
                         f"{r['draft_ms_per_round']:.2f} | {r['verify_ms_per_round']:.2f} |\n")
 

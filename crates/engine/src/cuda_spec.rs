@@ -47,6 +47,9 @@ pub struct GpuSpecRecord {
     pub draft_ms_per_round: f64,
     pub verify_ms_per_round: f64,
     pub refresh_every: bool,
+    /// Draft steps that ran as SFI slow steps (dense + refresh: a memory forgotten by a
+    /// rewind, or none yet), over all rounds; 0 for the other drafters.
+    pub slow_draft_steps: usize,
 }
 
 /// The policy a drafter runs on the decoder (its own sparse policy, or full KV for n-gram).
@@ -99,6 +102,7 @@ pub fn time_drafter(
         let (mut produced, mut accepted) = (0usize, 0usize);
         let (mut draft_ms, mut verify_ms) = (0.0f64, 0.0f64);
         let mut since = vec![0usize; b];
+        let mut slow_drafts = 0usize;
         // Each γ starts from the prompt.
         for (s, &l) in base.iter().enumerate() {
             dec.rewind(s, l).map_err(gpu_err)?;
@@ -128,6 +132,7 @@ pub fn time_drafter(
                 toks[s * rows] = next[s];
             }
             if drafts_on_gpu {
+                let slow0 = dec.step_counts().0;
                 for k in 0..gamma {
                     dec.decode_step().map_err(gpu_err)?;
                     let nx = dec.next_tokens().map_err(gpu_err)?;
@@ -135,6 +140,7 @@ pub fn time_drafter(
                         toks[s * rows + k + 1] = nx[s];
                     }
                 }
+                slow_drafts += dec.step_counts().0 - slow0;
                 for (s, &l) in p0.iter().enumerate() {
                     dec.rewind(s, l).map_err(gpu_err)?;
                 }
@@ -193,10 +199,11 @@ pub fn time_drafter(
             draft_ms_per_round: draft_ms / o.rounds as f64,
             verify_ms_per_round: verify_ms / o.rounds as f64,
             refresh_every: o.refresh_every,
+            slow_draft_steps: if sfi { slow_drafts } else { 0 },
         };
         progress(&format!(
-            "context {context} speculate {drafter} γ {gamma} ({}): {:.1} tok/s, {:.2}x full, {:.2} tokens a verification, draft {:.3} + verify {:.3} ms a round",
-            rec.acceptance, rec.tok_s, rec.speedup_vs_full, rec.tokens_per_verification, rec.draft_ms_per_round, rec.verify_ms_per_round
+            "context {context} speculate {drafter} γ {gamma} ({}): {:.1} tok/s, {:.2}x full, {:.2} tokens a verification, draft {:.3} + verify {:.3} ms a round, {} slow draft steps",
+            rec.acceptance, rec.tok_s, rec.speedup_vs_full, rec.tokens_per_verification, rec.draft_ms_per_round, rec.verify_ms_per_round, rec.slow_draft_steps
         ));
         out.push(rec);
     }
@@ -206,11 +213,11 @@ pub fn time_drafter(
 /// A markdown table of speculative records.
 pub fn spec_table(rs: &[GpuSpecRecord]) -> String {
     let mut s = String::from(
-        "| context | batch | drafter | γ | tokens / verification | acceptance | tok/s | vs full KV | draft ms / round | verify ms / round |\n|---|---|---|---|---|---|---|---|---|---|\n",
+        "| context | batch | drafter | γ | tokens / verification | acceptance | tok/s | vs full KV | draft ms / round | verify ms / round | slow draft steps |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rs {
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {:.2} | {:.3} | {:.1} | {:.2}x | {:.3} | {:.3} |\n",
+            "| {} | {} | {} | {} | {:.2} | {:.3} | {:.1} | {:.2}x | {:.3} | {:.3} | {} |\n",
             r.context,
             r.batch,
             r.drafter,
@@ -220,7 +227,8 @@ pub fn spec_table(rs: &[GpuSpecRecord]) -> String {
             r.tok_s,
             r.speedup_vs_full,
             r.draft_ms_per_round,
-            r.verify_ms_per_round
+            r.verify_ms_per_round,
+            r.slow_draft_steps
         ));
     }
     if let Some(r) = rs.first() {
