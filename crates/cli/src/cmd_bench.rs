@@ -34,17 +34,19 @@ pub struct Args {
     pub real_prefill: Option<usize>,
     #[command(flatten)]
     pub sparse: PolicyArgs,
-    /// Sequences decoded together (`--device cuda` only; each holds a copy of the prompt).
+    /// Sequences decoded together (`--device cuda` only; each holds a copy of the prompt; the
+    /// CPU's --speculate rounds are batch 1 too).
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
     /// Write the records as a JSON array to this file (with --speculate: an object, `runs`
     /// and `speculative`).
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// `--device cuda`: also time speculative decoding at every context, for these
-    /// comma-separated drafters (sfi, streaming, ngram), each at every --spec-tokens, batched
-    /// over --batch sequences. The acceptance is replayed (--spec-accept) and labelled so: a
-    /// random-weight model's drafts mean nothing. Real end-to-end runs: `generate --speculate`.
+    /// Also time speculative decoding at every context, for these comma-separated drafters
+    /// (sfi, streaming, ngram), each at every --spec-tokens (on the GPU batched over --batch
+    /// sequences). The acceptance is replayed (--spec-accept) and labelled so: a random-weight
+    /// model's drafts mean nothing. Put `full` in --policies for the speedup column. Real
+    /// end-to-end runs: `generate --speculate`.
     #[arg(long)]
     pub speculate: Option<String>,
     /// With --speculate: comma-separated drafted tokens per verification (γ), each timed.
@@ -56,7 +58,8 @@ pub struct Args {
     #[arg(long, default_value = "alpha:0.9")]
     pub spec_accept: String,
     /// With --speculate sfi: refresh the Selector's memory from `every` verification, or on
-    /// `trigger` (every --sfi-refresh-interval tokens a sequence, the bench's trigger).
+    /// `trigger` (on the GPU every --sfi-refresh-interval tokens a sequence, the GPU bench's
+    /// trigger; on the CPU SFI's own trigger over the kept tokens).
     #[arg(long, default_value = "every", value_parser = ["every", "trigger"])]
     pub spec_refresh: String,
     /// With --speculate: verification rounds timed per drafter and γ.
@@ -92,11 +95,16 @@ pub fn run(a: Args) -> Result<()> {
             a.sparse.spec(p, c)?;
         }
     }
-    if a.model.device() == slowfast_engine::Device::Cuda {
-        return run_cuda(&a, o);
+    let spec = spec_options(&a)?;
+    if let Some(so) = &spec {
+        for &c in &o.contexts {
+            for d in &so.drafters {
+                a.sparse.spec(if d == "ngram" { "full" } else { d }, c)?;
+            }
+        }
     }
-    if a.speculate.is_some() {
-        bail!("bench --speculate times the GPU (--device cuda); on the CPU use generate --speculate, which reports its speed");
+    if a.model.device() == slowfast_engine::Device::Cuda {
+        return run_cuda(&a, o, spec);
     }
     if a.batch != 1 {
         bail!("--batch: batched decode runs on --device cuda only");
@@ -105,7 +113,17 @@ pub fn run(a: Args) -> Result<()> {
     let spec_for = |name: &str, ctx: usize| policy_for(&a, &m, name, ctx);
     let recs = run_bench(&m, &o, &spec_for, &mut |s| eprintln!("{s}"))?;
     print!("{}", table(&recs));
-    write_json(&a.json, &recs)
+    let Some(so) = spec else {
+        return write_json(&a.json, &recs);
+    };
+    let spec_recs =
+        slowfast_engine::bench::run_spec(&m, &o, &so, &spec_for, &recs, &mut |s| eprintln!("{s}"))?;
+    println!();
+    print!("{}", slowfast_engine::spec::timing::table(&spec_recs));
+    write_json(
+        &a.json,
+        &serde_json::json!({ "runs": recs, "speculative": spec_recs }),
+    )
 }
 
 /// The policy `name` at context `ctx` from the command line, with the model's vocabulary.
@@ -130,7 +148,11 @@ fn write_json<T: serde::Serialize>(p: &Option<PathBuf>, recs: &T) -> Result<()> 
 }
 
 #[cfg(feature = "cuda")]
-fn run_cuda(a: &Args, o: BenchOptions) -> Result<()> {
+fn run_cuda(
+    a: &Args,
+    o: BenchOptions,
+    spec: Option<slowfast_engine::spec::timing::ReplayOptions>,
+) -> Result<()> {
     use slowfast_engine::cuda::{bench, gpu_policy, table, GpuBenchOptions};
     // The policies that run on the GPU (checked before the model load).
     for &c in &o.contexts {
@@ -138,7 +160,6 @@ fn run_cuda(a: &Args, o: BenchOptions) -> Result<()> {
             gpu_policy(&a.sparse.spec(p, c)?)?;
         }
     }
-    let spec = spec_options(a)?;
     let m = a.model.load()?;
     let go = GpuBenchOptions {
         contexts: o.contexts,
@@ -154,7 +175,7 @@ fn run_cuda(a: &Args, o: BenchOptions) -> Result<()> {
         return write_json(&a.json, &recs);
     }
     println!();
-    print!("{}", slowfast_engine::cuda_spec::spec_table(&spec_recs));
+    print!("{}", slowfast_engine::spec::timing::table(&spec_recs));
     write_json(
         &a.json,
         &serde_json::json!({ "runs": recs, "speculative": spec_recs }),
@@ -162,18 +183,15 @@ fn run_cuda(a: &Args, o: BenchOptions) -> Result<()> {
 }
 
 /// `--speculate` and its flags, checked before the model load.
-#[cfg(feature = "cuda")]
-fn spec_options(a: &Args) -> Result<Option<slowfast_engine::cuda_spec::GpuSpecOptions>> {
+fn spec_options(a: &Args) -> Result<Option<slowfast_engine::spec::timing::ReplayOptions>> {
     use slowfast_engine::spec::replay::AcceptModel;
     let Some(list) = &a.speculate else {
         return Ok(None);
     };
     let drafters: Vec<String> = list.split(',').map(|d| d.trim().to_owned()).collect();
     for d in &drafters {
-        if !matches!(d.as_str(), "sfi" | "streaming" | "ngram") {
-            bail!(
-                "--speculate: `{d}` is not a drafter the GPU bench times (sfi, streaming, ngram)"
-            );
+        if !slowfast_engine::spec::timing::BENCH_DRAFTERS.contains(&d.as_str()) {
+            bail!("--speculate: `{d}` is not a drafter the bench times (sfi, streaming, ngram)");
         }
     }
     let mut gammas = Vec::new();
@@ -193,7 +211,7 @@ fn spec_options(a: &Args) -> Result<Option<slowfast_engine::cuda_spec::GpuSpecOp
     for d in &drafters {
         accept.check(d, &gammas).map_err(anyhow::Error::msg)?;
     }
-    Ok(Some(slowfast_engine::cuda_spec::GpuSpecOptions {
+    Ok(Some(slowfast_engine::spec::timing::ReplayOptions {
         drafters,
         gammas,
         accept,
@@ -203,7 +221,11 @@ fn spec_options(a: &Args) -> Result<Option<slowfast_engine::cuda_spec::GpuSpecOp
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_cuda(_a: &Args, _o: BenchOptions) -> Result<()> {
+fn run_cuda(
+    _a: &Args,
+    _o: BenchOptions,
+    _spec: Option<slowfast_engine::spec::timing::ReplayOptions>,
+) -> Result<()> {
     Err(slowfast_engine::device::not_built().into())
 }
 

@@ -412,3 +412,114 @@ fn info_names_qwen2_biases_and_the_mistral_window() {
         "{err}"
     );
 }
+
+/// `bench --speculate` on the CPU: every drafter at every γ, the replayed acceptance
+/// reproduced exactly at its extremes, and the speedup against full KV of the same run.
+#[test]
+fn bench_speculate_on_the_cpu_replays_the_acceptance() {
+    let dir = fixture("qwen3");
+    for (alpha, accepted) in [("alpha:1", true), ("alpha:0", false)] {
+        let json = tmp(&format!("spec-bench-{accepted}")).join("spec.json");
+        let out = bin()
+            .args([
+                "bench",
+                "--model",
+                dir.to_str().unwrap(),
+                "--contexts",
+                "96",
+            ])
+            .args([
+                "--new-tokens",
+                "4",
+                "--policies",
+                "full",
+                "--kv-dtype",
+                "f32",
+            ])
+            .args(["--speculate", "sfi,streaming,ngram", "--spec-tokens", "2,4"])
+            .args(["--spec-accept", alpha, "--spec-rounds", "3"])
+            .args(["--kv-budget", "48", "--sinks", "4", "--sfi-recent", "16"])
+            .args(["--json", json.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("| drafter | γ |"), "{stdout}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert_eq!(v["runs"][0]["policy"], "full");
+        let recs = v["speculative"].as_array().unwrap();
+        let got: Vec<(String, u64)> = recs
+            .iter()
+            .map(|r| {
+                (
+                    r["drafter"].as_str().unwrap().to_owned(),
+                    r["gamma"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        let want: Vec<(String, u64)> = ["sfi", "streaming", "ngram"]
+            .iter()
+            .flat_map(|d| [2, 4].map(|g| (d.to_string(), g)))
+            .collect();
+        assert_eq!(got, want);
+        for r in recs {
+            let g = r["gamma"].as_f64().unwrap();
+            let tpv = r["tokens_per_verification"].as_f64().unwrap();
+            let rate = r["acceptance_rate"].as_f64().unwrap();
+            if accepted {
+                assert_eq!((tpv, rate), (g + 1.0, 1.0), "{r}");
+            } else {
+                assert_eq!((tpv, rate), (1.0, 0.0), "{r}");
+            }
+            assert_eq!(r["device"], "cpu");
+            assert_eq!(r["rounds"], 3);
+            assert!(r["slow_draft_steps"].is_null(), "{r}");
+            assert!(r["tok_s"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(r["speedup_vs_full"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(r["acceptance"].as_str().unwrap().starts_with("replayed"));
+        }
+    }
+    let m = dir.to_str().unwrap();
+    fails(
+        &[
+            "bench",
+            "--model",
+            m,
+            "--contexts",
+            "96",
+            "--speculate",
+            "model",
+        ],
+        "`model` is not a drafter the bench times",
+    );
+    fails(
+        &[
+            "bench",
+            "--model",
+            m,
+            "--contexts",
+            "96",
+            "--speculate",
+            "ngram",
+            "--spec-tokens",
+            "0",
+        ],
+        "--spec-tokens: `0`",
+    );
+    fails(
+        &[
+            "bench",
+            "--model",
+            m,
+            "--contexts",
+            "96",
+            "--speculate",
+            "ngram",
+            "--spec-accept",
+            "alpha:2",
+        ],
+        "alpha 2 is not in [0, 1]",
+    );
+}

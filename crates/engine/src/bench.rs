@@ -5,6 +5,7 @@ use std::time::Instant;
 use crate::load::Loaded;
 use crate::sampler::argmax;
 use crate::session::{KvDtype, PolicySpec, Session};
+use crate::spec::timing::{time_target, Point, ReplayOptions, ReplayRecord, Uniform};
 use crate::EngineError;
 
 #[derive(Debug, Clone)]
@@ -112,27 +113,7 @@ fn run_one(
     let cfg = &m.model.cfg;
     let name = policy.name();
     let cap = ctx + o.new_tokens * o.repeats.max(1) + 1;
-    let mut sess = Session::try_with_policy(&m.model, cap, o.kv_dtype, o.chunk, policy)?;
-    let real = o.real_prefill.unwrap_or(ctx).clamp(1, ctx);
-    if real < ctx {
-        progress(&format!(
-            "context {ctx}, policy {name}: synthetic KV for {} tokens",
-            ctx - real
-        ));
-        sess.fill_synthetic(ctx - real, 0x5eed + ctx as u64)?;
-    }
-    progress(&format!(
-        "context {ctx}, policy {name}: prefill {real} tokens"
-    ));
-    let t0 = Instant::now();
-    let mut last = Instant::now();
-    sess.prefill(&prompt[ctx - real..], &mut |done, total| {
-        if last.elapsed().as_secs_f64() > 5.0 {
-            progress(&format!("  prefill {done}/{total}"));
-            last = Instant::now();
-        }
-    })?;
-    let prefill_s = t0.elapsed().as_secs_f64();
+    let (mut sess, real, prefill_s) = prefilled(m, o, prompt, policy, cap, progress)?;
     let kv_bytes_after_prefill = sess.kv_bytes();
     let mut times = Vec::new();
     // Per-step times split by kind: slow (dense, refreshing) and fast (sparse) steps.
@@ -202,6 +183,94 @@ fn run_one(
         mean_attended_tokens: stats.mean_attended(),
         retained_fraction: stats.retained_fraction(),
     })
+}
+
+/// A session of `cap` tokens under `policy` holding `prompt` (its last `o.real_prefill`
+/// tokens prefilled for real, the KV before them synthetic); (session, real tokens, prefill
+/// seconds).
+fn prefilled<'m>(
+    m: &'m Loaded,
+    o: &BenchOptions,
+    prompt: &[u32],
+    policy: &PolicySpec,
+    cap: usize,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Session<'m>, usize, f64), EngineError> {
+    let (ctx, name) = (prompt.len(), policy.name());
+    let mut sess = Session::try_with_policy(&m.model, cap, o.kv_dtype, o.chunk, policy)?;
+    let real = o.real_prefill.unwrap_or(ctx).clamp(1, ctx);
+    if real < ctx {
+        progress(&format!(
+            "context {ctx}, policy {name}: synthetic KV for {} tokens",
+            ctx - real
+        ));
+        sess.fill_synthetic(ctx - real, 0x5eed + ctx as u64)?;
+    }
+    progress(&format!(
+        "context {ctx}, policy {name}: prefill {real} tokens"
+    ));
+    let t0 = Instant::now();
+    let mut last = Instant::now();
+    sess.prefill(&prompt[ctx - real..], &mut |done, total| {
+        if last.elapsed().as_secs_f64() > 5.0 {
+            progress(&format!("  prefill {done}/{total}"));
+            last = Instant::now();
+        }
+    })?;
+    Ok((sess, real, t0.elapsed().as_secs_f64()))
+}
+
+/// `bench --speculate` on the CPU: at every context, each drafter's session (its own policy:
+/// sfi, streaming; full KV for ngram) holds the bench's prompt, takes one warm-up step, then
+/// `so.rounds` replayed rounds at each γ in turn (`spec::timing::time_target`, batch 1).
+/// `full`: the plain records of this run, for the speedup over full KV's decode.
+pub fn run_spec(
+    m: &Loaded,
+    o: &BenchOptions,
+    so: &ReplayOptions,
+    spec_for: SpecFor<'_>,
+    full: &[BenchRecord],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<ReplayRecord>, EngineError> {
+    let cfg = &m.model.cfg;
+    let mut out = Vec::new();
+    for &ctx in &o.contexts {
+        let prompt = random_tokens(ctx, cfg.vocab_size, 0x5107 + ctx as u64);
+        let full_tok_s = full
+            .iter()
+            .find(|r| r.context == ctx && r.policy == "full")
+            .map_or(0.0, |r| r.decode_tok_s);
+        for d in &so.drafters {
+            let policy = spec_for(if d == "ngram" { "full" } else { d }, ctx)?;
+            let span: usize = so.gammas.iter().map(|g| so.rounds * (g + 1)).sum();
+            let cap = ctx + 1 + span + so.gammas.iter().max().unwrap_or(&1) + 2;
+            let (mut sess, _, _) = prefilled(m, o, &prompt, &policy, cap, progress)?;
+            let first = argmax(sess.logits()).unwrap_or(0);
+            let mut next = argmax(sess.step(first)?).unwrap_or(0);
+            progress(&format!(
+                "context {ctx} speculate {d}: {} rounds at γ {:?}",
+                so.rounds, so.gammas
+            ));
+            let mut rng = Uniform::new(ctx);
+            for &gamma in &so.gammas {
+                let (tally, nx) = time_target(&mut sess, d, gamma, so, next, &mut rng)?;
+                next = nx;
+                let point = Point {
+                    model: &m.name,
+                    device: "cpu",
+                    drafter: d,
+                    gamma,
+                    batch: 1,
+                    context: ctx,
+                    full_tok_s,
+                };
+                let rec = tally.record(&point, so, None);
+                progress(&rec.line());
+                out.push(rec);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// A markdown table of bench records.

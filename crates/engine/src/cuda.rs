@@ -552,10 +552,10 @@ fn used_gib(ctx: &CudaContext) -> f64 {
 pub fn bench(
     m: &Loaded,
     o: &GpuBenchOptions,
-    spec_opts: Option<&crate::cuda_spec::GpuSpecOptions>,
+    spec_opts: Option<&crate::spec::timing::ReplayOptions>,
     spec_for: &dyn Fn(&str, usize) -> Result<PolicySpec, EngineError>,
     progress: &mut dyn FnMut(&str),
-) -> Result<(Vec<GpuBenchRecord>, Vec<crate::cuda_spec::GpuSpecRecord>), EngineError> {
+) -> Result<(Vec<GpuBenchRecord>, Vec<crate::spec::timing::ReplayRecord>), EngineError> {
     let cfg = &m.model.cfg;
     if o.contexts.is_empty() || o.new_tokens == 0 || o.batch == 0 || o.policies.is_empty() {
         return Err(EngineError::BadInput(
