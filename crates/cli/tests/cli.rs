@@ -482,44 +482,22 @@ fn bench_speculate_on_the_cpu_replays_the_acceptance() {
         }
     }
     let m = dir.to_str().unwrap();
-    fails(
-        &[
-            "bench",
-            "--model",
-            m,
-            "--contexts",
-            "96",
-            "--speculate",
-            "model",
-        ],
-        "`model` is not a drafter the bench times",
-    );
-    fails(
-        &[
-            "bench",
-            "--model",
-            m,
-            "--contexts",
-            "96",
-            "--speculate",
-            "ngram",
-            "--spec-tokens",
-            "0",
-        ],
-        "--spec-tokens: `0`",
-    );
-    fails(
-        &[
-            "bench",
-            "--model",
-            m,
-            "--contexts",
-            "96",
-            "--speculate",
-            "ngram",
-            "--spec-accept",
-            "alpha:2",
-        ],
-        "alpha 2 is not in [0, 1]",
-    );
+    for (flags, expect) in [
+        (
+            &["--speculate", "model"][..],
+            "`model` is not a drafter the bench times",
+        ),
+        (
+            &["--speculate", "ngram", "--spec-tokens", "0"],
+            "--spec-tokens: `0`",
+        ),
+        (
+            &["--speculate", "ngram", "--spec-accept", "alpha:2"],
+            "alpha 2 is not in [0, 1]",
+        ),
+    ] {
+        let mut args = vec!["bench", "--model", m, "--contexts", "96"];
+        args.extend(flags);
+        fails(&args, expect);
+    }
 }

@@ -131,16 +131,9 @@ fn greedy_32_tokens_equal_llama_cpp_q4_1() {
     };
     let q4 = fixture("smollm2", "greedy.json");
     let f32 = fixture("smollm2", "greedy_dequant_f32.json");
-    let a = greedy_against_noisy_references(&m, &q4, Some(&f32), KvDtype::F16);
     // Measured: 4 of 7 prompts fully equal and 163 of 224 tokens (AVX-512), every parting at a
-    // near-tie. The bounds below leave room for other kernels' rounding.
-    assert!(a.full >= 2, "only {} of 7 prompts fully equal", a.full);
-    assert!(
-        a.agree * 2 >= a.total,
-        "only {} of {} tokens agree",
-        a.agree,
-        a.total
-    );
+    // near-tie. The helper's bounds leave room for other kernels' rounding.
+    greedy_against_noisy_references(&m, &q4, Some(&f32), KvDtype::F16);
 }
 
 #[test]

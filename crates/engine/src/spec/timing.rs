@@ -257,6 +257,17 @@ mod tests {
     }
 
     impl Fake {
+        fn at(pos: usize) -> Self {
+            Fake {
+                pos,
+                drafting: None,
+                logits: vec![],
+                steps: 0,
+                verified: vec![],
+                refreshes: 0,
+            }
+        }
+
         fn argmax_at(&mut self, rows: usize) -> &[f32] {
             self.logits = vec![0.0; rows * 8];
             for r in 0..rows {
@@ -334,14 +345,7 @@ mod tests {
     #[test]
     fn replayed_rounds_draft_verify_and_keep_the_drawn_length() {
         for (alpha, kept) in [(1.0, 4), (0.0, 1)] {
-            let mut t = Fake {
-                pos: 100,
-                drafting: None,
-                logits: vec![],
-                steps: 0,
-                verified: vec![],
-                refreshes: 0,
-            };
+            let mut t = Fake::at(100);
             let o = opts(alpha, true);
             let (tally, next) =
                 time_target(&mut t, "sfi", 3, &o, 5, &mut Uniform::new(100)).unwrap();
@@ -371,14 +375,7 @@ mod tests {
             assert_eq!(r.speedup_vs_full, 0.0);
         }
         // prompt lookup drafts nothing on the device; streaming never refreshes
-        let mut t = Fake {
-            pos: 10,
-            drafting: None,
-            logits: vec![],
-            steps: 0,
-            verified: vec![],
-            refreshes: 0,
-        };
+        let mut t = Fake::at(10);
         time_target(
             &mut t,
             "ngram",
@@ -403,14 +400,7 @@ mod tests {
 
     #[test]
     fn a_round_count_past_the_cache_is_refused() {
-        let mut t = Fake {
-            pos: 990,
-            drafting: None,
-            logits: vec![],
-            steps: 0,
-            verified: vec![],
-            refreshes: 0,
-        };
+        let mut t = Fake::at(990);
         let e = time_target(&mut t, "sfi", 3, &opts(1.0, true), 1, &mut Uniform::new(1));
         assert!(format!("{}", e.unwrap_err()).contains("do not fit the cache"));
     }
