@@ -192,12 +192,10 @@ pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
         "attn_decode_d128_s4" => s(16 + 2 * 4 * 64, 128),
         "attn_decode_d128_s6" => s(16 + 2 * 6 * 64, 128),
         "attn_decode_d256" | "attn_sparse_decode_d256" => s(16 + 2 * 2 * 64, 256),
-        k if k.starts_with("attn_verify_") => {
-            let v = crate::ops::attention::VERIFY_VARIANTS
-                .iter()
-                .find(|v| v.0 == k)?;
-            crate::ops::attention::verify_smem_bytes(v.1, v.2, v.3) as u32
-        }
+        k if k.starts_with("attn_verify_") => crate::ops::attention::VERIFY_VARIANTS
+            .iter()
+            .find(|v| v.name == k)?
+            .smem_bytes() as u32,
         // the same rings, then RoPE angles [2][128] f32, a row a warp [4][256] f32, new k, v [2][d]
         "attn_decode_post_d64" => s(16 + 2 * 4 * 64, 64) + POST_SMEM + 4 * 64,
         "attn_decode_post_d128" => s(16 + 2 * 3 * 64, 128) + POST_SMEM + 4 * 128,
@@ -290,12 +288,15 @@ impl CudaContext {
             funcs.insert(k, f);
         }
         let mut verify_per_sm = HashMap::new();
-        for &(k, d, groups, stages) in crate::ops::attention::VERIFY_VARIANTS {
-            let smem = crate::ops::attention::verify_smem_bytes(d, groups, stages);
-            let n = funcs[k]
-                .occupancy_max_active_blocks_per_multiprocessor((128 * groups) as u32, smem, None)
+        for v in crate::ops::attention::VERIFY_VARIANTS {
+            let n = funcs[v.name]
+                .occupancy_max_active_blocks_per_multiprocessor(
+                    v.threads() as u32,
+                    v.smem_bytes(),
+                    None,
+                )
                 .map_err(drv("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
-            verify_per_sm.insert(k, n.max(1) as usize);
+            verify_per_sm.insert(v.name, n.max(1) as usize);
         }
         // The decode stream at the highest priority, the side stream (SFI's asynchronous
         // refresh) at the lowest: when both have blocks waiting, the decode step's go first.

@@ -149,11 +149,7 @@ pub(crate) fn decode_plan(
     p: &DecodeAttn,
     kv: &KvLayout,
 ) -> (&'static str, usize, usize) {
-    let visible = p
-        .max_seq_len
-        .min(kv.capacity)
-        .min(p.window.unwrap_or(usize::MAX))
-        .max(1);
+    let visible = visible_keys(p.max_seq_len, p.window, kv);
     let tiles = visible.div_ceil(DECODE_BK);
     let row_groups = (p.n_heads / kv.kv_heads.max(1)).div_ceil(16);
     let groups = (p.batch * kv.kv_heads * row_groups).max(1);
@@ -186,48 +182,81 @@ pub(crate) fn decode_plan(
     (k, s, c)
 }
 
-/// Verification kernels (`VERIFY_ENTRY` in kernels/attn_decode.cu): (name, head_dim, 16-row
-/// groups a block, K/V stages).
-pub(crate) const VERIFY_VARIANTS: &[(&str, usize, usize, usize)] = &[
-    ("attn_verify_d64", 64, 1, 4),
-    ("attn_verify_d64_g2", 64, 2, 4),
-    ("attn_verify_d64_g4", 64, 4, 4),
-    ("attn_verify_d128", 128, 1, 3),
-    ("attn_verify_d128_g2", 128, 2, 3),
-    ("attn_verify_d128_g3", 128, 3, 3),
-    ("attn_verify_d256", 256, 1, 2),
-    ("attn_verify_d256_g2", 256, 2, 2),
-];
-
-/// Dynamic shared memory of a verification kernel: its Q rows and K/V ring, or at the end the
-/// merge slices ([groups][4][16][D + 8] f32 and (max, sum) [2][groups][4][16]) where the ring
-/// was, whichever is larger.
-pub(crate) fn verify_smem_bytes(head_dim: usize, groups: usize, stages: usize) -> usize {
-    let str_ = head_dim + 8;
-    let q = groups * 16 * str_ * 2;
-    let ring = 2 * stages * DECODE_BK * str_ * 2;
-    let merge = groups * 64 * str_ * 4 + 2 * groups * 64 * 4;
-    q + ring.max(merge)
+/// Keys a decode-shaped launch may read: `max_seq_len`, within the cache and the window.
+fn visible_keys(max_seq_len: usize, window: Option<usize>, kv: &KvLayout) -> usize {
+    max_seq_len
+        .min(kv.capacity)
+        .min(window.unwrap_or(usize::MAX))
+        .max(1)
 }
 
-/// Verification's kernel for `row_groups` 16-row groups a kv head: (name, groups a block,
-/// block columns a kv head). As few block columns as the widest variant allows, then the
-/// narrowest variant that still covers a column's share, so no group of warps idles needlessly.
-pub(crate) fn verify_kernel(head_dim: usize, row_groups: usize) -> (&'static str, usize, usize) {
+/// A verification kernel (`VERIFY_ENTRY` in kernels/attn_decode.cu).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct VerifyVariant {
+    pub name: &'static str,
+    pub head_dim: usize,
+    /// 16-row groups a block (128 threads each).
+    pub groups: usize,
+    /// K/V pipeline stages.
+    pub stages: usize,
+}
+
+const fn vv(name: &'static str, head_dim: usize, groups: usize, stages: usize) -> VerifyVariant {
+    VerifyVariant {
+        name,
+        head_dim,
+        groups,
+        stages,
+    }
+}
+
+/// Every verification kernel the source defines.
+pub(crate) const VERIFY_VARIANTS: &[VerifyVariant] = &[
+    vv("attn_verify_d64", 64, 1, 4),
+    vv("attn_verify_d64_g2", 64, 2, 4),
+    vv("attn_verify_d64_g4", 64, 4, 4),
+    vv("attn_verify_d128", 128, 1, 3),
+    vv("attn_verify_d128_g2", 128, 2, 3),
+    vv("attn_verify_d128_g3", 128, 3, 3),
+    vv("attn_verify_d256", 256, 1, 2),
+    vv("attn_verify_d256_g2", 256, 2, 2),
+];
+
+impl VerifyVariant {
+    pub fn threads(&self) -> usize {
+        128 * self.groups
+    }
+
+    /// Dynamic shared memory: the Q rows and the K/V ring, or at the end the merge slices
+    /// ([groups][4][16][D + 8] f32 and (max, sum) [2][groups][4][16]) where the ring was,
+    /// whichever is larger.
+    pub fn smem_bytes(&self) -> usize {
+        let str_ = self.head_dim + 8;
+        let q = self.groups * 16 * str_ * 2;
+        let ring = 2 * self.stages * DECODE_BK * str_ * 2;
+        let merge = self.groups * 64 * str_ * 4 + 2 * self.groups * 64 * 4;
+        q + ring.max(merge)
+    }
+}
+
+/// Verification's kernel for `row_groups` 16-row groups a kv head, and its block columns a kv
+/// head. As few block columns as the widest variant allows, then the narrowest variant that
+/// still covers a column's share, so no group of warps idles needlessly.
+pub(crate) fn verify_kernel(head_dim: usize, row_groups: usize) -> (VerifyVariant, usize) {
     let d = if matches!(head_dim, 64 | 128) {
         head_dim
     } else {
         256
     };
-    let variants = || VERIFY_VARIANTS.iter().filter(move |v| v.1 == d);
-    let widest = variants().map(|v| v.2).max().unwrap_or(1);
+    let variants = || VERIFY_VARIANTS.iter().filter(move |v| v.head_dim == d);
+    let widest = variants().map(|v| v.groups).max().unwrap_or(1);
     let cols = row_groups.max(1).div_ceil(widest);
     let want = row_groups.max(1).div_ceil(cols);
     let v = variants()
-        .filter(|v| v.2 >= want)
-        .min_by_key(|v| v.2)
+        .filter(|v| v.groups >= want)
+        .min_by_key(|v| v.groups)
         .expect("the widest variant covers want");
-    (v.0, v.2, cols)
+    (*v, cols)
 }
 
 /// Splits of a verification launch of `blocks` blocks a split, `per_sm` of which fit a SM at
@@ -487,18 +516,9 @@ impl CudaContext {
         // rows_per_seq x the query heads a sequence, as 16-row groups of each kv head.
         let d = kv.head_dim;
         let row_groups = (p.n_heads / kv.kv_heads * rows_per_seq).div_ceil(16);
-        let (kernel, groups, cols) = verify_kernel(d, row_groups);
-        let threads = 128 * groups;
-        let stages = VERIFY_VARIANTS
-            .iter()
-            .find(|v| v.0 == kernel)
-            .map_or(2, |v| v.3);
-        let smem = verify_smem_bytes(d, groups, stages);
-        let visible = (p.max_seq_len + rows_per_seq)
-            .min(kv.capacity)
-            .min(p.window.unwrap_or(usize::MAX))
-            .max(1);
-        let per_sm = self.verify_per_sm.get(kernel).copied().unwrap_or(1);
+        let (v, cols) = verify_kernel(d, row_groups);
+        let visible = visible_keys(p.max_seq_len + rows_per_seq, p.window, &kv);
+        let per_sm = self.verify_per_sm.get(v.name).copied().unwrap_or(1);
         let blocks = p.batch * kv.kv_heads * cols;
         let splits = verify_splits(self.sm_count() as usize, per_sm, blocks, visible);
         let hrows = rows * p.n_heads;
@@ -514,10 +534,10 @@ impl CudaContext {
         ]);
         let grid_y = u32_of(OP, "kv_heads * block columns", kv.kv_heads * cols)?;
         self.launch(
-            kernel,
+            v.name,
             (splits as u32, grid_y, p.batch as u32),
-            (threads as u32, 1, 1),
-            smem as u32,
+            (v.threads() as u32, 1, 1),
+            v.smem_bytes() as u32,
             &args,
         )?;
         self.attn_decode_reduce_raw(part_o, part_ml, io.out, 0, hrows, p.n_heads, splits, d)
@@ -780,21 +800,26 @@ mod tests {
     fn verification_reads_each_tile_once_for_as_many_row_groups_as_a_block_holds() {
         // Qwen3-4B (G = 4): rows x 4 heads in 16-row groups.
         let g = |rows: usize| (4 * rows).div_ceil(16);
-        assert_eq!(verify_kernel(128, g(3)), ("attn_verify_d128", 1, 1));
-        assert_eq!(verify_kernel(128, g(5)), ("attn_verify_d128_g2", 2, 1));
-        assert_eq!(verify_kernel(128, g(9)), ("attn_verify_d128_g3", 3, 1));
+        let k = |d: usize, groups: usize| {
+            let (v, cols) = verify_kernel(d, groups);
+            (v.name, v.groups, cols)
+        };
+        assert_eq!(k(128, g(3)), ("attn_verify_d128", 1, 1));
+        assert_eq!(k(128, g(5)), ("attn_verify_d128_g2", 2, 1));
+        assert_eq!(k(128, g(9)), ("attn_verify_d128_g3", 3, 1));
         // 4 groups: two columns of two, not a column of three and one of one.
-        assert_eq!(verify_kernel(128, 4), ("attn_verify_d128_g2", 2, 2));
-        assert_eq!(verify_kernel(64, 3), ("attn_verify_d64_g4", 4, 1));
-        assert_eq!(verify_kernel(256, 3), ("attn_verify_d256_g2", 2, 2));
+        assert_eq!(k(128, 4), ("attn_verify_d128_g2", 2, 2));
+        assert_eq!(k(64, 3), ("attn_verify_d64_g4", 4, 1));
+        assert_eq!(k(256, 3), ("attn_verify_d256_g2", 2, 2));
         // Every variant fits an H200 block (227 KiB) and keeps the decode kernel's ring for one
         // group (so NGB = 1 launches exactly as before).
-        for &(name, d, groups, stages) in VERIFY_VARIANTS {
-            let smem = verify_smem_bytes(d, groups, stages);
-            assert!(smem <= 232_448, "{name}: {smem} bytes");
-            assert_eq!(attn_smem_bytes(name), Some(smem as u32));
-            if groups == 1 {
-                assert_eq!(smem, (16 + 2 * stages * 64) * (d + 8) * 2, "{name}");
+        for v in VERIFY_VARIANTS {
+            let smem = v.smem_bytes();
+            assert!(smem <= 232_448, "{}: {smem} bytes", v.name);
+            assert_eq!(attn_smem_bytes(v.name), Some(smem as u32));
+            if v.groups == 1 {
+                let ring = (16 + 2 * v.stages * 64) * (v.head_dim + 8) * 2;
+                assert_eq!(smem, ring, "{}", v.name);
             }
         }
         // b6 at 128K, 48 blocks a split, one a SM: 8 splits are 3 waves at 97 % (384 of 396)
