@@ -99,7 +99,8 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(so) = &spec {
         for &c in &o.contexts {
             for d in &so.drafters {
-                a.sparse.spec(if d == "ngram" { "full" } else { d }, c)?;
+                a.sparse
+                    .spec(slowfast_engine::spec::timing::drafter_policy(d), c)?;
             }
         }
     }

@@ -5,7 +5,9 @@ use std::time::Instant;
 use crate::load::Loaded;
 use crate::sampler::argmax;
 use crate::session::{KvDtype, PolicySpec, Session};
-use crate::spec::timing::{time_target, Point, ReplayOptions, ReplayRecord, Uniform};
+use crate::spec::timing::{
+    drafter_policy, time_target, Point, ReplayOptions, ReplayRecord, Uniform,
+};
 use crate::EngineError;
 
 #[derive(Debug, Clone)]
@@ -241,7 +243,7 @@ pub fn run_spec(
             .find(|r| r.context == ctx && r.policy == "full")
             .map_or(0.0, |r| r.decode_tok_s);
         for d in &so.drafters {
-            let policy = spec_for(if d == "ngram" { "full" } else { d }, ctx)?;
+            let policy = spec_for(drafter_policy(d), ctx)?;
             let span: usize = so.gammas.iter().map(|g| so.rounds * (g + 1)).sum();
             let cap = ctx + 1 + span + so.gammas.iter().max().unwrap_or(&1) + 2;
             let (mut sess, _, _) = prefilled(m, o, &prompt, &policy, cap, progress)?;

@@ -821,17 +821,12 @@ pub fn bench(
                 .find(|r| r.policy == "full" && r.context == n)
                 .map_or(0.0, |r| r.decode_tok_s);
             for d in &so.drafters {
-                let (gp, interval) = match d.as_str() {
-                    "ngram" => (GpuKvPolicy::Full, 0),
-                    p => {
-                        let ps = spec_for(p, n)?;
-                        let interval = match &ps {
-                            PolicySpec::Sfi { cfg, .. } => cfg.trigger.refresh_interval.max(1),
-                            _ => 0,
-                        };
-                        (gpu_policy(&ps)?, interval)
-                    }
+                let ps = spec_for(crate::spec::timing::drafter_policy(d), n)?;
+                let interval = match &ps {
+                    PolicySpec::Sfi { cfg, .. } => cfg.trigger.refresh_interval.max(1),
+                    _ => 0,
                 };
+                let gp = gpu_policy(&ps)?;
                 let next = crate::sampler::argmax(&first[..cfg.vocab_size]).unwrap_or(0);
                 restart_slots(&mut dec, n, gp, next)?;
                 let _ = dec.capture_decode();

@@ -7,27 +7,11 @@
 //! the verification.
 use std::time::Instant;
 
-use slowfast_cuda::{GpuDecoder, GpuKvPolicy};
+use slowfast_cuda::GpuDecoder;
 
 use crate::cuda::gpu_err;
 use crate::spec::timing::{Point, ReplayOptions, ReplayRecord, Tally, Uniform};
 use crate::EngineError;
-
-/// The policy a drafter runs on the decoder (its own sparse policy, or full KV for n-gram).
-pub fn drafter_policy(
-    drafter: &str,
-    sfi: GpuKvPolicy,
-    streaming: GpuKvPolicy,
-) -> Result<GpuKvPolicy, EngineError> {
-    match drafter {
-        "sfi" => Ok(sfi),
-        "streaming" => Ok(streaming),
-        "ngram" => Ok(GpuKvPolicy::Full),
-        d => Err(EngineError::BadInput(format!(
-            "bench --speculate: drafter `{d}` is not timed on the GPU (sfi, streaming, ngram)"
-        ))),
-    }
-}
 
 /// Times `o.rounds` rounds of `drafter` at every γ from the decoder's current state: every
 /// slot holds the same prompt of `context` tokens, the policy is already set and warmed up

@@ -29,6 +29,16 @@ pub struct ReplayOptions {
 /// prompt lookup on the host (ngram, over full KV).
 pub const BENCH_DRAFTERS: [&str; 3] = ["sfi", "streaming", "ngram"];
 
+/// The KV policy a bench drafter's sequence runs: its own (sfi, streaming), or full KV under
+/// prompt lookup (ngram).
+pub fn drafter_policy(drafter: &str) -> &str {
+    if drafter == "ngram" {
+        "full"
+    } else {
+        drafter
+    }
+}
+
 /// One (drafter, γ) point.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ReplayRecord {
