@@ -93,7 +93,7 @@ fn greedy_32_tokens_equal_llama_cpp_q4() {
     let f32 = fixture("gemma3", "greedy_dequant_f32.json");
     // Measured: 3 of 7 prompts fully equal and 146 of 224 tokens (AVX2); every parting at a
     // near-tie. The helper's bounds leave room for other kernels' rounding.
-    greedy_against_noisy_references(&m, &q4, Some(&f32), KvDtype::F16);
+    greedy_against_noisy_references(&m, &q4, &f32, KvDtype::F16);
     let capital = &q4["cases"][0];
     let text = m
         .tokenizer

@@ -133,7 +133,7 @@ fn greedy_32_tokens_equal_llama_cpp_q4_1() {
     let f32 = fixture("smollm2", "greedy_dequant_f32.json");
     // Measured: 4 of 7 prompts fully equal and 163 of 224 tokens (AVX-512), every parting at a
     // near-tie. The helper's bounds leave room for other kernels' rounding.
-    greedy_against_noisy_references(&m, &q4, Some(&f32), KvDtype::F16);
+    greedy_against_noisy_references(&m, &q4, &f32, KvDtype::F16);
 }
 
 #[test]

@@ -107,16 +107,8 @@ pub fn equal_prefix(a: &[u32], b: &[u32]) -> usize {
 /// scalar, AVX2 and AVX-512 kernels), so which token wins there is noise.
 pub const NEAR_TIE: f64 = 0.3;
 
-/// What [`greedy_against_noisy_references`] saw: prompts equal to a reference for all tokens,
-/// and tokens agreeing before the first parting, over all prompts.
-pub struct GreedyAgreement {
-    pub full: usize,
-    pub agree: usize,
-    pub total: usize,
-}
-
-/// Our quantized fast path against llama.cpp's greedy runs on the same file (and, when given,
-/// on the same weights dequantized to F32). A prompt passes when it reproduces one reference
+/// Our quantized fast path against llama.cpp's greedy runs on the same file (`q`) and on the
+/// same weights dequantized to F32 (`f32_ref`). A prompt passes when it reproduces one reference
 /// for all tokens, or parts from one of them at a near-tie: where that reference's top-2 gap
 /// and ours are both below [`NEAR_TIE`]. A wrong kernel parts at a confident step
 /// and fails; which side of a near-tie wins is rounding noise and does not. Over all prompts
@@ -124,49 +116,41 @@ pub struct GreedyAgreement {
 pub fn greedy_against_noisy_references(
     m: &Loaded,
     q: &serde_json::Value,
-    f32_ref: Option<&serde_json::Value>,
+    f32_ref: &serde_json::Value,
     kv: KvDtype,
-) -> GreedyAgreement {
+) {
     let cases = q["cases"].as_array().unwrap();
-    let mut out = GreedyAgreement {
-        full: 0,
-        agree: 0,
-        total: 0,
-    };
+    let (mut full, mut agree, mut total) = (0, 0, 0);
     for (i, case) in cases.iter().enumerate() {
         let (got, ours_gap) = greedy_with_gaps(m, case, kv);
-        let mut refs = vec![case];
-        if let Some(f) = f32_ref {
-            let exact = &f["cases"][i];
-            assert_eq!(case["prompt"], exact["prompt"]);
-            refs.push(exact);
-        }
+        let exact = &f32_ref["cases"][i];
+        assert_eq!(case["prompt"], exact["prompt"]);
+        let refs = [case, exact];
         let parts: Vec<usize> = refs
             .iter()
             .map(|r| equal_prefix(&got, &ids(&r["greedy_ids"])))
             .collect();
         let best = *parts.iter().max().unwrap();
         eprintln!(
-            "{:?}: equal to llama.cpp for {parts:?} of {} tokens (quantized{})",
+            "{:?}: equal to llama.cpp for {parts:?} of {} tokens (quantized, F32)",
             case["prompt"],
-            got.len(),
-            if f32_ref.is_some() { ", F32" } else { "" }
+            got.len()
         );
-        out.agree += best;
-        out.total += got.len();
+        agree += best;
+        total += got.len();
         if best == got.len() {
-            out.full += 1;
+            full += 1;
             continue;
         }
-        // Some reference must part from us at a near-tie on both sides.
-        let at = |r: usize| (floats(&refs[r]["top2_gap"])[parts[r]], ours_gap[parts[r]]);
-        let near = (0..refs.len()).any(|r| {
-            let (theirs, ours) = at(r);
-            theirs < NEAR_TIE && ours < NEAR_TIE
-        });
-        let gaps: Vec<(f64, f64)> = (0..refs.len()).map(at).collect();
+        // Some reference must part from us at a near-tie on both sides: (its gap, ours) there.
+        let gaps: Vec<(f64, f64)> = refs
+            .iter()
+            .zip(&parts)
+            .map(|(r, &p)| (floats(&r["top2_gap"])[p], ours_gap[p]))
+            .collect();
         assert!(
-            near,
+            gaps.iter()
+                .any(|&(theirs, ours)| theirs < NEAR_TIE && ours < NEAR_TIE),
             "prompt {:?} parts from llama.cpp at steps {parts:?}, none a near-tie \
              (top-2 gaps there and here: {gaps:?}): {:?} vs {:?}",
             case["prompt"],
@@ -174,24 +158,8 @@ pub fn greedy_against_noisy_references(
             m.tokenizer.decode(&ids(&case["greedy_ids"]))
         );
     }
-    eprintln!(
-        "{} of {} prompts equal for all tokens; {} of {} tokens agree",
-        out.full,
-        cases.len(),
-        out.agree,
-        out.total
-    );
-    assert!(
-        out.full >= 2,
-        "only {} of {} prompts fully equal",
-        out.full,
-        cases.len()
-    );
-    assert!(
-        out.agree * 2 >= out.total,
-        "only {} of {} tokens agree",
-        out.agree,
-        out.total
-    );
-    out
+    let n = cases.len();
+    eprintln!("{full} of {n} prompts equal for all tokens; {agree} of {total} tokens agree");
+    assert!(full >= 2, "only {full} of {n} prompts fully equal");
+    assert!(agree * 2 >= total, "only {agree} of {total} tokens agree");
 }
