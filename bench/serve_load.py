@@ -80,6 +80,30 @@ def prose_prompt(approx_tokens: int, rng: random.Random) -> str:
     return " ".join(out)
 
 
+def file_prompt(path: str, approx_tokens: int, rng: random.Random) -> str:
+    """A slice of the text file `path` of about `approx_tokens` tokens (~4 characters a
+    token in English prose), starting at a line chosen by `rng`."""
+    text = _texts.get(path)
+    if text is None:
+        text = _texts[path] = open(path, encoding="utf-8", errors="replace").read()
+    n = approx_tokens * 4
+    if len(text) <= n:
+        return text
+    start = text.find("\n", rng.randrange(len(text) - n)) + 1
+    return text[start:start + n]
+
+
+_texts: dict[str, str] = {}
+
+
+def make_prompt(args, i: int, L: int, rr: random.Random):
+    if args.token_ids:
+        return [rr.randrange(args.token_id_min, args.vocab) for _ in range(L)]
+    if args.prompt_file:
+        return file_prompt(args.prompt_file, L, rr)
+    return f"Request {i}. " + prose_prompt(L, rr)
+
+
 # ------------------------------------------------------------------------------------- results
 @dataclass
 class Result:
@@ -237,8 +261,7 @@ async def _run_httpx(args, plan):
             i = len(plan)
             rr = random.Random(args.seed * 7919 + i)
             L = args.probe
-            prompt = ([rr.randrange(args.token_id_min, args.vocab) for _ in range(L)] if args.token_ids
-                      else f"Request {i}. " + prose_prompt(L, rr))
+            prompt = make_prompt(args, i, L, rr)
             res = Result(index=i, prompt_tokens_target=L, disconnect_after=None)
             await one((i, prompt, res))
             results.remove(res)  # one() records it; the probe is reported apart
@@ -397,6 +420,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seeds prompts, disconnects and per-request seeds")
     p.add_argument("--prompt-lengths", default="16,128,512", help="approximate prompt tokens, cycled over requests")
     p.add_argument("--token-ids", action="store_true", help="send random token-id prompts (random-weight models)")
+    p.add_argument("--prompt-file", metavar="PATH",
+                   help="prompts are slices of this text file (real prose) instead of generated words")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size for --token-ids")
     p.add_argument("--token-id-min", type=int, default=10, help="smallest id drawn for --token-ids (skips specials)")
     p.add_argument("--disconnect-fraction", type=float, default=0.25)
@@ -462,10 +487,7 @@ def main(argv=None) -> int:
     for i in range(args.requests):
         L = args.lengths[i % len(args.lengths)]
         r = random.Random(args.seed * 7919 + i)
-        if args.token_ids:
-            prompt = [r.randrange(args.token_id_min, args.vocab) for _ in range(L)]
-        else:
-            prompt = f"Request {i}. " + prose_prompt(L, r)
+        prompt = make_prompt(args, i, L, r)
         disc = rng.randint(1, args.max_tokens - 1) if i in disconnecting else None
         plan.append((i, prompt, Result(index=i, prompt_tokens_target=L, disconnect_after=disc)))
     rng.shuffle(plan)  # mix the lengths and the disconnects over time
@@ -483,7 +505,7 @@ def main(argv=None) -> int:
 
     transport = "httpx+asyncio" if (httpx is not None and not args.threads) else "threads+http.client"
     print(f"load: {args.requests} requests, concurrency {args.concurrency}, max_tokens {args.max_tokens}, "
-          f"prompts ~{args.lengths} {'token ids' if args.token_ids else 'tokens of prose'}, "
+          f"prompts ~{args.lengths} {'token ids' if args.token_ids else ('tokens of ' + args.prompt_file) if args.prompt_file else 'tokens of prose'}, "
           f"disconnect {args.disconnect_fraction:.0%}, ignore_eos {args.ignore_eos}, model {args.model!r}, "
           f"{transport} -> {args.url}", flush=True)
     t0 = time.perf_counter()

@@ -8,7 +8,11 @@
 #           256 greedy tokens, full KV and every drafter at γ 2 / 4 / 6 / 8 (--json each);
 #           accept.json (accepted-length histograms summed over the contexts) and accept.md
 #   bench   `bench --device cuda --model random:qwen3-4b --speculate sfi,streaming,ngram` at
-#           CTX (8k,32k,128k), batch 1 and SB (6), replaying accept.json (alpha:0.9 without it)
+#           CTX (8k,32k,128k), batch 1 and SB (6), replaying accept.json (alpha:0.9 without it);
+#           then sfi refreshing on the trigger
+#   serve   `serve --device cuda` on the default model, SB (6) streams of 256 greedy tokens
+#           after ~SPL (6000) tokens of Emma each (bench/serve_load.py --prompt-file): plain
+#           full KV, then `--speculate` sfi (every / trigger + adaptive γ), streaming, ngram
 # The default model: /tmp/gemma-3-270m-q4_k_m.gguf, joined from /tmp/carry/m1..m6 when absent
 # (scripts/gpu_default_model.sh stage makes the parts; each carried in its own call).
 #   bash .bin/gpu_spec.sh tests accept bench
@@ -109,6 +113,39 @@ PY
           --new-tokens "${N:-64}" --policies full --speculate sfi,streaming,ngram --spec-tokens 2,4,6,8 \
           --spec-accept "$A" --spec-rounds "${ROUNDS:-32}" $SFI_OPTS --json "$OUT/spec-b$b.json" \
           2>&1 | tee "$OUT/spec-bench-b$b.log" || rc=1
+        # SFI refreshing on its trigger (the bench's trigger: every --sfi-refresh-interval tokens)
+        $B/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX:-8k,32k,128k}" --batch $b \
+          --new-tokens "${N:-64}" --policies full --speculate sfi --spec-refresh trigger --spec-tokens 2,4,6,8 \
+          --spec-accept "$A" --spec-rounds "${ROUNDS:-32}" $SFI_OPTS --json "$OUT/spec-trigger-b$b.json" \
+          2>&1 | tee "$OUT/spec-trigger-b$b.log" || rc=1
+      done ;;
+    serve)
+      [ -f "$M" ] || { echo "serve: no default model at $M" >&2; rc=1; continue; }
+      tail -c +60000 $B/texts/austen_emma.txt > /tmp/emma.txt
+      SB="${SB:-6}"
+      SK="--kv-budget ${SBUDGET:-1200}"
+      for cfg in "full|" "sfi-every-6|--speculate sfi --spec-tokens 6 $SK" \
+                 "sfi-trigger-adaptive|--speculate sfi --spec-tokens adaptive --spec-refresh trigger $SK" \
+                 "streaming-4|--speculate streaming --spec-tokens 4 $SK" "ngram-6|--speculate ngram --spec-tokens 6"; do
+        name="${cfg%%|*}"; flags="${cfg#*|}"
+        log="$OUT/servespec-$name.log"
+        echo "== serve $name: $flags" | tee -a "$OUT/servespec.log"
+        $B/slowfast serve --device cuda -m $M --max-batch "$SB" --max-context 12288 --port 0 $flags > "$log" 2>&1 &
+        spid=$!
+        url=""
+        for _ in $(seq 1 600); do
+          url="$(grep -o 'listening on http://[^[:space:]]*' "$log" | head -n 1 | sed 's/^listening on //')"
+          [ -n "$url" ] && break
+          kill -0 $spid 2>/dev/null || break
+          sleep 0.2
+        done
+        if [ -z "$url" ]; then tail -20 "$log" | tee -a "$OUT/servespec.log"; rc=1; continue; fi
+        python3 $B/serve_load.py --url "$url" --prompt-file /tmp/emma.txt --concurrency "$SB" --requests "$SB" \
+          --max-tokens 256 --prompt-lengths "${SPL:-6000}" --ignore-eos --disconnect-fraction 0 --temperature 0 \
+          --timeout 900 --settle-timeout 30 --json "$OUT/servespec-$name.json" 2>&1 | tee -a "$OUT/servespec.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        curl -s "$url/metrics" | grep -E "^slowfast_spec" | tee -a "$OUT/servespec.log"
+        kill $spid; wait $spid 2>/dev/null
       done ;;
   esac
 done

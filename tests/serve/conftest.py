@@ -349,6 +349,13 @@ def sfi_default_server():
 
 
 @pytest.fixture(scope="session")
+def spec_server():
+    """--speculate sfi --kv-budget 300: every request that says nothing speculates."""
+    yield from _server("spec", ["--speculate", "sfi", "--spec-tokens", "4", "--kv-budget", "300",
+                                "--max-batch", "4", "--max-context", "1024"])
+
+
+@pytest.fixture(scope="session")
 def client(server):
     return server.client()
 

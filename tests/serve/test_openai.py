@@ -451,6 +451,22 @@ def test_speculate_gives_full_kv_tokens(server, drafter):
     assert after.get("slowfast_spec_accepted_tokens_total") <= after.get("slowfast_spec_drafted_tokens_total")
 
 
+def test_server_speculation_sizes_the_drafter_with_its_flags(spec_server):
+    """`serve --speculate sfi --kv-budget 300`: requests that say nothing speculate with the
+    server's drafter, sized by its --kv-budget, and give full KV's tokens, batched."""
+    ref = [generate_ref(p, 16) for p in (SHORT, SHORT + " And then")]
+    before = spec_server.metrics()
+    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0,
+               "return_token_ids": True} for p in (SHORT, SHORT + " And then")]
+    with ThreadPoolExecutor(2) as ex:
+        rs = list(ex.map(lambda b: spec_server.post("/v1/completions", b), bodies))
+    for r, want in zip(rs, ref):
+        assert r.status_code == 200, r.text[:500]
+        assert r.json()["choices"][0]["token_ids"] == want["tokens"]
+    after = spec_server.metrics()
+    assert after.get("slowfast_spec_verifications_total") > before.get("slowfast_spec_verifications_total")
+
+
 def test_speculate_refusals_name_the_field(server):
     base = {"model": MODEL, "prompt": SHORT, "max_tokens": 2}
     for extra, param in [

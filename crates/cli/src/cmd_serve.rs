@@ -3,6 +3,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use slowfast_engine::scheduler::{self, SchedulerConfig};
+use slowfast_engine::spec::DraftKind;
 use slowfast_engine::KvDtype;
 use slowfast_server::{KvPolicyRequest, ServerConfig};
 
@@ -25,8 +26,11 @@ pub struct Args {
     #[command(flatten)]
     pub sparse: PolicyArgs,
     /// Speculative decoding of every request that does not choose (extension field
-    /// `speculate`, which may also say `{"drafter": "off"}`); see `generate --help`. Such a
-    /// sequence runs its own draft–verify rounds beside the batched step (CPU only).
+    /// `speculate`, which may also say `{"drafter": "off"}`); see `generate --help`. On the
+    /// CPU each such sequence runs its own draft–verify rounds beside the batched step; on
+    /// the GPU every slot runs the drafter's policy (sfi, streaming; ngram: full KV) and the
+    /// speculative sequences draft and verify together, one batched pass a round (no `model`
+    /// drafter there).
     #[command(flatten)]
     pub spec: SpecArgs,
     /// Sequences decoded together at most (the running batch).
@@ -84,8 +88,13 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     let speculate = a.spec.options()?;
-    if speculate.is_some() && a.model.device() != slowfast_engine::Device::Cpu {
-        bail!("--speculate runs on the CPU only so far (--device cpu)");
+    let gpu = a.model.device() != slowfast_engine::Device::Cpu;
+    if gpu
+        && speculate
+            .as_ref()
+            .is_some_and(|o| o.drafter == DraftKind::Model)
+    {
+        bail!("--speculate model runs on the CPU only (--device cpu); on the GPU use sfi, streaming or ngram");
     }
     let loaded = Arc::new(a.model.load()?);
     let draft = a.spec.load_draft()?.map(Arc::new);
@@ -103,9 +112,18 @@ pub fn run(a: Args) -> Result<()> {
         .with_context(|| format!("--policy {default_name}"))?
         .with_vocab(&loaded.tokenizer);
     // The drafter's policy must resolve too (a budget for sfi / streaming; --policy full).
-    a.spec
+    // The server's sparse flags (--kv-budget, ...) size it for every speculative request.
+    let spec_policy = a
+        .spec
         .session_policy(&a.policy, &a.sparse, max_context)
-        .context("--speculate")?;
+        .context("--speculate")?
+        .map(|p| p.with_vocab(&loaded.tokenizer));
+    let spec_name = spec_policy.as_ref().map(|p| p.name().to_owned());
+    // On the GPU every slot runs one policy: a speculating server's is the drafter's.
+    let default_policy = match spec_policy {
+        Some(p) if gpu => p,
+        _ => default_policy,
+    };
     let tok = loaded.clone();
     let resolve = move |req: Option<&KvPolicyRequest>, context: usize| {
         let mut p = defaults.clone();
@@ -113,8 +131,10 @@ pub fn run(a: Args) -> Result<()> {
         if let Some(r) = req {
             if let Some(n) = &r.name {
                 name = n.clone();
-                if r.kv_budget.is_none() && name != default_name {
-                    p.kv_budget = None; // a budget belongs to the server's own policy
+                let own = name == default_name || Some(&name) == spec_name.as_ref();
+                if r.kv_budget.is_none() && !own {
+                    // A budget belongs to the server's own policy (or its drafter's).
+                    p.kv_budget = None;
                 }
             }
             p.kv_budget = r.kv_budget.or(p.kv_budget);

@@ -13,13 +13,16 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
 // out[r] = argmax_i logits[r, i]; ties go to the lowest index; NaN never wins.
 // Row r is split over gridDim.x blocks; each writes its (best, index) to scratch, and the last
 // block of the row to finish (a per-row counter) merges them, writes out[r] and resets the
-// counter for the next launch. scratch: [rows] counters (zero between launches), then
-// [rows][gridDim.x] (value bits, index) pairs. grid (blocks a row, rows), block 256.
+// counter for the next launch. scratch: [cnt_rows] counters (zero between launches; a fixed
+// region, ARGMAX_MAX_ROWS on the host, so a launch of more rows than the last one never takes
+// that one's pairs for counters), then [rows][gridDim.x] (value bits, index) pairs. grid
+// (blocks a row, rows), block 256.
 __device__ __forceinline__ void argmax_merge(float& best, u32& bi, float ov, u32 oi) {
     if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
 }
 extern "C" __global__ void __launch_bounds__(256) argmax_f32(const float* __restrict__ logits, u32* __restrict__ out,
-                                                             u32 vocab, u32* __restrict__ scratch) {
+                                                             u32 vocab, u32* __restrict__ scratch,
+                                                             u32 cnt_rows) {
     __shared__ float sv[32];
     __shared__ u32 si[32];
     __shared__ bool last;
@@ -41,7 +44,7 @@ extern "C" __global__ void __launch_bounds__(256) argmax_f32(const float* __rest
     if (lane == 0) { sv[warp] = best; si[warp] = bi; }
     __syncthreads();
     u32* cnt = scratch + row;
-    u32* part = scratch + gridDim.y + (u64)row * nb * 2;
+    u32* part = scratch + cnt_rows + (u64)row * nb * 2;
     if (warp == 0) {
         const u32 nw = blockDim.x >> 5;
         best = lane < nw ? sv[lane] : NEG_INF;

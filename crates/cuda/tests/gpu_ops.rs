@@ -398,6 +398,22 @@ fn argmax_and_top_p() {
             "argmax, launch {round}"
         );
     }
+    // Launches of changing row counts (a verification of 1, then 2, 4, 16 rows a pass): the
+    // counters of the rows a launch adds were never the pairs of the launch before.
+    for (i, n) in [1usize, 2, 1, 4, 16, 3].into_iter().enumerate() {
+        for r in 0..n {
+            let j = r * vocab + (rng.next_u64() as usize % vocab);
+            logits[j] = 200.0 + i as f32;
+        }
+        let dl = ctx.upload(&logits[..n * vocab]).unwrap();
+        ctx.argmax(&dl, &mut out, n, vocab).unwrap();
+        let got = ctx.download(&out).unwrap();
+        assert_eq!(
+            &got[..n],
+            &argmax_ref(&logits[..n * vocab], n, vocab)[..],
+            "argmax of {n} rows after a launch of another count"
+        );
+    }
     // a short row, a row of -inf and NaN (NaN never wins), one with a NaN first
     let small = [
         1.0,

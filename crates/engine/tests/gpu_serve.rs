@@ -1,8 +1,8 @@
 //! The serving scheduler on the GPU (`Device::Cuda`, one decoder of `max_batch` slots) on a
 //! small random Qwen3-shaped model: greedy requests give `generate --device cuda`'s tokens,
 //! alone and batched, under full KV, StreamingLLM and SFI; a cancelled request frees its slot
-//! for the next; requests for another policy than the server's are refused. Skips without a
-//! GPU unless SLOWFAST_REQUIRE_GPU=1.
+//! for the next; requests for another policy than the server's are refused; speculative
+//! requests batch with plain ones. Skips without a GPU unless SLOWFAST_REQUIRE_GPU=1.
 #![cfg(feature = "cuda")]
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -355,6 +355,180 @@ fn other_policies_are_refused() {
     );
     assert!(got[2].2.is_none(), "{:?}", got[2].2);
     assert_eq!(got[2].0.len(), 4);
+}
+
+/// Full KV's greedy tokens of `prompt` on the GPU and each step's top-2 logit gap over the
+/// row's standard deviation (random weights give logits of any scale).
+fn full_kv_with_gaps(m: &Model, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
+    use slowfast_engine::device::Steps;
+    let mut s = slowfast_engine::cuda::GpuSession::new(m, MAX_CONTEXT, &PolicySpec::Full).unwrap();
+    let mut logits = s.prefill(prompt, &mut |_, _| {}).unwrap().to_vec();
+    let (mut out, mut gaps) = (Vec::new(), Vec::new());
+    while out.len() < n {
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let n = logits.len() as f64;
+        let mean = logits.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let var = logits
+            .iter()
+            .map(|&x| (x as f64 - mean).powi(2))
+            .sum::<f64>()
+            / n;
+        out.push(idx[0] as u32);
+        gaps.push((logits[idx[0]] - logits[idx[1]]) / var.sqrt().max(1e-9) as f32);
+        logits = Steps::step(&mut s, idx[0] as u32).unwrap().to_vec();
+    }
+    (out, gaps)
+}
+
+/// Speculative requests batched with plain ones on a server of each policy, with its
+/// drafter (sfi: every verification and on the trigger with adaptive γ; streaming; ngram on
+/// full KV). Every round steps and verifies all slots, parking the others: the plain requests
+/// still give `generate`'s tokens exactly (full KV, StreamingLLM; SFI's may drift, as when
+/// batched at all). The speculative greedy ones give full KV's tokens, or part from them
+/// only where full KV's top two logits nearly tie (the verification's GEMMs round bf16
+/// otherwise than a decode step's). A sampled speculative request runs the logits path.
+#[test]
+fn speculative_requests_batch_with_plain_ones() {
+    if !have_gpu("speculative_requests_batch_with_plain_ones") {
+        return;
+    }
+    use slowfast_engine::spec::{DraftKind, SpecOptions, SpecTokens};
+    // A verification row and a decode step of the same token differ by at most 0.35 of the
+    // row's std here (`gpu_speculative`'s verification_rows_equal_decode_steps): a parting
+    // within twice that is a tie.
+    const TIE: f32 = 0.7;
+    let m = model();
+    let v = m.model.cfg.vocab_size;
+    let reqs = requests(v);
+    let refs: Vec<(Vec<u32>, Vec<f32>)> = reqs
+        .iter()
+        .map(|(p, k)| full_kv_with_gaps(&m.model, p, *k))
+        .collect();
+    let ps = policies(&m);
+    let cases = [
+        (&ps[0], DraftKind::Ngram, SpecTokens::Fixed(4), true),
+        (&ps[1], DraftKind::Streaming, SpecTokens::Fixed(4), true),
+        (&ps[2], DraftKind::Sfi, SpecTokens::Fixed(4), true),
+        (
+            &ps[2],
+            DraftKind::Sfi,
+            SpecTokens::Adaptive { max: 6 },
+            false,
+        ),
+    ];
+    let (mut same, mut total) = (0, 0);
+    for (policy, drafter, tokens, every) in cases {
+        let what = format!("{} {}", drafter.name(), tokens.label());
+        let opts = SpecOptions {
+            drafter,
+            tokens,
+            refresh_every: every,
+            ..SpecOptions::default()
+        };
+        let h = sched(&m, 4, policy);
+        let (tx, rx) = channel();
+        // Requests 0 and 2 speculate, 1 decodes plainly, 3 speculates sampling.
+        for (i, (p, k)) in reqs.iter().enumerate() {
+            let mut r = request(p.clone(), *k, policy);
+            r.speculate = (i != 1).then(|| opts.clone());
+            h.submit(r, sink(i, &tx).0).unwrap();
+        }
+        let mut r = request(reqs[0].0.clone(), 12, policy);
+        r.speculate = Some(opts.clone());
+        r.sampler = SamplerConfig {
+            temperature: 0.8,
+            seed: 7,
+            ..SamplerConfig::greedy()
+        };
+        h.submit(r, sink(3, &tx).0).unwrap();
+        let got = collect(&rx, 4);
+        for (i, g) in got.iter().enumerate() {
+            assert!(g.2.is_none(), "{what}: request {i} failed: {:?}", g.2);
+            let want = if i == 3 { 12 } else { reqs[i].1 };
+            assert_eq!(g.0.len(), want, "{what}: request {i}: token count");
+            assert!(g.0.iter().all(|&t| (t as usize) < v));
+        }
+        let plain = alone(&m, &reqs[1..2], policy);
+        if policy.name() != "sfi" {
+            check(
+                &format!("{what}: the plain request"),
+                &got[1..2],
+                &plain,
+                true,
+            );
+        }
+        for i in [0, 2] {
+            let (want, gaps) = &refs[i];
+            let n = got[i]
+                .0
+                .iter()
+                .zip(want)
+                .take_while(|(a, b)| a == b)
+                .count();
+            eprintln!(
+                "{what}: speculative request {i}: {n}/{} tokens equal to full KV's",
+                want.len()
+            );
+            if n < want.len() {
+                assert!(
+                    gaps[n] < TIE,
+                    "{what}: request {i} parted from full KV at token {n}, where its top-2 gap is {} row std (not a tie)",
+                    gaps[n]
+                );
+            }
+            same += n;
+            total += want.len();
+        }
+        let g = h.gauges();
+        let (ver, drafted, accepted) = (
+            g.spec_verifications.load(Ordering::Relaxed),
+            g.spec_drafted.load(Ordering::Relaxed),
+            g.spec_accepted.load(Ordering::Relaxed),
+        );
+        eprintln!("{what}: {ver} verifications, {accepted}/{drafted} drafts accepted");
+        assert!(ver > 0 && accepted <= drafted, "{what}: counters");
+        if drafter != DraftKind::Ngram {
+            assert!(
+                accepted > 0,
+                "{what}: the self-drafter's drafts are never accepted"
+            );
+        }
+    }
+    assert!(
+        2 * same >= total,
+        "speculative requests agree with full KV on {same}/{total} tokens only"
+    );
+}
+
+/// The model drafter, and a drafter of another policy than the server's, are refused.
+#[test]
+fn gpu_speculation_refuses_other_drafters() {
+    if !have_gpu("gpu_speculation_refuses_other_drafters") {
+        return;
+    }
+    use slowfast_engine::spec::{DraftKind, SpecOptions};
+    let m = model();
+    let ps = policies(&m);
+    let h = sched(&m, 2, &ps[0]);
+    let (tx, rx) = channel();
+    let p = slowfast_engine::bench::random_tokens(10, m.model.cfg.vocab_size, 3);
+    for (i, d) in [DraftKind::Model, DraftKind::Sfi].into_iter().enumerate() {
+        let mut r = request(p.clone(), 4, &ps[0]);
+        r.speculate = Some(SpecOptions {
+            drafter: d,
+            ..SpecOptions::default()
+        });
+        h.submit(r, sink(i, &tx).0).unwrap();
+    }
+    let got = collect(&rx, 2);
+    let e0 = got[0].2.as_deref().unwrap_or("");
+    assert!(e0.contains("model drafter runs on the CPU only"), "{e0}");
+    let e1 = got[1].2.as_deref().unwrap_or("");
+    assert!(
+        e1.contains("needs the sfi policy") && e1.contains("runs full"),
+        "{e1}"
+    );
 }
 
 /// Throughput of the scheduler on the GPU with and without CUDA graphs (a timing, not a

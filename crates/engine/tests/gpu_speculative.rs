@@ -4,7 +4,8 @@
 //! memory). On the default model (`SLOWFAST_DEFAULT_MODEL`), 256 greedy tokens at an 8K
 //! context from each drafter against full KV's plain decode on the GPU: the verification's
 //! multi-row products (cuBLAS) and a decode step's one-row GEMV round bf16 differently, so the
-//! texts may part, but only at a near-tie of full KV's logits, which the test checks. Skips
+//! texts may part, but only at a near-tie of full KV's logits, which the test checks; the
+//! same through the serving scheduler, three requests batched per drafter. Skips
 //! without a GPU unless SLOWFAST_REQUIRE_GPU=1.
 #![cfg(feature = "cuda")]
 
@@ -129,6 +130,19 @@ fn verification_rows_equal_decode_steps() {
                 "{name}: verification rows off the decode steps ({e})"
             );
         }
+        // One sequence and few rows (a pass of 2-4 rows in all), short and long.
+        for lens in [&[43usize][..], &[700], &[300, 40]] {
+            for k in [2usize, 3, 4] {
+                let e = verify_against_steps(&ctx, &m, GpuKvPolicy::Full, lens, k);
+                eprintln!(
+                    "{name}: {k} rows a sequence x {lens:?}: worst logits error {e:.4} (row std)"
+                );
+                assert!(
+                    e < 0.35,
+                    "{name}: verification rows off the decode steps ({e}, {lens:?} x {k})"
+                );
+            }
+        }
         let sfi = GpuKvPolicy::Sfi(slowfast_cuda::GpuSfiConfig {
             sinks: 4,
             recent: 64,
@@ -165,20 +179,9 @@ fn plain_greedy(m: &Model, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
     (out, gaps)
 }
 
-#[test]
-fn default_model_speculative_greedy_is_full_kv_at_8k() {
-    let Ok(path) = std::env::var("SLOWFAST_DEFAULT_MODEL") else {
-        eprintln!("default_model_speculative_greedy_is_full_kv_at_8k: skipped (set SLOWFAST_DEFAULT_MODEL to the gguf)");
-        return;
-    };
-    if gpu("default_model_speculative_greedy_is_full_kv_at_8k").is_none() {
-        return;
-    }
-    const NEW: usize = 256;
-    const CONTEXT: usize = 8192;
-    let m = slowfast_engine::load(&path, &mut |_| {}).unwrap();
-    // English prose and technical text of this repository's docs (the GPU machine has no
-    // Debian texts): the prompt leaves room for the generated tokens.
+/// English prose and technical text of this repository's docs (the GPU machine has no
+/// Debian texts), for prompts.
+fn docs_text() -> String {
     let mut root = std::env::current_dir().unwrap();
     while !root.join("docs/results.md").is_file() {
         assert!(
@@ -195,7 +198,121 @@ fn default_model_speculative_greedy_is_full_kv_at_8k() {
     ] {
         text.push_str(&std::fs::read_to_string(root.join(f)).unwrap_or_default());
     }
-    let mut prompt = m.tokenizer.encode(&text, true).unwrap();
+    text
+}
+
+/// The server's batched speculation on the default model: three greedy requests of 1.5K,
+/// 2.5K and 3.5K tokens at once through the GPU scheduler, per drafter, against full KV's
+/// plain decode of each alone (parting only at a near-tie, as above).
+#[test]
+fn default_model_served_speculation_is_full_kv() {
+    use slowfast_engine::scheduler::{self, ChannelSink, Request, SchedulerConfig};
+    let Ok(path) = std::env::var("SLOWFAST_DEFAULT_MODEL") else {
+        eprintln!("default_model_served_speculation_is_full_kv: skipped (set SLOWFAST_DEFAULT_MODEL to the gguf)");
+        return;
+    };
+    if gpu("default_model_served_speculation_is_full_kv").is_none() {
+        return;
+    }
+    const NEW: usize = 64;
+    const CONTEXT: usize = 4096;
+    let m = Arc::new(slowfast_engine::load(&path, &mut |_| {}).unwrap());
+    let all = m.tokenizer.encode(&docs_text(), true).unwrap();
+    let prompts: Vec<Vec<u32>> = [(0usize, 1500usize), (1800, 2500), (4300, 3500)]
+        .iter()
+        .map(|&(a, n)| all[a..a + n].to_vec())
+        .collect();
+    let refs: Vec<(Vec<u32>, Vec<f32>)> = prompts
+        .iter()
+        .map(|p| plain_greedy(&m.model, p, NEW))
+        .collect();
+    let cases = [
+        ("sfi/6/every", DraftKind::Sfi, SpecTokens::Fixed(6), true),
+        (
+            "sfi/adaptive/trigger",
+            DraftKind::Sfi,
+            SpecTokens::Adaptive { max: 8 },
+            false,
+        ),
+        (
+            "streaming/4",
+            DraftKind::Streaming,
+            SpecTokens::Fixed(4),
+            true,
+        ),
+        ("ngram/6", DraftKind::Ngram, SpecTokens::Fixed(6), true),
+    ];
+    for (name, kind, tokens, every) in cases {
+        let policy = match kind {
+            DraftKind::Sfi => policy_spec("sfi", Some(0.2), 4, CONTEXT)
+                .unwrap()
+                .with_vocab(&m.tokenizer),
+            DraftKind::Streaming => policy_spec("streaming", Some(0.2), 4, CONTEXT).unwrap(),
+            _ => PolicySpec::Full,
+        };
+        let cfg = SchedulerConfig {
+            device: slowfast_engine::Device::Cuda,
+            max_batch: 3,
+            max_queue: 8,
+            prefill_tokens_per_step: 4096,
+            chunk: 512,
+            kv_dtype: KvDtype::F32,
+            kv_memory: usize::MAX,
+            max_context: CONTEXT,
+            default_policy: policy.clone(),
+            draft: None,
+        };
+        let h = scheduler::spawn(m.clone(), cfg).unwrap().0;
+        let (tx, rx) = std::sync::mpsc::channel();
+        for (i, p) in prompts.iter().enumerate() {
+            let mut r = Request::greedy(p.clone(), NEW, policy.clone());
+            r.ignore_eos = true;
+            r.speculate = Some(SpecOptions {
+                drafter: kind,
+                tokens,
+                refresh_every: every,
+                ..SpecOptions::default()
+            });
+            h.submit(r, ChannelSink::new(i, &tx).0).unwrap();
+        }
+        let got = scheduler::collect(&rx, prompts.len(), std::time::Duration::from_secs(600));
+        let g = h.gauges();
+        let (drafted, accepted) = (
+            g.spec_drafted.load(std::sync::atomic::Ordering::Relaxed),
+            g.spec_accepted.load(std::sync::atomic::Ordering::Relaxed),
+        );
+        for (i, (o, (want, gaps))) in got.iter().zip(&refs).enumerate() {
+            assert!(o.2.is_none(), "{name}: request {i} failed: {:?}", o.2);
+            assert_eq!(o.0.len(), NEW, "{name}: request {i}");
+            let same = o.0.iter().zip(want).take_while(|(a, b)| a == b).count();
+            eprintln!(
+                "served {name}: request {i}: {same}/{NEW} tokens equal to full KV's; {accepted}/{drafted} drafts accepted over the batch"
+            );
+            if same < NEW {
+                assert!(
+                    gaps[same] < 0.15,
+                    "served {name}: request {i} parted from full KV at token {same} where its top-2 gap is {:.3} (not a tie)",
+                    gaps[same]
+                );
+            }
+        }
+        assert!(accepted > 0, "{name}: no draft accepted");
+    }
+}
+
+#[test]
+fn default_model_speculative_greedy_is_full_kv_at_8k() {
+    let Ok(path) = std::env::var("SLOWFAST_DEFAULT_MODEL") else {
+        eprintln!("default_model_speculative_greedy_is_full_kv_at_8k: skipped (set SLOWFAST_DEFAULT_MODEL to the gguf)");
+        return;
+    };
+    if gpu("default_model_speculative_greedy_is_full_kv_at_8k").is_none() {
+        return;
+    }
+    const NEW: usize = 256;
+    const CONTEXT: usize = 8192;
+    let m = slowfast_engine::load(&path, &mut |_| {}).unwrap();
+    let mut prompt = m.tokenizer.encode(&docs_text(), true).unwrap();
     assert!(
         prompt.len() > CONTEXT - NEW,
         "docs too short for the prompt"

@@ -47,8 +47,9 @@ impl CudaContext {
             KArg::U(u32_of(OP, "vocab", vocab)?),
             KArg::P(
                 self.argmax_scratch
-                    .ptr_min(OP, "scratch", rows * (1 + 2 * nb))?,
+                    .ptr_min(OP, "scratch", ARGMAX_MAX_ROWS + rows * 2 * nb)?,
             ),
+            KArg::U(ARGMAX_MAX_ROWS as u32),
         ];
         self.launch(
             "argmax_f32",

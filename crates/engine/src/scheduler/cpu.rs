@@ -5,8 +5,8 @@
 use slowfast_kv::PolicyStats;
 use slowfast_model::{Model, Scratch};
 
-use super::{BatchDevice, Inspection};
-use crate::sampler::{Sampler, SamplerConfig};
+use super::{BatchDevice, Inspection, SpecTurn};
+use crate::sampler::SamplerConfig;
 use crate::session::{Cache, KvDtype, PolicySpec, Session};
 use crate::spec::{SpecOptions, SpecStats, Speculator};
 use crate::EngineError;
@@ -129,17 +129,22 @@ impl<'m> BatchDevice for CpuDevice<'m> {
         Ok(())
     }
 
-    fn spec_round(
+    fn spec_rounds(
         &mut self,
-        seq: &mut CpuSeq<'m>,
-        t0: u32,
-        sampler: &mut Sampler,
-        max_out: usize,
-    ) -> Result<Vec<u32>, EngineError> {
-        let spec = seq.spec.as_mut().ok_or_else(|| {
-            EngineError::BadInput("a speculative round of a sequence without a drafter".into())
-        })?;
-        spec.round(&mut seq.sess, t0, sampler, max_out)
+        turns: &mut [SpecTurn<'_, CpuSeq<'m>>],
+    ) -> Vec<Result<Vec<u32>, EngineError>> {
+        turns
+            .iter_mut()
+            .map(|t| {
+                let seq = &mut *t.seq;
+                let spec = seq.spec.as_mut().ok_or_else(|| {
+                    EngineError::BadInput(
+                        "a speculative round of a sequence without a drafter".into(),
+                    )
+                })?;
+                spec.round(&mut seq.sess, t.t0, t.sampler, t.max_out)
+            })
+            .collect()
     }
 
     fn spec_stats(&self, seq: &CpuSeq<'m>) -> Option<SpecStats> {

@@ -15,9 +15,11 @@ use slowfast_cuda::{CudaError, GpuDecoder, GpuKvPolicy};
 use slowfast_kv::sfi::trigger::Trigger;
 use slowfast_kv::PolicyStats;
 
-use super::{BatchDevice, SchedulerConfig};
+use super::{BatchDevice, SchedulerConfig, SpecTurn};
 use crate::cuda::{gpu_policy, load_decoder, open_context, GPU_CHUNK};
+use crate::sampler::SamplerConfig;
 use crate::session::PolicySpec;
+use crate::spec::{DraftKind, Row, SpecOptions, SpecStats, Speculator, MAX_SPEC_TOKENS};
 use crate::{EngineError, Loaded};
 
 /// Dummy tokens a slot that is not decoding may gather before it is truncated back (each
@@ -97,6 +99,8 @@ pub(super) struct GpuSeq {
     argmax: Option<u32>,
     trigger: Option<Trigger>,
     stats: PolicyStats,
+    /// Its drafter when it decodes speculatively (`spec_rounds`).
+    spec: Option<Box<Speculator<'static>>>,
 }
 
 impl GpuDevice {
@@ -138,6 +142,232 @@ impl GpuDevice {
     /// KV bytes of the decoder's cache (all slots).
     pub fn kv_total(&self) -> usize {
         self.share * self.used.len()
+    }
+
+    /// Drops the captured graph when slot lengths changed on the host (`begin_decode`),
+    /// else brings the device's lengths up to the host's and keeps it (`resume_decode`).
+    fn sync(&mut self) -> Result<(), EngineError> {
+        if self.dirty {
+            self.dec.begin_decode().map_err(gpu_err)?;
+            self.dirty = false;
+            self.since_begin = 0;
+        } else {
+            self.resume()?;
+        }
+        Ok(())
+    }
+
+    /// `resume_decode`, which re-begins (dropping nothing) when no graph was captured.
+    fn resume(&mut self) -> Result<(), EngineError> {
+        if !self.dec.has_graph() {
+            self.since_begin = 0;
+        }
+        self.dec.resume_decode().map_err(gpu_err)
+    }
+
+    /// One decode step of every slot, captured as a graph from the second step after a
+    /// `begin_decode` (as `decode` does).
+    fn step_all(&mut self) -> Result<(), EngineError> {
+        if self.since_begin == 1 && self.graphs && !self.dec.has_graph() {
+            let _ = self.dec.capture_decode();
+        }
+        self.dec.decode_step().map_err(gpu_err)?;
+        self.since_begin += 1;
+        Ok(())
+    }
+
+    /// The batched draft–verify round of `turns` (see `spec_rounds`). Every slot steps, so
+    /// the others (free, prefilling, or decoding plainly) are fed dummy tokens and rewound to
+    /// what they held.
+    fn spec_batch(
+        &mut self,
+        turns: &mut [SpecTurn<'_, GpuSeq>],
+    ) -> Result<Vec<Result<Vec<u32>, EngineError>>, EngineError> {
+        let n = self.used.len();
+        let cap = self.dec.capacity();
+        let mut is_turn = vec![false; n];
+        turns.iter().for_each(|t| is_turn[t.seq.slot] = true);
+        // What each slot holds: a turn's sequence its committed tokens (`hold`, kept up to
+        // date by these rounds), a plain decoding sequence its length, the rest `hold`.
+        let keep: Vec<usize> = (0..n)
+            .map(|s| {
+                if !is_turn[s] && self.last_active[s] {
+                    self.dec.slot_len(s)
+                } else {
+                    self.hold[s].min(self.dec.slot_len(s))
+                }
+            })
+            .collect();
+        for (s, &k) in keep.iter().enumerate() {
+            if self.dec.slot_len(s) != k {
+                self.dec.rewind(s, k).map_err(gpu_err)?;
+            }
+        }
+        // γ: each turn's own (`Speculator::plan`), the batch drafting as many steps as the
+        // longest and verifying that many + 1 rows; no slot may outgrow the cache.
+        let room = keep
+            .iter()
+            .map(|&k| cap.saturating_sub(k + 1))
+            .min()
+            .unwrap_or(0);
+        let mut gammas = Vec::with_capacity(turns.len());
+        for t in turns.iter_mut() {
+            let spec = t.seq.spec.as_mut().ok_or_else(|| {
+                EngineError::BadInput("a speculative round of a sequence without a drafter".into())
+            })?;
+            let g = spec
+                .plan(keep[t.seq.slot], cap, MAX_SPEC_TOKENS + 1, t.max_out)?
+                .min(room);
+            spec.begin_drafts(g, t.sampler);
+            gammas.push(g);
+        }
+        let sampled = turns.iter().any(|t| !t.greedy);
+        let t_draft = std::time::Instant::now();
+        // Self-drafters (sfi, streaming): the decoder's own sparse steps, every slot at once.
+        let steps = turns
+            .iter()
+            .zip(&gammas)
+            .filter(|(t, _)| t.seq.spec.as_ref().is_some_and(|s| s.drafts_on_target()))
+            .map(|(_, &g)| g)
+            .max()
+            .unwrap_or(0);
+        if steps > 0 {
+            let mut next = vec![0u32; n];
+            turns.iter().for_each(|t| next[t.seq.slot] = t.t0);
+            self.dec.set_next(&next).map_err(gpu_err)?;
+            self.sync()?;
+            for k in 0..steps {
+                self.step_all()?;
+                let argmax = self.dec.next_tokens().map_err(gpu_err)?;
+                let logits = if sampled {
+                    self.dec.logits().map_err(gpu_err)?
+                } else {
+                    Vec::new()
+                };
+                let mut resample = false;
+                let v = self.vocab;
+                for (t, &g) in turns.iter_mut().zip(&gammas) {
+                    let slot = t.seq.slot;
+                    let spec = t.seq.spec.as_mut().expect("checked above");
+                    if !spec.drafts_on_target() || k >= g {
+                        continue;
+                    }
+                    let row = if t.greedy {
+                        Row::Argmax(argmax[slot])
+                    } else {
+                        Row::Logits(&logits[slot * v..(slot + 1) * v])
+                    };
+                    let tok = spec.draft_row(row)?;
+                    resample |= tok != argmax[slot];
+                    next[slot] = tok;
+                    let st = &mut t.seq.stats;
+                    st.fast_steps += 1;
+                    st.attended_tokens += self.dec.attended(slot) as f64;
+                    st.dense_tokens += (keep[slot] + k + 1) as f64;
+                }
+                if resample && k + 1 < steps {
+                    // The step left each slot's argmax as its next token; sampled drafts
+                    // replace theirs.
+                    for s in (0..n).filter(|&s| !is_turn[s]) {
+                        next[s] = argmax[s];
+                    }
+                    self.dec.set_next(&next).map_err(gpu_err)?;
+                }
+            }
+            for (s, &k) in keep.iter().enumerate() {
+                self.dec.rewind(s, k).map_err(gpu_err)?;
+            }
+        }
+        let draft_s = t_draft.elapsed().as_secs_f64();
+        // One verification of every slot: the pending token and the drafts (padded to the
+        // longest), dense over the whole cache; SFI's row 0 leaves its scores for a refresh.
+        let t_verify = std::time::Instant::now();
+        let rows = turns
+            .iter()
+            .map(|t| t.seq.spec.as_ref().map_or(0, |s| s.drafts().len()))
+            .max()
+            .unwrap_or(0)
+            + 1;
+        let mut toks = vec![0u32; n * rows];
+        let mut capture = vec![false; n];
+        for t in turns.iter() {
+            let slot = t.seq.slot;
+            let d = t.seq.spec.as_ref().expect("checked above").drafts();
+            let row = &mut toks[slot * rows..(slot + 1) * rows];
+            row[0] = t.t0;
+            row[1..=d.len()].copy_from_slice(d);
+            let last = row[d.len()];
+            row[d.len() + 1..].iter_mut().for_each(|x| *x = last);
+            capture[slot] = t.seq.trigger.is_some();
+        }
+        self.dec.verify(&toks, rows, &capture).map_err(gpu_err)?;
+        let argmax = self.dec.verify_argmax().map_err(gpu_err)?;
+        let logits = if sampled {
+            self.dec.verify_logits().map_err(gpu_err)?
+        } else {
+            Vec::new()
+        };
+        let v = self.vocab;
+        let mut out = Vec::with_capacity(turns.len());
+        let mut fired = Vec::new();
+        for t in turns.iter_mut() {
+            let slot = t.seq.slot;
+            let spec = t.seq.spec.as_mut().expect("checked above");
+            let base = slot * rows;
+            let greedy = t.greedy;
+            let row = |i: usize| {
+                if greedy {
+                    Row::Argmax(argmax[base + i])
+                } else {
+                    Row::Logits(&logits[(base + i) * v..(base + i + 1) * v])
+                }
+            };
+            let got = match spec.accept(&row, t.sampler) {
+                Ok(o) => o,
+                Err(e) => {
+                    out.push(Err(e));
+                    continue;
+                }
+            };
+            let accepted = got.len() - 1;
+            let len = keep[slot] + accepted + 1;
+            self.dec.rewind(slot, len).map_err(gpu_err)?;
+            self.hold[slot] = len;
+            // SFI: the verification is the slow step; the Selector runs from it on every
+            // verification (`refresh: every`) or when the trigger fires on the kept tokens.
+            if let Some(tr) = t.seq.trigger.as_mut() {
+                let mut fire = spec.options().refresh_every;
+                fire |= tr.on_token(t.t0);
+                for &tok in &spec.drafts()[..accepted] {
+                    fire |= tr.on_token(tok);
+                }
+                if fire {
+                    fired.push(slot);
+                    tr.reset_after_refresh();
+                }
+            }
+            let st = &mut t.seq.stats;
+            st.slow_steps += 1;
+            st.attended_tokens += (keep[slot] + 1) as f64;
+            st.dense_tokens += (keep[slot] + 1) as f64;
+            out.push(Ok(got));
+        }
+        for (s, &k) in keep.iter().enumerate().filter(|&(s, _)| !is_turn[s]) {
+            self.dec.rewind(s, k).map_err(gpu_err)?;
+        }
+        if !fired.is_empty() {
+            self.dec.refresh_from_verify(&fired).map_err(gpu_err)?;
+        }
+        self.resume()?;
+        let verify_s = t_verify.elapsed().as_secs_f64();
+        // Every sequence of the batch waited for the whole round: its cost, for adaptive γ.
+        let mut res = Vec::with_capacity(turns.len());
+        for (t, o) in turns.iter_mut().zip(out) {
+            let len = self.hold[t.seq.slot];
+            let spec = t.seq.spec.as_mut().expect("checked above");
+            res.push(o.map(|got| spec.finish_round(got, len, draft_s, verify_s, t.max_out)));
+        }
+        Ok(res)
     }
 
     /// Shortens `slot` to `len` tokens (at least one: a dummy when `len` is 0).
@@ -204,6 +434,7 @@ impl BatchDevice for GpuDevice {
             argmax: None,
             trigger,
             stats: PolicyStats::default(),
+            spec: None,
         })
     }
 
@@ -368,6 +599,56 @@ impl BatchDevice for GpuDevice {
 
     fn policy_name(&self, _seq: &GpuSeq) -> &'static str {
         self.name
+    }
+
+    fn spec_attach(
+        &mut self,
+        seq: &mut GpuSeq,
+        opts: &SpecOptions,
+        prompt: &[u32],
+        sampler: &SamplerConfig,
+    ) -> Result<(), EngineError> {
+        // The decoder's one policy drafts (sfi, streaming) or is full KV (ngram).
+        let want = match opts.drafter {
+            DraftKind::Ngram => "full",
+            DraftKind::Model => {
+                return Err(EngineError::BadInput(
+                    "speculate: the model drafter runs on the CPU only (serve --device cpu --draft-model)"
+                        .into(),
+                ))
+            }
+            d => d.name(),
+        };
+        if want != self.name {
+            return Err(EngineError::BadInput(format!(
+                "speculate.drafter `{}` needs the {want} policy, but this GPU server runs {} in every slot (serve --device cuda --policy {want})",
+                opts.drafter.name(),
+                self.name
+            )));
+        }
+        let spec = Speculator::batched(prompt, opts.clone(), sampler, self.vocab)?;
+        seq.spec = Some(Box::new(spec));
+        Ok(())
+    }
+
+    /// Every turn in one round: the self-drafters' steps batched over the slots, one
+    /// verification of all slots, per-sequence accept lengths.
+    fn spec_rounds(
+        &mut self,
+        turns: &mut [SpecTurn<'_, GpuSeq>],
+    ) -> Vec<Result<Vec<u32>, EngineError>> {
+        match self.spec_batch(turns) {
+            Ok(r) => r,
+            // A failed batched round fails every sequence in it.
+            Err(e) => turns
+                .iter()
+                .map(|_| Err(EngineError::BadInput(e.to_string())))
+                .collect(),
+        }
+    }
+
+    fn spec_stats(&self, seq: &GpuSeq) -> Option<SpecStats> {
+        seq.spec.as_ref().map(|s| s.stats().clone())
     }
 
     fn close(&mut self, seq: GpuSeq) {

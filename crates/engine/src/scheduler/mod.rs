@@ -274,21 +274,24 @@ pub(crate) trait BatchDevice {
         _sampler: &SamplerConfig,
     ) -> Result<(), EngineError> {
         Err(EngineError::BadInput(
-            "speculative decoding runs on the CPU only so far (serve --device cpu)".into(),
+            "speculative decoding does not run on this device".into(),
         ))
     }
-    /// One draft–verify round after the pending token `t0` (see `Speculator::round`): the new
-    /// tokens, already recorded in `sampler`.
-    fn spec_round(
+    /// Draft–verify rounds of speculative sequences, one per turn (see `Speculator::round`):
+    /// each turn's new tokens, already recorded in its sampler. The CPU runs one sequence
+    /// after the other; the GPU drafts and verifies them all in one batched pass.
+    fn spec_rounds(
         &mut self,
-        _seq: &mut Self::Seq,
-        _t0: u32,
-        _sampler: &mut Sampler,
-        _max_out: usize,
-    ) -> Result<Vec<u32>, EngineError> {
-        Err(EngineError::BadInput(
-            "speculative decoding runs on the CPU only so far".into(),
-        ))
+        turns: &mut [SpecTurn<'_, Self::Seq>],
+    ) -> Vec<Result<Vec<u32>, EngineError>> {
+        turns
+            .iter()
+            .map(|_| {
+                Err(EngineError::BadInput(
+                    "speculative decoding does not run on this device".into(),
+                ))
+            })
+            .collect()
     }
     /// The sequence's speculative counters (None without a drafter).
     fn spec_stats(&self, _seq: &Self::Seq) -> Option<SpecStats> {
@@ -299,6 +302,18 @@ pub(crate) trait BatchDevice {
     fn inspect(&self, _seq: &Self::Seq) -> Option<Inspection> {
         None
     }
+}
+
+/// One speculative sequence's part of `BatchDevice::spec_rounds`.
+pub struct SpecTurn<'a, S> {
+    pub seq: &'a mut S,
+    /// The pending token (sampled, recorded in `sampler`, not yet in the cache).
+    pub t0: u32,
+    pub sampler: &'a mut Sampler,
+    /// Most tokens the round may return.
+    pub max_out: usize,
+    /// Temperature 0 without penalties: the device's argmax of a row is its distribution.
+    pub greedy: bool,
 }
 
 /// Starts the scheduler thread over `loaded`; the thread ends when every handle is dropped
@@ -531,37 +546,60 @@ fn run<D: BatchDevice>(
         } else {
             drop(seqs);
         }
-        // 4b. Speculative sequences: a draft–verify round each (several tokens).
-        for s in running.iter_mut().filter(|s| s.st.speculative()) {
-            let Some(t) = s.st.pending.take() else {
+        // 4b. Speculative sequences: a draft–verify round each (several tokens), batched
+        // where the device can.
+        let mut turns = Vec::new();
+        let mut spec_idx = Vec::new();
+        for (i, s) in running.iter_mut().enumerate() {
+            if !s.st.speculative() {
+                continue;
+            }
+            let Some(t0) = s.st.pending.take() else {
                 continue;
             };
-            let before = dev.spec_stats(&s.seq).unwrap_or_default();
-            let max_out = s.st.remaining();
-            let r = dev.spec_round(&mut s.seq, t, s.st.sampler_mut(), max_out);
-            let after = dev.spec_stats(&s.seq).unwrap_or_default();
-            let d = |a: usize, b: usize| a.saturating_sub(b) as u64;
-            g.spec_drafted
-                .fetch_add(d(after.drafted, before.drafted), Ordering::Relaxed);
-            g.spec_accepted
-                .fetch_add(d(after.accepted, before.accepted), Ordering::Relaxed);
-            g.spec_verifications.fetch_add(
-                d(after.verifications, before.verifications),
-                Ordering::Relaxed,
-            );
-            match r {
-                Ok(tokens) => {
-                    g.decode_rows
-                        .fetch_add(tokens.len() as u64, Ordering::Relaxed);
-                    let info = (dev.policy_name(&s.seq), dev.stats(&s.seq));
-                    for tok in tokens {
-                        s.st.emit(tok, None, m, info.clone());
-                        if s.st.finished {
-                            break;
+            let (max_out, greedy) = (s.st.remaining(), s.st.greedy());
+            spec_idx.push(i);
+            turns.push(SpecTurn {
+                seq: &mut s.seq,
+                t0,
+                sampler: s.st.sampler_mut(),
+                max_out,
+                greedy,
+            });
+        }
+        if !turns.is_empty() {
+            let before: Vec<SpecStats> = turns
+                .iter()
+                .map(|t| dev.spec_stats(t.seq).unwrap_or_default())
+                .collect();
+            let results = dev.spec_rounds(&mut turns);
+            drop(turns);
+            for ((&i, r), before) in spec_idx.iter().zip(results).zip(before) {
+                let s = &mut running[i];
+                let after = dev.spec_stats(&s.seq).unwrap_or_default();
+                let d = |a: usize, b: usize| a.saturating_sub(b) as u64;
+                g.spec_drafted
+                    .fetch_add(d(after.drafted, before.drafted), Ordering::Relaxed);
+                g.spec_accepted
+                    .fetch_add(d(after.accepted, before.accepted), Ordering::Relaxed);
+                g.spec_verifications.fetch_add(
+                    d(after.verifications, before.verifications),
+                    Ordering::Relaxed,
+                );
+                match r {
+                    Ok(tokens) => {
+                        g.decode_rows
+                            .fetch_add(tokens.len() as u64, Ordering::Relaxed);
+                        let info = (dev.policy_name(&s.seq), dev.stats(&s.seq));
+                        for tok in tokens {
+                            s.st.emit(tok, None, m, info.clone());
+                            if s.st.finished {
+                                break;
+                            }
                         }
                     }
+                    Err(e) => s.st.fail(&e.to_string()),
                 }
-                Err(e) => s.st.fail(&e.to_string()),
             }
         }
         // 5. Prefill under the step's token budget, oldest first (at least one part a step).

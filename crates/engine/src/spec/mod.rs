@@ -9,7 +9,7 @@ pub mod target;
 pub mod timing;
 
 pub use speculator::{
-    check_same_vocab, DraftKind, SpecOptions, SpecReport, SpecStats, SpecTokens, Speculator,
+    check_same_vocab, DraftKind, Row, SpecOptions, SpecReport, SpecStats, SpecTokens, Speculator,
     MAX_SPEC_TOKENS,
 };
 pub use target::{spec_session, SpecSession, SpecTarget};

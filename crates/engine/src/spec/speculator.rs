@@ -306,6 +306,17 @@ impl Adapt {
     }
 }
 
+/// One scored row handed to a speculative sequence by a device that drafts or verifies
+/// many sequences in one pass (the GPU scheduler's batched rounds).
+#[derive(Debug, Clone, Copy)]
+pub enum Row<'a> {
+    /// The row's logits over the vocabulary.
+    Logits(&'a [f32]),
+    /// The device's argmax of the row: enough for a greedy sampler (temperature 0, no
+    /// penalties), whose distribution is that one token.
+    Argmax(u32),
+}
+
 enum Drafter<'m> {
     /// The target session's own policy drafts.
     SelfPolicy,
@@ -369,11 +380,7 @@ impl<'m> Speculator<'m> {
         kv: KvDtype,
         sampler: &SamplerConfig,
     ) -> Result<Self, EngineError> {
-        if opts.tokens.max() == 0 || opts.tokens.max() > MAX_SPEC_TOKENS {
-            return Err(EngineError::BadInput(format!(
-                "--spec-tokens must be in 1..={MAX_SPEC_TOKENS}"
-            )));
-        }
+        Self::check_tokens(&opts)?;
         if opts.drafter != DraftKind::Model && draft.is_some() {
             return Err(EngineError::BadInput(
                 "--draft-model is only used with --speculate model".into(),
@@ -401,12 +408,7 @@ impl<'m> Speculator<'m> {
         }
         let drafter = match opts.drafter {
             DraftKind::Sfi | DraftKind::Streaming => Drafter::SelfPolicy,
-            DraftKind::Ngram => {
-                let mut d = NgramDrafter::try_new(opts.ngram_max, opts.ngram_min)
-                    .map_err(|e| EngineError::BadInput(e.to_string()))?;
-                d.extend(prompt);
-                Drafter::Ngram(d)
-            }
+            DraftKind::Ngram => Drafter::Ngram(Self::ngram(&opts, prompt)?),
             DraftKind::Model => {
                 let m = draft.ok_or_else(|| {
                     EngineError::BadInput("--speculate model needs --draft-model".into())
@@ -431,6 +433,62 @@ impl<'m> Speculator<'m> {
             (DraftKind::Model, Some(m)) => m.cfg.vocab_size,
             _ => target.vocab_size(),
         };
+        Self::assemble(drafter, opts, sampler, vocab)
+    }
+
+    pub fn stats(&self) -> &SpecStats {
+        &self.stats
+    }
+    pub fn options(&self) -> &SpecOptions {
+        &self.opts
+    }
+
+    /// A speculative sequence whose device drafts and verifies it batched with others (the
+    /// GPU scheduler): the `sfi`, `streaming` (the device's own policy drafts) and `ngram`
+    /// drafters; the device checks that its policy is the drafter's. `prompt`: the tokens
+    /// before the first pending one.
+    pub fn batched(
+        prompt: &[u32],
+        opts: SpecOptions,
+        sampler: &SamplerConfig,
+        vocab: usize,
+    ) -> Result<Self, EngineError> {
+        Self::check_tokens(&opts)?;
+        let drafter = match opts.drafter {
+            DraftKind::Sfi | DraftKind::Streaming => Drafter::SelfPolicy,
+            DraftKind::Ngram => Drafter::Ngram(Self::ngram(&opts, prompt)?),
+            DraftKind::Model => {
+                return Err(EngineError::BadInput(
+                    "speculate: the model drafter runs on the CPU only (serve --device cpu --draft-model)"
+                        .into(),
+                ))
+            }
+        };
+        Self::assemble(drafter, opts, sampler, vocab)
+    }
+
+    fn check_tokens(opts: &SpecOptions) -> Result<(), EngineError> {
+        if opts.tokens.max() == 0 || opts.tokens.max() > MAX_SPEC_TOKENS {
+            return Err(EngineError::BadInput(format!(
+                "--spec-tokens must be in 1..={MAX_SPEC_TOKENS}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn ngram(opts: &SpecOptions, prompt: &[u32]) -> Result<NgramDrafter, EngineError> {
+        let mut d = NgramDrafter::try_new(opts.ngram_max, opts.ngram_min)
+            .map_err(|e| EngineError::BadInput(e.to_string()))?;
+        d.extend(prompt);
+        Ok(d)
+    }
+
+    fn assemble(
+        drafter: Drafter<'m>,
+        opts: SpecOptions,
+        sampler: &SamplerConfig,
+        vocab: usize,
+    ) -> Result<Self, EngineError> {
         let mut ds = Sampler::new(sampler.clone(), vocab)?;
         ds.reseed(sampler.seed ^ 0xD2AF_7000_5EC0_DE00);
         Ok(Speculator {
@@ -445,11 +503,154 @@ impl<'m> Speculator<'m> {
         })
     }
 
-    pub fn stats(&self) -> &SpecStats {
-        &self.stats
+    /// Whether the target's own decode steps draft (`sfi`, `streaming`).
+    pub fn drafts_on_target(&self) -> bool {
+        matches!(self.drafter, Drafter::SelfPolicy)
     }
-    pub fn options(&self) -> &SpecOptions {
-        &self.opts
+
+    /// The round's γ for a target at `pos` of `capacity` positions whose verification takes
+    /// at most `rows_max` rows, with `max_out` tokens still wanted (at least 1: a one-row
+    /// pass would be a decode step, not a check).
+    pub fn plan(
+        &self,
+        pos: usize,
+        capacity: usize,
+        rows_max: usize,
+        max_out: usize,
+    ) -> Result<usize, EngineError> {
+        if pos + 2 > capacity {
+            return Err(EngineError::BadInput(format!(
+                "speculative decoding: the cache of {capacity} positions is full"
+            )));
+        }
+        let want = match self.opts.tokens {
+            SpecTokens::Fixed(g) => g,
+            SpecTokens::Adaptive { max } => self.adapt.pick(max),
+        };
+        Ok(want
+            .min(max_out.saturating_sub(1))
+            .min(capacity.saturating_sub(pos + 1))
+            .min(rows_max.saturating_sub(1))
+            .max(1))
+    }
+
+    /// Starts the round's drafts after the pending token `t0`: the drafter's sampler takes
+    /// the target's history; a host drafter (`ngram`) proposes its (up to `gamma`) tokens
+    /// now, a self-drafter's come from `draft_row`.
+    pub fn begin_drafts(&mut self, gamma: usize, sampler: &Sampler) {
+        self.drafts.clear();
+        if self.q.len() < gamma {
+            self.q.resize_with(gamma, Vec::new);
+        }
+        // Drafts follow the target's sampler settings and history, on their own stream.
+        self.ds.copy_history(sampler);
+        if let Drafter::Ngram(d) = &mut self.drafter {
+            d.propose(gamma, &mut self.drafts);
+            self.drafts.truncate(gamma);
+            // A deterministic proposal: q is the drafted token with probability 1.
+            for (q, &t) in self.q.iter_mut().zip(&self.drafts) {
+                q.clear();
+                q.push((1.0, t));
+            }
+        }
+    }
+
+    /// The next draft from the drafter's scored row (its sampler draws it): the drafted token.
+    pub fn draft_row(&mut self, row: Row) -> Result<u32, EngineError> {
+        let i = self.drafts.len();
+        if self.q.len() <= i {
+            self.q.resize_with(i + 1, Vec::new);
+        }
+        let tok = match row {
+            Row::Logits(l) => {
+                self.ds.distribution(l, &mut self.q[i])?;
+                draw(&self.q[i], self.ds.rng_mut())
+            }
+            Row::Argmax(t) => {
+                self.q[i].clear();
+                self.q[i].push((1.0, t));
+                t
+            }
+        };
+        self.ds.accept(tok);
+        self.drafts.push(tok);
+        Ok(tok)
+    }
+
+    /// This round's drafts so far.
+    pub fn drafts(&self) -> &[u32] {
+        &self.drafts
+    }
+
+    /// Checks the drafts against the verification's rows (`row(i)`: the target's row after
+    /// the pending token and the first i drafts, i in 0..=drafts): the accepted drafts, then
+    /// the target's own token, each recorded in `sampler`.
+    pub fn accept<'r>(
+        &mut self,
+        row: &dyn Fn(usize) -> Row<'r>,
+        sampler: &mut Sampler,
+    ) -> Result<Vec<u32>, EngineError> {
+        let g = self.drafts.len();
+        let mut out = Vec::with_capacity(g + 1);
+        for i in 0..=g {
+            match row(i) {
+                Row::Logits(l) => sampler.distribution(l, &mut self.p)?,
+                Row::Argmax(t) => {
+                    self.p.clear();
+                    self.p.push((1.0, t));
+                }
+            }
+            if i == g {
+                let t = draw(&self.p, sampler.rng_mut());
+                sampler.accept(t);
+                out.push(t);
+                break;
+            }
+            let d = self.drafts[i];
+            match verify_token(&self.p, &self.q[i], d, sampler.rng_mut()) {
+                None => {
+                    sampler.accept(d);
+                    out.push(d);
+                }
+                Some(t) => {
+                    sampler.accept(t);
+                    out.push(t);
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Ends a round whose verification produced `out` (from `accept`; the target now holds
+    /// `target_len` positions): the drafter catches up, the counters and adaptive γ learn
+    /// from it, and `out` is cut to `max_out` tokens.
+    pub fn finish_round(
+        &mut self,
+        mut out: Vec<u32>,
+        target_len: usize,
+        draft_s: f64,
+        verify_s: f64,
+        max_out: usize,
+    ) -> Vec<u32> {
+        let g = self.drafts.len();
+        let accepted = out.len() - 1;
+        self.after_round(target_len, &out);
+        self.stats.drafted += g;
+        self.stats.accepted += accepted;
+        self.stats.verifications += 1;
+        self.stats.produced += out.len();
+        self.stats.draft_seconds += draft_s;
+        self.stats.verify_seconds += verify_s;
+        if g > 0 {
+            self.stats
+                .accept_hist
+                .entry(g)
+                .or_insert_with(|| vec![0; g + 1])[accepted.min(g)] += 1;
+        }
+        self.adapt.update(g, accepted, draft_s, verify_s);
+        out.truncate(max_out.max(1));
+        out
     }
 
     /// One draft–verify round after the pending token `t0` (already sampled and recorded in
@@ -465,87 +666,37 @@ impl<'m> Speculator<'m> {
         max_out: usize,
     ) -> Result<Vec<u32>, EngineError> {
         let n = target.pos();
-        let room = target.capacity().saturating_sub(n + 1);
-        let want = match self.opts.tokens {
-            SpecTokens::Fixed(g) => g,
-            SpecTokens::Adaptive { max } => self.adapt.pick(max),
-        };
-        // At least one draft: a one-row pass would be a (sparse) decode step, not a check.
-        let rows = target.verify_rows_max();
-        let gamma = want
-            .min(max_out.saturating_sub(1))
-            .min(room)
-            .min(rows.saturating_sub(1))
-            .max(1);
-        if n + 2 > target.capacity() {
-            return Err(EngineError::BadInput(format!(
-                "speculative decoding: the cache of {} positions is full",
-                target.capacity()
-            )));
-        }
+        let gamma = self.plan(n, target.capacity(), target.verify_rows_max(), max_out)?;
         let t_draft = Instant::now();
         self.draft(target, t0, gamma, sampler)?;
         let draft_s = t_draft.elapsed().as_secs_f64();
         let g = self.drafts.len();
         let t_verify = Instant::now();
-        let mut out = Vec::with_capacity(g + 1);
-        if g == 0 {
+        let out = if g == 0 {
             // Nothing proposed (n-gram without a match): a plain dense step.
             let logits = target.step(t0)?;
             sampler.distribution(logits, &mut self.p)?;
             let t = draw(&self.p, sampler.rng_mut());
             sampler.accept(t);
-            out.push(t);
+            vec![t]
         } else {
             let mut fed = Vec::with_capacity(g + 1);
             fed.push(t0);
             fed.extend_from_slice(&self.drafts);
             let vocab = target.vocab_size();
             let logits = target.verify(&fed)?;
-            for i in 0..=g {
-                sampler.distribution(&logits[i * vocab..(i + 1) * vocab], &mut self.p)?;
-                if i == g {
-                    let t = draw(&self.p, sampler.rng_mut());
-                    sampler.accept(t);
-                    out.push(t);
-                    break;
-                }
-                let d = self.drafts[i];
-                match verify_token(&self.p, &self.q[i], d, sampler.rng_mut()) {
-                    None => {
-                        sampler.accept(d);
-                        out.push(d);
-                    }
-                    Some(t) => {
-                        sampler.accept(t);
-                        out.push(t);
-                        break;
-                    }
-                }
-            }
+            let out = self.accept(
+                &|i| Row::Logits(&logits[i * vocab..(i + 1) * vocab]),
+                sampler,
+            )?;
             let accepted = out.len() - 1;
             // Keep t0 and the accepted drafts; the last token of `out` is pending.
             fed.truncate(accepted + 1);
             target.end_verify(&fed, n + accepted + 1, self.opts.refresh_every)?;
-        }
+            out
+        };
         let verify_s = t_verify.elapsed().as_secs_f64();
-        let accepted = out.len() - 1;
-        self.after_round(target.pos(), &out);
-        self.stats.drafted += g;
-        self.stats.accepted += accepted;
-        self.stats.verifications += 1;
-        self.stats.produced += out.len();
-        self.stats.draft_seconds += draft_s;
-        self.stats.verify_seconds += verify_s;
-        if g > 0 {
-            self.stats
-                .accept_hist
-                .entry(g)
-                .or_insert_with(|| vec![0; g + 1])[accepted.min(g)] += 1;
-        }
-        self.adapt.update(g, accepted, draft_s, verify_s);
-        out.truncate(max_out.max(1));
-        Ok(out)
+        Ok(self.finish_round(out, target.pos(), draft_s, verify_s, max_out))
     }
 
     /// Propose up to `gamma` tokens after `t0` into `self.drafts`, with the drafter's
@@ -557,25 +708,16 @@ impl<'m> Speculator<'m> {
         gamma: usize,
         sampler: &Sampler,
     ) -> Result<(), EngineError> {
-        self.drafts.clear();
-        if self.q.len() < gamma {
-            self.q.resize_with(gamma, Vec::new);
-        }
-        // Drafts follow the target's sampler settings and history, on their own stream.
-        let ds = &mut self.ds;
-        ds.copy_history(sampler);
+        self.begin_drafts(gamma, sampler);
         match &mut self.drafter {
             Drafter::SelfPolicy => {
                 let n = target.pos();
                 target.begin_draft()?;
                 let mut tok = t0;
                 let r = (|| {
-                    for i in 0..gamma {
+                    for _ in 0..gamma {
                         let logits = target.step(tok)?;
-                        ds.distribution(logits, &mut self.q[i])?;
-                        tok = draw(&self.q[i], ds.rng_mut());
-                        ds.accept(tok);
-                        self.drafts.push(tok);
+                        tok = self.draft_row(Row::Logits(logits))?;
                     }
                     Ok::<(), EngineError>(())
                 })();
@@ -583,16 +725,9 @@ impl<'m> Speculator<'m> {
                 r?;
                 e?;
             }
-            Drafter::Ngram(d) => {
-                d.propose(gamma, &mut self.drafts);
-                self.drafts.truncate(gamma);
-                // A deterministic proposal: q is the drafted token with probability 1.
-                for (q, &t) in self.q.iter_mut().zip(&self.drafts) {
-                    q.clear();
-                    q.push((1.0, t));
-                }
-            }
+            Drafter::Ngram(_) => {} // proposed by begin_drafts
             Drafter::Model { sess, lag } => {
+                let ds = &mut self.ds;
                 lag.push(t0);
                 // The committed tokens it has not seen, then t0: the last row drafts.
                 sess.forward(lag, slowfast_model::LogitsRows::Last)?;
