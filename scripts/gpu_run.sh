@@ -4,6 +4,8 @@
 #   bash .bin/gpu_run.sh [tests] [bench] [torch] [sfi] ...   (default: tests bench torch)
 #   (phase `faults` runs tests/serve/fault_storm.py from the checkout against `serve --device cuda`)
 set -uo pipefail
+# serve_url: wait for a server's "listening on" line (beside this script, as in .bin/)
+. "$(dirname "$0")/serve_url.sh"
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export SLOWFAST_REQUIRE_GPU=1 SLOWFAST_REQUIRE_NVRTC=1 PYTHONUNBUFFERED=1
@@ -194,13 +196,7 @@ PY
           --max-batch "${S:-$B}" --max-context "$C" --max-queue 256 --max-body-bytes 67108864 --port 0 \
           --policy "$POL" $opts > "$log" 2>&1 &
         spid=$!
-        url=""
-        for _ in $(seq 1 600); do
-          url="$(grep -o 'listening on http://[^[:space:]]*' "$log" | head -n 1 | sed 's/^listening on //')"
-          [ -n "$url" ] && break
-          kill -0 $spid 2>/dev/null || break
-          sleep 0.2
-        done
+        url="$(serve_url "$log" "$spid")"
         if [ -z "$url" ]; then tail -20 "$log" | tee -a "$OUT/serve.log"; rc=1; continue; fi
         python3 .bin/serve_load.py --url "$url" --token-ids --vocab 151936 --concurrency "$B" --requests "$B" \
           --max-tokens "$N" --prompt-lengths "$P" --ignore-eos --disconnect-fraction 0 --probe "${PROBE:-512}" \
@@ -224,13 +220,7 @@ PY
         --max-batch 8 --max-context "${FAULT_CTX:-2048}" --max-queue 256 --max-body-bytes 1048576 --port 0 \
         --header-read-timeout 10 --body-read-timeout 5 > "$log" 2>&1 &
       spid=$!
-      url=""
-      for _ in $(seq 1 600); do
-        url="$(grep -o 'listening on http://[^[:space:]]*' "$log" | head -n 1 | sed 's/^listening on //')"
-        [ -n "$url" ] && break
-        kill -0 $spid 2>/dev/null || break
-        sleep 0.2
-      done
+      url="$(serve_url "$log" "$spid")"
       if [ -z "$url" ]; then tail -20 "$log" | tee -a "$OUT/faults.log"; rc=1; continue; fi
       timeout -k 10 "${FAULT_TIMEOUT:-540}" python3 tests/serve/fault_storm.py --url "$url" --token-ids "${FAULT_VOCAB:-151936}" \
         --max-body-bytes 1048576 --header-read-timeout 10 --body-read-timeout 5 \

@@ -21,6 +21,7 @@ set -uo pipefail
 # beside this script (BIN overrides), e.g. a copy kept in /tmp/carry while the machine is warm.
 [ -f docs/results.md ] || cd "$(dirname "$0")/.."
 B="${BIN:-$(cd "$(dirname "$0")" && pwd)}"
+. "$B/serve_url.sh"  # serve_url: wait for a server's "listening on" line
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export SLOWFAST_REQUIRE_GPU=1 SLOWFAST_REQUIRE_NVRTC=1 PYTHONUNBUFFERED=1
 export SLOWFAST_FIXTURES="$B/fixtures" SLOWFAST_HOME="${SLOWFAST_HOME:-/tmp/slowfast-home}"
@@ -132,13 +133,7 @@ PY
         echo "== serve $name: $flags" | tee -a "$OUT/servespec.log"
         $B/slowfast serve --device cuda -m $M --max-batch "$SB" --max-context 12288 --port 0 $flags > "$log" 2>&1 &
         spid=$!
-        url=""
-        for _ in $(seq 1 600); do
-          url="$(grep -o 'listening on http://[^[:space:]]*' "$log" | head -n 1 | sed 's/^listening on //')"
-          [ -n "$url" ] && break
-          kill -0 $spid 2>/dev/null || break
-          sleep 0.2
-        done
+        url="$(serve_url "$log" "$spid")"
         if [ -z "$url" ]; then tail -20 "$log" | tee -a "$OUT/servespec.log"; rc=1; continue; fi
         python3 $B/serve_load.py --url "$url" --prompt-file /tmp/emma.txt --concurrency "$SB" --requests "$SB" \
           --max-tokens 256 --prompt-lengths "${SPL:-6000}" --ignore-eos --disconnect-fraction 0 --temperature 0 \
