@@ -283,6 +283,37 @@ impl<'m> Session<'m> {
         })
     }
 
+    /// An exact copy of this session: cache, position, last logits and the policy's whole
+    /// state (an SFI memory bootstrapped in prefill included), for the policies that can give
+    /// one (full, streaming, sfi); `fork` starts the others afresh.
+    pub fn try_clone(&self) -> Result<Session<'m>, EngineError> {
+        let copy = |name: &str| {
+            EngineError::BadInput(format!(
+                "the {name} policy's state cannot be copied: fork the session instead"
+            ))
+        };
+        let cache = match &self.cache {
+            Cache::F32(c, p) => Cache::F32(c.clone(), p.try_clone().ok_or_else(|| copy(p.name()))?),
+            Cache::F16(c, p) => Cache::F16(c.clone(), p.try_clone().ok_or_else(|| copy(p.name()))?),
+        };
+        if self.tsp.is_some() {
+            return Err(copy("fastkv"));
+        }
+        Ok(Session {
+            model: self.model,
+            cache,
+            scratch: Scratch::default(),
+            chunk: self.chunk,
+            logits: self.logits.clone(),
+            tsp: None,
+        })
+    }
+
+    /// The model this session runs.
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
     /// Tokens in the cache.
     pub fn pos(&self) -> usize {
         match &self.cache {
@@ -907,6 +938,50 @@ pub fn policy_spec_knobs(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A copied session (SFI's memory bootstrapped in its prefill, the trigger, the counters)
+    /// continues exactly as the original: the same logits at every step, bit for bit, over
+    /// steps that refresh the memory; a policy without a copy is refused by name.
+    #[test]
+    fn try_clone_continues_exactly() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/hf/qwen3");
+        let m = crate::load(dir.to_str().unwrap(), &mut |_| {}).unwrap();
+        let prompt: Vec<u32> = (0..300u32).map(|i| (i * 37 + 11) % 500 + 6).collect();
+        let knobs = SfiKnobs {
+            recent: 16,
+            min_gap: 2,
+            refresh_interval: 8,
+            ..Default::default()
+        };
+        let sfi = policy_spec_with("sfi", Some(40.0), 2, 400, &knobs).unwrap();
+        let streaming = policy_spec("streaming", Some(40.0), 2, 400).unwrap();
+        for (spec, kv) in [
+            (&sfi, KvDtype::F32),
+            (&sfi, KvDtype::F16),
+            (&streaming, KvDtype::F16),
+        ] {
+            let mut a = Session::try_with_policy(&m.model, 400, kv, 64, spec).unwrap();
+            a.prefill(&prompt, &mut |_, _| {}).unwrap();
+            let mut b = a.try_clone().unwrap();
+            assert_eq!(b.pos(), a.pos());
+            assert_eq!(b.logits(), a.logits());
+            for i in 0..60u32 {
+                let t = (i * 53 + 7) % 500 + 6;
+                let la = a.step(t).unwrap().to_vec();
+                assert_eq!(b.step(t).unwrap(), &la[..], "{} step {i}", spec.name());
+            }
+            assert_eq!(a.policy_stats(), b.policy_stats());
+            if spec.name() == "sfi" {
+                assert!(a.policy_stats().slow_steps > 1, "{:?}", a.policy_stats());
+            }
+        }
+        let h2o = policy_spec("h2o", Some(40.0), 2, 400).unwrap();
+        let mut s = Session::try_with_policy(&m.model, 400, KvDtype::F32, 64, &h2o).unwrap();
+        s.prefill(&prompt, &mut |_, _| {}).unwrap();
+        let e = s.try_clone().err().expect("h2o has no copy").to_string();
+        assert!(e.contains("h2o"), "{e}");
+    }
 
     #[test]
     fn parse_contexts_refuses_overflow() {

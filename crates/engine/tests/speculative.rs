@@ -95,26 +95,25 @@ fn every_drafter_gives_full_kv_greedy_tokens_at_8k() {
         .unwrap()
         .with_vocab(&m.tokenizer);
     let greedy = SamplerConfig::greedy();
+    // The 8K prefills dominate this test (about a minute each on 2 cores): one of full KV
+    // serves every full-KV target and the draft model (exact copies), one of SFI both SFI
+    // cases (SFI bootstraps its memory in its own prefill).
     let mut cases: Vec<(&str, Session<'_>, Speculator<'_>)> = Vec::new();
-    for (name, o) in [
-        (
-            "ngram/6",
-            opts(DraftKind::Ngram, SpecTokens::Fixed(6), true),
-        ),
-        (
-            "model(itself)/4",
-            opts(DraftKind::Model, SpecTokens::Fixed(4), true),
-        ),
-    ] {
-        let draft = (o.drafter == DraftKind::Model).then_some(&m.model);
-        let mut s = full.fork(&PolicySpec::Full).unwrap();
-        let spec = Speculator::new(&mut s, &prompt, o, draft, kv, &greedy).unwrap();
-        cases.push((name, s, spec));
-    }
+    let mut s = full.fork(&PolicySpec::Full).unwrap();
+    let o = opts(DraftKind::Ngram, SpecTokens::Fixed(6), true);
+    let spec = Speculator::new(&mut s, &prompt, o, None, kv, &greedy).unwrap();
+    cases.push(("ngram/6", s, spec));
+    let mut s = full.fork(&PolicySpec::Full).unwrap();
+    let o = opts(DraftKind::Model, SpecTokens::Fixed(4), true);
+    let draft = full.try_clone().unwrap();
+    let spec = Speculator::with_draft_session(&mut s, &prompt, o, draft, &greedy).unwrap();
+    cases.push(("model(itself)/4", s, spec));
     let mut s = full.fork(&streaming).unwrap();
     let o = opts(DraftKind::Streaming, SpecTokens::Fixed(4), true);
     let spec = Speculator::new(&mut s, &prompt, o, None, kv, &greedy).unwrap();
     cases.push(("streaming/4", s, spec));
+    let mut sfi_prefilled = Session::try_with_policy(&m.model, cap, kv, 512, &sfi).unwrap();
+    sfi_prefilled.prefill(&prompt, &mut |_, _| {}).unwrap();
     for (name, o) in [
         (
             "sfi/6/every",
@@ -125,12 +124,11 @@ fn every_drafter_gives_full_kv_greedy_tokens_at_8k() {
             opts(DraftKind::Sfi, SpecTokens::Adaptive { max: 8 }, false),
         ),
     ] {
-        // SFI bootstraps its memory in its own prefill.
-        let mut s = Session::try_with_policy(&m.model, cap, kv, 512, &sfi).unwrap();
-        s.prefill(&prompt, &mut |_, _| {}).unwrap();
+        let mut s = sfi_prefilled.try_clone().unwrap();
         let spec = Speculator::new(&mut s, &prompt, o, None, kv, &greedy).unwrap();
         cases.push((name, s, spec));
     }
+    drop(sfi_prefilled);
     for (name, mut s, mut spec) in cases {
         let got = decode(&mut s, &mut spec, &mut sampler(&m, &prompt));
         let st = spec.stats();

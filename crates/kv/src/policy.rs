@@ -219,6 +219,12 @@ pub trait KvPolicy<T: CacheElem>: Send {
     /// `refresh`, or when the policy's own trigger fires on `fed`, the policy may rebuild its
     /// sparse memory from the verification's dense attention (a verification is a slow step).
     fn end_verify(&mut self, _fed: &[u32], _len: usize, _refresh: bool, _store: &KvStore<T>) {}
+
+    /// A copy of the policy's whole state, for a copy of its cache (`Session::try_clone`):
+    /// `None` where the policy cannot give one (then fork the cache under a fresh policy).
+    fn try_clone(&self) -> Option<Box<dyn KvPolicy<T>>> {
+        None
+    }
 }
 
 /// Push the stored segments of positions `r` of kv head `h` into `out`.
@@ -291,7 +297,7 @@ pub fn dense_segments<'s, T: CacheElem>(
 
 /// Dense attention over everything the mask allows: the default policy, identical to the
 /// engine without a seam.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct FullPolicy {
     stats: PolicyStats,
     step: StepCounter,
@@ -317,6 +323,9 @@ impl<T: CacheElem> KvPolicy<T> for FullPolicy {
     }
     fn end_forward(&mut self, _pos0: usize, _n: usize) {
         self.step.finish(&mut self.stats, true);
+    }
+    fn try_clone(&self) -> Option<Box<dyn KvPolicy<T>>> {
+        Some(Box::new(self.clone()))
     }
     fn stats(&self) -> PolicyStats {
         self.stats.clone()

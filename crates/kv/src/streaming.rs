@@ -35,6 +35,10 @@ impl<T: CacheElem> KvPolicy<T> for StreamingPolicy {
         "streaming"
     }
 
+    fn try_clone(&self) -> Option<Box<dyn KvPolicy<T>>> {
+        Some(Box::new(self.clone()))
+    }
+
     fn segments<'s>(
         &'s mut self,
         call: &AttnCall,

@@ -436,6 +436,54 @@ impl<'m> Speculator<'m> {
         Self::assemble(drafter, opts, sampler, vocab)
     }
 
+    /// `new` for the model drafter whose draft session is given, already holding the prompt
+    /// (all of it, or all but its last token), e.g. a copy of a full-KV session of the same
+    /// model, so the draft model's prefill is not run twice.
+    pub fn with_draft_session(
+        target: &mut dyn SpecTarget,
+        prompt: &[u32],
+        opts: SpecOptions,
+        sess: Session<'m>,
+        sampler: &SamplerConfig,
+    ) -> Result<Self, EngineError> {
+        Self::check_tokens(&opts)?;
+        if opts.drafter != DraftKind::Model {
+            return Err(EngineError::BadInput(format!(
+                "a draft session is for --speculate model, not {}",
+                opts.drafter.name()
+            )));
+        }
+        if target.policy_name() != "full" {
+            return Err(EngineError::BadInput(format!(
+                "--speculate model: the target must run full KV, not {}",
+                target.policy_name()
+            )));
+        }
+        let lag = match prompt.len().checked_sub(sess.pos()) {
+            Some(0) => Vec::new(),
+            Some(1) => prompt[prompt.len() - 1..].to_vec(),
+            _ => {
+                return Err(EngineError::BadInput(format!(
+                    "the draft session holds {} tokens of a {}-token prompt (all, or all but one)",
+                    sess.pos(),
+                    prompt.len()
+                )))
+            }
+        };
+        let vocab = sess.model().cfg.vocab_size;
+        if vocab != target.vocab_size() {
+            return Err(EngineError::BadInput(format!(
+                "the draft session's vocabulary has {vocab} tokens, the target's {}",
+                target.vocab_size()
+            )));
+        }
+        let drafter = Drafter::Model {
+            sess: Box::new(sess),
+            lag,
+        };
+        Self::assemble(drafter, opts, sampler, vocab)
+    }
+
     pub fn stats(&self) -> &SpecStats {
         &self.stats
     }

@@ -57,7 +57,7 @@ impl SfiConfig {
 }
 
 /// Captured prefill logits waiting for the end of prefill.
-#[derive(Default)]
+#[derive(Default, Clone)]
 struct Pending {
     rows: usize,
     n_heads: usize,
@@ -68,6 +68,7 @@ struct Pending {
 }
 
 /// One layer's sparse memory.
+#[derive(Clone)]
 struct LayerMem<T> {
     k: Vec<T>,     // [kv_heads, len, head_dim]
     v: Vec<T>,     // [kv_heads, len, head_dim]
@@ -76,6 +77,7 @@ struct LayerMem<T> {
     recent_start: usize,
 }
 
+#[derive(Clone)]
 pub struct SfiPolicy<T> {
     cfg: SfiConfig,
     trigger: Trigger,
@@ -331,6 +333,10 @@ fn l2_norm(x: &[f32]) -> f32 {
 impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
     fn name(&self) -> &'static str {
         "sfi"
+    }
+
+    fn try_clone(&self) -> Option<Box<dyn KvPolicy<T>>> {
+        Some(Box::new(self.clone()))
     }
 
     fn capture_rows(&self, call: &AttnCall) -> usize {

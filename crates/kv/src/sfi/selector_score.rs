@@ -5,7 +5,7 @@ use super::selector::{mixing_lambda, SelectorConfig, SelectorInput};
 use super::selector_math as math;
 
 /// Reusable buffers of the fast path; grows to the largest call and is then reused.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct SelectorScratch {
     pub(super) colmax: Vec<f32>, // [n_kv_heads, n] max logit over rows (-inf: token invisible to the head)
     pub(super) acc: Vec<f32>,    // [n_kv_heads, n] sum_r p_r(j)^alpha
