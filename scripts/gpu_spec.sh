@@ -10,6 +10,7 @@
 #   bench   `bench --device cuda --model random:qwen3-4b --speculate sfi,streaming,ngram` at
 #           CTX (8k,32k,128k), batch 1 and SB (6), replaying accept.json (alpha:0.9 without it);
 #           then sfi refreshing on the trigger
+#   graphs  bench's points at γ 4 and 8 with --spec-graphs off (verifications kernel by kernel)
 #   serve   `serve --device cuda` on the default model, SB (6) streams of 256 greedy tokens
 #           after ~SPL (6000) tokens of Emma each (bench/serve_load.py --prompt-file): plain
 #           full KV, then `--speculate` sfi (every / trigger + adaptive γ), streaming, ngram
@@ -119,6 +120,21 @@ PY
           --new-tokens "${N:-64}" --policies full --speculate sfi --spec-refresh trigger --spec-tokens 2,4,6,8 \
           --spec-accept "$A" --spec-rounds "${ROUNDS:-32}" $SFI_OPTS --json "$OUT/spec-trigger-b$b.json" \
           2>&1 | tee "$OUT/spec-trigger-b$b.log" || rc=1
+      done ;;
+    graphs)
+      # bench's points at γ 4 and 8 again with the verifications launched kernel by kernel
+      # (--spec-graphs off): against bench's (graphs on) in the same run, what the graphs save.
+      # SFI refreshing every verification captures scores in each, so it never replays one.
+      A="${SPEC_ACCEPT:-$OUT/accept.json}"
+      [ -f "$A" ] || A=alpha:0.9
+      for b in 1 ${SB:-6}; do
+        for refresh in every trigger; do
+          d=sfi,streaming,ngram; [ "$refresh" = trigger ] && d=sfi
+          $B/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX:-8k,32k,128k}" --batch $b \
+            --new-tokens "${N:-64}" --policies full --speculate $d --spec-refresh $refresh --spec-tokens 4,8 \
+            --spec-accept "$A" --spec-rounds "${ROUNDS:-32}" $SFI_OPTS --spec-graphs off \
+            --json "$OUT/spec-nographs-$refresh-b$b.json" 2>&1 | tee "$OUT/spec-nographs-$refresh-b$b.log" || rc=1
+        done
       done ;;
     serve)
       [ -f "$M" ] || { echo "serve: no default model at $M" >&2; rc=1; continue; }

@@ -65,6 +65,11 @@ pub struct Args {
     /// With --speculate: verification rounds timed per drafter and γ.
     #[arg(long, default_value_t = 32)]
     pub spec_rounds: usize,
+    /// With --speculate on --device cuda: verifications replay CUDA graphs (`on`, the default,
+    /// as generate and serve run them) or launch kernel by kernel (`off`, to measure what the
+    /// graphs save).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub spec_graphs: String,
 }
 
 /// Parse "2k,8k,32768" into token counts (`slowfast_engine::session::parse_contexts`).
@@ -208,6 +213,9 @@ fn spec_options(a: &Args) -> Result<Option<slowfast_engine::spec::timing::Replay
     if a.spec_rounds == 0 {
         bail!("--spec-rounds must be at least 1");
     }
+    if a.spec_graphs == "off" && a.model.device() != slowfast_engine::Device::Cuda {
+        bail!("--spec-graphs off: verification graphs exist on --device cuda only");
+    }
     let accept = AcceptModel::parse(&a.spec_accept).map_err(anyhow::Error::msg)?;
     for d in &drafters {
         accept.check(d, &gammas).map_err(anyhow::Error::msg)?;
@@ -218,6 +226,7 @@ fn spec_options(a: &Args) -> Result<Option<slowfast_engine::spec::timing::Replay
         accept,
         refresh_every: a.spec_refresh == "every",
         rounds: a.spec_rounds,
+        verify_graphs: a.spec_graphs == "on",
     }))
 }
 

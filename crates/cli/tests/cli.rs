@@ -476,6 +476,7 @@ fn bench_speculate_on_the_cpu_replays_the_acceptance() {
             assert_eq!(r["device"], "cpu");
             assert_eq!(r["rounds"], 3);
             assert!(r["slow_draft_steps"].is_null(), "{r}");
+            assert_eq!(r["verify_graphs"], false, "the CPU has no graphs: {r}");
             assert!(r["tok_s"].as_f64().unwrap() > 0.0, "{r}");
             assert!(r["speedup_vs_full"].as_f64().unwrap() > 0.0, "{r}");
             assert!(r["acceptance"].as_str().unwrap().starts_with("replayed"));
@@ -494,6 +495,10 @@ fn bench_speculate_on_the_cpu_replays_the_acceptance() {
         (
             &["--speculate", "ngram", "--spec-accept", "alpha:2"],
             "alpha 2 is not in [0, 1]",
+        ),
+        (
+            &["--speculate", "ngram", "--spec-graphs", "off"],
+            "--spec-graphs off: verification graphs exist on --device cuda only",
         ),
     ] {
         let mut args = vec!["bench", "--model", m, "--contexts", "96"];

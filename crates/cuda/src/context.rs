@@ -503,6 +503,26 @@ impl CudaContext {
         Ok(v)
     }
 
+    /// The first `n` elements of `src` (synchronises).
+    pub fn download_prefix<T: GpuElem>(
+        &self,
+        src: &GpuBuffer<T>,
+        n: usize,
+    ) -> Result<Vec<T>, CudaError> {
+        if n > src.len() {
+            return Err(CudaError::bad(
+                "download",
+                format!("{n} elements of a buffer of {}", src.len()),
+            ));
+        }
+        let v = self
+            .stream
+            .clone_dtoh(&src.slice.slice(0..n))
+            .map_err(drv("cuMemcpyDtoH"))?;
+        self.synchronize()?;
+        Ok(v)
+    }
+
     /// Device-to-device copy of all of `src` into the start of `dst`.
     pub fn copy<T: GpuElem>(
         &self,

@@ -162,6 +162,10 @@ pub struct GpuDecoder {
     last_refresh: Vec<usize>,
     /// Speculative verification (allocated by the first `verify`).
     ver: Option<VerifyBufs>,
+    /// Whether verifications without score capture replay CUDA graphs (`set_verify_graphs`).
+    verify_graphs: bool,
+    /// Verifications that replayed a captured graph.
+    verify_replays: usize,
 }
 
 /// An asynchronous refresh waiting to be published: its (slot, length) pairs, the event that
@@ -260,12 +264,34 @@ struct VerifyBufs {
     next: GpuBuffer<u32>,
     /// Its own partials, so a captured decode graph's workspace never moves.
     ws: AttnWorkspace,
-    /// Rows a slot, each slot's length before, and the longest sequence, of the last `verify`.
+    /// Rows a slot, each slot's length before, and the span its key splits are planned for
+    /// (the longest sequence, rounded up to a power of two), of the last `verify`.
     rps: usize,
     pos0: Vec<usize>,
     span: usize,
     /// SFI slots whose row 0 captured scores in the last `verify` (for `refresh_from_verify`).
     captured: Vec<Refresh>,
+    /// Verifications captured as CUDA graphs, one a shape (dropped with these buffers).
+    graphs: Vec<VerifyGraph>,
+}
+
+/// Rows a slot that the first verification's buffers hold at least (γ 8 and the pending
+/// token); a wider verification reallocates them and drops their graphs.
+const VERIFY_ROWS_MIN: usize = 9;
+
+/// Verification graphs kept at once (the oldest goes first).
+const MAX_VERIFY_GRAPHS: usize = 16;
+
+/// One verification (`verify` without score capture) as a CUDA graph: its kernels read the
+/// tokens, positions and lengths from device buffers that `verify` fills before the launch, so
+/// it replays exactly at any length. It is keyed by what its launches fix: the rows a slot, the
+/// key splits of each attention window (planned for the span at capture; a longer span that
+/// plans others captures again) and the partials it writes.
+struct VerifyGraph {
+    rows: usize,
+    splits: Vec<usize>,
+    ws: (u64, u64),
+    graph: cudarc::driver::CudaGraph,
 }
 
 impl GpuDecoder {
@@ -403,6 +429,8 @@ impl GpuDecoder {
             step_no: 0,
             last_refresh: Vec::new(),
             ver: None,
+            verify_graphs: true,
+            verify_replays: 0,
             hdk,
             layers,
             caches,
@@ -658,17 +686,20 @@ impl GpuDecoder {
         }
         let n = ns * rows;
         if self.ver.as_ref().is_none_or(|v| v.acts.rows < n) {
+            // Room for γ up to 8 at once, so the graphs of several γ share these buffers.
+            let cap = ns * rows.max(VERIFY_ROWS_MIN);
             self.ver = None;
             self.ver = Some(VerifyBufs {
-                acts: Acts::new(&self.ctx, &self.spec, self.hdk, n)?,
-                lens: self.ctx.alloc(n)?,
-                logits: self.ctx.alloc(n * self.spec.vocab)?,
-                next: self.ctx.alloc(n)?,
+                acts: Acts::new(&self.ctx, &self.spec, self.hdk, cap)?,
+                lens: self.ctx.alloc(cap)?,
+                logits: self.ctx.alloc(cap * self.spec.vocab)?,
+                next: self.ctx.alloc(cap)?,
                 ws: AttnWorkspace::new(),
                 rps: rows,
                 pos0: Vec::new(),
                 span: 0,
                 captured: Vec::new(),
+                graphs: Vec::new(),
             });
         }
         let pos: Vec<u32> = (0..n)
@@ -698,14 +729,82 @@ impl GpuDecoder {
             self.ctx.upload_into(&lens, &mut v.lens)?;
             v.rps = rows;
             v.pos0 = self.slot_len.clone();
-            v.span = self.slot_len.iter().max().copied().unwrap_or(0) + rows;
+            // The key splits are planned for the longest sequence rounded up to a power of
+            // two: more splits than a shorter span fills only leave blocks idle (the kernel
+            // reads each row's length), and a captured graph's plan then lasts until the span
+            // doubles, not one 64-key tile (which it would at one kv head and few sequences).
+            let longest = self.slot_len.iter().max().copied().unwrap_or(0) + rows;
+            v.span = longest.next_power_of_two();
             v.captured = refresh.clone();
         }
         self.ctx.set_pdl_mode(PdlMode::Off);
-        self.forward(n, Attn::Verify { rps: rows }, &refresh)?;
+        if !refresh.is_empty() || !self.verify_graphs {
+            self.queue_verify(n, rows, &refresh)?;
+        } else {
+            let splits = self.verify_splits(rows);
+            let v = self.ver.as_mut().expect("allocated above");
+            let ws = v.ws.ptrs();
+            // Graphs whose partials moved (a wider verification grew them) are stale.
+            v.graphs.retain(|g| g.ws == ws);
+            match v
+                .graphs
+                .iter()
+                .find(|g| g.rows == rows && g.splits == splits)
+            {
+                Some(g) => {
+                    g.graph
+                        .launch()
+                        .map_err(crate::context::drv("cuGraphLaunch"))?;
+                    self.verify_replays += 1;
+                }
+                None => {
+                    // Partials for any row count the buffers hold at this plan, so capturing
+                    // another shape later does not move them under this one's graph.
+                    let (need_o, need_ml) = self.verify_partials();
+                    let ctx = self.ctx.clone();
+                    let v = self.ver.as_mut().expect("allocated above");
+                    v.ws.ensure(&ctx, need_o, need_ml)?;
+                    // Run it once, then capture it for next time.
+                    self.queue_verify(n, rows, &[])?;
+                    let graph = ctx.capture_graph(|| self.queue_verify(n, rows, &[]))?;
+                    let v = self.ver.as_mut().expect("allocated above");
+                    let ws = v.ws.ptrs();
+                    // The plan changes when the span doubles and γ takes a few values, so
+                    // few shapes recur; a bound keeps memory flat all the same.
+                    if v.graphs.len() >= MAX_VERIFY_GRAPHS {
+                        v.graphs.remove(0);
+                    }
+                    v.graphs.push(VerifyGraph {
+                        rows,
+                        splits,
+                        ws,
+                        graph,
+                    });
+                }
+            }
+        }
+        for l in self.slot_len.iter_mut() {
+            *l += rows;
+        }
+        self.slow_steps += 1;
+        Ok(())
+    }
+
+    /// Queues one verification of `rows` rows a slot (`n` in all; the inputs uploaded): the
+    /// layers, the LM head and the argmax of every row.
+    fn queue_verify(
+        &mut self,
+        n: usize,
+        rows: usize,
+        refresh: &[Refresh],
+    ) -> Result<(), CudaError> {
+        self.forward(n, Attn::Verify { rps: rows }, refresh)?;
         let (h, vocab) = (self.spec.hidden, self.spec.vocab);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed).device_ptr();
-        let v = self.ver.as_mut().expect("allocated above");
+        let v = self
+            .ver
+            .as_mut()
+            .expect("verify allocates its buffers first");
         self.ctx.linear_raw(
             v.acts.xb.device_ptr(),
             head,
@@ -715,12 +814,58 @@ impl GpuDecoder {
             h,
             vocab,
         )?;
-        self.ctx.argmax(&v.logits, &mut v.next, n, vocab)?;
-        for l in self.slot_len.iter_mut() {
-            *l += rows;
-        }
-        self.slow_steps += 1;
-        Ok(())
+        self.ctx.argmax(&v.logits, &mut v.next, n, vocab)
+    }
+
+    /// The key splits of each attention window's layers in a verification of `rows` rows a
+    /// slot at the current span (what a captured verification graph fixes).
+    fn verify_splits(&self, rows: usize) -> Vec<usize> {
+        let mut windows: Vec<Option<usize>> = self.spec.windows.clone();
+        windows.sort_unstable();
+        windows.dedup();
+        let span = self.ver.as_ref().map_or(0, |v| v.span);
+        windows
+            .into_iter()
+            .map(|window| {
+                let p = DecodeAttn {
+                    batch: self.kv.num_slots,
+                    n_heads: self.spec.n_heads,
+                    scale: self.spec.attn_scale,
+                    window,
+                    max_seq_len: span,
+                    splits: None,
+                };
+                self.ctx.verify_plan(&p, &self.kv, rows).2
+            })
+            .collect()
+    }
+
+    /// The partials (floats of outputs, of max/sum pairs) that a verification of any row
+    /// count the buffers hold needs at the current span's plan.
+    fn verify_partials(&self) -> (usize, usize) {
+        let ns = self.kv.num_slots;
+        let most = self.ver.as_ref().map_or(0, |v| v.acts.rows / ns);
+        let (nh, d) = (self.spec.n_heads, self.kv.head_dim);
+        (1..=most)
+            .map(|r| {
+                let splits = self.verify_splits(r).into_iter().max().unwrap_or(1);
+                let hrows = ns * r * nh;
+                (hrows * splits * d, hrows * splits * 2)
+            })
+            .fold((0, 0), |a, b| (a.0.max(b.0), a.1.max(b.1)))
+    }
+
+    /// Whether `verify` without score capture replays CUDA graphs (on by default; off runs its
+    /// kernels one launch at a time, for tests and to measure what the graphs save).
+    pub fn set_verify_graphs(&mut self, on: bool) {
+        self.verify_graphs = on;
+    }
+
+    /// How many verification shapes are captured as CUDA graphs now, and how many
+    /// verifications replayed one so far.
+    pub fn verify_graph_counts(&self) -> (usize, usize) {
+        let captured = self.ver.as_ref().map_or(0, |v| v.graphs.len());
+        (captured, self.verify_replays)
     }
 
     /// The argmax of every row of the last `verify`, `[slots x rows]` (synchronises).
@@ -729,8 +874,7 @@ impl GpuDecoder {
             .ver
             .as_ref()
             .ok_or_else(|| bad("verify_argmax before any verify".into()))?;
-        let all = self.ctx.download(&v.next)?;
-        Ok(all[..self.kv.num_slots * v.rps].to_vec())
+        self.ctx.download_prefix(&v.next, self.kv.num_slots * v.rps)
     }
 
     /// The logits of every row of the last `verify`, `[slots x rows, vocab]` (synchronises).
@@ -739,8 +883,8 @@ impl GpuDecoder {
             .ver
             .as_ref()
             .ok_or_else(|| bad("verify_logits before any verify".into()))?;
-        let all = self.ctx.download(&v.logits)?;
-        Ok(all[..self.kv.num_slots * v.rps * self.spec.vocab].to_vec())
+        let n = self.kv.num_slots * v.rps * self.spec.vocab;
+        self.ctx.download_prefix(&v.logits, n)
     }
 
     /// SFI: rebuilds the memory of `slots` from the scores their row 0 captured in the last

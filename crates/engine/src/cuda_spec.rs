@@ -53,6 +53,17 @@ pub fn time_drafter(
             dec.decode_step().map_err(gpu_err)?;
             next = dec.next_tokens().map_err(gpu_err)?;
         }
+        dec.set_verify_graphs(o.verify_graphs);
+        // One verification of this shape outside the timing, rewound: it sizes the partials
+        // and, with graphs on, captures the graph that the timed rounds replay.
+        let l0: Vec<usize> = (0..b).map(|s| dec.slot_len(s)).collect();
+        let warm: Vec<u32> = next.iter().flat_map(|&t| vec![t; rows]).collect();
+        dec.verify(&warm, rows, &vec![false; b]).map_err(gpu_err)?;
+        for (s, &l) in l0.iter().enumerate() {
+            dec.rewind(s, l).map_err(gpu_err)?;
+        }
+        dec.set_next(&next).map_err(gpu_err)?;
+        dec.resume_decode().map_err(gpu_err)?;
         if dec.slot_len(0) + o.rounds * (rows + 1) + rows > dec.capacity() {
             return Err(EngineError::BadInput(format!(
                 "bench --speculate: {} rounds of γ {gamma} do not fit the cache of {} tokens",

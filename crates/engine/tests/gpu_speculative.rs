@@ -156,6 +156,75 @@ fn verification_rows_equal_decode_steps() {
     }
 }
 
+/// A verification replayed from its CUDA graph gives the logits of the same verification
+/// launched kernel by kernel, bit for bit, over rounds that grow and rewind the sequences (the
+/// graph reads the new lengths from the device), under full KV and SFI without score capture,
+/// on a model with sliding layers and one without.
+#[test]
+fn verification_graphs_replay_the_eager_pass() {
+    let Some(ctx) = gpu("verification_graphs_replay_the_eager_pass") else {
+        return;
+    };
+    let sfi = GpuKvPolicy::Sfi(slowfast_cuda::GpuSfiConfig {
+        sinks: 4,
+        recent: 64,
+        selected: 128,
+        page: 16,
+        bootstrap_rows: 16,
+        selector: slowfast_cuda::ops::sfi::SelectorConfig::default(),
+    });
+    for name in ["random:qwen3-0.6b", "random:gemma3-270m"] {
+        let m = slowfast_engine::load(name, &mut |_| {}).unwrap().model;
+        let v = m.cfg.vocab_size;
+        for policy in [GpuKvPolicy::Full, sfi] {
+            let lens = [700usize, 300, 1200];
+            let b = lens.len();
+            let mut decs: Vec<_> = [false, true]
+                .into_iter()
+                .map(|graphs| {
+                    let mut d = load_decoder(ctx.clone(), &m, b, 1400, 256).unwrap();
+                    d.set_refresh_lag(0);
+                    for (s, &n) in lens.iter().enumerate() {
+                        d.prefill(s, &tokens(n, v, 7 + s as u64), false).unwrap();
+                    }
+                    d.set_policy(policy).unwrap();
+                    d.set_next(&[1, 2, 3]).unwrap();
+                    d.begin_decode().unwrap();
+                    d.decode_step().unwrap();
+                    d.set_verify_graphs(graphs);
+                    d
+                })
+                .collect();
+            for round in 0..6u64 {
+                let rows = [3usize, 5][round as usize % 2];
+                let fed = tokens(b * rows, v, 90 + round);
+                let mut got = Vec::new();
+                for d in decs.iter_mut() {
+                    d.verify(&fed, rows, &[false; 3]).unwrap();
+                    got.push((d.verify_logits().unwrap(), d.verify_argmax().unwrap()));
+                    // Keep a different share of each slot's rows, as acceptance would.
+                    for s in 0..b {
+                        let keep = (s + round as usize) % (rows + 1);
+                        d.rewind(s, d.slot_len(s) - rows + keep).unwrap();
+                    }
+                }
+                assert!(
+                    got[0] == got[1],
+                    "{name} round {round}: the graph's verification differs"
+                );
+            }
+            // Two shapes (3 and 5 rows), every span within 2048 (the splits' plan): each
+            // captured once, then replayed.
+            let kind = format!("{policy:?}");
+            let kind = kind.split('(').next().unwrap_or_default();
+            let (captured, replays) = decs[1].verify_graph_counts();
+            eprintln!("{name} {kind}: {captured} graphs, {replays} replays of 6");
+            assert_eq!((captured, replays), (2, 4), "{name} {kind}");
+            assert_eq!(decs[0].verify_graph_counts(), (0, 0));
+        }
+    }
+}
+
 /// Full KV's greedy tokens and each step's top-2 logit gap, on the GPU.
 fn plain_greedy(m: &Model, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
     let mut s = GpuSession::new(m, prompt.len() + n + 40, &PolicySpec::Full).unwrap();

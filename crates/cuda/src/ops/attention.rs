@@ -80,6 +80,13 @@ impl AttnWorkspace {
         Self::default()
     }
 
+    /// Device addresses of the partial buffers (0 before the first `ensure`): a captured graph
+    /// that used them is valid while they stay the same.
+    pub(crate) fn ptrs(&self) -> (u64, u64) {
+        let p = |b: &Option<GpuBuffer<f32>>| b.as_ref().map_or(0, |b| b.device_ptr());
+        (p(&self.part_o), p(&self.part_ml))
+    }
+
     /// Device addresses of partial buffers of at least `need_o` / `need_ml` floats.
     pub(crate) fn ensure(
         &mut self,
@@ -513,14 +520,8 @@ impl CudaContext {
             rows * p.n_heads * kv.head_dim,
         )?;
         let io = DecodeIo::new(OP, k_cache, v_cache, seq_lens, slots, out, None, &pr, &kv)?;
-        // rows_per_seq x the query heads a sequence, as 16-row groups of each kv head.
         let d = kv.head_dim;
-        let row_groups = (p.n_heads / kv.kv_heads * rows_per_seq).div_ceil(16);
-        let (v, cols) = verify_kernel(d, row_groups);
-        let visible = visible_keys(p.max_seq_len + rows_per_seq, p.window, &kv);
-        let per_sm = self.verify_per_sm.get(v.name).copied().unwrap_or(1);
-        let blocks = p.batch * kv.kv_heads * cols;
-        let splits = verify_splits(self.sm_count() as usize, per_sm, blocks, visible);
+        let (v, cols, splits) = self.verify_plan(p, &kv, rows_per_seq);
         let hrows = rows * p.n_heads;
         let (part_o, part_ml) = ws.ensure(self, hrows * splits * d, hrows * splits * 2)?;
         let (logits, flags, lstride) = capture.unwrap_or((0, 0, 0));
@@ -541,6 +542,26 @@ impl CudaContext {
             &args,
         )?;
         self.attn_decode_reduce_raw(part_o, part_ml, io.out, 0, hrows, p.n_heads, splits, d)
+    }
+
+    /// The verification kernel, its block columns a kv head and the key splits that
+    /// [`CudaContext::attn_verify`] launches for `p` (`p.batch` sequences) with `rows_per_seq`
+    /// rows each. The kernel reads the lengths from the device, so a captured verification is
+    /// exact at any length; the split count only balances the work.
+    pub(crate) fn verify_plan(
+        &self,
+        p: &DecodeAttn,
+        kv: &KvLayout,
+        rows_per_seq: usize,
+    ) -> (VerifyVariant, usize, usize) {
+        // rows_per_seq x the query heads a sequence, as 16-row groups of each kv head.
+        let row_groups = (p.n_heads / kv.kv_heads * rows_per_seq).div_ceil(16);
+        let (v, cols) = verify_kernel(kv.head_dim, row_groups);
+        let visible = visible_keys(p.max_seq_len + rows_per_seq, p.window, kv);
+        let per_sm = self.verify_per_sm.get(v.name).copied().unwrap_or(1);
+        let blocks = p.batch * kv.kv_heads * cols;
+        let splits = verify_splits(self.sm_count() as usize, per_sm, blocks, visible);
+        (v, cols, splits)
     }
 
     /// Launches flash-decoding kernel `kernel` (first argument `pq`: q, or the q/k/v row for the

@@ -23,6 +23,8 @@ pub struct ReplayOptions {
     pub refresh_every: bool,
     /// Verification rounds timed per (drafter, γ).
     pub rounds: usize,
+    /// GPU: verifications replay CUDA graphs (else kernel by kernel; the CPU has none).
+    pub verify_graphs: bool,
 }
 
 /// The drafters `bench --speculate` times: their own sparse decode steps (sfi, streaming) or
@@ -62,6 +64,8 @@ pub struct ReplayRecord {
     pub draft_ms_per_round: f64,
     pub verify_ms_per_round: f64,
     pub refresh_every: bool,
+    /// GPU: whether verifications replayed CUDA graphs.
+    pub verify_graphs: bool,
     /// Draft steps that ran as SFI slow steps (dense + refresh: a memory forgotten by a
     /// rewind, or none yet), over all rounds; 0 for the other drafters; None where the device
     /// does not count them (the CPU).
@@ -72,7 +76,7 @@ impl ReplayRecord {
     /// The progress line of a finished point.
     pub fn line(&self) -> String {
         format!(
-            "context {} speculate {} γ {} ({}): {:.1} tok/s, {:.2}x full, {:.2} tokens a verification, draft {:.3} + verify {:.3} ms a round{}",
+            "context {} speculate {} γ {} ({}): {:.1} tok/s, {:.2}x full, {:.2} tokens a verification, draft {:.3} + verify {:.3} ms a round{}{}",
             self.context,
             self.drafter,
             self.gamma,
@@ -83,7 +87,12 @@ impl ReplayRecord {
             self.draft_ms_per_round,
             self.verify_ms_per_round,
             self.slow_draft_steps
-                .map_or(String::new(), |n| format!(", {n} slow draft steps"))
+                .map_or(String::new(), |n| format!(", {n} slow draft steps")),
+            if self.device == "cuda" && !self.verify_graphs {
+                ", verification graphs off"
+            } else {
+                ""
+            }
         )
     }
 }
@@ -156,6 +165,7 @@ impl Tally {
             draft_ms_per_round: self.draft_s * 1e3 / o.rounds.max(1) as f64,
             verify_ms_per_round: self.verify_s * 1e3 / o.rounds.max(1) as f64,
             refresh_every: o.refresh_every,
+            verify_graphs: o.verify_graphs && p.device == "cuda",
             slow_draft_steps,
         }
     }
@@ -248,6 +258,9 @@ pub fn table(rs: &[ReplayRecord]) -> String {
             "\nAcceptance {} (random weights: drafts are not checked).\n",
             r.acceptance
         ));
+        if r.device == "cuda" && !r.verify_graphs {
+            s.push_str("Verifications launched kernel by kernel (--spec-graphs off).\n");
+        }
     }
     s
 }
@@ -348,6 +361,7 @@ mod tests {
             gammas: vec![3],
             accept: AcceptModel::Alpha(alpha),
             refresh_every,
+            verify_graphs: true,
             rounds: 10,
         }
     }
