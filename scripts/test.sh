@@ -8,32 +8,36 @@
 # browser test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each phase's header says how long the run has taken so far (where CI's time goes).
+t0=$(date +%s)
+phase() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
 
 # NVRTC + CUDA headers from PyPI: lets the CPU-only machine compile every CUDA kernel.
 if ! python3 -c "import nvidia.cu13" 2>/dev/null; then
     python3 -m pip install -q --disable-pip-version-check "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-runtime==13.0.*"
 fi
 
-echo "== fetching the default model and SmolLM2-135M (cached after the first run)"
+phase "fetching the default model and SmolLM2-135M (cached after the first run)"
 cargo run --release -q -p slowfast -- fetch gemma3-270m
 cargo run --release -q -p slowfast -- fetch smollm2-135m
 
-echo "== long English texts from Debian packages (scripts/get_texts.sh; the speculative test's prompt)"
+phase "long English texts from Debian packages (scripts/get_texts.sh; the speculative test's prompt)"
 bash scripts/get_texts.sh >/dev/null
 
-echo "== compiling the CUDA path (feature cuda: kernels crate, GPU decoder tests, CLI)"
+phase "compiling the CUDA path (feature cuda: kernels crate, GPU decoder tests, CLI)"
 cargo build -q -p slowfast-cuda --features cuda --tests
 cargo build -q -p slowfast-engine --features cuda --tests
 cargo build -q -p slowfast --features cuda
 
-echo "== tests"
+phase "tests"
 export SLOWFAST_REQUIRE_MODEL=1 SLOWFAST_REQUIRE_NVRTC=1 SLOWFAST_REQUIRE_HF_TEST=1
 # the CUDA crate's own unit tests (pure host logic, e.g. the flash-decoding plan) need no GPU
 cargo test -q -p slowfast-cuda --features cuda --lib
 cargo test --workspace --no-fail-fast "$@"
 
-echo "== fuzz targets: each ~30 s on its seeded corpus, then every regression input (scripts/fuzz.sh --ci)"
+phase "fuzz targets: each ~30 s on its seeded corpus, then every regression input (scripts/fuzz.sh --ci)"
 bash scripts/fuzz.sh --ci
 
-echo "== slowfast serve: the OpenAI client tests, the load test, two replicas behind nginx"
+phase "slowfast serve: the OpenAI client tests, the load test, two replicas behind nginx"
 SLOWFAST_BIN="$(pwd)/target/release/slowfast" bash scripts/test_serve.sh
+phase "done"

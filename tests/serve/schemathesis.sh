@@ -5,7 +5,7 @@
 # and a body the description calls invalid must be refused.
 #
 # It installs schemathesis (pinned) with pip when it is missing, starts one server on a free
-# loopback port (--max-context 256 --max-batch 4: max_tokens is cut to what 256 tokens leave,
+# loopback port (--max-context 128 --max-batch 4: max_tokens is cut to what 128 tokens leave,
 # so even a request for the whole context stays short), runs schemathesis with a fixed seed
 # and a bounded number of examples, then checks that the server is still up, logged no
 # panic, and is idle (/metrics: no running or queued sequence, no KV bytes in use).
@@ -39,7 +39,7 @@ st=(python3 -m schemathesis.cli)
 log="$(mktemp)"
 work="$(mktemp -d)"  # schemathesis and hypothesis keep state in the current directory: not the repo's
 "$bin" serve --model "$model" --device "$device" --host 127.0.0.1 --port 0 \
-    --max-context 256 --max-batch 4 >"$log" 2>&1 </dev/null &
+    --max-context 128 --max-batch 4 >"$log" 2>&1 </dev/null &
 pid=$!
 # shellcheck disable=SC2064
 trap "kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf '$log' '$work'" EXIT
