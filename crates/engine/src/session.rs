@@ -272,15 +272,20 @@ impl<'m> Session<'m> {
             Cache::F32(c, _) => Cache::F32(c.clone(), policy.build(self.model.cfg.attn_scale)?),
             Cache::F16(c, _) => Cache::F16(c.clone(), policy.build(self.model.cfg.attn_scale)?),
         };
-        Ok(Session {
+        Ok(self.with_cache(cache))
+    }
+
+    /// This session's model, chunk and last logits over `cache` (a copy of its own). The
+    /// prefill is done: a copy never runs FastKV's propagation.
+    fn with_cache(&self, cache: Cache) -> Session<'m> {
+        Session {
             model: self.model,
             cache,
             scratch: Scratch::default(),
             chunk: self.chunk,
             logits: self.logits.clone(),
-            // The prefill is done: a fork never runs FastKV's propagation.
             tsp: None,
-        })
+        }
     }
 
     /// An exact copy of this session: cache, position, last logits and the policy's whole
@@ -299,14 +304,7 @@ impl<'m> Session<'m> {
         if self.tsp.is_some() {
             return Err(copy("fastkv"));
         }
-        Ok(Session {
-            model: self.model,
-            cache,
-            scratch: Scratch::default(),
-            chunk: self.chunk,
-            logits: self.logits.clone(),
-            tsp: None,
-        })
+        Ok(self.with_cache(cache))
     }
 
     /// The model this session runs.

@@ -40,6 +40,19 @@ fn row_err(a: &[f32], b: &[f32]) -> f64 {
     worst / sd.max(1e-9)
 }
 
+/// SFI with a small memory (4 sinks, 64 recent, 128 selected), for sequences of a few hundred
+/// tokens.
+fn small_sfi() -> GpuKvPolicy {
+    GpuKvPolicy::Sfi(slowfast_cuda::GpuSfiConfig {
+        sinks: 4,
+        recent: 64,
+        selected: 128,
+        page: 16,
+        bootstrap_rows: 16,
+        selector: slowfast_cuda::ops::sfi::SelectorConfig::default(),
+    })
+}
+
 /// Decodes `k` given tokens on every slot with plain decode steps (their logits), rewinds,
 /// verifies the same tokens in one pass and returns the worst row error between the two.
 fn verify_against_steps(
@@ -143,14 +156,7 @@ fn verification_rows_equal_decode_steps() {
                 );
             }
         }
-        let sfi = GpuKvPolicy::Sfi(slowfast_cuda::GpuSfiConfig {
-            sinks: 4,
-            recent: 64,
-            selected: 128,
-            page: 16,
-            bootstrap_rows: 16,
-            selector: slowfast_cuda::ops::sfi::SelectorConfig::default(),
-        });
+        let sfi = small_sfi();
         let e = verify_against_steps(&ctx, &m, sfi, &[900], 5);
         assert!(e < 0.35, "{name}: verification rows off under SFI ({e})");
     }
@@ -165,14 +171,7 @@ fn verification_graphs_replay_the_eager_pass() {
     let Some(ctx) = gpu("verification_graphs_replay_the_eager_pass") else {
         return;
     };
-    let sfi = GpuKvPolicy::Sfi(slowfast_cuda::GpuSfiConfig {
-        sinks: 4,
-        recent: 64,
-        selected: 128,
-        page: 16,
-        bootstrap_rows: 16,
-        selector: slowfast_cuda::ops::sfi::SelectorConfig::default(),
-    });
+    let sfi = small_sfi();
     for name in ["random:qwen3-0.6b", "random:gemma3-270m"] {
         let m = slowfast_engine::load(name, &mut |_| {}).unwrap().model;
         let v = m.cfg.vocab_size;
