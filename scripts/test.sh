@@ -25,9 +25,14 @@ phase "long English texts from Debian packages (scripts/get_texts.sh; the specul
 bash scripts/get_texts.sh >/dev/null
 
 phase "compiling the CUDA path (feature cuda: kernels crate, GPU decoder tests, CLI)"
+# The engine's GPU test targets (tests/gpu_*.rs) and its unit tests; its CPU test targets are
+# built once below, without the feature (building them twice cost minutes of CI). The CLI in
+# the test profile, which reuses the engine just built.
+gpu_tests=()
+for t in crates/engine/tests/gpu_*.rs; do gpu_tests+=(--test "$(basename "$t" .rs)"); done
 cargo build -q -p slowfast-cuda --features cuda --tests
-cargo build -q -p slowfast-engine --features cuda --tests
-cargo build -q -p slowfast --features cuda
+cargo test -q --no-run -p slowfast-engine --features cuda --lib "${gpu_tests[@]}"
+cargo build -q -p slowfast --features cuda --profile test
 
 phase "tests"
 export SLOWFAST_REQUIRE_MODEL=1 SLOWFAST_REQUIRE_NVRTC=1 SLOWFAST_REQUIRE_HF_TEST=1
