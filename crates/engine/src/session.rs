@@ -297,13 +297,13 @@ impl<'m> Session<'m> {
                 "the {name} policy's state cannot be copied: fork the session instead"
             ))
         };
+        if self.tsp.is_some() {
+            return Err(copy("fastkv"));
+        }
         let cache = match &self.cache {
             Cache::F32(c, p) => Cache::F32(c.clone(), p.try_clone().ok_or_else(|| copy(p.name()))?),
             Cache::F16(c, p) => Cache::F16(c.clone(), p.try_clone().ok_or_else(|| copy(p.name()))?),
         };
-        if self.tsp.is_some() {
-            return Err(copy("fastkv"));
-        }
         Ok(self.with_cache(cache))
     }
 

@@ -386,26 +386,7 @@ impl<'m> Speculator<'m> {
                 "--draft-model is only used with --speculate model".into(),
             ));
         }
-        // The session's policy before any work (a draft model's prefill): the drafter's own
-        // (it must be able to draft), else full KV.
-        if opts.drafter.is_self() {
-            let name = target.policy_name();
-            if name != opts.drafter.name() {
-                return Err(EngineError::BadInput(format!(
-                    "--speculate {}: the session runs the {name} policy, not the drafter's",
-                    opts.drafter.name()
-                )));
-            }
-            target.begin_draft()?;
-            let len = target.pos();
-            target.end_draft(len)?;
-        } else if target.policy_name() != "full" {
-            return Err(EngineError::BadInput(format!(
-                "--speculate {}: the target must run full KV, not {}",
-                opts.drafter.name(),
-                target.policy_name()
-            )));
-        }
+        Self::check_target(target, &opts)?;
         let drafter = match opts.drafter {
             DraftKind::Sfi | DraftKind::Streaming => Drafter::SelfPolicy,
             DraftKind::Ngram => Drafter::Ngram(Self::ngram(&opts, prompt)?),
@@ -423,10 +404,7 @@ impl<'m> Speculator<'m> {
                 if prompt.len() > 1 {
                     sess.prefill(&prompt[..prompt.len() - 1], &mut |_, _| {})?;
                 }
-                Drafter::Model {
-                    sess,
-                    lag: prompt[prompt.len().saturating_sub(1)..].to_vec(),
-                }
+                Self::model_drafter(sess, prompt)?
             }
         };
         let vocab = match (opts.drafter, draft) {
@@ -453,12 +431,45 @@ impl<'m> Speculator<'m> {
                 opts.drafter.name()
             )));
         }
-        if target.policy_name() != "full" {
+        Self::check_target(target, &opts)?;
+        let vocab = sess.model().cfg.vocab_size;
+        if vocab != target.vocab_size() {
             return Err(EngineError::BadInput(format!(
-                "--speculate model: the target must run full KV, not {}",
+                "the draft session's vocabulary has {vocab} tokens, the target's {}",
+                target.vocab_size()
+            )));
+        }
+        let drafter = Self::model_drafter(Box::new(sess), prompt)?;
+        Self::assemble(drafter, opts, sampler, vocab)
+    }
+
+    /// The session's policy before any work (a draft model's prefill): the drafter's own,
+    /// which must be able to draft (probed with an empty draft), else full KV.
+    fn check_target(target: &mut dyn SpecTarget, opts: &SpecOptions) -> Result<(), EngineError> {
+        if opts.drafter.is_self() {
+            let name = target.policy_name();
+            if name != opts.drafter.name() {
+                return Err(EngineError::BadInput(format!(
+                    "--speculate {}: the session runs the {name} policy, not the drafter's",
+                    opts.drafter.name()
+                )));
+            }
+            target.begin_draft()?;
+            let len = target.pos();
+            target.end_draft(len)?;
+        } else if target.policy_name() != "full" {
+            return Err(EngineError::BadInput(format!(
+                "--speculate {}: the target must run full KV, not {}",
+                opts.drafter.name(),
                 target.policy_name()
             )));
         }
+        Ok(())
+    }
+
+    /// The model drafter over `sess`, which holds the prompt, or all of it but the last token
+    /// (then fed before the first draft).
+    fn model_drafter(sess: Box<Session<'m>>, prompt: &[u32]) -> Result<Drafter<'m>, EngineError> {
         let lag = match prompt.len().checked_sub(sess.pos()) {
             Some(0) => Vec::new(),
             Some(1) => prompt[prompt.len() - 1..].to_vec(),
@@ -470,18 +481,7 @@ impl<'m> Speculator<'m> {
                 )))
             }
         };
-        let vocab = sess.model().cfg.vocab_size;
-        if vocab != target.vocab_size() {
-            return Err(EngineError::BadInput(format!(
-                "the draft session's vocabulary has {vocab} tokens, the target's {}",
-                target.vocab_size()
-            )));
-        }
-        let drafter = Drafter::Model {
-            sess: Box::new(sess),
-            lag,
-        };
-        Self::assemble(drafter, opts, sampler, vocab)
+        Ok(Drafter::Model { sess, lag })
     }
 
     pub fn stats(&self) -> &SpecStats {
