@@ -8,7 +8,8 @@
 #                                        # the checksum, this script) and .m1/ ... .m6/ (the parts);
 #                                        # prints the run-tool calls to make, back to back
 #   bash .gpu/gpu_default_model.sh run   # there, after the parts arrived: greedy tokens on the
-#                                        # GPU and the CPU, eval nll and passkey with --device cuda
+#                                        # GPU and the CPU, eval nll and passkey with --device cuda,
+#                                        # SFI at --sfi-async-lag 0 and 4 on prose and code
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -17,13 +18,14 @@ case "${1:-}" in
     M="${SLOWFAST_HOME:-$HOME/.cache/slowfast}/models/gemma-3-270m-q4_k_m.gguf"
     [ -f "$M" ] || { echo "no $M: run \`slowfast fetch\` first" >&2; exit 2; }
     [ -f data/texts/austen_prideprejudice.txt ] || scripts/get_texts.sh
+    [ -f data/texts/rust_serde_json.txt ] || scripts/get_code_text.sh
     cargo build --release -p slowfast --features cuda
     for d in .gpu .m1 .m2 .m3 .m4 .m5 .m6; do
       grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
     done
     rm -rf .gpu .m1 .m2 .m3 .m4 .m5 .m6 && mkdir -p .gpu
     cp target/release/slowfast .gpu/ && strip --strip-debug .gpu/slowfast
-    cp data/texts/austen_prideprejudice.txt scripts/gpu_default_model.sh .gpu/
+    cp data/texts/austen_prideprejudice.txt data/texts/rust_serde_json.txt scripts/gpu_default_model.sh .gpu/
     sha256sum "$M" | cut -c1-64 > .gpu/model.sha256
     split -b 42200000 -d -a 1 "$M" /tmp/slowfast-part.
     for i in 0 1 2 3 4 5; do mkdir -p ".m$((i + 1))" && mv "/tmp/slowfast-part.$i" ".m$((i + 1))/p"; done
@@ -54,12 +56,18 @@ CALLS
       --json "$OUT/nll-cuda.json" > "$OUT/nll-cuda.md" 2> "$OUT/nll-cuda.err"
     $B eval --device cuda -m $M --task passkey -i $T --context 8192 --passkey-trials 10 --seed 1 \
       --policies full,sfi,streaming --kv-budget 0.2 --json "$OUT/pk-cuda.json" > "$OUT/pk-cuda.md" 2> "$OUT/pk-cuda.err"
-    # SFI with its refresh in order (lag 0) against the default asynchronous refresh
-    SLOWFAST_SFI_ASYNC_LAG=0 $B eval --device cuda -m $M --task nll -i $T --context 8192 --policies sfi \
-      --kv-budget 0.2 --json "$OUT/nll-cuda-lag0.json" > "$OUT/nll-cuda-lag0.md" 2> "$OUT/nll-cuda-lag0.err"
-    SLOWFAST_SFI_ASYNC_LAG=0 $B eval --device cuda -m $M --task passkey -i $T --context 8192 --passkey-trials 10 \
-      --seed 1 --policies sfi --kv-budget 0.2 --json "$OUT/pk-cuda-lag0.json" > "$OUT/pk-cuda-lag0.md" 2> "$OUT/pk-cuda-lag0.err"
-    cat "$OUT/greedy.log" "$OUT/nll-cuda.md" "$OUT/pk-cuda.md" "$OUT/nll-cuda-lag0.md" "$OUT/pk-cuda-lag0.md"
+    # SFI's refresh in order (lag 0, the default) against the asynchronous refresh (lag 4), on
+    # the prose above and on source code (scripts/get_code_text.sh), at 8K and a 20 % budget
+    for lag in 0 4; do
+      for t in $T $C/.gpu/rust_serde_json.txt; do
+        n=$(basename $t .txt)
+        $B eval --device cuda -m $M --task nll -i $t --context 8192 --policies full,sfi --kv-budget 0.2 \
+          --sfi-async-lag $lag --json "$OUT/nll-$n-lag$lag.json" > "$OUT/nll-$n-lag$lag.md" 2> "$OUT/nll-$n-lag$lag.err"
+      done
+      $B eval --device cuda -m $M --task passkey -i $T --context 8192 --passkey-trials 10 --seed 1 \
+        --policies sfi --kv-budget 0.2 --sfi-async-lag $lag --json "$OUT/pk-lag$lag.json" > "$OUT/pk-lag$lag.md" 2> "$OUT/pk-lag$lag.err"
+    done
+    cat "$OUT/greedy.log" "$OUT/nll-cuda.md" "$OUT/pk-cuda.md" "$OUT"/nll-*-lag*.md "$OUT"/pk-lag*.md
     ;;
   *)
     echo "usage: scripts/gpu_default_model.sh stage | run" >&2

@@ -158,6 +158,20 @@ PY
         --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b1.json" 2>&1 | tee "$OUT/sfi.log"
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
         --batch "${SB:-6}" --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b${SB:-6}.json" 2>&1 | tee -a "$OUT/sfi.log" ;;
+    lag)
+      # SFI's refresh in order (--sfi-async-lag 0, the default) against the asynchronous one
+      # (lag 4), alternated LAG_REPS times (1 2), at batch 1 and SB (6), CTX_SB (128k); budget and interval
+      # as in `sfi`
+      for rep in ${LAG_REPS:-1 2}; do
+        for lag in 0 4; do
+          for b in 1 "${SB:-6}"; do
+            echo "== rep $rep lag $lag batch $b" | tee -a "$OUT/lag.log"
+            .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
+              --batch $b --new-tokens "$N" --policies sfi $SFI_OPTS --sfi-async-lag $lag \
+              --json "$OUT/lag$lag-b$b-r$rep.json" 2>&1 | tee -a "$OUT/lag.log"
+          done
+        done
+      done ;;
     sfi-ab)
       # SFI at batch SB (default 6) and CTX_SB (default 128k) under each of SFI_CFGS
       # (VAR=value settings, several joined by commas, e.g. "SLOWFAST_GEMV_MMA_ROWS=0

@@ -111,6 +111,7 @@ pub fn run(a: Args) -> Result<()> {
         .spec(&default_name, max_context)
         .with_context(|| format!("--policy {default_name}"))?
         .with_vocab(&loaded.tokenizer);
+    default_policy.check_device(a.model.device())?;
     // The drafter's policy must resolve too (a budget for sfi / streaming; --policy full).
     // The server's sparse flags (--kv-budget, ...) size it for every speculative request.
     let spec_policy = a

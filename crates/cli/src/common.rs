@@ -11,8 +11,7 @@ pub struct ModelArgs {
     pub model: String,
     /// Compute device. `cuda` needs a build with `--features cuda` and an NVIDIA GPU; it runs
     /// generate, bench and eval (tasks nll and passkey) with the policies full, streaming and sfi.
-    /// There SFI's Selector runs on a second stream and its new memory is used 4 steps after the
-    /// slow step (environment SLOWFAST_SFI_ASYNC_LAG=N sets the lag, 0 = within the slow step).
+    /// (--sfi-async-lag trades a little of SFI's quality there for speed).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
     /// Element type of the KV cache.
@@ -91,6 +90,20 @@ pub struct PolicyArgs {
     /// SFI slow-step trigger: punct (first token of a sentence), periodic, random, off.
     #[arg(long, default_value = "punct", value_parser = ["punct", "periodic", "random", "off"])]
     pub sfi_trigger: String,
+    /// SFI, --device cuda only: run each slow step's Selector on a second stream and publish its
+    /// new memory this many decode steps later; the fast steps in between keep the previous
+    /// memory. 0 (the default, and the CPU's SFI) refreshes within the slow step. Lag 4 was
+    /// measured 0.5 % faster at batch 1 and 2-3 % at batch 6, for +0.02 nats of ΔNLL on one
+    /// technical text at 8K (docs/results.md).
+    #[arg(long, default_value_t = 0)]
+    pub sfi_async_lag: usize,
+    /// SFI: re-rank the memory at every fast step (CPU only; 1 turns it off). Each refresh
+    /// keeps this many times the selected tokens as candidates, in pages of 16 with their
+    /// keys' min and max; each fast step reads the pages with the highest bound on q·k
+    /// (Quest's), as many as the budget allows once the bounds (a key read each) are paid for,
+    /// so a step reads as many keys as without it. See docs/results.md.
+    #[arg(long, default_value_t = 1.0)]
+    pub sfi_pool: f64,
     /// SFI: prefill query rows (the last ones) whose dense attention bootstraps the first
     /// selection.
     #[arg(long, default_value_t = 16)]
@@ -179,6 +192,8 @@ impl PolicyArgs {
             trigger: self.sfi_trigger.clone(),
             bootstrap_rows: self.sfi_bootstrap_rows,
             oracle_every: self.oracle_every,
+            async_lag: self.sfi_async_lag,
+            pool: self.sfi_pool,
             selector: slowfast_engine::session::SelectorConfig {
                 alpha: self.sfi_alpha,
                 gamma: self.sfi_gamma,

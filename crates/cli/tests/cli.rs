@@ -272,6 +272,30 @@ fn invalid_sampling_values_are_clear_errors() {
 }
 
 #[test]
+fn sfi_async_lag_on_the_cpu_and_a_bad_pool_are_clear_errors() {
+    let dir = fixture("qwen3");
+    let m = dir.to_str().unwrap();
+    let sfi = [
+        "--policy",
+        "sfi",
+        "--kv-budget",
+        "300",
+        "--sfi-async-lag",
+        "4",
+    ];
+    let generate = [&["generate", "--model", m, "--prompt", "hi"][..], &sfi].concat();
+    fails(&generate, "--sfi-async-lag 4 needs --device cuda");
+    // The server refuses it before it listens, not at the first request.
+    let serve = [&["serve", "--model", m, "--port", "0"][..], &sfi].concat();
+    fails(&serve, "--sfi-async-lag 4 needs --device cuda");
+    for bad in ["0.5", "17", "NaN"] {
+        let pool = ["--policy", "sfi", "--kv-budget", "300", "--sfi-pool", bad];
+        let args = [&["generate", "--model", m, "--prompt", "hi"][..], &pool].concat();
+        fails(&args, &format!("--sfi-pool {bad} is invalid"));
+    }
+}
+
+#[test]
 fn non_utf8_prompt_file_is_a_clear_error() {
     let p = tmp("utf8").join("bad.txt");
     std::fs::write(&p, [b'h', b'i', 0xff, 0xfe, b'!']).unwrap();

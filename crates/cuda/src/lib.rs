@@ -33,7 +33,7 @@ pub use context::CudaContext;
 #[cfg(feature = "cuda")]
 pub use half::bf16;
 #[cfg(feature = "cuda")]
-pub use model::{DecoderSpec, GpuDecoder, Norm, Tensor, WeightSource, DEFAULT_REFRESH_LAG};
+pub use model::{DecoderSpec, GpuDecoder, Norm, Tensor, WeightSource};
 #[cfg(feature = "cuda")]
 pub use ops::attention::{AttnWorkspace, DecodeAttn, PrefillAttn};
 #[cfg(feature = "cuda")]

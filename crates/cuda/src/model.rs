@@ -152,7 +152,8 @@ pub struct GpuDecoder {
     slow_steps: usize,
     fast_steps: usize,
     /// SFI: decode steps between a slow step and the publication of its asynchronous
-    /// refresh (0: refresh in order on the decode stream).
+    /// refresh (0: refresh in order on the decode stream); from the policy's
+    /// [`crate::GpuSfiConfig::refresh_lag`].
     refresh_lag: usize,
     /// Asynchronous refreshes not yet published.
     pending: Vec<PendingRefresh>,
@@ -175,10 +176,6 @@ struct PendingRefresh {
     done: cudarc::driver::CudaEvent,
     due: usize,
 }
-
-/// Default lag of SFI's asynchronous refresh on the GPU (`SLOWFAST_SFI_ASYNC_LAG`): the
-/// refresh of a slow step is published this many decode steps later.
-pub const DEFAULT_REFRESH_LAG: usize = 4;
 
 fn bad(what: String) -> CudaError {
     CudaError::bad("gpu decoder", what)
@@ -423,8 +420,7 @@ impl GpuDecoder {
             want_refresh: vec![false; num_slots],
             slow_steps: 0,
             fast_steps: 0,
-            refresh_lag: crate::context::env_usize("SLOWFAST_SFI_ASYNC_LAG")
-                .unwrap_or(DEFAULT_REFRESH_LAG),
+            refresh_lag: 0,
             pending: Vec::new(),
             step_no: 0,
             last_refresh: Vec::new(),
@@ -497,6 +493,10 @@ impl GpuDecoder {
         self.ctx.synchronize()?; // no side work may still use the buffers dropped here
         self.sparse = None;
         self.graph = None;
+        self.refresh_lag = match policy {
+            GpuKvPolicy::Sfi(c) => c.refresh_lag,
+            _ => 0,
+        };
         self.sparse = SparseState::new(
             &self.ctx,
             policy,
@@ -507,13 +507,6 @@ impl GpuDecoder {
             self.refresh_lag > 0,
         )?;
         Ok(())
-    }
-
-    /// SFI's refresh lag: a slow step's Selector runs on a second stream and its memory is
-    /// published `lag` decode steps later (0: in order, within the slow step). Takes effect at
-    /// the next `set_policy`. Default [`DEFAULT_REFRESH_LAG`], or `SLOWFAST_SFI_ASYNC_LAG`.
-    pub fn set_refresh_lag(&mut self, lag: usize) {
-        self.refresh_lag = lag;
     }
 
     /// Publishes every asynchronous refresh still pending (the decode stream waits for their

@@ -39,6 +39,10 @@ pub struct GpuSfiConfig {
     pub page: usize,
     pub bootstrap_rows: usize,
     pub selector: SelectorConfig,
+    /// Decode steps between a slow step and the publication of its new memory: above 0 the
+    /// Selector runs on a second stream, overlapped with that many fast steps that keep the
+    /// previous memory; 0 refreshes in order, within the slow step (the CPU's SFI).
+    pub refresh_lag: usize,
 }
 
 /// Which KV policy the decoder's global layers run.

@@ -183,10 +183,10 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
             recent: *recent,
         },
         PolicySpec::Sfi { cfg, .. }
-            if cfg.selector.nms_shift != 0 || cfg.selector.evidence_mass =>
+            if cfg.selector.nms_shift != 0 || cfg.selector.evidence_mass || cfg.pool > 1.0 =>
         {
             return Err(EngineError::BadInput(
-                "--device cuda: --sfi-nms-shift and --sfi-evidence-mass are not on the GPU Selector yet (CPU only)".into(),
+                "--device cuda: --sfi-nms-shift, --sfi-evidence-mass and --sfi-pool are not on the GPU yet (CPU only)".into(),
             ))
         }
         PolicySpec::Sfi { cfg, .. } => GpuKvPolicy::Sfi(GpuSfiConfig {
@@ -196,6 +196,7 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
             page: cfg.page,
             bootstrap_rows: cfg.bootstrap_rows,
             selector: cfg.selector,
+            refresh_lag: cfg.async_lag,
         }),
         other => {
             return Err(EngineError::BadInput(format!(

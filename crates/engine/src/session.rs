@@ -175,12 +175,30 @@ impl PolicySpec {
                 enders,
                 newlines,
                 vocab_size,
-            } => Box::new(
-                SfiPolicy::<T>::new((**cfg).clone(), enders, newlines, (*vocab_size).max(1))
-                    .map_err(|e| EngineError::BadInput(format!("SFI trigger: {e}")))?,
-            ),
+            } => {
+                self.check_device(crate::Device::Cpu)?;
+                Box::new(
+                    SfiPolicy::<T>::new((**cfg).clone(), enders, newlines, (*vocab_size).max(1))
+                        .map_err(|e| EngineError::BadInput(format!("SFI trigger: {e}")))?,
+                )
+            }
             PolicySpec::FastKvPrefill { decode, .. } => decode.build(scale)?,
         })
+    }
+
+    /// Refuses what this policy's settings cannot do on `device` (SFI's asynchronous refresh
+    /// exists on the GPU only).
+    pub fn check_device(&self, device: crate::Device) -> Result<(), EngineError> {
+        match self {
+            PolicySpec::Sfi { cfg, .. } if cfg.async_lag > 0 && device == crate::Device::Cpu => {
+                Err(EngineError::BadInput(format!(
+                    "--sfi-async-lag {} needs --device cuda: the CPU refreshes SFI's memory within the slow step (lag 0)",
+                    cfg.async_lag
+                )))
+            }
+            PolicySpec::FastKvPrefill { decode, .. } => decode.check_device(device),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -701,6 +719,10 @@ pub struct SfiKnobs {
     pub selector: SelectorConfig,
     /// Diagnostic oracles (`oracle`, `oracle-sfi`): reselect every this many decode steps.
     pub oracle_every: usize,
+    /// Decode steps before a slow step's new memory is read (GPU only; 0: the next step).
+    pub async_lag: usize,
+    /// Candidate pool of the per-step re-rank, a multiple of the selected tokens (1: off).
+    pub pool: f64,
 }
 
 impl Default for SfiKnobs {
@@ -712,6 +734,8 @@ impl Default for SfiKnobs {
             trigger: "punct".into(),
             bootstrap_rows: 16,
             oracle_every: 1,
+            async_lag: 0,
+            pool: 1.0,
             selector: SelectorConfig {
                 // slowfast's default: span pooling instead of the paper's soft-NMS (window
                 // 32, strength 1), which drops the neighbours of a peak (docs/results.md).
@@ -760,6 +784,14 @@ fn sfi_spec(b: usize, sinks: usize, k: &SfiKnobs) -> Result<PolicySpec, EngineEr
         ));
     }
     cfg.bootstrap_rows = k.bootstrap_rows;
+    cfg.async_lag = k.async_lag;
+    if !(k.pool.is_finite() && (1.0..=16.0).contains(&k.pool)) {
+        return Err(EngineError::BadInput(format!(
+            "--sfi-pool {} is invalid (expected 1 to 16: the candidate pool as a multiple of the selected tokens)",
+            k.pool
+        )));
+    }
+    cfg.pool = k.pool as f32;
     k.selector.validate().map_err(|e| match e {
         SelectorError::Config {
             field,

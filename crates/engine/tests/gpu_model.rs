@@ -418,6 +418,7 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
             page: 16,
             bootstrap_rows: 16,
             selector,
+            refresh_lag: 0,
         };
         sfi.set_policy(GpuKvPolicy::Sfi(cfg)).unwrap();
         let worst = decode_pair(&mut full, &mut sfi, &prompt, steps, &[1, 2]);
@@ -460,11 +461,15 @@ fn async_refresh_publishes_the_in_order_memory() {
         page: 16,
         bootstrap_rows: 16,
         selector,
+        refresh_lag: 0,
     };
     let dec = |lag: usize| {
         let mut d = load_decoder(ctx.clone(), &m, 1, cap, 128).unwrap();
-        d.set_refresh_lag(lag);
-        d.set_policy(GpuKvPolicy::Sfi(cfg)).unwrap();
+        d.set_policy(GpuKvPolicy::Sfi(GpuSfiConfig {
+            refresh_lag: lag,
+            ..cfg
+        }))
+        .unwrap();
         d.prefill(0, &prompt, false).unwrap();
         d.begin_decode().unwrap();
         d

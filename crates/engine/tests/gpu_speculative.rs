@@ -50,6 +50,7 @@ fn small_sfi() -> GpuKvPolicy {
         page: 16,
         bootstrap_rows: 16,
         selector: slowfast_cuda::ops::sfi::SelectorConfig::default(),
+        refresh_lag: 0,
     })
 }
 
@@ -66,7 +67,6 @@ fn verify_against_steps(
     let b = lens.len();
     let cap = lens.iter().max().unwrap() + 2 * k + 8;
     let mut dec = load_decoder(ctx.clone(), m, b, cap, 256).unwrap();
-    dec.set_refresh_lag(0);
     for (s, &n) in lens.iter().enumerate() {
         dec.prefill(s, &tokens(n, v, 7 + s as u64), false).unwrap();
     }
@@ -109,7 +109,6 @@ fn verify_against_steps(
     // A rewind within the memory's length keeps SFI's memory (checked on the SFI decoder).
     if let Some(mem) = sfi_mem {
         let mut d2 = load_decoder(ctx.clone(), m, 1, cap, 256).unwrap();
-        d2.set_refresh_lag(0);
         d2.prefill(0, &tokens(lens[0], v, 7), false).unwrap();
         d2.set_policy(policy).unwrap();
         d2.set_next(&[fed[0][0]]).unwrap();
@@ -182,7 +181,6 @@ fn verification_graphs_replay_the_eager_pass() {
                 .into_iter()
                 .map(|graphs| {
                     let mut d = load_decoder(ctx.clone(), &m, b, 1400, 256).unwrap();
-                    d.set_refresh_lag(0);
                     for (s, &n) in lens.iter().enumerate() {
                         d.prefill(s, &tokens(n, v, 7 + s as u64), false).unwrap();
                     }

@@ -26,6 +26,18 @@ pub struct SfiConfig {
     pub bootstrap_rows: usize,
     pub trigger: TriggerConfig,
     pub selector: SelectorConfig,
+    /// Decode steps between a slow step and the first fast step that reads its new memory
+    /// (0: the very next step, as the paper and the CPU do). Only the GPU overlaps the
+    /// Selector with the fast steps this way; the CPU refuses a lag above 0.
+    pub async_lag: usize,
+    /// Candidate pool of the per-step re-rank, as a multiple of `selected` (1: off). Above 1
+    /// each refresh keeps `pool * selected` Selector-chosen tokens, grouped in position order
+    /// into pages of `page` memory entries with each page's per-dimension key min and max; every
+    /// fast step then reads the sinks, the pages whose bound on `q·k` (Quest's, the largest
+    /// over the kv head's query heads) is highest, and the recent window. A bound costs about
+    /// one key read (counted as attended), so the step reads `(selected - pages) / page` pages:
+    /// the same keys a step as without the re-rank.
+    pub pool: f32,
 }
 
 impl SfiConfig {
@@ -52,6 +64,8 @@ impl SfiConfig {
             bootstrap_rows: 16,
             trigger: TriggerConfig::default(),
             selector: SelectorConfig::default(),
+            async_lag: 0,
+            pool: 1.0,
         }
     }
 }
@@ -75,6 +89,29 @@ struct LayerMem<T> {
     pos: Vec<u32>, // [kv_heads, len]
     len: usize,    // tokens per kv head (equal across heads)
     recent_start: usize,
+    /// The re-rank (`SfiConfig::pool` > 1): entries before this are sinks, always read.
+    sinks: usize,
+    nkv: usize,
+    d: usize,
+    /// Per kv head, per page of `page` selected entries: the keys' per-dimension min, then
+    /// max (`[kv_heads, pages, 2, head_dim]`); empty without the re-rank.
+    bounds: Vec<f32>,
+    /// Per kv head: the pages this fast step reads (ascending), chosen in `query`.
+    pick: Vec<Vec<u32>>,
+}
+
+impl<T> LayerMem<T> {
+    /// Pages of selected entries per kv head (0 without the re-rank).
+    fn pages(&self, page: usize, d: usize, nkv: usize) -> usize {
+        if self.bounds.is_empty() {
+            0
+        } else {
+            debug_assert_eq!(self.bounds.len() % (2 * d * nkv), 0);
+            let n = self.bounds.len() / (2 * d * nkv);
+            debug_assert_eq!(n, (self.len - self.sinks).div_ceil(page));
+            n
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -171,6 +208,25 @@ impl<T: CacheElem> SfiPolicy<T> {
         self.layers.get(layer).and_then(|m| m.as_ref())
     }
 
+    /// Selector-chosen tokens a refresh keeps: `selected`, or the re-rank's pool.
+    fn kept(&self) -> usize {
+        if self.cfg.pool > 1.0 {
+            ((self.cfg.selected as f64) * self.cfg.pool as f64).round() as usize
+        } else {
+            self.cfg.selected
+        }
+    }
+
+    /// This call attends densely (sliding layer, prefill, a verification, a capture, or no
+    /// memory yet); otherwise it reads the sparse memory.
+    fn reads_dense(&self, call: &AttnCall) -> bool {
+        call.sliding
+            || !call.is_decode()
+            || self.verifying.is_some()
+            || self.capture_rows(call) > 0
+            || self.mem(call.layer).is_none()
+    }
+
     /// Select and gather the memory of `layer` from captured logits over the `keys` slots the
     /// capture saw (`[0, keys)`), the newest at position `hi - 1`. On a plain global layer
     /// slot j holds position j (`keys == hi`); on a compacted one (FastKV's token-selective
@@ -257,7 +313,7 @@ impl<T: CacheElem> SfiPolicy<T> {
             key_norms: &self.norms,
             sinks: sink_slots,
             recent_start: recent_slot,
-            k: self.cfg.selected,
+            k: self.kept(),
             positions: slot_pos.as_deref(),
         };
         if select_into(
@@ -280,9 +336,18 @@ impl<T: CacheElem> SfiPolicy<T> {
             pos: Vec::new(),
             len: 0,
             recent_start: 0,
+            sinks: 0,
+            nkv: 0,
+            d: 0,
+            bounds: Vec::new(),
+            pick: Vec::new(),
         });
         mem.len = m_len;
         mem.recent_start = recent_start;
+        mem.sinks = sink_slots;
+        (mem.nkv, mem.d) = (nkv, d);
+        mem.bounds.clear();
+        mem.pick.clear();
         mem.pos.clear();
         mem.k.clear();
         mem.v.clear();
@@ -295,6 +360,9 @@ impl<T: CacheElem> SfiPolicy<T> {
                 mem.k.extend_from_slice(&kslab[j * d..(j + 1) * d]);
                 mem.v.extend_from_slice(&vslab[j * d..(j + 1) * d]);
             }
+        }
+        if self.cfg.pool > 1.0 {
+            page_bounds(&mut mem, nkv, d, p);
         }
         self.layers[layer] = Some(mem);
         self.refreshed = true;
@@ -314,6 +382,77 @@ impl<T> SfiPolicy<T> {
         for p in &mut self.pending {
             *p = None;
         }
+    }
+}
+
+/// The re-rank's page bounds of `mem`'s selected entries (after its sinks): per kv head and
+/// page of `page` entries, the per-dimension min and max of the keys.
+fn page_bounds<T: CacheElem>(mem: &mut LayerMem<T>, nkv: usize, d: usize, page: usize) {
+    let sel = mem.len - mem.sinks;
+    let pages = sel.div_ceil(page);
+    mem.bounds.clear();
+    mem.bounds.resize(nkv * pages * 2 * d, 0.0);
+    let mut row = vec![0.0f32; d];
+    for h in 0..nkv {
+        for c in 0..pages {
+            let b = &mut mem.bounds[(h * pages + c) * 2 * d..(h * pages + c + 1) * 2 * d];
+            let (lo, hi) = b.split_at_mut(d);
+            lo.fill(f32::INFINITY);
+            hi.fill(f32::NEG_INFINITY);
+            let first = h * mem.len + mem.sinks + c * page;
+            let last = (first + page).min(h * mem.len + mem.len);
+            for j in first..last {
+                T::load(&mem.k[j * d..(j + 1) * d], &mut row);
+                for ((l, u), &x) in lo.iter_mut().zip(hi.iter_mut()).zip(&row) {
+                    *l = l.min(x);
+                    *u = u.max(x);
+                }
+            }
+        }
+    }
+}
+
+/// Quest's bound on `q·k` over one page: `sum_i max(q_i * min_i, q_i * max_i)`.
+fn page_bound(q: &[f32], lo: &[f32], hi: &[f32]) -> f32 {
+    q.iter()
+        .zip(lo.iter().zip(hi))
+        .map(|(&x, (&l, &u))| (x * l).max(x * u))
+        .sum()
+}
+
+/// Choose, per kv head, the `want` pages of `mem` with the highest bound for the decode
+/// query `q` (`[n_heads, head_dim]`; a page scores its largest bound over the kv head's query
+/// heads), ascending in `mem.pick`. Ties go to the earlier page.
+fn pick_pages<T>(mem: &mut LayerMem<T>, q: &[f32], want: usize) {
+    let (nkv, d) = (mem.nkv, mem.d);
+    let pages = mem.bounds.len() / (2 * d * nkv).max(1);
+    let g = q.len() / (d * nkv).max(1);
+    mem.pick.resize_with(nkv, Vec::new);
+    let mut score: Vec<(f32, u32)> = Vec::with_capacity(pages);
+    for h in 0..nkv {
+        let pick = &mut mem.pick[h];
+        pick.clear();
+        if want == 0 {
+            continue;
+        }
+        if pages <= want {
+            pick.extend(0..pages as u32);
+            continue;
+        }
+        score.clear();
+        for c in 0..pages {
+            let b = &mem.bounds[(h * pages + c) * 2 * d..(h * pages + c + 1) * 2 * d];
+            let (lo, hi) = b.split_at(d);
+            let best = (0..g)
+                .map(|i| page_bound(&q[(h * g + i) * d..(h * g + i + 1) * d], lo, hi))
+                .fold(f32::NEG_INFINITY, f32::max);
+            score.push((best, c as u32));
+        }
+        // Highest bound first, the earlier page on ties (NaN bounds last).
+        let key = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+        score.select_nth_unstable_by(want - 1, key);
+        pick.extend(score[..want].iter().map(|&(_, c)| c));
+        pick.sort_unstable();
     }
 }
 
@@ -361,11 +500,8 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
         let nkv = store.n_kv_heads;
         reset_out(out, nkv);
         let (lo, hi) = (call.lo, call.hi());
-        let dense = call.sliding
-            || !call.is_decode()
-            || self.verifying.is_some()
-            || self.capture_rows(call) > 0
-            || self.mem(call.layer).is_none();
+        let dense = self.reads_dense(call);
+        let mut bound_reads = 0;
         if dense {
             for (h, o) in out.iter_mut().enumerate() {
                 push_range(store, call.layer, h, lo..hi, o);
@@ -373,13 +509,29 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
         } else {
             let d = store.head_dim;
             let m = self.layers[call.layer].as_ref().expect("checked above");
+            let seg = |a: usize, b: usize| KvSegment {
+                k: &m.k[a * d..b * d],
+                v: &m.v[a * d..b * d],
+                pos: KvPositions::List(&m.pos[a..b]),
+            };
+            let (page, pages) = (self.cfg.page.max(1), m.pages(self.cfg.page.max(1), d, nkv));
             for (h, o) in out.iter_mut().enumerate() {
-                let r = h * m.len..(h + 1) * m.len;
-                o.push(KvSegment {
-                    k: &m.k[r.start * d..r.end * d],
-                    v: &m.v[r.start * d..r.end * d],
-                    pos: KvPositions::List(&m.pos[r]),
-                });
+                let base = h * m.len;
+                if pages == 0 {
+                    o.push(seg(base, base + m.len));
+                } else {
+                    // The sinks, then each run of consecutive picked pages as one segment.
+                    bound_reads += pages;
+                    if m.sinks > 0 {
+                        o.push(seg(base, base + m.sinks));
+                    }
+                    let picked: Vec<usize> = m.pick[h].iter().map(|&c| c as usize).collect();
+                    for r in crate::policy::sorted_runs(&picked) {
+                        let a = base + m.sinks + r.start * page;
+                        let b = (base + m.sinks + r.end * page).min(base + m.len);
+                        o.push(seg(a, b));
+                    }
+                }
                 push_range(store, call.layer, h, m.recent_start..hi, o);
             }
         }
@@ -390,6 +542,8 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
                 .iter()
                 .map(|o| o.iter().map(|s| s.len(d)).sum::<usize>())
                 .sum();
+            // A page bound (min and max rows) costs about one key read.
+            let read = read + bound_reads;
             self.step.record(read as f64 / nkv.max(1) as f64, hi - lo);
             if !dense {
                 self.step.mark_sparse();
@@ -488,6 +642,16 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
     }
 
     fn query(&mut self, call: &AttnCall, q: &[f32]) {
+        if self.cfg.pool > 1.0 && !self.reads_dense(call) {
+            let page = self.cfg.page.max(1);
+            let m = self.layers[call.layer]
+                .as_mut()
+                .expect("reads_dense checked");
+            // Equal cost: the bounds (about a key read a page) come out of the budget.
+            let pages = m.pages(page, m.d, m.nkv);
+            let want = (self.cfg.selected.saturating_sub(pages) / page).max(1);
+            pick_pages(m, q, want);
+        }
         if self.verifying == Some(call.pos0) && call.is_decode() && !call.sliding {
             if self.vq.len() <= call.layer {
                 self.vq.resize_with(call.layer + 1, || None);
@@ -579,7 +743,9 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
 
     /// A layer with a memory: its sinks and Selector-chosen keys, and the recent window from
     /// its page-aligned start to the newest position; a layer without one (the sequence is
-    /// within the budget, or the Selector left it dense) holds everything.
+    /// within the budget, or the Selector left it dense) holds everything. With the re-rank
+    /// (`pool` > 1) the selected keys are the candidate pool; each fast step reads the pages of
+    /// it that its query picks.
     fn held(&self, layer: usize, store: &KvStore<T>) -> Vec<Held> {
         let Some(m) = self.mem(layer) else {
             return (0..store.n_kv_heads)
@@ -701,6 +867,126 @@ mod tests {
             // Recent window: page-aligned start (200 - 32 = 168, floor to 16 -> 160) to the end.
             assert!(matches!(recent.pos, KvPositions::Range { start: 160 }));
             assert_eq!(recent.k.len(), (len - 160) * d);
+        }
+    }
+
+    /// The re-rank against a plain reference on fresh random memories: every key's `q·k` is
+    /// within its page's bound, and the picked pages are the `want` highest-bound ones (each
+    /// page's bound recomputed from its keys, max over the group's query heads).
+    #[test]
+    fn rerank_picks_the_pages_with_the_highest_bounds() {
+        use super::super::selector_tests::Rng;
+        let mut rng = Rng(17);
+        for case in 0..40 {
+            let (nkv, g, d) = (1 + rng.below(3), 1 + rng.below(3), 4 + rng.below(12));
+            let (sinks, sel, page) = (rng.below(5), 1 + rng.below(90), 1 + rng.below(16));
+            let len = sinks + sel;
+            let k: Vec<f32> = (0..nkv * len * d).map(|_| rng.normal() as f32).collect();
+            let mut mem = LayerMem::<f32> {
+                v: k.clone(),
+                k,
+                pos: (0..nkv * len).map(|j| (j % len) as u32).collect(),
+                len,
+                recent_start: len,
+                sinks,
+                nkv,
+                d,
+                bounds: Vec::new(),
+                pick: Vec::new(),
+            };
+            page_bounds(&mut mem, nkv, d, page);
+            let pages = sel.div_ceil(page);
+            assert_eq!(mem.pages(page, d, nkv), pages);
+            let q: Vec<f32> = (0..nkv * g * d).map(|_| rng.normal() as f32).collect();
+            let want = 1 + rng.below(pages + 2);
+            pick_pages(&mut mem, &q, want);
+            for h in 0..nkv {
+                // Reference: each page's bound from its keys, then the top `want`.
+                let mut bounds: Vec<(f64, usize)> = (0..pages)
+                    .map(|c| {
+                        let rows = (sinks + c * page..(sinks + (c + 1) * page).min(len))
+                            .map(|j| &mem.k[(h * len + j) * d..(h * len + j + 1) * d]);
+                        let rows: Vec<&[f32]> = rows.collect();
+                        let best = (0..g)
+                            .map(|i| {
+                                let qh = &q[(h * g + i) * d..(h * g + i + 1) * d];
+                                let ub: f64 = (0..d)
+                                    .map(|t| {
+                                        let lo =
+                                            rows.iter().map(|r| r[t]).fold(f32::INFINITY, f32::min);
+                                        let hi = rows
+                                            .iter()
+                                            .map(|r| r[t])
+                                            .fold(f32::NEG_INFINITY, f32::max);
+                                        (qh[t] as f64 * lo as f64).max(qh[t] as f64 * hi as f64)
+                                    })
+                                    .sum();
+                                for r in &rows {
+                                    let dot: f64 =
+                                        qh.iter().zip(*r).map(|(&a, &b)| a as f64 * b as f64).sum();
+                                    assert!(
+                                        dot <= ub + 1e-4,
+                                        "case {case}: q·k {dot} above its page bound {ub}"
+                                    );
+                                }
+                                ub
+                            })
+                            .fold(f64::NEG_INFINITY, f64::max);
+                        (best, c)
+                    })
+                    .collect();
+                bounds.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                let got: Vec<usize> = mem.pick[h].iter().map(|&c| c as usize).collect();
+                assert!(
+                    got.windows(2).all(|w| w[0] < w[1]),
+                    "case {case}: not ascending"
+                );
+                assert_eq!(got.len(), want.min(pages), "case {case}");
+                // Same set up to near-ties at the cut (f32 against f64 sums).
+                let cut = bounds[want.min(pages) - 1].0;
+                for &(b, c) in &bounds {
+                    if (b - cut).abs() > 1e-4 {
+                        assert_eq!(
+                            got.contains(&c),
+                            b > cut,
+                            "case {case}: page {c} bound {b} cut {cut}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// With the re-rank on, a fast step reads the sinks, the picked pages and the recent
+    /// window: with one key a page for the bounds, no more keys than without it.
+    #[test]
+    fn rerank_fast_step_reads_the_budget() {
+        let (nkv, d, len) = (2, 8, 400);
+        let st = store(nkv, d, len);
+        let mut cfg = SfiConfig::new(4, 32, 64);
+        cfg.pool = 2.0;
+        cfg.trigger.kind = super::super::trigger::TriggerKind::Off;
+        let mut p = SfiPolicy::<f32>::new(cfg, &[], &[], 10).unwrap();
+        let call = AttnCall::decode(0, len - 1);
+        // A slow step whose logits peak at 200 positions: the pool holds 128 of them.
+        let peaks: Vec<usize> = (40..240).collect();
+        let logits = peaked_logits(2, len, &[&peaks, &peaks]);
+        p.observe(&call, 1, &logits, &st);
+        p.end_forward(len - 1, 1);
+        let m = p.mem(0).unwrap();
+        assert_eq!(m.len, 4 + 128);
+        assert_eq!(m.pages(16, d, nkv), 8);
+        let q: Vec<f32> = (0..4 * d).map(|i| (i as f32 * 0.37).sin()).collect();
+        let call = AttnCall::decode(0, len);
+        KvPolicy::<f32>::query(&mut p, &call, &q);
+        let recent = len + 1 - p.mem(0).unwrap().recent_start;
+        let mut out = Vec::new();
+        p.segments(&call, &st, &mut out);
+        for (h, o) in out.iter().enumerate() {
+            let n: usize = o.iter().map(|s| s.len(d)).sum();
+            // 8 page bounds paid from the 64 selected: 3 pages of 16.
+            assert_eq!(n, 4 + 3 * 16 + recent, "kv head {h}");
+            assert!(n + 8 <= 4 + 64 + recent);
         }
     }
 
