@@ -9,6 +9,8 @@ use super::selector::{select_into, Selection, SelectorConfig, SelectorInput, Sel
 use super::trigger::{Trigger, TriggerConfig, TriggerError, TriggerStats};
 use crate::inspect::{runs_of, Held, SlowLog, SlowReason};
 use crate::policy::{push_range, reset_out, AttnCall, KvPolicy, PolicyStats, StepCounter};
+use crate::quest::PageBounds;
+use crate::score::top_k;
 use crate::store::{CacheElem, KvError, KvStore};
 
 /// SFI knobs (methods.md §1.3).
@@ -91,26 +93,17 @@ struct LayerMem<T> {
     recent_start: usize,
     /// The re-rank (`SfiConfig::pool` > 1): entries before this are sinks, always read.
     sinks: usize,
-    nkv: usize,
-    d: usize,
-    /// Per kv head, per page of `page` selected entries: the keys' per-dimension min, then
-    /// max (`[kv_heads, pages, 2, head_dim]`); empty without the re-rank.
-    bounds: Vec<f32>,
+    /// Per kv head: Quest's key bounds of the selected entries (after the sinks), in pages of
+    /// `page` entries; empty without the re-rank.
+    bounds: Vec<PageBounds>,
     /// Per kv head: the pages this fast step reads (ascending), chosen in `query`.
-    pick: Vec<Vec<u32>>,
+    pick: Vec<Vec<usize>>,
 }
 
 impl<T> LayerMem<T> {
     /// Pages of selected entries per kv head (0 without the re-rank).
-    fn pages(&self, page: usize, d: usize, nkv: usize) -> usize {
-        if self.bounds.is_empty() {
-            0
-        } else {
-            debug_assert_eq!(self.bounds.len() % (2 * d * nkv), 0);
-            let n = self.bounds.len() / (2 * d * nkv);
-            debug_assert_eq!(n, (self.len - self.sinks).div_ceil(page));
-            n
-        }
+    fn pages(&self, page: usize) -> usize {
+        self.bounds.first().map_or(0, |b| b.tokens.div_ceil(page))
     }
 }
 
@@ -337,15 +330,12 @@ impl<T: CacheElem> SfiPolicy<T> {
             len: 0,
             recent_start: 0,
             sinks: 0,
-            nkv: 0,
-            d: 0,
             bounds: Vec::new(),
             pick: Vec::new(),
         });
         mem.len = m_len;
         mem.recent_start = recent_start;
         mem.sinks = sink_slots;
-        (mem.nkv, mem.d) = (nkv, d);
         mem.bounds.clear();
         mem.pick.clear();
         mem.pos.clear();
@@ -385,73 +375,36 @@ impl<T> SfiPolicy<T> {
     }
 }
 
-/// The re-rank's page bounds of `mem`'s selected entries (after its sinks): per kv head and
-/// page of `page` entries, the per-dimension min and max of the keys.
+/// The re-rank's page bounds of `mem`'s selected entries (after its sinks): per kv head,
+/// Quest's per-page key min and max over pages of `page` entries.
 fn page_bounds<T: CacheElem>(mem: &mut LayerMem<T>, nkv: usize, d: usize, page: usize) {
     let sel = mem.len - mem.sinks;
-    let pages = sel.div_ceil(page);
     mem.bounds.clear();
-    mem.bounds.resize(nkv * pages * 2 * d, 0.0);
-    let mut row = vec![0.0f32; d];
-    for h in 0..nkv {
-        for c in 0..pages {
-            let b = &mut mem.bounds[(h * pages + c) * 2 * d..(h * pages + c + 1) * 2 * d];
-            let (lo, hi) = b.split_at_mut(d);
-            lo.fill(f32::INFINITY);
-            hi.fill(f32::NEG_INFINITY);
-            let first = h * mem.len + mem.sinks + c * page;
-            let last = (first + page).min(h * mem.len + mem.len);
-            for j in first..last {
-                T::load(&mem.k[j * d..(j + 1) * d], &mut row);
-                for ((l, u), &x) in lo.iter_mut().zip(hi.iter_mut()).zip(&row) {
-                    *l = l.min(x);
-                    *u = u.max(x);
-                }
-            }
-        }
+    mem.bounds.resize_with(nkv, PageBounds::default);
+    for (h, b) in mem.bounds.iter_mut().enumerate() {
+        let first = h * mem.len + mem.sinks;
+        b.update(&mem.k[first * d..(first + sel) * d], sel, page, d);
     }
-}
-
-/// Quest's bound on `q·k` over one page: `sum_i max(q_i * min_i, q_i * max_i)`.
-fn page_bound(q: &[f32], lo: &[f32], hi: &[f32]) -> f32 {
-    q.iter()
-        .zip(lo.iter().zip(hi))
-        .map(|(&x, (&l, &u))| (x * l).max(x * u))
-        .sum()
 }
 
 /// Choose, per kv head, the `want` pages of `mem` with the highest bound for the decode
 /// query `q` (`[n_heads, head_dim]`; a page scores its largest bound over the kv head's query
 /// heads), ascending in `mem.pick`. Ties go to the earlier page.
-fn pick_pages<T>(mem: &mut LayerMem<T>, q: &[f32], want: usize) {
-    let (nkv, d) = (mem.nkv, mem.d);
-    let pages = mem.bounds.len() / (2 * d * nkv).max(1);
+fn pick_pages<T>(mem: &mut LayerMem<T>, q: &[f32], want: usize, page: usize) {
+    let nkv = mem.bounds.len();
+    let pages = mem.pages(page);
+    let d = mem.k.len() / (nkv * mem.len).max(1);
     let g = q.len() / (d * nkv).max(1);
     mem.pick.resize_with(nkv, Vec::new);
-    let mut score: Vec<(f32, u32)> = Vec::with_capacity(pages);
-    for h in 0..nkv {
-        let pick = &mut mem.pick[h];
-        pick.clear();
-        if want == 0 {
-            continue;
-        }
-        if pages <= want {
-            pick.extend(0..pages as u32);
-            continue;
-        }
+    let mut score = Vec::with_capacity(pages);
+    for (h, (pick, b)) in mem.pick.iter_mut().zip(&mem.bounds).enumerate() {
         score.clear();
-        for c in 0..pages {
-            let b = &mem.bounds[(h * pages + c) * 2 * d..(h * pages + c + 1) * 2 * d];
-            let (lo, hi) = b.split_at(d);
-            let best = (0..g)
-                .map(|i| page_bound(&q[(h * g + i) * d..(h * g + i + 1) * d], lo, hi))
-                .fold(f32::NEG_INFINITY, f32::max);
-            score.push((best, c as u32));
-        }
-        // Highest bound first, the earlier page on ties (NaN bounds last).
-        let key = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-        score.select_nth_unstable_by(want - 1, key);
-        pick.extend(score[..want].iter().map(|&(_, c)| c));
+        score.extend((0..pages).map(|c| {
+            (0..g)
+                .map(|i| b.upper_bound(c, &q[(h * g + i) * d..(h * g + i + 1) * d]))
+                .fold(f32::NEG_INFINITY, f32::max)
+        }));
+        *pick = top_k(&score, want);
         pick.sort_unstable();
     }
 }
@@ -514,7 +467,8 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
                 v: &m.v[a * d..b * d],
                 pos: KvPositions::List(&m.pos[a..b]),
             };
-            let (page, pages) = (self.cfg.page.max(1), m.pages(self.cfg.page.max(1), d, nkv));
+            let page = self.cfg.page.max(1);
+            let pages = m.pages(page);
             for (h, o) in out.iter_mut().enumerate() {
                 let base = h * m.len;
                 if pages == 0 {
@@ -525,8 +479,7 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
                     if m.sinks > 0 {
                         o.push(seg(base, base + m.sinks));
                     }
-                    let picked: Vec<usize> = m.pick[h].iter().map(|&c| c as usize).collect();
-                    for r in crate::policy::sorted_runs(&picked) {
+                    for r in crate::policy::sorted_runs(&m.pick[h]) {
                         let a = base + m.sinks + r.start * page;
                         let b = (base + m.sinks + r.end * page).min(base + m.len);
                         o.push(seg(a, b));
@@ -648,9 +601,9 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
                 .as_mut()
                 .expect("reads_dense checked");
             // Equal cost: the bounds (about a key read a page) come out of the budget.
-            let pages = m.pages(page, m.d, m.nkv);
+            let pages = m.pages(page);
             let want = (self.cfg.selected.saturating_sub(pages) / page).max(1);
-            pick_pages(m, q, want);
+            pick_pages(m, q, want, page);
         }
         if self.verifying == Some(call.pos0) && call.is_decode() && !call.sliding {
             if self.vq.len() <= call.layer {
@@ -889,17 +842,15 @@ mod tests {
                 len,
                 recent_start: len,
                 sinks,
-                nkv,
-                d,
                 bounds: Vec::new(),
                 pick: Vec::new(),
             };
             page_bounds(&mut mem, nkv, d, page);
             let pages = sel.div_ceil(page);
-            assert_eq!(mem.pages(page, d, nkv), pages);
+            assert_eq!(mem.pages(page), pages);
             let q: Vec<f32> = (0..nkv * g * d).map(|_| rng.normal() as f32).collect();
             let want = 1 + rng.below(pages + 2);
-            pick_pages(&mut mem, &q, want);
+            pick_pages(&mut mem, &q, want, page);
             for h in 0..nkv {
                 // Reference: each page's bound from its keys, then the top `want`.
                 let mut bounds: Vec<(f64, usize)> = (0..pages)
@@ -936,7 +887,7 @@ mod tests {
                     })
                     .collect();
                 bounds.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-                let got: Vec<usize> = mem.pick[h].iter().map(|&c| c as usize).collect();
+                let got = mem.pick[h].clone();
                 assert!(
                     got.windows(2).all(|w| w[0] < w[1]),
                     "case {case}: not ascending"
@@ -975,7 +926,7 @@ mod tests {
         p.end_forward(len - 1, 1);
         let m = p.mem(0).unwrap();
         assert_eq!(m.len, 4 + 128);
-        assert_eq!(m.pages(16, d, nkv), 8);
+        assert_eq!(m.pages(16), 8);
         let q: Vec<f32> = (0..4 * d).map(|i| (i as f32 * 0.37).sin()).collect();
         let call = AttnCall::decode(0, len);
         KvPolicy::<f32>::query(&mut p, &call, &q);
