@@ -119,6 +119,9 @@ pub fn run(a: Args) -> Result<()> {
         .session_policy(&a.policy, &a.sparse, max_context)
         .context("--speculate")?
         .map(|p| p.with_vocab(&loaded.tokenizer));
+    if let Some(p) = &spec_policy {
+        p.check_device(a.model.device())?;
+    }
     let spec_name = spec_policy.as_ref().map(|p| p.name().to_owned());
     // On the GPU every slot runs one policy: a speculating server's is the drafter's.
     let default_policy = match spec_policy {

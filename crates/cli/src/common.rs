@@ -93,8 +93,8 @@ pub struct PolicyArgs {
     /// SFI, --device cuda only: run each slow step's Selector on a second stream and publish its
     /// new memory this many decode steps later; the fast steps in between keep the previous
     /// memory. 0 (the default, and the CPU's SFI) refreshes within the slow step. Lag 4 was
-    /// measured 0.5 % faster at batch 1 and 2-3 % at batch 6, for +0.02 nats of ΔNLL on one
-    /// technical text at 8K (docs/results.md).
+    /// measured 0.1 % faster at batch 1 and 1.5 % at batch 6 (128K), for +0.06 nats of ΔNLL on
+    /// source code at 8K (run 106, docs/results.md "SFI's refresh lag").
     #[arg(long, default_value_t = 0)]
     pub sfi_async_lag: usize,
     /// SFI: re-rank the memory at every fast step (CPU only; 1 turns it off). Each refresh

@@ -288,6 +288,17 @@ fn sfi_async_lag_on_the_cpu_and_a_bad_pool_are_clear_errors() {
     // The server refuses it before it listens, not at the first request.
     let serve = [&["serve", "--model", m, "--port", "0"][..], &sfi].concat();
     fails(&serve, "--sfi-async-lag 4 needs --device cuda");
+    // Also when only the speculative drafter runs SFI.
+    let lag = [
+        "--kv-budget",
+        "300",
+        "--sfi-async-lag",
+        "4",
+        "--speculate",
+        "sfi",
+    ];
+    let drafter = [&["serve", "--model", m, "--port", "0"][..], &lag].concat();
+    fails(&drafter, "--sfi-async-lag 4 needs --device cuda");
     for bad in ["0.5", "17", "NaN"] {
         let pool = ["--policy", "sfi", "--kv-budget", "300", "--sfi-pool", bad];
         let args = [&["generate", "--model", m, "--prompt", "hi"][..], &pool].concat();
