@@ -104,6 +104,14 @@ pub struct PolicyArgs {
     /// so a step reads as many keys as without it. See docs/results.md.
     #[arg(long, default_value_t = 1.0)]
     pub sfi_pool: f64,
+    /// SFI: the drift trigger (CPU only; 0 turns it off). Each refresh records the share of
+    /// its query's attention, over what a fast step reads, on the selected keys; each fast step
+    /// measures its own share from the logits it computes anyway. When the fast step's shares,
+    /// summed over the global layers, fall below this fraction of the refresh's, the next step
+    /// is slow (past --sfi-min-gap). Adds slow steps where the memory went stale; see
+    /// docs/results.md for its cost and gain.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub sfi_drift: f64,
     /// SFI: prefill query rows (the last ones) whose dense attention bootstraps the first
     /// selection.
     #[arg(long, default_value_t = 16)]
@@ -194,6 +202,7 @@ impl PolicyArgs {
             oracle_every: self.oracle_every,
             async_lag: self.sfi_async_lag,
             pool: self.sfi_pool,
+            drift: self.sfi_drift,
             selector: slowfast_engine::session::SelectorConfig {
                 alpha: self.sfi_alpha,
                 gamma: self.sfi_gamma,

@@ -272,7 +272,7 @@ fn invalid_sampling_values_are_clear_errors() {
 }
 
 #[test]
-fn sfi_async_lag_on_the_cpu_and_a_bad_pool_are_clear_errors() {
+fn sfi_async_lag_on_the_cpu_a_bad_pool_and_a_bad_drift_are_clear_errors() {
     let dir = fixture("qwen3");
     let m = dir.to_str().unwrap();
     let sfi = [
@@ -304,6 +304,23 @@ fn sfi_async_lag_on_the_cpu_and_a_bad_pool_are_clear_errors() {
         let args = [&["generate", "--model", m, "--prompt", "hi"][..], &pool].concat();
         fails(&args, &format!("--sfi-pool {bad} is invalid"));
     }
+    for bad in ["-0.1", "1.5", "inf"] {
+        let drift = ["--policy", "sfi", "--kv-budget", "300", "--sfi-drift", bad];
+        let args = [&["generate", "--model", m, "--prompt", "hi"][..], &drift].concat();
+        fails(&args, &format!("--sfi-drift {bad} is invalid"));
+    }
+    let both = [
+        "--policy",
+        "sfi",
+        "--kv-budget",
+        "300",
+        "--sfi-drift",
+        "0.5",
+        "--sfi-pool",
+        "3",
+    ];
+    let args = [&["generate", "--model", m, "--prompt", "hi"][..], &both].concat();
+    fails(&args, "--sfi-drift 0.5 and --sfi-pool 3 do not combine");
 }
 
 #[test]

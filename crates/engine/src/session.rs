@@ -723,6 +723,8 @@ pub struct SfiKnobs {
     pub async_lag: usize,
     /// Candidate pool of the per-step re-rank, a multiple of the selected tokens (1: off).
     pub pool: f64,
+    /// The drift trigger's threshold (0: off; `SfiConfig::drift`).
+    pub drift: f64,
 }
 
 impl Default for SfiKnobs {
@@ -736,6 +738,7 @@ impl Default for SfiKnobs {
             oracle_every: 1,
             async_lag: 0,
             pool: 1.0,
+            drift: 0.0,
             selector: SelectorConfig {
                 // slowfast's default: span pooling instead of the paper's soft-NMS (window
                 // 32, strength 1), which drops the neighbours of a peak (docs/results.md).
@@ -792,6 +795,19 @@ fn sfi_spec(b: usize, sinks: usize, k: &SfiKnobs) -> Result<PolicySpec, EngineEr
         )));
     }
     cfg.pool = k.pool as f32;
+    if !(k.drift.is_finite() && (0.0..=1.0).contains(&k.drift)) {
+        return Err(EngineError::BadInput(format!(
+            "--sfi-drift {} is invalid (expected 0 to 1: the share of the refresh's attention on the selected keys below which a fast step fires a slow one; 0 turns it off)",
+            k.drift
+        )));
+    }
+    if k.drift > 0.0 && k.pool > 1.0 {
+        return Err(EngineError::BadInput(format!(
+            "--sfi-drift {} and --sfi-pool {} do not combine yet: the re-rank changes what a fast step reads from step to step, so its share has no fixed reference",
+            k.drift, k.pool
+        )));
+    }
+    cfg.drift = k.drift as f32;
     k.selector.validate().map_err(|e| match e {
         SelectorError::Config {
             field,

@@ -96,6 +96,36 @@ fn fast_steps_attend_to_the_sparse_memory_only() {
     assert!(max_diff.is_finite() && max_diff < 10.0, "{max_diff}");
 }
 
+/// The drift trigger on a real model: measuring a fast step (its logits captured through the
+/// kernel that writes them) leaves that step's output bit-equal to plain SFI's; a threshold
+/// the shares never fall below fires nothing, one they always fall below makes every step past
+/// `min_gap` slow.
+#[test]
+fn drift_measurement_changes_no_fast_step_and_fires_slow_steps_when_the_share_falls() {
+    let m = model();
+    let t = tokens(180);
+    let mut cfg = SfiConfig::new(2, 8, 6);
+    cfg.trigger.kind = TriggerKind::Off;
+    cfg.trigger.min_gap = 4;
+    let (plain, plain_stats) = run(&m, &sfi(cfg.clone()), &t[..100], &t[100..]);
+    cfg.drift = 1e-30;
+    let (measured, stats) = run(&m, &sfi(cfg.clone()), &t[..100], &t[100..]);
+    assert_eq!(measured, plain);
+    assert_eq!(stats, plain_stats);
+    assert_eq!((stats.slow_steps, stats.fast_steps), (0, 80));
+    // Above 1 no share passes (the library takes it; the CLI stops at 1): every fast step
+    // notes drift, so with a 4-step gap every fourth step is slow (3 fast, then 1 slow).
+    cfg.drift = 1.5;
+    let (fired, stats) = run(&m, &sfi(cfg), &t[..100], &t[100..]);
+    assert_eq!((stats.slow_steps, stats.fast_steps), (20, 60));
+    assert_eq!(
+        fired[..3],
+        plain[..3],
+        "the steps before the first drift refresh"
+    );
+    assert_ne!(fired[3], plain[3]);
+}
+
 /// SFI's decode after FastKV's token-selective prefill (`sfi+fastkv`): half the prompt goes
 /// past the TSP layer (layer 1 of 3), so layer 2 holds only the propagated tokens, in a
 /// compacted layer whose slots carry their positions.

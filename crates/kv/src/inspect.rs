@@ -123,6 +123,8 @@ pub enum SlowReason {
     Periodic,
     /// The random trigger.
     Random,
+    /// SFI's drift signal: the fast steps' attention left the memory (`--sfi-drift`).
+    Drift,
     /// No memory yet on some layer (the sequence just grew past the budget): a dense step
     /// that builds it.
     Bootstrap,

@@ -137,9 +137,10 @@ pub trait KvPolicy<T: CacheElem>: Send {
         out: &mut Vec<Vec<KvSegment<'s, T>>>,
     );
 
-    /// How many of this call's last query rows should have their dense attention logits
-    /// captured and handed to `observe` (0: none). When non-zero, `segments` must be dense
-    /// (`lo .. hi` in order), so the logits cover positions `lo .. hi`.
+    /// How many of this call's last query rows should have their attention logits captured
+    /// and handed to `observe` (0: none). The logits cover the keys `segments` returns, in
+    /// order: positions `lo .. hi` when the segments are dense, as every policy's refresh
+    /// needs; SFI's drift trigger also captures its sparse fast steps.
     fn capture_rows(&self, _call: &AttnCall) -> usize {
         0
     }

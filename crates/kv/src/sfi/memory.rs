@@ -40,6 +40,13 @@ pub struct SfiConfig {
     /// one key read (counted as attended), so the step reads `(selected - pages) / page` pages:
     /// the same keys a step as without the re-rank.
     pub pool: f32,
+    /// The drift trigger (0: off; an extension, issue 27 direction 1). At each refresh a
+    /// layer records the share of its slow query's attention, over what a fast step reads,
+    /// that falls on the Selector-chosen keys; each fast step measures the same share for its
+    /// own query from the logits it computes anyway. When the fast step's shares, summed over
+    /// the global layers, fall below `drift` times the refresh's, the next step is slow
+    /// (within the trigger's `min_gap`). Not with the re-rank (`pool` > 1).
+    pub drift: f32,
 }
 
 impl SfiConfig {
@@ -68,6 +75,7 @@ impl SfiConfig {
             selector: SelectorConfig::default(),
             async_lag: 0,
             pool: 1.0,
+            drift: 0.0,
         }
     }
 }
@@ -98,6 +106,9 @@ struct LayerMem<T> {
     bounds: Vec<PageBounds>,
     /// Per kv head: the pages this fast step reads (ascending), chosen in `query`.
     pick: Vec<Vec<usize>>,
+    /// The drift trigger: the share of the refreshing query's attention on the selected
+    /// entries (mean over query heads; see `SfiConfig::drift`).
+    share: f64,
 }
 
 impl<T> LayerMem<T> {
@@ -139,6 +150,11 @@ pub struct SfiPolicy<T> {
     reason: Option<SlowReason>,
     /// The slow steps so far (inspection).
     log: SlowLog,
+    /// The drift trigger, this forward: the fast step's shares and the refreshes' shares,
+    /// summed over the layers measured.
+    drift_now: (f64, f64),
+    /// Per layer: keys per kv head its last fast step read (memory, then the recent window).
+    read: Vec<usize>,
 }
 
 /// Which trigger counter moved between two readings: the reason of the step that fired.
@@ -149,6 +165,8 @@ fn trigger_reason(before: &TriggerStats, after: &TriggerStats) -> SlowReason {
         SlowReason::Interval
     } else if after.periodic > before.periodic {
         SlowReason::Periodic
+    } else if after.drift > before.drift {
+        SlowReason::Drift
     } else {
         SlowReason::Random
     }
@@ -184,6 +202,8 @@ impl<T: CacheElem> SfiPolicy<T> {
             scale: 1.0,
             reason: None,
             log: SlowLog::default(),
+            drift_now: (0.0, 0.0),
+            read: Vec::new(),
         })
     }
 
@@ -210,14 +230,36 @@ impl<T: CacheElem> SfiPolicy<T> {
         }
     }
 
-    /// This call attends densely (sliding layer, prefill, a verification, a capture, or no
-    /// memory yet); otherwise it reads the sparse memory.
+    /// This call attends densely (sliding layer, prefill, a verification, a capture for a
+    /// refresh, or no memory yet); otherwise it reads the sparse memory.
     fn reads_dense(&self, call: &AttnCall) -> bool {
         call.sliding
             || !call.is_decode()
             || self.verifying.is_some()
-            || self.capture_rows(call) > 0
+            || self.refresh_rows(call) > 0
             || self.mem(call.layer).is_none()
+    }
+
+    /// Query rows of this call whose dense logits a refresh selects from (0: none).
+    fn refresh_rows(&self, call: &AttnCall) -> usize {
+        if call.sliding || call.hi() <= self.dense_below() || self.verifying.is_some() {
+            0
+        } else if !call.is_decode() {
+            // Every prefill chunk captures; the last one's selection is what decode starts with.
+            self.cfg.bootstrap_rows.min(call.n)
+        } else if self.slow_now || self.mem(call.layer).is_none() {
+            1
+        } else {
+            0
+        }
+    }
+
+    /// The drift trigger measures this call: a fast step of a layer with a memory.
+    fn measures_drift(&self, call: &AttnCall) -> bool {
+        self.cfg.drift > 0.0
+            && !self.drafting
+            && self.refresh_rows(call) == 0
+            && !self.reads_dense(call)
     }
 
     /// Select and gather the memory of `layer` from captured logits over the `keys` slots the
@@ -332,6 +374,7 @@ impl<T: CacheElem> SfiPolicy<T> {
             sinks: 0,
             bounds: Vec::new(),
             pick: Vec::new(),
+            share: 0.0,
         });
         mem.len = m_len;
         mem.recent_start = recent_start;
@@ -354,6 +397,19 @@ impl<T: CacheElem> SfiPolicy<T> {
         if self.cfg.pool > 1.0 {
             page_bounds(&mut mem, nkv, d, p);
         }
+        if self.cfg.drift > 0.0 {
+            // The last captured row's share over what the fast steps will read: the sinks,
+            // the selected slots and the recent window.
+            let row = rows - 1;
+            let mut sum = 0.0;
+            for hq in 0..n_heads {
+                let l = &logits[(hq * rows + row) * keys..(hq * rows + row + 1) * keys];
+                let sel = &self.selection.per_head[hq / g];
+                let others = (0..sink_slots).chain(recent_slot..keys);
+                sum += selected_share(sel.iter().map(|&j| l[j as usize]), others.map(|j| l[j]));
+            }
+            mem.share = sum / n_heads.max(1) as f64;
+        }
         self.layers[layer] = Some(mem);
         self.refreshed = true;
         self.refreshes += 1;
@@ -361,6 +417,29 @@ impl<T: CacheElem> SfiPolicy<T> {
 }
 
 impl<T> SfiPolicy<T> {
+    /// The drift trigger on a fast step of `layer`: its logits (`[n_heads, read]`, the sinks,
+    /// the selected entries, then the recent window) give this query's share on the selected
+    /// entries, added to this forward's sums with the share of the refresh.
+    fn measure_drift(&mut self, layer: usize, logits: &[f32]) {
+        let Some(m) = self.layers.get(layer).and_then(|m| m.as_ref()) else {
+            return;
+        };
+        let read = self.read.get(layer).copied().unwrap_or(0);
+        if read < m.len.max(1) || !logits.len().is_multiple_of(read) {
+            return;
+        }
+        let heads = logits.len() / read;
+        let sum: f64 = logits
+            .chunks_exact(read)
+            .map(|l| {
+                let others = l[..m.sinks].iter().chain(&l[m.len..]).copied();
+                selected_share(l[m.sinks..m.len].iter().copied(), others)
+            })
+            .sum();
+        self.drift_now.0 += sum / heads as f64;
+        self.drift_now.1 += m.share;
+    }
+
     /// Forget what was derived from positions `>= len` (speculative decoding cut them off):
     /// the cached key norms, and captures not yet selected from.
     fn forget_from(&mut self, len: usize) {
@@ -409,6 +488,25 @@ fn pick_pages<T>(mem: &mut LayerMem<T>, q: &[f32], want: usize, page: usize) {
     }
 }
 
+/// The share of softmax mass on the `selected` logits among the `selected` and `others` ones
+/// (0 when none is finite).
+fn selected_share(
+    selected: impl Iterator<Item = f32> + Clone,
+    others: impl Iterator<Item = f32> + Clone,
+) -> f64 {
+    let m = selected
+        .clone()
+        .chain(others.clone())
+        .fold(f32::NEG_INFINITY, f32::max);
+    if !m.is_finite() {
+        return 0.0;
+    }
+    let mass = |it: &mut dyn Iterator<Item = f32>| it.map(|x| ((x - m) as f64).exp()).sum::<f64>();
+    let sel = mass(&mut selected.clone());
+    let all = sel + mass(&mut others.clone());
+    sel / all
+}
+
 /// `sqrt(sum x^2)` with eight independent partial sums (vectorises).
 fn l2_norm(x: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
@@ -431,17 +529,11 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
         Some(Box::new(self.clone()))
     }
 
+    /// A refresh's rows, or on a fast step the drift trigger's one row (its logits are over
+    /// the sparse memory and the recent window, in `segments`' order).
     fn capture_rows(&self, call: &AttnCall) -> usize {
-        if call.sliding || call.hi() <= self.dense_below() || self.verifying.is_some() {
-            0
-        } else if !call.is_decode() {
-            // Every prefill chunk captures; the last one's selection is what decode starts with.
-            self.cfg.bootstrap_rows.min(call.n)
-        } else if self.slow_now || self.mem(call.layer).is_none() {
-            1
-        } else {
-            0
-        }
+        self.refresh_rows(call)
+            .max(self.measures_drift(call) as usize)
     }
 
     fn segments<'s>(
@@ -487,6 +579,12 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
                 }
                 push_range(store, call.layer, h, m.recent_start..hi, o);
             }
+            let d = store.head_dim;
+            let read = out[0].iter().map(|s| s.len(d)).sum();
+            if self.read.len() <= call.layer {
+                self.read.resize(call.layer + 1, 0);
+            }
+            self.read[call.layer] = read;
         }
         if call.is_decode() && !call.sliding {
             // Keys read per kv head (a compacted layer holds fewer than its positions).
@@ -516,7 +614,11 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
         };
         let n_heads = logits.len() / (rows * keys).max(1);
         if call.is_decode() {
-            self.refresh(call.layer, rows, logits, store, n_heads, keys, hi);
+            if self.measures_drift(call) {
+                self.measure_drift(call.layer, logits);
+            } else {
+                self.refresh(call.layer, rows, logits, store, n_heads, keys, hi);
+            }
             return;
         }
         // Prefill: keep the latest chunk's capture; `end_prefill` selects from it.
@@ -553,6 +655,10 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
     }
 
     fn end_forward(&mut self, pos0: usize, n: usize) {
+        let (now, then) = std::mem::take(&mut self.drift_now);
+        if then > 0.0 && now < self.cfg.drift as f64 * then {
+            self.trigger.note_drift();
+        }
         if n == 1 {
             let slow = self.stats.slow_steps;
             self.step.finish_step(&mut self.stats);
@@ -844,6 +950,7 @@ mod tests {
                 sinks,
                 bounds: Vec::new(),
                 pick: Vec::new(),
+                share: 0.0,
             };
             page_bounds(&mut mem, nkv, d, page);
             let pages = sel.div_ceil(page);
@@ -1025,6 +1132,120 @@ mod tests {
             .map(|s| s.reason)
             .collect();
         assert_eq!(reasons, vec![SlowReason::Short; 3]);
+    }
+
+    /// The drift trigger's shares against a plain f64 softmax on fresh random logits, and the
+    /// trigger they drive: a fast step whose share falls below `drift` times the refresh's
+    /// makes the next step slow (logged as drift); one above it does not.
+    #[test]
+    fn drift_shares_match_a_plain_softmax_and_fire_the_next_step() {
+        use super::super::selector_tests::Rng;
+        use super::super::trigger::TriggerKind;
+        let mut rng = Rng(5);
+        // share = sum over `sel` of e^l / sum over `sel` and `rest`, in f64.
+        let plain = |l: &[f32], sel: &[usize], rest: &[usize]| {
+            let e = |j: &usize| (l[*j] as f64).exp();
+            let a: f64 = sel.iter().map(e).sum();
+            a / (a + rest.iter().map(e).sum::<f64>())
+        };
+        let (nkv, g, d, len) = (2, 3, 4, 220);
+        let st = store(nkv, d, len);
+        let mut cfg = SfiConfig::new(3, 32, 5);
+        cfg.drift = 0.5;
+        cfg.trigger = TriggerConfig {
+            kind: TriggerKind::Off,
+            min_gap: 1,
+            ..TriggerConfig::default()
+        };
+        let mut p = SfiPolicy::<f32>::new(cfg, &[], &[], 100).unwrap();
+        // Step at position 200: no memory yet, a dense capture over 201 keys refreshes it.
+        let (pos, keys) = (200, 201);
+        KvPolicy::<f32>::on_token(&mut p, 7);
+        let call = AttnCall::decode(0, pos);
+        assert_eq!(KvPolicy::<f32>::capture_rows(&p, &call), 1);
+        KvPolicy::<f32>::segments(&mut p, &call, &st, &mut Vec::new());
+        let logits: Vec<f32> = (0..nkv * g * keys)
+            .map(|_| 3.0 * rng.normal() as f32)
+            .collect();
+        KvPolicy::<f32>::observe(&mut p, &call, 1, &logits, &st);
+        KvPolicy::<f32>::end_forward(&mut p, pos, 1);
+        // Recent window from (201 - 32) / 16 * 16 = 160.
+        let mem = p.layers[0].as_ref().unwrap();
+        let mut want = 0.0;
+        for hq in 0..nkv * g {
+            let h = hq / g;
+            let sel: Vec<usize> = mem.pos[h * mem.len + 3..(h + 1) * mem.len]
+                .iter()
+                .map(|&j| j as usize)
+                .collect();
+            let rest: Vec<usize> = (0..3).chain(160..keys).collect();
+            want += plain(&logits[hq * keys..(hq + 1) * keys], &sel, &rest);
+        }
+        want /= (nkv * g) as f64;
+        assert!((mem.share - want).abs() < 1e-9, "{} vs {want}", mem.share);
+        let reference = mem.share;
+        // Fast steps: the logits are over [3 sinks, 5 selected, the window 160..=pos].
+        let fast = |p: &mut SfiPolicy<f32>, pos: usize, lift: f32, rng: &mut Rng| -> (bool, f64) {
+            KvPolicy::<f32>::on_token(p, 7);
+            let slow = p.slow_now;
+            let call = AttnCall::decode(0, pos);
+            let rows = KvPolicy::<f32>::capture_rows(p, &call);
+            let mut out = Vec::new();
+            KvPolicy::<f32>::segments(p, &call, &st, &mut out);
+            let read: usize = out[0].iter().map(|s| s.len(d)).sum();
+            drop(out);
+            if slow {
+                let logits = vec![0.0; nkv * g * (pos + 1)];
+                KvPolicy::<f32>::observe(p, &call, rows, &logits, &st);
+                KvPolicy::<f32>::end_forward(p, pos, 1);
+                return (true, 0.0);
+            }
+            assert_eq!((rows, read), (1, 8 + pos + 1 - 160), "a fast step captures");
+            let logits: Vec<f32> = (0..nkv * g * read)
+                .map(|i| {
+                    rng.normal() as f32
+                        + if (3..8).contains(&(i % read)) {
+                            lift
+                        } else {
+                            0.0
+                        }
+                })
+                .collect();
+            let mut share = 0.0;
+            for l in logits.chunks(read) {
+                let rest: Vec<usize> = (0..3).chain(8..read).collect();
+                share += plain(l, &[3, 4, 5, 6, 7], &rest);
+            }
+            KvPolicy::<f32>::observe(p, &call, 1, &logits, &st);
+            assert!((p.drift_now.0 - share / (nkv * g) as f64).abs() < 1e-9);
+            assert!((p.drift_now.1 - reference).abs() < 1e-12);
+            KvPolicy::<f32>::end_forward(p, pos, 1);
+            (false, share / (nkv * g) as f64)
+        };
+        // Selected keys far above the rest: the share holds, nothing fires.
+        let (slow, share) = fast(&mut p, 201, 8.0, &mut rng);
+        assert!(!slow && share >= 0.5 * reference, "{share} vs {reference}");
+        let (slow, share) = fast(&mut p, 202, -8.0, &mut rng);
+        assert!(!slow && share < 0.5 * reference, "{share} vs {reference}");
+        // The share fell below half the refresh's: the next step is slow, logged as drift.
+        assert!(fast(&mut p, 203, 0.0, &mut rng).0);
+        let log = KvPolicy::<f32>::slow_log(&p).unwrap();
+        let reasons: Vec<(u32, SlowReason)> =
+            log.steps().iter().map(|s| (s.position, s.reason)).collect();
+        assert_eq!(
+            reasons,
+            vec![(200, SlowReason::Bootstrap), (203, SlowReason::Drift)]
+        );
+        // Without the drift trigger a fast step captures nothing.
+        let mut q = SfiPolicy::<f32>::new(SfiConfig::new(3, 32, 5), &[], &[], 100).unwrap();
+        KvPolicy::<f32>::on_token(&mut q, 7);
+        KvPolicy::<f32>::observe(&mut q, &AttnCall::decode(0, 200), 1, &logits, &st);
+        KvPolicy::<f32>::end_forward(&mut q, 200, 1);
+        KvPolicy::<f32>::on_token(&mut q, 7);
+        assert_eq!(
+            KvPolicy::<f32>::capture_rows(&q, &AttnCall::decode(0, 201)),
+            0
+        );
     }
 
     /// A compacted layer (FastKV's propagated tokens): slots carry explicit positions. The

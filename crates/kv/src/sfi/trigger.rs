@@ -14,6 +14,13 @@
 //! The ablation policies replace the sentence and interval schedule entirely, as in the
 //! reference.
 //!
+//! Drift (an extension, issue 27): the SFI policy measures on each fast step whether its memory
+//! still holds the attention it was chosen for and, when it does not, calls
+//! [`Trigger::note_drift`]. The next step then fires (counted in [`TriggerStats::drift`]) if no
+//! other rule fired and at least `min_gap` steps have passed since the last refresh, under
+//! every kind. A drift note lives for one step: a suppressed one is dropped, and the next fast
+//! step measures again.
+//!
 //! Counting: decode steps are numbered from 1 (the first [`Trigger::on_token`] call is step 1;
 //! step 0 is the prefill / bootstrap). `steps_since_refresh` counts the `on_token` calls since
 //! the last refresh, the current one included, so after a refresh at step `r` the sentence
@@ -183,12 +190,14 @@ pub struct TriggerStats {
     pub suppressed: usize,
     /// Refreshes recorded through [`Trigger::reset_after_refresh`].
     pub external: usize,
+    /// Slow steps fired by a drift note ([`Trigger::note_drift`]).
+    pub drift: usize,
 }
 
 impl TriggerStats {
     /// All slow steps this trigger fired (external refreshes not included).
     pub fn slow_steps(&self) -> usize {
-        self.sentence + self.interval + self.periodic + self.random
+        self.sentence + self.interval + self.periodic + self.random + self.drift
     }
 }
 
@@ -253,6 +262,8 @@ pub struct Trigger {
     steps_since_refresh: usize,
     cooldown_left: usize,
     awaiting_sentence_start: bool,
+    /// A drift note for the next step ([`Trigger::note_drift`]).
+    drifted: bool,
     stats: TriggerStats,
 }
 
@@ -281,6 +292,7 @@ impl Trigger {
             steps_since_refresh: 0,
             cooldown_left: 0,
             awaiting_sentence_start: false,
+            drifted: false,
             stats: TriggerStats::default(),
         })
     }
@@ -309,6 +321,12 @@ impl Trigger {
                 f
             }
             TriggerKind::Off => false,
+        };
+        let drift = std::mem::take(&mut self.drifted);
+        let fire = fire || {
+            let f = drift && self.steps_since_refresh >= self.cfg.min_gap;
+            self.stats.drift += f as usize;
+            f
         };
         if fire {
             self.steps_since_refresh = 0;
@@ -349,6 +367,13 @@ impl Trigger {
 
     pub fn stats(&self) -> TriggerStats {
         self.stats
+    }
+
+    /// The memory drifted away from the queries on the step just run: the next
+    /// [`Trigger::on_token`] fires unless fewer than `min_gap` steps have passed since the last
+    /// refresh (see the module docs).
+    pub fn note_drift(&mut self) {
+        self.drifted = true;
     }
 
     /// Decode steps since the last refresh (fired or external).
@@ -398,6 +423,35 @@ mod tests {
 
     fn words(n: usize) -> Vec<u32> {
         vec![WORD; n]
+    }
+
+    #[test]
+    fn a_drift_note_fires_the_next_step_past_the_gap_and_lives_one_step() {
+        for kind in [TriggerKind::Punct, TriggerKind::Periodic, TriggerKind::Off] {
+            let mut t = punct(TriggerConfig {
+                kind,
+                min_gap: 4,
+                period: 1000,
+                ..TriggerConfig::default()
+            });
+            t.reset_after_refresh();
+            // Inside the gap: dropped, and not carried to a later step.
+            t.on_token(WORD);
+            t.note_drift();
+            assert!(!t.on_token(WORD), "{kind}");
+            assert_eq!(fired(&mut t, &words(2)), Vec::<usize>::new(), "{kind}");
+            // Past the gap (4 steps since the refresh): fires, and restarts the count.
+            t.note_drift();
+            assert!(t.on_token(WORD), "{kind}");
+            assert_eq!(t.steps_since_refresh(), 0);
+            let s = t.stats();
+            assert_eq!((s.drift, s.slow_steps(), s.sentence), (1, 1, 0), "{kind}");
+            t.note_drift();
+            assert!(
+                !t.on_token(WORD),
+                "{kind}: the gap counts from the drift refresh"
+            );
+        }
     }
 
     #[test]
