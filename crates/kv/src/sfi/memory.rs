@@ -257,6 +257,7 @@ impl<T: CacheElem> SfiPolicy<T> {
     /// The drift trigger measures this call: a fast step of a layer with a memory.
     fn measures_drift(&self, call: &AttnCall) -> bool {
         self.cfg.drift > 0.0
+            && self.cfg.pool <= 1.0
             && !self.drafting
             && self.refresh_rows(call) == 0
             && !self.reads_dense(call)
