@@ -256,11 +256,7 @@ impl<T: CacheElem> SfiPolicy<T> {
 
     /// The drift trigger measures this call: a fast step of a layer with a memory.
     fn measures_drift(&self, call: &AttnCall) -> bool {
-        self.cfg.drift > 0.0
-            && self.cfg.pool <= 1.0
-            && !self.drafting
-            && self.refresh_rows(call) == 0
-            && !self.reads_dense(call)
+        self.cfg.drift > 0.0 && self.cfg.pool <= 1.0 && !self.drafting && !self.reads_dense(call)
     }
 
     /// Select and gather the memory of `layer` from captured logits over the `keys` slots the
@@ -502,10 +498,9 @@ fn selected_share(
     if !m.is_finite() {
         return 0.0;
     }
-    let mass = |it: &mut dyn Iterator<Item = f32>| it.map(|x| ((x - m) as f64).exp()).sum::<f64>();
-    let sel = mass(&mut selected.clone());
-    let all = sel + mass(&mut others.clone());
-    sel / all
+    let mass = |x: f32| ((x - m) as f64).exp();
+    let sel: f64 = selected.map(mass).sum();
+    sel / (sel + others.map(mass).sum::<f64>())
 }
 
 /// `sqrt(sum x^2)` with eight independent partial sums (vectorises).
