@@ -275,21 +275,38 @@ fn invalid_sampling_values_are_clear_errors() {
 fn sfi_async_lag_on_the_cpu_a_bad_pool_and_a_bad_drift_are_clear_errors() {
     let dir = fixture("qwen3");
     let m = dir.to_str().unwrap();
-    let sfi = [
-        "--policy",
-        "sfi",
-        "--kv-budget",
-        "300",
-        "--sfi-async-lag",
-        "4",
-    ];
-    let generate = [&["generate", "--model", m, "--prompt", "hi"][..], &sfi].concat();
-    fails(&generate, "--sfi-async-lag 4 needs --device cuda");
+    // `cmd` (generate or serve) on the fixture with SFI at 300 tokens and the flags `extra`.
+    let sfi = |cmd: &str, extra: &[&str]| -> Vec<String> {
+        let head: &[&str] = if cmd == "serve" {
+            &["serve", "--model", m, "--port", "0"]
+        } else {
+            &["generate", "--model", m, "--prompt", "hi"]
+        };
+        let tail = ["--policy", "sfi", "--kv-budget", "300"];
+        head.iter()
+            .chain(&tail)
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let fails_with = |args: Vec<String>, msg: &str| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        fails(&args, msg);
+    };
+    let lag = ["--sfi-async-lag", "4"];
+    fails_with(
+        sfi("generate", &lag),
+        "--sfi-async-lag 4 needs --device cuda",
+    );
     // The server refuses it before it listens, not at the first request.
-    let serve = [&["serve", "--model", m, "--port", "0"][..], &sfi].concat();
-    fails(&serve, "--sfi-async-lag 4 needs --device cuda");
+    fails_with(sfi("serve", &lag), "--sfi-async-lag 4 needs --device cuda");
     // Also when only the speculative drafter runs SFI.
-    let lag = [
+    let drafter = [
+        "serve",
+        "--model",
+        m,
+        "--port",
+        "0",
         "--kv-budget",
         "300",
         "--sfi-async-lag",
@@ -297,30 +314,19 @@ fn sfi_async_lag_on_the_cpu_a_bad_pool_and_a_bad_drift_are_clear_errors() {
         "--speculate",
         "sfi",
     ];
-    let drafter = [&["serve", "--model", m, "--port", "0"][..], &lag].concat();
     fails(&drafter, "--sfi-async-lag 4 needs --device cuda");
     for bad in ["0.5", "17", "NaN"] {
-        let pool = ["--policy", "sfi", "--kv-budget", "300", "--sfi-pool", bad];
-        let args = [&["generate", "--model", m, "--prompt", "hi"][..], &pool].concat();
-        fails(&args, &format!("--sfi-pool {bad} is invalid"));
+        let msg = format!("--sfi-pool {bad} is invalid");
+        fails_with(sfi("generate", &["--sfi-pool", bad]), &msg);
     }
     for bad in ["-0.1", "1.5", "inf"] {
-        let drift = ["--policy", "sfi", "--kv-budget", "300", "--sfi-drift", bad];
-        let args = [&["generate", "--model", m, "--prompt", "hi"][..], &drift].concat();
-        fails(&args, &format!("--sfi-drift {bad} is invalid"));
+        let msg = format!("--sfi-drift {bad} is invalid");
+        fails_with(sfi("generate", &["--sfi-drift", bad]), &msg);
     }
-    let both = [
-        "--policy",
-        "sfi",
-        "--kv-budget",
-        "300",
-        "--sfi-drift",
-        "0.5",
-        "--sfi-pool",
-        "3",
-    ];
-    let args = [&["generate", "--model", m, "--prompt", "hi"][..], &both].concat();
-    fails(&args, "--sfi-drift 0.5 and --sfi-pool 3 do not combine");
+    fails_with(
+        sfi("generate", &["--sfi-drift", "0.5", "--sfi-pool", "3"]),
+        "--sfi-drift 0.5 and --sfi-pool 3 do not combine",
+    );
 }
 
 #[test]
