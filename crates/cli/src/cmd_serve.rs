@@ -47,6 +47,15 @@ pub struct Args {
     /// sequences of --max-context tokens); a request waits until its KV fits.
     #[arg(long)]
     pub kv_memory: Option<usize>,
+    /// Prefix cache (CPU): KV bytes it may hold for reuse by later prompts that start with
+    /// the same whole prefill chunks (a shared system prompt is then prefilled once; output is
+    /// unchanged). Allocated as blocks are first used; 0 turns it off. Default: as much as
+    /// --kv-memory on the CPU, off on the GPU (not built there yet).
+    #[arg(long)]
+    pub prefix_cache_memory: Option<usize>,
+    /// Tokens a prefix-cache block holds (must divide --chunk).
+    #[arg(long, default_value_t = slowfast_engine::prefix::DEFAULT_PREFIX_BLOCK)]
+    pub prefix_block: usize,
     /// Prompt tokens prefilled per scheduler step, between decode steps (at least one
     /// --chunk a step), so running streams keep flowing while a long prompt is read.
     #[arg(long, default_value_t = 512)]
@@ -95,6 +104,9 @@ pub fn run(a: Args) -> Result<()> {
             .is_some_and(|o| o.drafter == DraftKind::Model)
     {
         bail!("--speculate model runs on the CPU only (--device cpu); on the GPU use sfi, streaming or ngram");
+    }
+    if gpu && a.prefix_cache_memory.is_some_and(|n| n > 0) {
+        bail!("--prefix-cache-memory: the prefix cache runs on the CPU only so far (--device cpu)");
     }
     let loaded = Arc::new(a.model.load()?);
     let draft = a.spec.load_draft()?.map(Arc::new);
@@ -164,6 +176,10 @@ pub fn run(a: Args) -> Result<()> {
     let kv_memory = a.kv_memory.unwrap_or_else(|| {
         a.max_batch * scheduler::kv_bytes_for(&loaded.model, max_context, a.model.chunk, kv_dtype)
     });
+    // As much as the running sequences' KV on the CPU; none on the GPU (not built there).
+    let prefix_cache_bytes = a
+        .prefix_cache_memory
+        .unwrap_or(if gpu { 0 } else { kv_memory });
     let sched_cfg = SchedulerConfig {
         device,
         max_batch: a.max_batch,
@@ -175,6 +191,8 @@ pub fn run(a: Args) -> Result<()> {
         max_context,
         default_policy,
         draft,
+        prefix_cache_bytes,
+        prefix_block: a.prefix_block,
     };
     let (handle, _thread) = scheduler::spawn(loaded.clone(), sched_cfg)?;
     let cfg = ServerConfig {

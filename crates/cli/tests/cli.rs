@@ -564,3 +564,25 @@ fn bench_speculate_on_the_cpu_replays_the_acceptance() {
         fails(&args, expect);
     }
 }
+
+#[test]
+fn serve_refuses_a_prefix_block_that_does_not_divide_the_chunk_and_a_gpu_prefix_cache() {
+    let dir = fixture("qwen3");
+    let m = dir.to_str().unwrap();
+    let serve = ["serve", "--model", m, "--port", "0"];
+    let with = |extra: &[&str]| -> Vec<String> {
+        serve.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    let run = |args: Vec<String>, msg: &str| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        fails(&args, msg);
+    };
+    run(
+        with(&["--prefix-block", "24"]),
+        "block of 24 tokens must divide the prefill chunk of 512 tokens",
+    );
+    run(
+        with(&["--device", "cuda", "--prefix-cache-memory", "1000000"]),
+        "--prefix-cache-memory: the prefix cache runs on the CPU only so far",
+    );
+}

@@ -11,6 +11,7 @@ pub mod eval;
 pub mod generate;
 pub mod hub;
 pub mod load;
+pub mod prefix;
 pub mod sampler;
 pub mod scheduler;
 pub mod session;

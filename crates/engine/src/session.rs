@@ -361,6 +361,16 @@ impl<'m> Session<'m> {
         }
     }
 
+    /// Whether a prefix cache may stand in for this session's prefill of a prompt's leading
+    /// chunks (see `KvPolicy::shares_prefix`; never under FastKV's token-selective prefill).
+    pub fn shares_prefix(&self) -> bool {
+        self.tsp.is_none()
+            && match &self.cache {
+                Cache::F32(_, p) => p.shares_prefix(),
+                Cache::F16(_, p) => p.shares_prefix(),
+            }
+    }
+
     pub fn policy_name(&self) -> &'static str {
         match &self.cache {
             Cache::F32(_, p) => p.name(),

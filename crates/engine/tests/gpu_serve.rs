@@ -64,6 +64,8 @@ fn sched(m: &Arc<Loaded>, max_batch: usize, policy: &PolicySpec) -> SchedulerHan
         max_context: MAX_CONTEXT,
         default_policy: policy.clone(),
         draft: None,
+        prefix_cache_bytes: 0,
+        prefix_block: 16,
     };
     scheduler::spawn(m.clone(), cfg).unwrap().0
 }
@@ -577,6 +579,8 @@ fn serve_throughput_with_and_without_graphs() {
                 max_context: 1024,
                 default_policy: PolicySpec::Full,
                 draft: None,
+                prefix_cache_bytes: 0,
+                prefix_block: 16,
             };
             let h = scheduler::spawn(m.clone(), cfg).unwrap().0;
             let _ = together(&h, &reqs[..4], &PolicySpec::Full); // warm-up

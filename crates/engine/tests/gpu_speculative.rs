@@ -327,6 +327,8 @@ fn default_model_served_speculation_is_full_kv() {
             max_context: CONTEXT,
             default_policy: policy.clone(),
             draft: None,
+            prefix_cache_bytes: 0,
+            prefix_block: 16,
         };
         let h = scheduler::spawn(m.clone(), cfg).unwrap().0;
         let (tx, rx) = std::sync::mpsc::channel();

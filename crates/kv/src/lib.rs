@@ -3,6 +3,7 @@
 pub mod h2o;
 pub mod inspect;
 pub mod oracle;
+pub mod paged;
 pub mod policy;
 pub mod probe;
 pub mod pyramid;

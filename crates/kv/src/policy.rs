@@ -221,6 +221,15 @@ pub trait KvPolicy<T: CacheElem>: Send {
     /// sparse memory from the verification's dense attention (a verification is a slow step).
     fn end_verify(&mut self, _fed: &[u32], _len: usize, _refresh: bool, _store: &KvStore<T>) {}
 
+    /// Whether KV another sequence computed for the same prompt prefix may stand in for this
+    /// policy's own prefill of it (prefix caching). True when the policy's prefill reads every
+    /// key densely, leaves the store as written, and keeps nothing from the prefix's query rows
+    /// (watching the prompt's last chunk is fine: that chunk is always computed). False by
+    /// default: H2O sums every prompt row's attention, FastKV propagates a subset of the prompt.
+    fn shares_prefix(&self) -> bool {
+        false
+    }
+
     /// A copy of the policy's whole state, for a copy of its cache (`Session::try_clone`):
     /// `None` where the policy cannot give one (then fork the cache under a fresh policy).
     fn try_clone(&self) -> Option<Box<dyn KvPolicy<T>>> {
@@ -327,6 +336,9 @@ impl<T: CacheElem> KvPolicy<T> for FullPolicy {
     }
     fn try_clone(&self) -> Option<Box<dyn KvPolicy<T>>> {
         Some(Box::new(self.clone()))
+    }
+    fn shares_prefix(&self) -> bool {
+        true
     }
     fn stats(&self) -> PolicyStats {
         self.stats.clone()

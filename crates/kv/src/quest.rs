@@ -170,6 +170,11 @@ impl<T: CacheElem> KvPolicy<T> for QuestPolicy {
         }
     }
 
+    /// Prefill reads densely; page bounds come from the store when decode first needs them.
+    fn shares_prefix(&self) -> bool {
+        true
+    }
+
     fn stats(&self) -> PolicyStats {
         self.stats.clone()
     }

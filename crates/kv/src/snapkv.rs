@@ -186,6 +186,11 @@ impl<T: CacheElem> KvPolicy<T> for SnapKvPolicy {
         Ok(())
     }
 
+    /// Prefill reads densely; the observation window is the last chunk, always computed.
+    fn shares_prefix(&self) -> bool {
+        true
+    }
+
     fn stats(&self) -> PolicyStats {
         self.stats.clone()
     }

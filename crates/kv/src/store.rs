@@ -120,6 +120,15 @@ pub enum KvError {
         got: usize,
         n_kv_heads: usize,
     },
+    #[error("layer {layer} is compacted: its slots no longer follow positions")]
+    Compacted { layer: usize },
+    #[error("layer {layer} does not hold positions {pos0}..{} (it holds {}..{})", pos0 + n, held.0, held.1)]
+    NotHeld {
+        layer: usize,
+        pos0: usize,
+        n: usize,
+        held: (usize, usize),
+    },
     #[error("layer {layer}: explicit positions must ascend and start at or after the {len} tokens already written, got {got:?}")]
     BadPositions {
         layer: usize,
@@ -367,20 +376,101 @@ impl<T: CacheElem> KvStore<T> {
         k: &[f32],
         v: &[f32],
     ) -> Result<(), KvError> {
+        let n = self.tokens_in(k.len(), v.len())?;
+        if self.layers[layer].compact.is_some() {
+            let pos: Vec<u32> = (pos0..pos0 + n).map(|p| p as u32).collect();
+            return self.append(layer, &pos, k, v);
+        }
+        self.put(layer, pos0, n, |src, dk, dv| {
+            T::store(&k[src..src + dk.len()], dk);
+            T::store(&v[src..src + dv.len()], dv);
+        })
+    }
+
+    /// Like [`Self::write`] with keys and values already in the store's element type (KV
+    /// copied out by [`Self::read`]: bit-exact), into a layer that is not compacted.
+    pub fn write_elems(
+        &mut self,
+        layer: usize,
+        pos0: usize,
+        k: &[T],
+        v: &[T],
+    ) -> Result<(), KvError> {
+        let n = self.tokens_in(k.len(), v.len())?;
+        if self.layers[layer].compact.is_some() {
+            return Err(KvError::Compacted { layer });
+        }
+        self.put(layer, pos0, n, |src, dk, dv| {
+            dk.copy_from_slice(&k[src..src + dk.len()]);
+            dv.copy_from_slice(&v[src..src + dv.len()]);
+        })
+    }
+
+    /// Copies positions `pos0..pos0 + n` of `layer` into `k`, `v` (`[n, kv_heads, head_dim]`,
+    /// `n` from their length). The layer must not be compacted and must still hold them (a
+    /// window ring keeps only its last `capacity` positions).
+    pub fn read(&self, layer: usize, pos0: usize, k: &mut [T], v: &mut [T]) -> Result<(), KvError> {
+        let n = self.tokens_in(k.len(), v.len())?;
         let (nkv, d) = (self.n_kv_heads, self.head_dim);
-        let n = k.len() / (nkv * d).max(1);
-        if k.len() != n * nkv * d || v.len() != k.len() {
+        let l = &self.layers[layer];
+        if l.compact.is_some() {
+            return Err(KvError::Compacted { layer });
+        }
+        let cap = l.spec.capacity;
+        let oldest = if l.spec.ring {
+            l.written.saturating_sub(cap)
+        } else {
+            0
+        };
+        if n > 0 && (pos0 < oldest || pos0 + n > l.written) {
+            return Err(KvError::NotHeld {
+                layer,
+                pos0,
+                n,
+                held: (oldest, l.written),
+            });
+        }
+        for t in 0..n {
+            let slot = if l.spec.ring {
+                (pos0 + t) % cap
+            } else {
+                pos0 + t
+            };
+            for h in 0..nkv {
+                let (dst, src) = ((t * nkv + h) * d, (h * cap + slot) * d);
+                k[dst..dst + d].copy_from_slice(&l.k[src..src + d]);
+                v[dst..dst + d].copy_from_slice(&l.v[src..src + d]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Tokens in a `[n, kv_heads, head_dim]` K and V of these lengths.
+    fn tokens_in(&self, k_len: usize, v_len: usize) -> Result<usize, KvError> {
+        let (nkv, d) = (self.n_kv_heads, self.head_dim);
+        let n = k_len / (nkv * d).max(1);
+        if k_len != n * nkv * d || v_len != k_len {
             return Err(KvError::Shape {
-                got: k.len().max(v.len()),
+                got: k_len.max(v_len),
                 n,
                 n_kv_heads: nkv,
                 head_dim: d,
             });
         }
-        if self.layers[layer].compact.is_some() {
-            let pos: Vec<u32> = (pos0..pos0 + n).map(|p| p as u32).collect();
-            return self.append(layer, &pos, k, v);
-        }
+        Ok(n)
+    }
+
+    /// Writes `n` tokens at `pos0..pos0 + n` of a layer that is not compacted:
+    /// `put(src, k_dst, v_dst)` fills one (token, kv head) row, `src` its offset in the
+    /// caller's `[n, kv_heads, head_dim]` input.
+    fn put(
+        &mut self,
+        layer: usize,
+        pos0: usize,
+        n: usize,
+        mut put: impl FnMut(usize, &mut [T], &mut [T]),
+    ) -> Result<(), KvError> {
+        let (nkv, d) = (self.n_kv_heads, self.head_dim);
         let l = &mut self.layers[layer];
         let cap = l.spec.capacity;
         if l.spec.ring {
@@ -406,10 +496,12 @@ impl<T: CacheElem> KvStore<T> {
                 pos0 + t
             };
             for h in 0..nkv {
-                let src = (t * nkv + h) * d;
                 let dst = (h * cap + slot) * d;
-                T::store(&k[src..src + d], &mut l.k[dst..dst + d]);
-                T::store(&v[src..src + d], &mut l.v[dst..dst + d]);
+                put(
+                    (t * nkv + h) * d,
+                    &mut l.k[dst..dst + d],
+                    &mut l.v[dst..dst + d],
+                );
             }
         }
         Ok(())

@@ -76,6 +76,11 @@ impl<T: CacheElem> KvPolicy<T> for StreamingPolicy {
         self.step.finish_step(&mut self.stats);
     }
 
+    /// Prefill reads densely; the sinks and window are positions.
+    fn shares_prefix(&self) -> bool {
+        true
+    }
+
     fn stats(&self) -> PolicyStats {
         self.stats.clone()
     }

@@ -194,6 +194,18 @@ impl Metrics {
         );
         counter(
             &mut s,
+            "slowfast_prefix_cache_hit_tokens_total",
+            "Prompt tokens restored from the prefix cache instead of prefilled.",
+            ld(&g.prefix_hit_tokens),
+        );
+        gauge(
+            &mut s,
+            "slowfast_prefix_cache_bytes",
+            "KV bytes the prefix cache holds.",
+            us(&g.prefix_cache_bytes),
+        );
+        counter(
+            &mut s,
             "slowfast_spec_drafted_tokens_total",
             "Speculative decoding: tokens the drafters proposed.",
             ld(&g.spec_drafted),

@@ -59,6 +59,8 @@ fn app() -> Router {
         max_context: 64,
         default_policy: PolicySpec::Full,
         draft: None,
+        prefix_cache_bytes: 0,
+        prefix_block: 16,
     };
     let (handle, _thread) = scheduler::spawn(loaded.clone(), sched_cfg).unwrap();
     let cfg = ServerConfig {

@@ -6,6 +6,7 @@ use slowfast_kv::PolicyStats;
 use slowfast_model::{Model, Scratch};
 
 use super::{BatchDevice, Inspection, SpecTurn};
+use crate::prefix::PrefixCacheCpu;
 use crate::sampler::SamplerConfig;
 use crate::session::{Cache, KvDtype, PolicySpec, Session};
 use crate::spec::{SpecOptions, SpecStats, Speculator};
@@ -18,17 +19,31 @@ pub(super) struct CpuDevice<'m> {
     kv: KvDtype,
     chunk: usize,
     scratch: Scratch,
+    /// Whole prefill chunks of earlier prompts (`--prefix-cache-memory`).
+    prefix: Option<PrefixCacheCpu>,
 }
 
 impl<'m> CpuDevice<'m> {
-    pub fn new(model: &'m Model, draft: Option<&'m Model>, kv: KvDtype, chunk: usize) -> Self {
-        CpuDevice {
+    /// `prefix`: the prefix cache's bytes (0: none) and block size.
+    pub fn new(
+        model: &'m Model,
+        draft: Option<&'m Model>,
+        kv: KvDtype,
+        chunk: usize,
+        prefix: (usize, usize),
+    ) -> Result<Self, EngineError> {
+        let prefix = match prefix {
+            (0, _) => None,
+            (bytes, block) => Some(PrefixCacheCpu::new(model, kv, chunk, block, bytes)?),
+        };
+        Ok(CpuDevice {
             model,
             draft,
             kv,
             chunk,
             scratch: Scratch::default(),
-        }
+            prefix,
+        })
     }
 }
 
@@ -76,7 +91,27 @@ impl<'m> BatchDevice for CpuDevice<'m> {
         plan: &[(usize, usize)],
         i: usize,
     ) -> Result<(), EngineError> {
-        seq.sess.prefill_part(prompt, plan, i)
+        seq.sess.prefill_part(prompt, plan, i)?;
+        if let Some(p) = &mut self.prefix {
+            p.remember(&seq.sess, prompt, plan, i);
+        }
+        Ok(())
+    }
+
+    fn reuse_prefix(
+        &mut self,
+        seq: &mut CpuSeq<'m>,
+        prompt: &[u32],
+        plan: &[(usize, usize)],
+    ) -> usize {
+        match &mut self.prefix {
+            Some(p) => p.reuse(&mut seq.sess, prompt, plan),
+            None => 0,
+        }
+    }
+
+    fn prefix_bytes(&self) -> usize {
+        self.prefix.as_ref().map_or(0, PrefixCacheCpu::nbytes)
     }
 
     fn decode(

@@ -158,6 +158,10 @@ pub struct SchedulerConfig {
     /// The draft model of speculative requests with the `model` drafter (same vocabulary,
     /// checked at spawn).
     pub draft: Option<Arc<Loaded>>,
+    /// Prefix cache (CPU): KV bytes it may hold (0: off), in blocks of `prefix_block` tokens
+    /// (a divisor of `chunk`).
+    pub prefix_cache_bytes: usize,
+    pub prefix_block: usize,
 }
 
 /// Live counters, read by the server's `/metrics`.
@@ -173,6 +177,10 @@ pub struct Gauges {
     pub decode_steps: AtomicU64,
     pub decode_rows: AtomicU64,
     pub prefill_tokens: AtomicU64,
+    /// Prompt tokens restored from the prefix cache instead of prefilled, and the bytes the
+    /// cache holds.
+    pub prefix_hit_tokens: AtomicU64,
+    pub prefix_cache_bytes: AtomicUsize,
     /// Speculative decoding: tokens drafted, drafts accepted, verification passes.
     pub spec_drafted: AtomicU64,
     pub spec_accepted: AtomicU64,
@@ -236,6 +244,20 @@ pub(crate) trait BatchDevice {
     fn open(&mut self, policy: &PolicySpec, capacity: usize) -> Result<Self::Seq, EngineError>;
     /// The prefill parts of a prompt of `n` tokens (`[a, b)` bounds, run in order).
     fn prefill_plan(&self, seq: &Self::Seq, n: usize) -> Vec<(usize, usize)>;
+    /// Restores the leading parts of `plan` from a prefix cache into the fresh `seq`;
+    /// returns the parts restored (0: none; devices without a cache).
+    fn reuse_prefix(
+        &mut self,
+        _seq: &mut Self::Seq,
+        _prompt: &[u32],
+        _plan: &[(usize, usize)],
+    ) -> usize {
+        0
+    }
+    /// Bytes the prefix cache holds.
+    fn prefix_bytes(&self) -> usize {
+        0
+    }
     /// Runs part `i` of `plan`; after the last one `logits(seq)` is the prompt's last row.
     fn prefill_part(
         &mut self,
@@ -330,6 +352,9 @@ pub fn spawn(
     if let Some(d) = &cfg.draft {
         crate::spec::check_same_vocab(&loaded.tokenizer, &d.tokenizer)?;
     }
+    if cfg.prefix_cache_bytes > 0 {
+        crate::prefix::check_block(cfg.prefix_block, cfg.chunk)?;
+    }
     let gauges = Arc::new(Gauges::default());
     gauges
         .kv_bytes_capacity
@@ -348,12 +373,13 @@ pub fn spawn(
             Device::Cpu => {
                 let _ = ready_tx.send(Ok(()));
                 supervise(&loaded, &cfg, &rx, &gauges, || {
-                    Ok(cpu::CpuDevice::new(
+                    cpu::CpuDevice::new(
                         &loaded.model,
                         cfg.draft.as_ref().map(|d| &d.model),
                         cfg.kv_dtype,
                         cfg.chunk,
-                    ))
+                        (cfg.prefix_cache_bytes, cfg.prefix_block),
+                    )
                 });
             }
             #[cfg(feature = "cuda")]
@@ -607,6 +633,10 @@ fn run<D: BatchDevice>(
         let mut ran = false;
         'prefill: for s in running.iter_mut() {
             while s.st.prefilling() {
+                // Once, right before its first part runs: the chunks of the prompts prefilled
+                // before it are in the prefix cache by then.
+                let hit = s.reuse_prefix(&mut dev);
+                g.prefix_hit_tokens.fetch_add(hit as u64, Ordering::Relaxed);
                 let n = s.st.next_part_len();
                 if ran && n > budget {
                     break 'prefill;
@@ -621,6 +651,8 @@ fn run<D: BatchDevice>(
                 }
             }
         }
+        g.prefix_cache_bytes
+            .store(dev.prefix_bytes(), Ordering::Relaxed);
         // 6. Finished sequences leave the batch and free their KV.
         retire(&mut dev, &mut running);
         g.running.store(running.len(), Ordering::Relaxed);

@@ -30,6 +30,8 @@ pub(super) struct SeqState {
     plan: Vec<(usize, usize)>,
     /// Next prefill part to run (== plan.len() once prefilled).
     part: usize,
+    /// The prefix cache was asked for this prompt's leading chunks (once, at the first part).
+    reuse_tried: bool,
     /// The token to feed at the next decode step.
     pub pending: Option<u32>,
     sampler: Sampler,
@@ -52,6 +54,20 @@ pub(super) struct SeqState {
 }
 
 impl<S> Sequence<S> {
+    /// Before the first prefill part: lets the device restore the prompt's leading chunks from
+    /// its prefix cache (asked at the first part, not at admission, so that a request admitted
+    /// beside another with the same prefix finds the chunks that one has prefilled since).
+    /// Returns the prompt tokens restored.
+    pub fn reuse_prefix<D: BatchDevice<Seq = S>>(&mut self, dev: &mut D) -> usize {
+        let st = &mut self.st;
+        if st.reuse_tried || st.part != 0 || st.speculative {
+            return 0;
+        }
+        st.reuse_tried = true;
+        st.part = dev.reuse_prefix(&mut self.seq, &st.prompt, &st.plan);
+        st.part.checked_sub(1).map_or(0, |k| st.plan[k].1)
+    }
+
     /// Runs the next prefill part; true when the prompt is done (its logits are ready).
     pub fn prefill_next<D: BatchDevice<Seq = S>>(
         &mut self,
@@ -120,6 +136,7 @@ impl<S> Sequence<S> {
             sink,
             plan,
             part: 0,
+            reuse_tried: false,
             pending: None,
             sampler,
             stream: StreamDecoder::new(),

@@ -27,6 +27,8 @@ fn cfg(max_batch: usize, max_queue: usize) -> SchedulerConfig {
         max_context: 256,
         default_policy: PolicySpec::Full,
         draft: None,
+        prefix_cache_bytes: 0,
+        prefix_block: 16,
     }
 }
 
@@ -132,7 +134,7 @@ fn speculative_requests_in_a_batch_give_full_kv_tokens() {
             refresh_interval: 6,
             ..Default::default()
         };
-        let budget = (p != "full").then_some(24.0);
+        let budget = (p != "full").then_some(40.0);
         let spec = crate::session::policy_spec_with(p, budget, 2, ctx, &knobs)
             .unwrap()
             .with_vocab(&m.tokenizer);
@@ -494,4 +496,94 @@ fn inspection_reports_what_each_policy_holds_at_the_end() {
         assert_eq!(l.heads[0], slowfast_kv::Held::kept_range(0..len));
     }
     assert!(fin(3).inspection.is_none());
+}
+
+#[test]
+fn the_prefix_cache_skips_whole_shared_chunks_and_changes_no_token() {
+    let m = loaded();
+    let mut c = cfg(8, 16);
+    c.kv_dtype = KvDtype::F16;
+    c.prefix_cache_bytes = 1 << 24;
+    c.prefix_block = 8;
+    let (h, _t) = spawn(m.clone(), c).unwrap();
+    let (tx, rx) = channel();
+    // One 50-token system prompt (3 whole chunks of 16) and a different question each.
+    let system = tokens(50, 99);
+    let policies = [
+        "full",
+        "sfi",
+        "streaming",
+        "snapkv",
+        "quest",
+        "h2o",
+        "fastkv",
+        "sfi",
+        "pyramidkv",
+    ];
+    let shares = |p: &str| !["h2o", "fastkv"].contains(&p);
+    let mut want = Vec::new();
+    for (i, &p) in policies.iter().enumerate() {
+        let mut prompt = system.clone();
+        // At least 80 tokens: SnapKV's 32-row last part then starts past the shared chunks.
+        prompt.extend(tokens(30 + 7 * i, i as u32));
+        let max_tokens = 14;
+        let ctx = prompt.len() + max_tokens;
+        let knobs = crate::session::SfiKnobs {
+            recent: 8,
+            min_gap: 2,
+            refresh_interval: 6,
+            ..Default::default()
+        };
+        let budget = (p != "full").then_some(40.0);
+        let spec = crate::session::policy_spec_with(p, budget, 2, ctx, &knobs)
+            .unwrap()
+            .with_vocab(&m.tokenizer);
+        let opts = GenerateOptions {
+            max_new_tokens: max_tokens,
+            sampler: SamplerConfig::greedy(),
+            ignore_eos: true,
+            kv_dtype: KvDtype::F16,
+            chunk: 16,
+            policy: spec.clone(),
+            ..Default::default()
+        };
+        want.push(generate(&m, &prompt, &opts, &mut |_| {}).unwrap());
+        let (sink, _) = ChannelSink::new(i, &tx);
+        h.submit(request(prompt, max_tokens, spec), sink).unwrap();
+    }
+    let got = collect(&rx, policies.len());
+    for (i, ((toks, fin, err), w)) in got.iter().zip(&want).enumerate() {
+        assert!(err.is_none(), "request {i}: {err:?}");
+        assert_eq!(toks, &w.tokens, "request {i} ({})", policies[i]);
+        let f = fin.as_ref().unwrap();
+        assert_eq!(f.stats.slow_steps, w.policy_stats.slow_steps, "request {i}");
+        assert_eq!(f.stats.fast_steps, w.policy_stats.fast_steps, "request {i}");
+    }
+    // Every sharing request after the first restored the 48 tokens of the 3 whole chunks;
+    // H2O and FastKV prefilled theirs.
+    let sharing = policies.iter().filter(|p| shares(p)).count() as u64;
+    let g = h.gauges();
+    assert_eq!(
+        g.prefix_hit_tokens.load(Ordering::Relaxed),
+        48 * (sharing - 1)
+    );
+    let prompt_tokens: u64 = (0..policies.len()).map(|i| 50 + 30 + 7 * i as u64).sum();
+    assert_eq!(
+        g.prefill_tokens.load(Ordering::Relaxed),
+        prompt_tokens - 48 * (sharing - 1)
+    );
+    assert!(g.prefix_cache_bytes.load(Ordering::Relaxed) > 0);
+}
+
+#[test]
+fn a_prefix_block_that_does_not_divide_the_chunk_is_refused() {
+    let mut c = cfg(2, 2);
+    c.prefix_cache_bytes = 1 << 20;
+    c.prefix_block = 12;
+    let e = spawn(loaded(), c).err().expect("refused at start");
+    assert!(
+        e.to_string()
+            .contains("must divide the prefill chunk of 16"),
+        "{e}"
+    );
 }

@@ -792,6 +792,11 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
         }
     }
 
+    /// Prefill reads densely; the bootstrap selects from the last chunk's capture, always computed.
+    fn shares_prefix(&self) -> bool {
+        true
+    }
+
     fn stats(&self) -> PolicyStats {
         self.stats.clone()
     }
