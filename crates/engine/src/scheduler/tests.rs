@@ -46,6 +46,51 @@ fn collect(rx: &Receiver<(usize, Event)>, n: usize) -> Vec<Outcome> {
     super::collect(rx, n, Duration::from_secs(120))
 }
 
+/// The SFI knobs of these tests: a short window and frequent refreshes for short prompts.
+fn sfi_knobs() -> crate::session::SfiKnobs {
+    crate::session::SfiKnobs {
+        recent: 8,
+        min_gap: 2,
+        refresh_interval: 6,
+        ..Default::default()
+    }
+}
+
+/// What `generate` gives for `prompt` alone (greedy, ignoring EOS, chunk 16, KV in `kv`).
+fn alone(
+    m: &Loaded,
+    prompt: &[u32],
+    max_tokens: usize,
+    spec: &PolicySpec,
+    kv: KvDtype,
+) -> crate::generate::GenerateOutput {
+    let opts = GenerateOptions {
+        max_new_tokens: max_tokens,
+        sampler: SamplerConfig::greedy(),
+        ignore_eos: true,
+        kv_dtype: kv,
+        chunk: 16,
+        policy: spec.clone(),
+        ..Default::default()
+    };
+    generate(m, prompt, &opts, &mut |_| {}).unwrap()
+}
+
+/// Every request's tokens and slow / fast step counts equal its run alone.
+fn assert_as_alone(got: &[Outcome], want: &[crate::generate::GenerateOutput], names: &[&str]) {
+    assert_eq!(got.len(), want.len());
+    for (i, ((toks, fin, err), w)) in got.iter().zip(want).enumerate() {
+        assert!(err.is_none(), "request {i}: {err:?}");
+        assert_eq!(toks, &w.tokens, "request {i} ({})", names[i]);
+        let f = fin.as_ref().unwrap();
+        assert_eq!(f.reason, FinishReason::Length);
+        assert_eq!(f.completion_tokens, w.generated_tokens);
+        assert_eq!(f.policy, w.policy);
+        assert_eq!(f.stats.slow_steps, w.policy_stats.slow_steps, "request {i}");
+        assert_eq!(f.stats.fast_steps, w.policy_stats.fast_steps, "request {i}");
+    }
+}
+
 #[test]
 fn batched_greedy_equals_generate_alone() {
     let m = loaded();
@@ -59,46 +104,16 @@ fn batched_greedy_equals_generate_alone() {
         let max_tokens = 12 + 3 * i;
         let budget = (p != "full").then_some(24.0);
         let spec = match p {
-            "sfi" => crate::session::policy_spec_with(
-                p,
-                budget,
-                2,
-                n + max_tokens,
-                &crate::session::SfiKnobs {
-                    recent: 8,
-                    min_gap: 2,
-                    refresh_interval: 6,
-                    ..Default::default()
-                },
-            ),
+            "sfi" => crate::session::policy_spec_with(p, budget, 2, n + max_tokens, &sfi_knobs()),
             _ => policy_spec(p, budget, 2, n + max_tokens),
         }
         .unwrap()
         .with_vocab(&m.tokenizer);
-        let opts = GenerateOptions {
-            max_new_tokens: max_tokens,
-            sampler: SamplerConfig::greedy(),
-            ignore_eos: true,
-            kv_dtype: KvDtype::F32,
-            chunk: 16,
-            policy: spec.clone(),
-            ..Default::default()
-        };
-        want.push(generate(&m, &prompt, &opts, &mut |_| {}).unwrap());
+        want.push(alone(&m, &prompt, max_tokens, &spec, KvDtype::F32));
         let (sink, _) = ChannelSink::new(i, &tx);
         h.submit(request(prompt, max_tokens, spec), sink).unwrap();
     }
-    let got = collect(&rx, lens.len());
-    for (i, ((toks, fin, err), w)) in got.iter().zip(&want).enumerate() {
-        assert!(err.is_none(), "request {i}: {err:?}");
-        assert_eq!(toks, &w.tokens, "request {i} ({})", policies[i]);
-        let f = fin.as_ref().unwrap();
-        assert_eq!(f.reason, FinishReason::Length);
-        assert_eq!(f.completion_tokens, w.generated_tokens);
-        assert_eq!(f.policy, w.policy);
-        assert_eq!(f.stats.slow_steps, w.policy_stats.slow_steps, "request {i}");
-        assert_eq!(f.stats.fast_steps, w.policy_stats.fast_steps, "request {i}");
-    }
+    assert_as_alone(&collect(&rx, lens.len()), &want, &policies);
     assert!(
         h.gauges().decode_rows.load(Ordering::Relaxed)
             > h.gauges().decode_steps.load(Ordering::Relaxed),
@@ -128,30 +143,17 @@ fn speculative_requests_in_a_batch_give_full_kv_tokens() {
         let prompt = tokens(30 + 20 * i, i as u32);
         let max_tokens = 20 + 3 * i;
         let ctx = prompt.len() + max_tokens;
-        let knobs = crate::session::SfiKnobs {
-            recent: 8,
-            min_gap: 2,
-            refresh_interval: 6,
-            ..Default::default()
-        };
         let budget = (p != "full").then_some(40.0);
-        let spec = crate::session::policy_spec_with(p, budget, 2, ctx, &knobs)
+        let spec = crate::session::policy_spec_with(p, budget, 2, ctx, &sfi_knobs())
             .unwrap()
             .with_vocab(&m.tokenizer);
-        let opts = GenerateOptions {
-            max_new_tokens: max_tokens,
-            sampler: SamplerConfig::greedy(),
-            ignore_eos: true,
-            kv_dtype: KvDtype::F32,
-            chunk: 16,
-            policy: if drafter.is_some() {
-                PolicySpec::Full
-            } else {
-                spec.clone()
-            },
-            ..Default::default()
+        // Lossless: a speculative sequence gives full KV's tokens.
+        let exact = if drafter.is_some() {
+            &PolicySpec::Full
+        } else {
+            &spec
         };
-        want.push(generate(&m, &prompt, &opts, &mut |_| {}).unwrap().tokens);
+        want.push(alone(&m, &prompt, max_tokens, exact, KvDtype::F32).tokens);
         let mut r = request(prompt, max_tokens, spec);
         r.speculate = drafter.map(|d| SpecOptions {
             drafter: d,
@@ -429,12 +431,7 @@ fn inspection_reports_what_each_policy_holds_at_the_end() {
     let (h, _t) = spawn(m.clone(), cfg(4, 16)).unwrap();
     let (tx, rx) = channel();
     let (n, max_tokens) = (120usize, 20usize);
-    let knobs = crate::session::SfiKnobs {
-        recent: 8,
-        min_gap: 2,
-        refresh_interval: 6,
-        ..Default::default()
-    };
+    let knobs = sfi_knobs();
     let policies = ["sfi", "streaming", "full", "sfi"];
     for (i, p) in policies.iter().enumerate() {
         let budget = (*p != "full").then_some(24.0);
@@ -528,37 +525,15 @@ fn the_prefix_cache_skips_whole_shared_chunks_and_changes_no_token() {
         prompt.extend(tokens(30 + 7 * i, i as u32));
         let max_tokens = 14;
         let ctx = prompt.len() + max_tokens;
-        let knobs = crate::session::SfiKnobs {
-            recent: 8,
-            min_gap: 2,
-            refresh_interval: 6,
-            ..Default::default()
-        };
         let budget = (p != "full").then_some(40.0);
-        let spec = crate::session::policy_spec_with(p, budget, 2, ctx, &knobs)
+        let spec = crate::session::policy_spec_with(p, budget, 2, ctx, &sfi_knobs())
             .unwrap()
             .with_vocab(&m.tokenizer);
-        let opts = GenerateOptions {
-            max_new_tokens: max_tokens,
-            sampler: SamplerConfig::greedy(),
-            ignore_eos: true,
-            kv_dtype: KvDtype::F16,
-            chunk: 16,
-            policy: spec.clone(),
-            ..Default::default()
-        };
-        want.push(generate(&m, &prompt, &opts, &mut |_| {}).unwrap());
+        want.push(alone(&m, &prompt, max_tokens, &spec, KvDtype::F16));
         let (sink, _) = ChannelSink::new(i, &tx);
         h.submit(request(prompt, max_tokens, spec), sink).unwrap();
     }
-    let got = collect(&rx, policies.len());
-    for (i, ((toks, fin, err), w)) in got.iter().zip(&want).enumerate() {
-        assert!(err.is_none(), "request {i}: {err:?}");
-        assert_eq!(toks, &w.tokens, "request {i} ({})", policies[i]);
-        let f = fin.as_ref().unwrap();
-        assert_eq!(f.stats.slow_steps, w.policy_stats.slow_steps, "request {i}");
-        assert_eq!(f.stats.fast_steps, w.policy_stats.fast_steps, "request {i}");
-    }
+    assert_as_alone(&collect(&rx, policies.len()), &want, &policies);
     // Every sharing request after the first restored the 48 tokens of the 3 whole chunks;
     // H2O and FastKV prefilled theirs.
     let sharing = policies.iter().filter(|p| shares(p)).count() as u64;
