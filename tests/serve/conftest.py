@@ -356,6 +356,12 @@ def spec_server():
 
 
 @pytest.fixture(scope="session")
+def prefix_server():
+    """Prefill chunks of 64 tokens, so a few hundred shared tokens fill the prefix cache."""
+    yield from _server("prefix", ["--chunk", "64", "--max-batch", "2", "--max-context", "1024"])
+
+
+@pytest.fixture(scope="session")
 def client(server):
     return server.client()
 

@@ -644,7 +644,8 @@ def test_queue_full_429(tiny_queue_server):
 METRIC_NAMES = [
     "slowfast_requests_total", "slowfast_prompt_tokens_total", "slowfast_generation_tokens_total",
     "slowfast_running_sequences", "slowfast_queued_sequences", "slowfast_kv_bytes_in_use",
-    "slowfast_kv_bytes_free", "slowfast_sfi_steps_total",
+    "slowfast_kv_bytes_free", "slowfast_sfi_steps_total", "slowfast_prefix_cache_hit_tokens_total",
+    "slowfast_prefix_cache_bytes",
 ]
 HISTOGRAMS = ["slowfast_time_to_first_token_seconds", "slowfast_inter_token_latency_seconds"]
 
@@ -846,3 +847,22 @@ def test_server_default_policy_sfi(sfi_default_server):
                   kv_policy={"name": "full"})
     check_slowfast(r3.get("slowfast"), "full")
     assert r3["choices"][0]["token_ids"] == ref_full["tokens"], (r3["choices"][0]["token_ids"], ref_full["tokens"])
+
+
+def test_prefix_cache_restores_shared_chunks_and_changes_no_token(prefix_server):
+    """Two prompts that share a long prefix: the second restores its whole 64-token chunks from
+    the prefix cache, and both give what `generate` gives alone with the same chunks."""
+    client = prefix_server.client()
+    shared = prose(300)
+    before = wait_idle(prefix_server)
+    for i, ending in enumerate([" What happened next?", " Who spoke first, and why?"]):
+        prompt = shared + ending
+        ref = generate_ref(prompt, 12, ("--chunk", "64"))
+        r = d(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"return_token_ids": True, "ignore_eos": True}))
+        assert r["choices"][0].get("token_ids") == ref["tokens"], f"request {i}"
+    after = wait_idle(prefix_server)
+    hit = after.get("slowfast_prefix_cache_hit_tokens_total") - before.get("slowfast_prefix_cache_hit_tokens_total")
+    # The shared ~400 tokens hold at least 5 whole chunks of 64 (the last part always runs).
+    assert hit >= 5 * 64 and hit % 64 == 0, hit
+    assert after.get("slowfast_prefix_cache_bytes", None) > 0
