@@ -143,7 +143,7 @@ fn speculative_requests_in_a_batch_give_full_kv_tokens() {
         let prompt = tokens(30 + 20 * i, i as u32);
         let max_tokens = 20 + 3 * i;
         let ctx = prompt.len() + max_tokens;
-        let budget = (p != "full").then_some(40.0);
+        let budget = (p != "full").then_some(24.0);
         let spec = crate::session::policy_spec_with(p, budget, 2, ctx, &sfi_knobs())
             .unwrap()
             .with_vocab(&m.tokenizer);
