@@ -18,13 +18,11 @@ use crate::store::{CacheElem, KvError, KvStore};
 /// Cached keys and values of prompt prefixes, in blocks of `block_size` tokens.
 pub struct PrefixKv<T> {
     cache: PrefixCache,
-    n_layers: usize,
     /// Elements of one token in one layer (kv heads x head dim).
     width: usize,
-    /// Per layer, the keys and values of blocks `0..grown`.
+    /// Per layer, the keys and values of the blocks allocated so far (`[block][token][kv][dim]`).
     k: Vec<Vec<T>>,
     v: Vec<Vec<T>>,
-    grown: usize,
 }
 
 impl<T: CacheElem> PrefixKv<T> {
@@ -45,11 +43,9 @@ impl<T: CacheElem> PrefixKv<T> {
         let per = Self::block_bytes(n_layers, n_kv_heads, head_dim, block_size).max(1);
         PrefixKv {
             cache: PrefixCache::new(max_bytes / per, block_size),
-            n_layers,
             width: n_kv_heads * head_dim,
             k: vec![Vec::new(); n_layers],
             v: vec![Vec::new(); n_layers],
-            grown: 0,
         }
     }
 
@@ -127,9 +123,9 @@ impl<T: CacheElem> PrefixKv<T> {
             "restoring {n} tokens from {} blocks of {b}",
             blocks.len()
         );
-        assert!(store.is_empty() && store.n_layers() == self.n_layers);
+        assert!(store.is_empty() && store.n_layers() == self.k.len());
         let stride = b * self.width;
-        for l in 0..self.n_layers {
+        for l in 0..self.k.len() {
             let spec = store.layer(l).spec;
             let first = if spec.ring {
                 n.saturating_sub(spec.capacity)
@@ -185,17 +181,16 @@ impl<T: CacheElem> PrefixKv<T> {
 
     fn copy_out(&mut self, id: BlockId, pos0: usize, store: &KvStore<T>) -> Result<(), KvError> {
         let stride = self.block_size() * self.width;
-        if id as usize >= self.grown {
+        let grown = self.k.first().map_or(0, Vec::len) / stride; // blocks allocated, in every layer
+        if id as usize >= grown {
             // Grow every layer's storage to cover `id`, doubling (within the limit).
-            let want = (id as usize + 1).max(self.grown * 2).min(self.n_blocks());
-            for l in 0..self.n_layers {
-                self.k[l].resize(want * stride, T::default());
-                self.v[l].resize(want * stride, T::default());
+            let want = (id as usize + 1).max(grown * 2).min(self.n_blocks());
+            for kv in self.k.iter_mut().chain(&mut self.v) {
+                kv.resize(want * stride, T::default());
             }
-            self.grown = want;
         }
         let at = id as usize * stride;
-        for l in 0..self.n_layers {
+        for l in 0..self.k.len() {
             let (k, v) = (
                 &mut self.k[l][at..at + stride],
                 &mut self.v[l][at..at + stride],
