@@ -353,6 +353,14 @@ impl<'m> Session<'m> {
         }
     }
 
+    /// KV bytes once positions `[0, len)` are written (the global layers grow on demand).
+    pub fn kv_bytes_at(&self, len: usize) -> usize {
+        match &self.cache {
+            Cache::F32(c, _) => c.nbytes_at(len),
+            Cache::F16(c, _) => c.nbytes_at(len),
+        }
+    }
+
     /// The KV policy's counters (slow/fast steps, attended tokens).
     pub fn policy_stats(&self) -> PolicyStats {
         match &self.cache {
@@ -632,7 +640,7 @@ fn fill_store<T: CacheElem>(c: &mut KvStore<T>, n: usize, seed: u64) -> Result<(
     };
     for layer in 0..c.n_layers() {
         // Ring (sliding-window) layers take chunks no longer than their capacity.
-        let step = c.layer(layer).spec.capacity.clamp(1, 512);
+        let step = c.layer(layer).limit().clamp(1, 512);
         let mut k = vec![0.0f32; step * width];
         let mut v = vec![0.0f32; step * width];
         let mut p = 0;

@@ -87,7 +87,7 @@ impl H2oPolicy {
                     self.evicted += pos.len() - k.len();
                     keep.push(k);
                 }
-                let headroom = HEADROOM.min(store.layer(l).spec.capacity - store.held(l, 0));
+                let headroom = HEADROOM.min(store.layer(l).limit() - store.held(l, 0));
                 store.compact(l, &keep, headroom)?;
                 for (s, k) in sc.iter_mut().zip(&keep) {
                     *s = k

@@ -20,5 +20,5 @@ pub use oracle::{OracleConfig, OraclePolicy};
 pub use policy::{AttnCall, FullPolicy, KvPolicy, PolicyStats, StepCounter};
 pub use quest::QuestPolicy;
 pub use snapkv::{SnapKvConfig, SnapKvPolicy};
-pub use store::{CacheElem, KvError, KvStore, LayerKv, LayerSpec};
+pub use store::{grown_slots, CacheElem, KvError, KvStore, LayerKv, LayerSpec, KV_GROW};
 pub use streaming::StreamingPolicy;

@@ -1,6 +1,7 @@
-//! `KvStore`: per-layer K/V buffers `[kv_heads, capacity, head_dim]`, preallocated and written
-//! in place at each token's position. Global layers hold every position (slot = position);
-//! sliding-window layers hold a ring of `window + chunk` slots (slot = position mod capacity).
+//! `KvStore`: per-layer K/V buffers `[kv_heads, capacity, head_dim]`, written in place at each
+//! token's position. Global layers hold every position (slot = position) and allocate on demand
+//! (see [`grown_slots`]), up to the capacity asked for; sliding-window layers hold
+//! a ring of `window + chunk` slots (slot = position mod capacity), allocated up front.
 //! Evicting policies *compact* a layer (`compact`): each kv head keeps a chosen set of slots,
 //! moved to the front of a smaller allocation, with an explicit position per slot (keys keep
 //! their RoPE positions, masks stay exact); later tokens are appended after them.
@@ -32,10 +33,32 @@ impl CacheElem for half::f16 {
     }
 }
 
+/// A global layer's allocation grows in steps of at least this many slots a head, and of at
+/// least an eighth of what it has (so copying on growth costs O(1) a token, and at most an
+/// eighth of the memory is allocated ahead).
+pub const KV_GROW: usize = 64;
+
+/// Slots a head a global layer of `limit` slots has allocated once it holds `need` positions,
+/// having `alloc` before: unchanged while they fit, else the larger of `need` and
+/// `alloc + alloc / 8`, rounded up to [`KV_GROW`], at most `limit`.
+pub fn grown_slots(need: usize, alloc: usize, limit: usize) -> usize {
+    if need <= alloc {
+        alloc
+    } else {
+        need.max(alloc + alloc / 8)
+            .div_ceil(KV_GROW)
+            .saturating_mul(KV_GROW)
+            .min(limit)
+            .max(alloc)
+    }
+}
+
 /// How one layer stores its keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerSpec {
-    /// Slots per kv head.
+    /// Slots per kv head. Given to [`KvStore::new`]: the most the layer may hold. In a store's
+    /// [`LayerKv::spec`]: the slots allocated now (a global layer grows them on demand up to
+    /// [`LayerKv::limit`]).
     pub capacity: usize,
     /// Ring buffer (sliding-window layer) instead of slot = position.
     pub ring: bool,
@@ -45,6 +68,9 @@ pub struct LayerSpec {
 #[derive(Clone)]
 pub struct LayerKv<T> {
     pub spec: LayerSpec,
+    /// Most slots per kv head this layer may allocate (the capacity asked for; a compacted
+    /// layer's allocation).
+    limit: usize,
     k: Vec<T>, // [kv_heads, capacity, head_dim]
     v: Vec<T>, // [kv_heads, capacity, head_dim]
     /// Set once the layer is compacted: per kv head, the position of each used slot
@@ -67,6 +93,14 @@ impl<T> LayerKv<T> {
     /// True once an evicting policy compacted this layer.
     pub fn is_compact(&self) -> bool {
         self.compact.is_some()
+    }
+    /// Most slots per kv head the layer may allocate (`spec.capacity` is what it has now).
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+    /// Whether the allocation follows the positions written (a global layer, not compacted).
+    fn grows(&self) -> bool {
+        !self.spec.ring && self.compact.is_none()
     }
 }
 
@@ -138,14 +172,20 @@ pub enum KvError {
 }
 
 impl<T: CacheElem> KvStore<T> {
-    /// Allocate every layer up front (zeroed), so decoding never allocates.
+    /// A store of `specs` layers: window rings are allocated (zeroed) here, global layers as
+    /// positions are written ([`grown_slots`], up to their capacity).
     pub fn new(n_kv_heads: usize, head_dim: usize, specs: &[LayerSpec]) -> Self {
         let layers = specs
             .iter()
             .map(|&spec| {
-                let n = n_kv_heads * spec.capacity * head_dim;
+                let alloc = if spec.ring { spec.capacity } else { 0 };
+                let n = n_kv_heads * alloc * head_dim;
                 LayerKv {
-                    spec,
+                    spec: LayerSpec {
+                        capacity: alloc,
+                        ring: spec.ring,
+                    },
+                    limit: spec.capacity,
                     k: vec![T::default(); n],
                     v: vec![T::default(); n],
                     compact: None,
@@ -215,7 +255,7 @@ impl<T: CacheElem> KvStore<T> {
             .iter()
             .filter(|l| !l.spec.ring)
             .map(|l| match &l.compact {
-                None => l.spec.capacity,
+                None => l.limit,
                 Some(c) => {
                     let used = c.pos.iter().map(Vec::len).max().unwrap_or(0);
                     self.len + l.spec.capacity.saturating_sub(used)
@@ -230,6 +270,43 @@ impl<T: CacheElem> KvStore<T> {
             .iter()
             .map(|l| (l.k.capacity() + l.v.capacity()) * std::mem::size_of::<T>())
             .sum()
+    }
+    /// Bytes the K/V buffers will hold once positions `[0, len)` are written (what
+    /// [`Self::nbytes`] says then, if no policy compacts a layer meanwhile).
+    pub fn nbytes_at(&self, len: usize) -> usize {
+        let row = 2 * self.n_kv_heads * self.head_dim * std::mem::size_of::<T>();
+        self.layers
+            .iter()
+            .map(|l| {
+                let alloc = l.spec.capacity;
+                let slots = if l.grows() {
+                    grown_slots(len, alloc, l.limit)
+                } else {
+                    alloc
+                };
+                slots * row
+            })
+            .sum()
+    }
+    /// Grows a global layer's allocation to hold positions `[0, need)` (`need <= limit`).
+    fn grow(&mut self, layer: usize, need: usize) {
+        let (nkv, d) = (self.n_kv_heads, self.head_dim);
+        let l = &mut self.layers[layer];
+        let old = l.spec.capacity;
+        let cap = grown_slots(need, old, l.limit);
+        if cap == old {
+            return;
+        }
+        let mut k = vec![T::default(); nkv * cap * d];
+        let mut v = vec![T::default(); nkv * cap * d];
+        for h in 0..nkv {
+            let (src, dst) = (h * old * d, h * cap * d);
+            k[dst..dst + old * d].copy_from_slice(&l.k[src..src + old * d]);
+            v[dst..dst + old * d].copy_from_slice(&l.v[src..src + old * d]);
+        }
+        l.k = k;
+        l.v = v;
+        l.spec.capacity = cap;
     }
     /// Slots of kv head `h` of `layer` holding a token.
     pub fn held(&self, layer: usize, h: usize) -> usize {
@@ -309,6 +386,7 @@ impl<T: CacheElem> KvStore<T> {
         l.k = k;
         l.v = v;
         l.spec.capacity = cap;
+        l.limit = cap;
         l.compact = Some(Compact {
             pos: kept
                 .iter()
@@ -471,23 +549,26 @@ impl<T: CacheElem> KvStore<T> {
         mut put: impl FnMut(usize, &mut [T], &mut [T]),
     ) -> Result<(), KvError> {
         let (nkv, d) = (self.n_kv_heads, self.head_dim);
-        let l = &mut self.layers[layer];
-        let cap = l.spec.capacity;
+        let l = &self.layers[layer];
         if l.spec.ring {
-            if n > cap {
+            if n > l.spec.capacity {
                 return Err(KvError::ChunkTooLong {
                     pos0,
                     n,
-                    capacity: cap,
+                    capacity: l.spec.capacity,
                 });
             }
-        } else if pos0 + n > cap {
+        } else if pos0 + n > l.limit {
             return Err(KvError::Full {
                 layer,
                 pos: pos0 + n - 1,
-                capacity: cap,
+                capacity: l.limit,
             });
+        } else if pos0 + n > l.spec.capacity {
+            self.grow(layer, pos0 + n);
         }
+        let l = &mut self.layers[layer];
+        let cap = l.spec.capacity;
         l.written = l.written.max(pos0 + n);
         for t in 0..n {
             let slot = if l.spec.ring {
@@ -551,7 +632,7 @@ impl<T: CacheElem> KvStore<T> {
             let keep: Vec<Vec<usize>> = (0..nkv)
                 .map(|h| (0..self.held(layer, h)).collect())
                 .collect();
-            let headroom = l.spec.capacity - self.held(layer, 0);
+            let headroom = l.limit - self.held(layer, 0);
             self.compact(layer, &keep, headroom)?;
         }
         self.append(layer, positions, k, v)
@@ -717,6 +798,78 @@ mod tests {
                 ((pos0 + t) * 1000 + r) as f32
             })
             .collect()
+    }
+
+    /// Global layers allocate as positions arrive: against a plain model of every position
+    /// written (random chunk sizes, f16 and a ring beside), reads return what was written, the
+    /// allocation is what `nbytes_at` predicted before each write, and the limit holds.
+    #[test]
+    fn global_layers_grow_on_demand_and_keep_what_they_hold() {
+        let (nkv, d, limit) = (3, 8, 700);
+        for seed in 0..8u64 {
+            let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut next = |m: usize| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                (rng % m as u64) as usize
+            };
+            let specs = [
+                LayerSpec {
+                    capacity: limit,
+                    ring: false,
+                },
+                LayerSpec {
+                    capacity: 96,
+                    ring: true,
+                },
+            ];
+            let mut s = KvStore::<half::f16>::new(nkv, d, &specs);
+            let ring_bytes = 2 * nkv * d * 96 * 2;
+            assert_eq!(
+                s.nbytes(),
+                ring_bytes,
+                "only the ring is allocated at first"
+            );
+            assert_eq!(s.capacity(), limit);
+            let mut model: Vec<f32> = Vec::new(); // [pos][h][d]
+            let mut len = 0;
+            while len < limit {
+                let n = (1 + next(90)).min(limit - len);
+                let kv: Vec<f32> = (0..n * nkv * d)
+                    .map(|i| (next(2000) + i % 7) as f32)
+                    .collect();
+                let predicted = s.nbytes_at(len + n);
+                for l in 0..2 {
+                    s.write(l, len, &kv, &kv).unwrap();
+                }
+                model.extend_from_slice(&kv);
+                len += n;
+                s.set_len(len);
+                assert_eq!(s.nbytes(), predicted, "seed {seed} at {len}");
+                let slots = s.layer(0).spec.capacity;
+                assert!(slots >= len && slots <= (len + len / 8 + KV_GROW).min(limit));
+                let a = next(len);
+                let m = 1 + next(len - a);
+                let (mut k, mut v) = (
+                    vec![half::f16::ZERO; m * nkv * d],
+                    vec![half::f16::ZERO; m * nkv * d],
+                );
+                s.read(0, a, &mut k, &mut v).unwrap();
+                let want = &model[a * nkv * d..(a + m) * nkv * d];
+                assert!(
+                    k.iter().zip(want).all(|(x, y)| x.to_f32() == *y),
+                    "seed {seed}"
+                );
+                assert_eq!(k, v);
+            }
+            assert_eq!(s.layer(0).spec.capacity, limit);
+            let one = vec![0.0f32; nkv * d];
+            assert!(matches!(
+                s.write(0, limit, &one, &one),
+                Err(KvError::Full { capacity, .. }) if capacity == limit
+            ));
+        }
     }
 
     #[test]
