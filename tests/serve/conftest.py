@@ -38,6 +38,10 @@ MAX_CONTEXT = 1024
 MAX_BODY_BYTES = 256 * 1024
 API_KEY = "sf-test-key-0123456789"
 SERVED_ALIAS = "served-alias"
+# Gemma 3 270M with f16 KV and no window ring (the context is below the window): 18 KB a token.
+# Two sequences of 128 slots and 4 more (the preemption test's server): two ~50-token prompts
+# are admitted, and the first to pass 128 tokens preempts the other.
+PREEMPT_KV_MEMORY = (2 * 128 + 4) * 18 * 256 * 2 * 2
 
 LISTEN_RE = re.compile(r"listening on http://([^\s/:]+|\[[^\]]+\]):(\d+)")
 
@@ -359,6 +363,14 @@ def spec_server():
 def prefix_server():
     """Prefill chunks of 64 tokens, so a few hundred shared tokens fill the prefix cache."""
     yield from _server("prefix", ["--chunk", "64", "--max-batch", "2", "--max-context", "1024"])
+
+
+@pytest.fixture(scope="session")
+def preempt_server():
+    """KV memory for about two short sequences (1-token prefill chunks, so a recomputed KV is
+    bit-equal to the decoded one): a third request waits, and growing sequences preempt."""
+    yield from _server("preempt", ["--chunk", "1", "--max-batch", "4", "--max-context", "256",
+                                   "--kv-memory", str(PREEMPT_KV_MEMORY), "--prefix-cache-memory", "0"])
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from conftest import (API_KEY, MAX_BODY_BYTES, MAX_CONTEXT, MODEL, SERVED_ALIAS, assert_error,
+from conftest import (API_KEY, DEVICE, MAX_BODY_BYTES, MAX_CONTEXT, MODEL, SERVED_ALIAS, assert_error,
                       generate_ref, prose, prose_words, sse_events, wait_idle)
 
 SHORT = "The capital of France is"
@@ -645,7 +645,7 @@ METRIC_NAMES = [
     "slowfast_requests_total", "slowfast_prompt_tokens_total", "slowfast_generation_tokens_total",
     "slowfast_running_sequences", "slowfast_queued_sequences", "slowfast_kv_bytes_in_use",
     "slowfast_kv_bytes_free", "slowfast_sfi_steps_total", "slowfast_prefix_cache_hit_tokens_total",
-    "slowfast_prefix_cache_bytes",
+    "slowfast_prefix_cache_bytes", "slowfast_preemptions_total",
 ]
 HISTOGRAMS = ["slowfast_time_to_first_token_seconds", "slowfast_inter_token_latency_seconds"]
 
@@ -866,3 +866,36 @@ def test_prefix_cache_restores_shared_chunks_and_changes_no_token(prefix_server)
     # The shared ~400 tokens hold at least 5 whole chunks of 64 (the last part always runs).
     assert hit >= 5 * 64 and hit % 64 == 0, hit
     assert after.get("slowfast_prefix_cache_bytes", None) > 0
+
+
+def test_preempted_requests_finish_with_the_tokens_of_generate(preempt_server):
+    """Three requests in the KV memory of about two: the running sequences outgrow it, the newest
+    is preempted and recomputed later, and every request still gets exactly what `generate`
+    gives alone (1-token prefill chunks recompute the decoded KV bit for bit)."""
+    if MODEL != "gemma3-270m" or DEVICE != "cpu":
+        pytest.skip("the KV memory is sized for the default model on the CPU")
+    client = preempt_server.client()
+    prompts = [prose(40, start=300 + 60 * i) for i in range(3)]
+    refs = [generate_ref(p, 100, ("--chunk", "1")) for p in prompts]
+    before = wait_idle(preempt_server)
+    out: list = [None] * 3
+
+    def one(i):
+        out[i] = d(client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=100, temperature=0,
+                                             extra_body={"return_token_ids": True, "ignore_eos": True}))
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(300)
+    for i in range(3):
+        assert out[i] is not None, f"request {i} got no answer"
+        assert out[i]["choices"][0].get("token_ids") == refs[i]["tokens"], f"request {i}"
+        assert out[i]["usage"]["completion_tokens"] == 100
+    after = wait_idle(preempt_server, kv_baseline=0)
+    got = lambda k: after.get(k) - before.get(k)
+    assert got("slowfast_preemptions_total") >= 1
+    # Prefilled again: more than the three prompts.
+    assert got("slowfast_prefill_tokens_total") > sum(r["prompt_tokens"] for r in refs)
+    assert after.get("slowfast_kv_bytes_in_use") == 0

@@ -44,9 +44,16 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
     /// KV cache bytes the running sequences may hold together (default: --max-batch
-    /// sequences of --max-context tokens); a request waits until its KV fits.
+    /// sequences of --max-context tokens). On the CPU a sequence holds what its tokens need
+    /// so far: a request waits until its prompt's KV fits, and when the running sequences
+    /// grow past this the newest is preempted (its KV freed) and later prefilled again with
+    /// what it generated. On the GPU the slots are preallocated.
     #[arg(long)]
     pub kv_memory: Option<usize>,
+    /// Reserve each request's whole KV (prompt + max_tokens) at admission instead of growing
+    /// it: fewer sequences run together, none is ever preempted.
+    #[arg(long)]
+    pub kv_reserve: bool,
     /// Prefix cache (CPU): KV bytes it may hold for reuse by later prompts that start with
     /// the same whole prefill chunks (a shared system prompt is then prefilled once; output is
     /// unchanged). Allocated as blocks are first used; 0 turns it off. Default: as much as
@@ -188,6 +195,7 @@ pub fn run(a: Args) -> Result<()> {
         chunk: a.model.chunk,
         kv_dtype,
         kv_memory,
+        kv_reserve: a.kv_reserve,
         max_context,
         default_policy,
         draft,

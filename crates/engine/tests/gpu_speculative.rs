@@ -324,6 +324,7 @@ fn default_model_served_speculation_is_full_kv() {
             chunk: 512,
             kv_dtype: KvDtype::F32,
             kv_memory: usize::MAX,
+            kv_reserve: false,
             max_context: CONTEXT,
             default_policy: policy.clone(),
             draft: None,

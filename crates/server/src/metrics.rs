@@ -194,6 +194,12 @@ impl Metrics {
         );
         counter(
             &mut s,
+            "slowfast_preemptions_total",
+            "Sequences preempted for lack of KV memory (their KV freed, prefilled again later).",
+            ld(&g.preemptions),
+        );
+        counter(
+            &mut s,
             "slowfast_prefix_cache_hit_tokens_total",
             "Prompt tokens restored from the prefix cache instead of prefilled.",
             ld(&g.prefix_hit_tokens),

@@ -56,6 +56,7 @@ fn app() -> Router {
         chunk: 16,
         kv_dtype: KvDtype::F32,
         kv_memory: usize::MAX,
+        kv_reserve: false,
         max_context: 64,
         default_policy: PolicySpec::Full,
         draft: None,

@@ -53,13 +53,26 @@ pub(super) struct CpuSeq<'m> {
     spec: Option<Box<Speculator<'m>>>,
 }
 
-/// KV bytes a `Session` of `capacity` tokens allocates (before an evicting policy shrinks it).
+/// KV bytes a `Session` of `capacity` tokens holds when full (before an evicting policy
+/// shrinks it).
 pub fn kv_bytes_for(model: &Model, capacity: usize, chunk: usize, kv: KvDtype) -> usize {
+    kv_bytes_at(model, capacity, capacity, chunk, kv)
+}
+
+/// KV bytes a `Session` of `capacity` tokens holds once `len` tokens are written: its window
+/// rings, and its global layers as they grow on demand (`KvStore::nbytes_at`).
+pub fn kv_bytes_at(model: &Model, capacity: usize, len: usize, chunk: usize, kv: KvDtype) -> usize {
     let chunk = chunk.clamp(1, capacity.max(1));
     let slots: usize = model
         .kv_layout(capacity, chunk)
         .iter()
-        .map(|l| l.capacity)
+        .map(|l| {
+            if l.ring {
+                l.capacity
+            } else {
+                slowfast_kv::grown_slots(len, 0, l.capacity)
+            }
+        })
         .sum();
     let elem = match kv {
         KvDtype::F32 => 4,
@@ -71,8 +84,12 @@ pub fn kv_bytes_for(model: &Model, capacity: usize, chunk: usize, kv: KvDtype) -
 impl<'m> BatchDevice for CpuDevice<'m> {
     type Seq = CpuSeq<'m>;
 
-    fn kv_estimate(&self, _policy: &PolicySpec, capacity: usize) -> usize {
-        kv_bytes_for(self.model, capacity, self.chunk, self.kv)
+    fn kv_estimate(&self, _policy: &PolicySpec, capacity: usize, len: usize) -> usize {
+        kv_bytes_at(self.model, capacity, len, self.chunk, self.kv)
+    }
+
+    fn kv_grown(&self, seq: &CpuSeq<'m>, extra: usize) -> usize {
+        seq.sess.kv_bytes_at(seq.sess.pos() + extra)
     }
 
     fn open(&mut self, policy: &PolicySpec, capacity: usize) -> Result<CpuSeq<'m>, EngineError> {

@@ -386,7 +386,7 @@ impl GpuDevice {
 impl BatchDevice for GpuDevice {
     type Seq = GpuSeq;
 
-    fn kv_estimate(&self, _policy: &PolicySpec, _capacity: usize) -> usize {
+    fn kv_estimate(&self, _policy: &PolicySpec, _capacity: usize, _len: usize) -> usize {
         0 // preallocated: the slot count bounds the batch
     }
 

@@ -4,6 +4,13 @@
 //! client went away is dropped within one step; the waiting queue is bounded. It owns the
 //! sequences (their KV, samplers, stop matchers), never HTTP: events go to an [`EventSink`].
 //!
+//! KV memory: a sequence holds what its tokens need so far (the CPU's stores grow on demand).
+//! A request is admitted when the KV its prompt needs fits beside the running ones; when the
+//! running sequences' next tokens would not fit, the newest one is preempted (its KV freed,
+//! it goes back to the front of the queue) and resumed later by prefilling its prompt and
+//! the tokens it generated again (recompute). The oldest sequence always goes on, so every
+//! request that fits alone finishes.
+//!
 //! The device part (how a sequence is prefilled and how a batch is stepped) is the
 //! [`BatchDevice`] trait: the CPU's batched decode (`cpu.rs`), the GPU decoder's slots
 //! (`gpu.rs`, feature `cuda`).
@@ -29,7 +36,7 @@ use crate::{Device, EngineError, KvDtype, Loaded};
 pub use channel::{collect, ChannelSink, Outcome};
 pub use cpu::kv_bytes_for;
 pub use inspect::{Inspection, LayerHeld};
-use sequence::Sequence;
+use sequence::{SeqState, Sequence};
 
 /// One generation request, tokenized and validated by the caller.
 #[derive(Debug, Clone)]
@@ -148,8 +155,12 @@ pub struct SchedulerConfig {
     /// Tokens per prefill chunk.
     pub chunk: usize,
     pub kv_dtype: KvDtype,
-    /// KV bytes all running sequences may hold together; a request waits until its KV fits.
+    /// KV bytes all running sequences may hold together: a request waits until its prompt's
+    /// KV fits, and running sequences are preempted (recomputed later) rather than exceed it.
     pub kv_memory: usize,
+    /// Reserve each request's whole KV (prompt + max_tokens) at admission instead: fewer
+    /// sequences run together, none is ever preempted.
+    pub kv_reserve: bool,
     /// Longest sequence (prompt + generated) a request may have.
     pub max_context: usize,
     /// The server's default KV policy (resolved for `max_context`). On the GPU it is the
@@ -177,6 +188,8 @@ pub struct Gauges {
     pub decode_steps: AtomicU64,
     pub decode_rows: AtomicU64,
     pub prefill_tokens: AtomicU64,
+    /// Sequences preempted for lack of KV memory (each prefilled again later).
+    pub preemptions: AtomicU64,
     /// Prompt tokens restored from the prefix cache instead of prefilled, and the bytes the
     /// cache holds.
     pub prefix_hit_tokens: AtomicU64,
@@ -199,6 +212,21 @@ pub enum SubmitError {
 struct Submission {
     req: Request,
     sink: Box<dyn EventSink>,
+}
+
+/// A request waiting for a place: new, or preempted and waiting to be resumed.
+enum Waiting {
+    New(Box<Submission>),
+    Resume(Box<SeqState>),
+}
+
+impl Waiting {
+    fn is_closed(&self) -> bool {
+        match self {
+            Waiting::New(s) => s.sink.is_closed(),
+            Waiting::Resume(st) => st.sink.is_closed(),
+        }
+    }
 }
 
 /// The handle through which requests reach the scheduler thread (cheap to clone).
@@ -238,8 +266,14 @@ impl SchedulerHandle {
 /// part by part, and step many sequences' next tokens together.
 pub(crate) trait BatchDevice {
     type Seq;
-    /// KV bytes a sequence of `capacity` tokens under `policy` will allocate when opened.
-    fn kv_estimate(&self, policy: &PolicySpec, capacity: usize) -> usize;
+    /// KV bytes a sequence opened for `capacity` tokens under `policy` holds once its first
+    /// `len` tokens are written.
+    fn kv_estimate(&self, policy: &PolicySpec, capacity: usize, len: usize) -> usize;
+    /// KV bytes `seq` will hold once `extra` more tokens are written (devices that allocate
+    /// up front: what it holds now).
+    fn kv_grown(&self, seq: &Self::Seq, _extra: usize) -> usize {
+        self.kv_bytes(seq)
+    }
     /// A sequence able to hold `capacity` tokens under `policy`.
     fn open(&mut self, policy: &PolicySpec, capacity: usize) -> Result<Self::Seq, EngineError>;
     /// The prefill parts of a prompt of `n` tokens (`[a, b)` bounds, run in order).
@@ -429,7 +463,7 @@ fn supervise<D: BatchDevice>(
     g: &Gauges,
     mut make: impl FnMut() -> Result<D, EngineError>,
 ) {
-    let mut waiting: VecDeque<Submission> = VecDeque::new();
+    let mut waiting: VecDeque<Waiting> = VecDeque::new();
     loop {
         let dev = match make() {
             Ok(d) => d,
@@ -466,8 +500,9 @@ fn run<D: BatchDevice>(
     cfg: &SchedulerConfig,
     rx: &Receiver<Submission>,
     g: &Gauges,
-    waiting: &mut VecDeque<Submission>,
+    waiting: &mut VecDeque<Waiting>,
 ) {
+    // Running sequences, in arrival order (the newest is preempted first).
     let mut running: Vec<Sequence<D::Seq>> = Vec::new();
     let mut open = true;
     loop {
@@ -483,7 +518,7 @@ fn run<D: BatchDevice>(
                 rx.try_recv()
             };
             match next {
-                Ok(s) => waiting.push_back(s),
+                Ok(s) => waiting.push_back(Waiting::New(Box::new(s))),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
                     open = false;
@@ -496,7 +531,7 @@ fn run<D: BatchDevice>(
         }
         // 2. Cancelled requests leave now (their KV is freed at once).
         waiting.retain(|s| {
-            let keep = !s.sink.is_closed();
+            let keep = !s.is_closed();
             if !keep {
                 g.queued.fetch_sub(1, Ordering::AcqRel);
             }
@@ -506,26 +541,72 @@ fn run<D: BatchDevice>(
             s.st.finished = true;
         }
         retire(&mut dev, &mut running);
-        // 3. Admission, first come first served, while a place and the KV are free.
-        let mut kv_in_use: usize = running.iter().map(|s| dev.kv_bytes(&s.seq)).sum();
+        // 3. Admission, first come first served (preempted sequences first), while a place is
+        // free and the KV of the prompt (plus one growth step) fits beside what is held.
+        // With --kv-reserve: each running sequence's whole KV, reserved. Otherwise what they
+        // hold, and room for each one's next KV_GROW tokens (admitting into memory the running
+        // ones are about to need only buys a preemption and its recomputation).
+        let mut kv_in_use: usize = running
+            .iter()
+            .map(|s| match cfg.kv_reserve {
+                true => s.st.kv_reserved(&dev),
+                false => dev.kv_grown(&s.seq, slowfast_kv::KV_GROW),
+            })
+            .sum();
         while running.len() < cfg.max_batch {
             let Some(front) = waiting.front() else { break };
-            let need = dev.kv_estimate(&front.req.policy, sequence::capacity_of(&front.req, m));
+            let need = match front {
+                Waiting::New(sub) => {
+                    let cap = sequence::capacity_of(&sub.req, m);
+                    let len = match cfg.kv_reserve {
+                        true => cap,
+                        false => (sub.req.prompt.len() + slowfast_kv::KV_GROW).min(cap),
+                    };
+                    dev.kv_estimate(&sub.req.policy, cap, len)
+                }
+                Waiting::Resume(st) => st.kv_need(&dev),
+            };
             if kv_in_use + need > cfg.kv_memory && !running.is_empty() {
                 break; // waits for a running sequence to finish
             }
-            let sub = waiting.pop_front().expect("front exists");
             g.queued.fetch_sub(1, Ordering::AcqRel);
-            match Sequence::open(&mut dev, m, sub.req, sub.sink) {
+            let opened = match waiting.pop_front().expect("front exists") {
+                Waiting::New(sub) => Sequence::open(&mut dev, m, sub.req, sub.sink),
+                Waiting::Resume(st) => {
+                    Sequence::resume(&mut dev, st).map_err(|(st, e)| (st.sink, e))
+                }
+            };
+            match opened {
                 Ok(s) => {
-                    kv_in_use += dev.kv_bytes(&s.seq);
-                    running.push(s);
+                    // What its prompt will need, not what it holds yet (nothing, on the CPU).
+                    kv_in_use += need.max(dev.kv_bytes(&s.seq));
+                    // In arrival order: a resumed sequence goes before those that came later.
+                    let at = running.partition_point(|r| r.st.arrival < s.st.arrival);
+                    running.insert(at, s);
                 }
                 Err((sink, e)) => {
                     sink.send(Event::Error(e.to_string()));
                 }
             }
         }
+        // 3b. The decode step's new tokens must fit: preempt the newest sequences until they
+        // do (the oldest always stays).
+        loop {
+            let projected: usize = running
+                .iter()
+                .map(|s| {
+                    let extra = usize::from(s.st.pending.is_some() && !s.st.speculative());
+                    dev.kv_grown(&s.seq, extra)
+                })
+                .sum();
+            if cfg.kv_reserve
+                || projected <= cfg.kv_memory
+                || !preempt_newest(&mut dev, &mut running, 0, waiting, g)
+            {
+                break;
+            }
+        }
+        kv_in_use = running.iter().map(|s| dev.kv_bytes(&s.seq)).sum();
         g.running.store(running.len(), Ordering::Relaxed);
         g.kv_bytes_in_use.store(kv_in_use, Ordering::Relaxed);
         // 4. One decode step of every sequence past its prefill.
@@ -629,18 +710,38 @@ fn run<D: BatchDevice>(
             }
         }
         // 5. Prefill under the step's token budget, oldest first (at least one part a step).
+        // A part runs only if its KV fits, preempting newer sequences to make room; a part that
+        // still does not fit waits, except the oldest sequence's (so a prompt that fits alone
+        // always completes).
         let mut budget = cfg.prefill_tokens_per_step;
         let mut ran = false;
-        'prefill: for s in running.iter_mut() {
-            while s.st.prefilling() {
+        let mut i = 0;
+        'prefill: while i < running.len() {
+            while running[i].st.prefilling() {
                 // Once, right before its first part runs: the chunks of the prompts prefilled
                 // before it are in the prefix cache by then.
-                let hit = s.reuse_prefix(&mut dev);
+                let hit = running[i].reuse_prefix(&mut dev);
                 g.prefix_hit_tokens.fetch_add(hit as u64, Ordering::Relaxed);
-                let n = s.st.next_part_len();
+                let n = running[i].st.next_part_len();
                 if ran && n > budget {
                     break 'prefill;
                 }
+                loop {
+                    let held: usize = running.iter().map(|s| dev.kv_bytes(&s.seq)).sum();
+                    let s = &running[i];
+                    let grown = held - dev.kv_bytes(&s.seq) + dev.kv_grown(&s.seq, n);
+                    if grown <= cfg.kv_memory || cfg.kv_reserve {
+                        break;
+                    }
+                    if preempt_newest(&mut dev, &mut running, i, waiting, g) {
+                        continue;
+                    }
+                    if i > 0 {
+                        break 'prefill; // waits for memory: the older ones go first
+                    }
+                    break; // the oldest: it runs over the budget rather than fail
+                }
+                let s = &mut running[i];
                 budget = budget.saturating_sub(n);
                 ran = true;
                 g.prefill_tokens.fetch_add(n as u64, Ordering::Relaxed);
@@ -650,6 +751,7 @@ fn run<D: BatchDevice>(
                     Err(e) => s.st.fail(&e.to_string()),
                 }
             }
+            i += 1;
         }
         g.prefix_cache_bytes
             .store(dev.prefix_bytes(), Ordering::Relaxed);
@@ -661,6 +763,30 @@ fn run<D: BatchDevice>(
             Ordering::Relaxed,
         );
     }
+}
+
+/// Preempts the newest running sequence after index `keep` that is not speculative (a
+/// speculative one keeps its drafter's state; it is never preempted): its KV is freed and it
+/// waits at the front of the queue, to be prefilled again with what it generated. False when
+/// there is none.
+fn preempt_newest<D: BatchDevice>(
+    dev: &mut D,
+    running: &mut Vec<Sequence<D::Seq>>,
+    keep: usize,
+    waiting: &mut VecDeque<Waiting>,
+    g: &Gauges,
+) -> bool {
+    let Some(i) = (keep + 1..running.len())
+        .rev()
+        .find(|&i| !running[i].st.speculative() && !running[i].st.finished)
+    else {
+        return false;
+    };
+    let st = running.remove(i).preempt(dev);
+    waiting.push_front(Waiting::Resume(st));
+    g.queued.fetch_add(1, Ordering::AcqRel);
+    g.preemptions.fetch_add(1, Ordering::Relaxed);
+    true
 }
 
 /// Removes the finished sequences (keeping the others' order), sends each its `Done` (with

@@ -1,6 +1,8 @@
 //! One request inside the scheduler: its device sequence, where its prefill stands, and the
 //! token loop of `generate` (sample, EOS, streamed text with stop strings held back, the
-//! token limit), driven one step at a time.
+//! token limit), driven one step at a time. A running sequence can be preempted (its device
+//! sequence closed, its KV freed) and resumed later by prefilling its prompt and the tokens it
+//! generated so far; its sampler, streamed text and counters carry over.
 use slowfast_tokenizer::StreamDecoder;
 
 use super::{BatchDevice, Event, EventSink, Finish, FinishReason, Request, TokenLogprob, TokenOut};
@@ -9,8 +11,12 @@ use slowfast_kv::PolicyStats;
 
 /// The policy's name and counters, for the final event.
 pub(super) type PolicyInfo = (&'static str, PolicyStats);
+use crate::session::PolicySpec;
 use crate::stop::StopMatcher;
 use crate::{EngineError, Loaded};
+
+/// Admission numbers, increasing over the process (schedulers only compare their own).
+static ARRIVALS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Tokens a request's sequence holds at most (prompt + generated), as `generate` sizes it.
 pub(super) fn capacity_of(req: &Request, m: &Loaded) -> usize {
@@ -26,7 +32,16 @@ pub(super) struct Sequence<S> {
 
 pub(super) struct SeqState {
     pub sink: Box<dyn EventSink>,
-    prompt: Vec<u32>,
+    /// The prompt, then every token generated (the last one is `pending` while it waits for
+    /// its decode step): what a resumed sequence prefills.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Admission order (first come, first served, also after a preemption).
+    pub arrival: u64,
+    /// What the device sequence was opened with (again on resume).
+    policy: PolicySpec,
+    capacity: usize,
+    /// The prefill parts of `tokens[..plan end]`.
     plan: Vec<(usize, usize)>,
     /// Next prefill part to run (== plan.len() once prefilled).
     part: usize,
@@ -64,7 +79,7 @@ impl<S> Sequence<S> {
             return 0;
         }
         st.reuse_tried = true;
-        st.part = dev.reuse_prefix(&mut self.seq, &st.prompt, &st.plan);
+        st.part = dev.reuse_prefix(&mut self.seq, &st.tokens, &st.plan);
         st.part.checked_sub(1).map_or(0, |k| st.plan[k].1)
     }
 
@@ -74,7 +89,7 @@ impl<S> Sequence<S> {
         dev: &mut D,
     ) -> Result<bool, EngineError> {
         let st = &mut self.st;
-        dev.prefill_part(&mut self.seq, &st.prompt, &st.plan, st.part)?;
+        dev.prefill_part(&mut self.seq, &st.tokens, &st.plan, st.part)?;
         st.part += 1;
         Ok(st.part == st.plan.len())
     }
@@ -121,7 +136,8 @@ impl<S> Sequence<S> {
             let e = "logprobs are not available with speculative decoding (speculate)";
             return Err((sink, EngineError::BadInput(e.into())));
         }
-        let mut seq = match dev.open(&req.policy, capacity_of(&req, m)) {
+        let capacity = capacity_of(&req, m);
+        let mut seq = match dev.open(&req.policy, capacity) {
             Ok(s) => s,
             Err(e) => return Err((sink, e)),
         };
@@ -164,13 +180,55 @@ impl<S> Sequence<S> {
             done: None,
             inspect: req.inspect,
             speculative: req.speculate.is_some(),
-            prompt: req.prompt,
+            prompt_len: req.prompt.len(),
+            tokens: req.prompt,
+            arrival: ARRIVALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            policy: req.policy,
+            capacity,
         };
         Ok(Sequence { seq, st })
+    }
+
+    /// Frees the device sequence (its KV) and keeps the state, to resume later: the prefill
+    /// then covers the prompt and every token generated so far, the last of which (the
+    /// pending one) is in it, so the prefill's logits give the next token.
+    pub fn preempt<D: BatchDevice<Seq = S>>(self, dev: &mut D) -> Box<SeqState> {
+        dev.close(self.seq);
+        let mut st = Box::new(self.st);
+        st.pending = None;
+        st.plan.clear();
+        st.part = 0;
+        st.reuse_tried = false;
+        st
+    }
+
+    /// Reopens a preempted sequence's device sequence, to prefill its tokens again.
+    #[allow(clippy::type_complexity)]
+    pub fn resume<D: BatchDevice<Seq = S>>(
+        dev: &mut D,
+        mut st: Box<SeqState>,
+    ) -> Result<Self, (Box<SeqState>, EngineError)> {
+        let seq = match dev.open(&st.policy, st.capacity) {
+            Ok(s) => s,
+            Err(e) => return Err((st, e)),
+        };
+        st.plan = dev.prefill_plan(&seq, st.tokens.len());
+        Ok(Sequence { seq, st: *st })
     }
 }
 
 impl SeqState {
+    /// KV bytes the sequence holds once (re)prefilled, by the device's estimate: what
+    /// admission needs free.
+    pub fn kv_need<D: BatchDevice>(&self, dev: &D) -> usize {
+        dev.kv_estimate(&self.policy, self.capacity, self.tokens.len())
+    }
+
+    /// KV bytes the sequence holds at its longest (`--kv-reserve` admission).
+    pub fn kv_reserved<D: BatchDevice>(&self, dev: &D) -> usize {
+        dev.kv_estimate(&self.policy, self.capacity, self.capacity)
+    }
+
     /// Whether prefill parts remain.
     pub fn prefilling(&self) -> bool {
         !self.finished && self.part < self.plan.len()
@@ -229,6 +287,7 @@ impl SeqState {
             return self.finish(FinishReason::Stop, true, info);
         }
         self.generated += 1;
+        self.tokens.push(tok);
         let piece = self.stream.push(&m.tokenizer, tok);
         let step = self.stops.push(&piece);
         let logprob = match (self.logprobs, logits) {
@@ -271,7 +330,7 @@ impl SeqState {
         self.done = Some(Finish {
             reason,
             text,
-            prompt_tokens: self.prompt.len(),
+            prompt_tokens: self.prompt_len,
             completion_tokens: self.generated,
             policy: policy.to_owned(),
             stats,

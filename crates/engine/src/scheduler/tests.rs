@@ -24,6 +24,7 @@ fn cfg(max_batch: usize, max_queue: usize) -> SchedulerConfig {
         chunk: 16,
         kv_dtype: KvDtype::F32,
         kv_memory: usize::MAX,
+        kv_reserve: false,
         max_context: 256,
         default_policy: PolicySpec::Full,
         draft: None,
@@ -317,7 +318,7 @@ struct Flaky {
 
 impl BatchDevice for Flaky {
     type Seq = usize;
-    fn kv_estimate(&self, _: &PolicySpec, _: usize) -> usize {
+    fn kv_estimate(&self, _: &PolicySpec, _: usize, _: usize) -> usize {
         1
     }
     fn open(&mut self, _: &PolicySpec, _: usize) -> Result<usize, EngineError> {
@@ -561,4 +562,209 @@ fn a_prefix_block_that_does_not_divide_the_chunk_is_refused() {
             .contains("must divide the prefill chunk of 16"),
         "{e}"
     );
+}
+
+/// KV bytes of one sequence of the fixture at `slots` slots a head (f32, no rings).
+fn kv_rows(m: &Loaded, slots: usize) -> usize {
+    let c = &m.model.cfg;
+    2 * slots * c.num_key_value_heads * c.head_dim * 4 * c.num_hidden_layers
+}
+
+/// Tight KV memory: sequences grow past what is free, the newest is preempted, resumed by
+/// prefilling its prompt and generated tokens, and every request still finishes with its
+/// tokens. With 1-token prefill chunks the recomputed KV is bit-equal to the decoded KV, so
+/// the greedy tokens equal `generate` alone exactly; with 16-token chunks (a GEMM) they may
+/// part after a preemption, so only the oldest request (never preempted) is checked whole.
+#[test]
+fn preempted_sequences_resume_and_finish_with_their_tokens() {
+    let m = loaded();
+    for chunk in [1usize, 16] {
+        let mut c = cfg(4, 16);
+        c.chunk = chunk;
+        c.prefill_tokens_per_step = 64;
+        // Two sequences of 128 slots and a little: the third waits, and a sequence growing
+        // past 128 preempts the newest.
+        c.kv_memory = kv_rows(&m, 128) * 2 + kv_rows(&m, 32);
+        let (h, _t) = spawn(m.clone(), c).unwrap();
+        let (tx, rx) = channel();
+        let lens = [40usize, 50, 60];
+        let max_tokens = 150;
+        let (mut want, mut reqs) = (Vec::new(), Vec::new());
+        for (i, &n) in lens.iter().enumerate() {
+            let prompt = tokens(n, 40 + i as u32);
+            let spec = policy_spec("full", None, 2, n + max_tokens).unwrap();
+            let opts = GenerateOptions {
+                max_new_tokens: max_tokens,
+                sampler: SamplerConfig::greedy(),
+                ignore_eos: true,
+                kv_dtype: KvDtype::F32,
+                chunk,
+                policy: spec.clone(),
+                ..Default::default()
+            };
+            want.push(generate(&m, &prompt, &opts, &mut |_| {}).unwrap());
+            reqs.push(request(prompt, max_tokens, spec));
+        }
+        // All at once, so that they compete for the memory.
+        for (i, r) in reqs.into_iter().enumerate() {
+            h.submit(r, ChannelSink::new(i, &tx).0).unwrap();
+        }
+        let got = collect(&rx, lens.len());
+        let g = h.gauges();
+        assert!(
+            g.preemptions.load(Ordering::Relaxed) > 0,
+            "chunk {chunk}: the memory is too tight for three sequences"
+        );
+        for (i, ((toks, fin, err), w)) in got.iter().zip(&want).enumerate() {
+            assert!(err.is_none(), "chunk {chunk}, request {i}: {err:?}");
+            let f = fin.as_ref().unwrap();
+            assert_eq!(
+                f.completion_tokens, max_tokens,
+                "chunk {chunk}, request {i}"
+            );
+            assert_eq!(f.prompt_tokens, lens[i]);
+            assert_eq!(toks.len(), max_tokens);
+            if chunk == 1 || i == 0 {
+                assert_eq!(toks, &w.tokens, "chunk {chunk}, request {i}");
+            } else {
+                assert_eq!(
+                    toks[0], w.tokens[0],
+                    "request {i}: the prompt's own next token"
+                );
+            }
+        }
+        // Everything freed; the prefill counter covers the recomputed tokens too.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while g.kv_bytes_in_use.load(Ordering::Relaxed) > 0 || g.running.load(Ordering::Relaxed) > 0
+        {
+            assert!(Instant::now() < deadline, "the KV was not freed");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // More than two prompts again: generated tokens were recomputed, not only prompts.
+        let again = g.prefill_tokens.load(Ordering::Relaxed) as usize - lens.iter().sum::<usize>();
+        assert!(
+            again > lens[1] + lens[2],
+            "chunk {chunk}: {again} tokens prefilled again"
+        );
+    }
+}
+
+/// `kv_reserve`: the same load under the same memory admits by whole reservations and never
+/// preempts; every token equals `generate` alone.
+#[test]
+fn reserved_kv_never_preempts() {
+    let m = loaded();
+    let mut c = cfg(4, 16);
+    c.kv_memory = kv_rows(&m, 200) * 2;
+    c.kv_reserve = true;
+    let (h, _t) = spawn(m.clone(), c).unwrap();
+    let (tx, rx) = channel();
+    let (mut want, mut reqs) = (Vec::new(), Vec::new());
+    for (i, n) in [40usize, 50, 60].into_iter().enumerate() {
+        let prompt = tokens(n, 40 + i as u32);
+        let spec = policy_spec("full", None, 2, n + 150).unwrap();
+        want.push(alone(&m, &prompt, 150, &spec, KvDtype::F32));
+        reqs.push(request(prompt, 150, spec));
+    }
+    for (i, r) in reqs.into_iter().enumerate() {
+        h.submit(r, ChannelSink::new(i, &tx).0).unwrap();
+    }
+    assert_as_alone(&collect(&rx, 3), &want, &["full"; 3]);
+    let g = h.gauges();
+    assert_eq!(g.preemptions.load(Ordering::Relaxed), 0);
+    // At most one sequence of 190-210 tokens fit beside another's reservation at a time.
+    assert!(g.decode_rows.load(Ordering::Relaxed) <= 2 * g.decode_steps.load(Ordering::Relaxed));
+}
+
+/// Every policy under memory so tight that sequences are preempted, with the
+/// prefix cache on and one request cancelled on the way: every other request finishes with
+/// all its tokens, nothing fails, and the KV and the queue are empty at the end.
+#[test]
+fn every_policy_survives_preemption() {
+    let m = loaded();
+    let mut c = cfg(6, 32);
+    c.kv_dtype = KvDtype::F16;
+    c.prefix_cache_bytes = 1 << 22;
+    c.prefix_block = 8;
+    // About two and a half sequences of 128 slots (f16).
+    c.kv_memory = kv_rows(&m, 320) / 2;
+    let (h, _t) = spawn(m.clone(), c).unwrap();
+    let (tx, rx) = channel();
+    let policies = [
+        "full",
+        "sfi",
+        "streaming",
+        "snapkv",
+        "quest",
+        "h2o",
+        "fastkv",
+        "pyramidkv",
+        "sfi",
+        "full",
+    ];
+    let mut cancel = None;
+    let mut reqs = Vec::new();
+    for (i, &p) in policies.iter().enumerate() {
+        let n = 20 + (i * 37) % 90;
+        let max_tokens = 60 + (i * 53) % 70;
+        let budget = (p != "full").then_some(40.0);
+        let spec = crate::session::policy_spec_with(p, budget, 2, n + max_tokens, &sfi_knobs())
+            .unwrap()
+            .with_vocab(&m.tokenizer);
+        reqs.push((
+            request(tokens(n, 7 + i as u32), max_tokens, spec),
+            max_tokens,
+        ));
+    }
+    for (i, (r, _)) in reqs.iter().enumerate() {
+        let (sink, closed) = ChannelSink::new(i, &tx);
+        if i == 4 {
+            cancel = Some(closed);
+        }
+        h.submit(r.clone(), sink).unwrap();
+    }
+    // Cancel request 4 once some tokens have flowed.
+    let mut out: Vec<Outcome> = vec![(Vec::new(), None, None); policies.len()];
+    let mut left = policies.len() - 1;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while left > 0 {
+        let (id, ev) = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("the scheduler answers in time");
+        match ev {
+            Event::Token(t) => {
+                out[id].0.push(t.id);
+                if out[0].0.len() == 20 {
+                    if let Some(c) = cancel.take() {
+                        c.store(true, Ordering::Relaxed);
+                    }
+                }
+            }
+            Event::Done(f) if id != 4 => {
+                out[id].1 = Some(f);
+                left -= 1;
+            }
+            Event::Done(_) => {}
+            Event::Error(e) => panic!("request {id} ({}) failed: {e}", policies[id]),
+        }
+    }
+    for (i, (toks, fin, _)) in out.iter().enumerate().filter(|&(i, _)| i != 4) {
+        let f = fin.as_ref().unwrap();
+        assert_eq!(f.completion_tokens, reqs[i].1, "{} ({i})", policies[i]);
+        assert_eq!(toks.len(), reqs[i].1);
+    }
+    let g = h.gauges();
+    let pre = g.preemptions.load(Ordering::Relaxed);
+    assert!(pre >= 1, "the memory is too loose: {pre} preemptions");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while g.kv_bytes_in_use.load(Ordering::Relaxed) > 0
+        || g.running.load(Ordering::Relaxed) > 0
+        || g.queued.load(Ordering::Relaxed) > 0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the KV or the queue was not emptied"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
