@@ -17,31 +17,13 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import re
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def metrics(port: int) -> dict[str, float]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    c.request("GET", "/metrics")
-    text = c.getresponse().read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r"^(slowfast_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if m and not m.group(2):
-            out[m.group(1)] = float(m.group(3))
-    return out
+from serve_metrics import free_port, metrics
 
 
 def one(port: int, model: str, prompt: str, max_tokens: int, t0: float, out: dict) -> None:
