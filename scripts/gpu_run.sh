@@ -158,6 +158,50 @@ PY
         --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b1.json" 2>&1 | tee "$OUT/sfi.log"
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
         --batch "${SB:-6}" --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b${SB:-6}.json" 2>&1 | tee -a "$OUT/sfi.log" ;;
+    paged)
+      # Paged KV (issue 22, the server's layout) against the KV allocated whole: full, sfi and
+      # streaming at batch 1 (PCTX: 8k,32k,128k) and batch PB (6) at PCTX_B (32k,128k), the two
+      # layouts alternated PREPS (1 2) times; budget and interval as in `sfi`
+      for rep in ${PREPS:-1 2}; do
+        for lay in contiguous paged; do
+          flag=""; [ "$lay" = paged ] && flag="--paged-kv"
+          echo "== rep $rep $lay batch 1" | tee -a "$OUT/paged.log"
+          .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${PCTX:-8k,32k,128k}" --batch 1 \
+            --new-tokens "$N" --policies full,sfi,streaming $SFI_OPTS $flag \
+            --json "$OUT/paged-$lay-b1-r$rep.json" 2>&1 | tee -a "$OUT/paged.log"
+          echo "== rep $rep $lay batch ${PB:-6}" | tee -a "$OUT/paged.log"
+          .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${PCTX_B:-32k,128k}" --batch "${PB:-6}" \
+            --new-tokens "$N" --policies full,sfi,streaming $SFI_OPTS $flag \
+            --json "$OUT/paged-$lay-b${PB:-6}-r$rep.json" 2>&1 | tee -a "$OUT/paged.log"
+        done
+      done ;;
+    capacity)
+      # Mixed workload (issue 22): CAP_REQS (32) requests at once, prompt lengths geometric from
+      # 1K to 124K (16 values, cycled), N tokens each, greedy, full KV, to `serve --device cuda
+      # --max-context 131072 --kv-memory CAP_GIB GiB` (108: six 128K slots of Qwen3-4B) with
+      # --max-batch 6 (what slots allocated whole held in that memory), then CAP_SLOTS (32);
+      # bench/metrics_peak.py records the peak running sequences and KV bytes.
+      lens="1024,1412,1947,2686,3704,5108,7045,9716,13400,18481,25488,35152,48480,66862,92212,126976"
+      for slots in 6 ${CAP_SLOTS:-32}; do
+        log="$OUT/cap-$slots.log"
+        echo "== capacity: --max-batch $slots" | tee -a "$OUT/capacity.log"
+        .bin/slowfast serve --device cuda --model random:qwen3-4b --max-batch "$slots" --max-context 131072 \
+          --kv-memory $(( ${CAP_GIB:-108} << 30 )) --max-queue 256 --max-body-bytes 67108864 --port 0 \
+          --policy full > "$log" 2>&1 &
+        spid=$!
+        url="$(serve_url "$log" "$spid")"
+        if [ -z "$url" ]; then tail -20 "$log" | tee -a "$OUT/capacity.log"; rc=1; continue; fi
+        python3 .bin/metrics_peak.py --url "$url" --json "$OUT/cap-$slots-peak.json" &
+        ppid=$!
+        python3 .bin/serve_load.py --url "$url" --token-ids --vocab 151936 --concurrency "${CAP_REQS:-32}" \
+          --requests "${CAP_REQS:-32}" --max-tokens "$N" --prompt-lengths "$lens" --ignore-eos \
+          --disconnect-fraction 0 --temperature 0 --timeout 1800 --settle-timeout 30 \
+          --json "$OUT/cap-$slots.json" 2>&1 | tee -a "$OUT/capacity.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        kill "$ppid"; wait "$ppid" 2>&1 | tee -a "$OUT/capacity.log"
+        nvidia-smi --query-gpu=memory.used --format=csv | tee -a "$OUT/capacity.log"
+        kill "$spid"; wait "$spid" 2>/dev/null
+      done ;;
     lag)
       # SFI's refresh in order (--sfi-async-lag 0, the default) against the asynchronous one
       # (lag 4), alternated LAG_REPS times (1 2), at batch 1 and SB (6), CTX_SB (128k); budget and interval

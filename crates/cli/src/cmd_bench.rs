@@ -38,6 +38,11 @@ pub struct Args {
     /// CPU's --speculate rounds are batch 1 too).
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
+    /// `--device cuda`: the KV cache in pages mapped as the sequences grow (as `serve --device
+    /// cuda` runs it) instead of allocated whole; same kernels. The CPU's KV always grows on
+    /// demand.
+    #[arg(long)]
+    pub paged_kv: bool,
     /// Write the records as a JSON array to this file (with --speculate: an object, `runs`
     /// and `speculative`).
     #[arg(long)]
@@ -115,6 +120,9 @@ pub fn run(a: Args) -> Result<()> {
     if a.batch != 1 {
         bail!("--batch: batched decode runs on --device cuda only");
     }
+    if a.paged_kv {
+        bail!("--paged-kv is for --device cuda (the CPU's KV always grows on demand)");
+    }
     let m = a.model.load()?;
     let spec_for = |name: &str, ctx: usize| policy_for(&a, &m, name, ctx);
     let recs = run_bench(&m, &o, &spec_for, &mut |s| eprintln!("{s}"))?;
@@ -173,6 +181,7 @@ fn run_cuda(
         batch: a.batch,
         repeats: o.repeats,
         policies: o.policies,
+        paged: a.paged_kv,
     };
     let spec_for = |name: &str, ctx: usize| policy_for(a, &m, name, ctx);
     let (recs, spec_recs) = bench(&m, &go, spec.as_ref(), &spec_for, &mut |s| eprintln!("{s}"))?;

@@ -43,13 +43,19 @@ pub struct Args {
     /// Requests that may wait for a place in the batch; past it a request gets a 429.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
-    /// KV cache bytes the running sequences may hold together (default: --max-batch
-    /// sequences of --max-context tokens). On the CPU a sequence holds what its tokens need
-    /// so far: a request waits until its prompt's KV fits, and when the running sequences
-    /// grow past this the newest is preempted (its KV freed) and later prefilled again with
-    /// what it generated. On the GPU the slots are preallocated.
+    /// KV cache bytes the running sequences may hold together (default on the CPU:
+    /// --max-batch sequences of --max-context tokens; on the GPU: what
+    /// --gpu-memory-utilization leaves). A sequence holds what its tokens need so far (on the
+    /// GPU in pages of 2 MiB a layer and head): a request waits until its prompt's KV fits,
+    /// and when the running sequences grow past this the newest is preempted (its KV freed)
+    /// and later prefilled again with what it generated.
     #[arg(long)]
     pub kv_memory: Option<usize>,
+    /// GPU: the fraction of the device's memory the server may use when --kv-memory is not
+    /// given; the KV pages get what is left after the weights, the policy's state and a
+    /// workspace.
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
     /// Reserve each request's whole KV (prompt + max_tokens) at admission instead of growing
     /// it: fewer sequences run together, none is ever preempted.
     #[arg(long)]
@@ -94,6 +100,12 @@ pub fn run(a: Args) -> Result<()> {
     }
     if a.max_body_bytes < 1024 {
         bail!("--max-body-bytes must be at least 1024");
+    }
+    if !(a.gpu_memory_utilization > 0.0 && a.gpu_memory_utilization <= 1.0) {
+        bail!(
+            "--gpu-memory-utilization must be a fraction in (0, 1], not {}",
+            a.gpu_memory_utilization
+        );
     }
     for (name, v) in [
         ("--header-read-timeout", a.header_read_timeout),
@@ -180,9 +192,15 @@ pub fn run(a: Args) -> Result<()> {
     };
     let device = a.model.device();
     let kv_dtype: KvDtype = a.model.kv();
-    let kv_memory = a.kv_memory.unwrap_or_else(|| {
-        a.max_batch * scheduler::kv_bytes_for(&loaded.model, max_context, a.model.chunk, kv_dtype)
+    // On the GPU, 0: the device sizes its page pool from --gpu-memory-utilization.
+    let kv_memory = a.kv_memory.unwrap_or_else(|| match gpu {
+        true => 0,
+        false => {
+            a.max_batch
+                * scheduler::kv_bytes_for(&loaded.model, max_context, a.model.chunk, kv_dtype)
+        }
     });
+
     // As much as the running sequences' KV on the CPU; none on the GPU (not built there).
     let prefix_cache_bytes = a
         .prefix_cache_memory
@@ -196,6 +214,7 @@ pub fn run(a: Args) -> Result<()> {
         kv_dtype,
         kv_memory,
         kv_reserve: a.kv_reserve,
+        gpu_memory_utilization: a.gpu_memory_utilization,
         max_context,
         default_policy,
         draft,

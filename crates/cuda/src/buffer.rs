@@ -27,9 +27,12 @@ impl GpuElem for u64 {
     const NAME: &'static str = "u64";
 }
 
-/// A typed allocation in device memory (plain cuMemAlloc, never managed memory).
+/// A typed allocation in device memory (plain cuMemAlloc, never managed memory), or a view
+/// of reserved addresses whose pages another owner maps (the paged KV caches, `pages.rs`).
 pub struct GpuBuffer<T: GpuElem> {
-    pub(crate) slice: CudaSlice<T>,
+    /// The allocation; `None` for a view of mapped pages (addressed by kernels only).
+    slice: Option<CudaSlice<T>>,
+    len: usize,
     pub(crate) ptr: u64,
 }
 
@@ -39,12 +42,39 @@ impl<T: GpuElem> GpuBuffer<T> {
             let (ptr, _guard) = slice.device_ptr(stream);
             ptr
         };
-        GpuBuffer { slice, ptr }
+        GpuBuffer {
+            len: slice.len(),
+            slice: Some(slice),
+            ptr,
+        }
+    }
+
+    /// `len` elements at `ptr` in pages mapped by their owner, who keeps the addresses
+    /// reserved while this view lives. Kernels address it; the copy helpers refuse it.
+    pub(crate) fn mapped(ptr: u64, len: usize) -> Self {
+        GpuBuffer {
+            slice: None,
+            len,
+            ptr,
+        }
+    }
+
+    /// The allocation, for the copy helpers (an error for a view of mapped pages).
+    pub(crate) fn slice(&self) -> Result<&CudaSlice<T>, CudaError> {
+        self.slice.as_ref().ok_or_else(|| {
+            CudaError::bad("copy", "the paged KV cache is addressed by kernels only")
+        })
+    }
+
+    pub(crate) fn slice_mut(&mut self) -> Result<&mut CudaSlice<T>, CudaError> {
+        self.slice.as_mut().ok_or_else(|| {
+            CudaError::bad("copy", "the paged KV cache is addressed by kernels only")
+        })
     }
 
     /// Number of elements.
     pub fn len(&self) -> usize {
-        self.slice.len()
+        self.len
     }
 
     /// Whether it holds no elements.

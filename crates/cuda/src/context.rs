@@ -487,7 +487,7 @@ impl CudaContext {
                 format!("{} elements into a buffer of {}", data.len(), dst.len()),
             ));
         }
-        let mut view = dst.slice.slice_mut(0..data.len());
+        let mut view = dst.slice_mut()?.slice_mut(0..data.len());
         self.stream
             .memcpy_htod(data, &mut view)
             .map_err(drv("cuMemcpyHtoD"))
@@ -497,7 +497,7 @@ impl CudaContext {
     pub fn download<T: GpuElem>(&self, src: &GpuBuffer<T>) -> Result<Vec<T>, CudaError> {
         let v = self
             .stream
-            .clone_dtoh(&src.slice)
+            .clone_dtoh(src.slice()?)
             .map_err(drv("cuMemcpyDtoH"))?;
         self.synchronize()?;
         Ok(v)
@@ -517,7 +517,7 @@ impl CudaContext {
         }
         let v = self
             .stream
-            .clone_dtoh(&src.slice.slice(0..n))
+            .clone_dtoh(&src.slice()?.slice(0..n))
             .map_err(drv("cuMemcpyDtoH"))?;
         self.synchronize()?;
         Ok(v)
@@ -535,9 +535,9 @@ impl CudaContext {
                 format!("{} elements into a buffer of {}", src.len(), dst.len()),
             ));
         }
-        let mut view = dst.slice.slice_mut(0..src.len());
+        let mut view = dst.slice_mut()?.slice_mut(0..src.len());
         self.stream
-            .memcpy_dtod(&src.slice, &mut view)
+            .memcpy_dtod(src.slice()?, &mut view)
             .map_err(drv("cuMemcpyDtoD"))
     }
 

@@ -8,6 +8,7 @@
 pub mod error;
 pub mod kernels;
 pub mod nvrtc;
+pub mod pages;
 pub mod trace;
 
 #[cfg(feature = "cuda")]
@@ -22,6 +23,8 @@ pub mod ops;
 pub mod sparse;
 #[cfg(not(feature = "cuda"))]
 mod stub;
+#[cfg(feature = "cuda")]
+mod vmm;
 
 pub use error::CudaError;
 pub use nvrtc::{compile_kernels, load_or_compile_kernels, KernelImage};

@@ -21,7 +21,9 @@ use crate::ops::fused::{GemvInput, GemvOutput, QkvPost};
 use crate::ops::norm::RmsNorm;
 use crate::ops::sfi::SparsePost;
 use crate::ops::KvLayout;
+use crate::pages::{PageGeometry, PagePool};
 use crate::sparse::{GpuKvPolicy, Refresh, SparseState};
+use crate::vmm::{Reservation, Vmm};
 
 /// Architecture of the decoder, resolved from a model config.
 #[derive(Clone, Debug)]
@@ -124,6 +126,10 @@ pub struct GpuDecoder {
     layers: Vec<Layer>,
     /// Per layer: K and V caches, each [slots, kv_heads, capacity, hdk].
     caches: Vec<(GpuBuffer<bf16>, GpuBuffer<bf16>)>,
+    /// Paged KV: the physical pages behind `caches` (None: allocated whole).
+    pages: Option<KvPaging>,
+    /// Set while `release_slot` prefills a free slot's dummy token into the scratch page.
+    dummy_prefill: bool,
     embed: GpuBuffer<bf16>,
     lm_head: Option<GpuBuffer<bf16>>,
     final_norm: GpuBuffer<f32>,
@@ -167,6 +173,13 @@ pub struct GpuDecoder {
     verify_graphs: bool,
     /// Verifications that replayed a captured graph.
     verify_replays: usize,
+}
+
+/// The pages of a paged KV cache and the address ranges the caches view (the pool, dropped
+/// first, unmaps its pages before the ranges are freed).
+struct KvPaging {
+    pool: PagePool<Vmm>,
+    _reserved: Vec<Reservation>,
 }
 
 /// An asynchronous refresh waiting to be published: its (slot, length) pairs, the event that
@@ -302,6 +315,34 @@ impl GpuDecoder {
         capacity: usize,
         chunk: usize,
     ) -> Result<Self, CudaError> {
+        Self::build(ctx, spec, src, num_slots, capacity, chunk, false)
+    }
+
+    /// As [`GpuDecoder::new`], but the KV cache is paged (`pages.rs`): its addresses are
+    /// reserved for `num_slots` x `capacity` (rounded up to whole pages) and each slot maps
+    /// physical pages as its sequence grows, up to [`GpuDecoder::set_kv_limit`] bytes in all
+    /// (0 until set: slots hold only the scratch page of their dummy tokens). Decode reads
+    /// the same addresses through the same kernels.
+    pub fn new_paged(
+        ctx: Arc<CudaContext>,
+        spec: DecoderSpec,
+        src: &dyn WeightSource,
+        num_slots: usize,
+        capacity: usize,
+        chunk: usize,
+    ) -> Result<Self, CudaError> {
+        Self::build(ctx, spec, src, num_slots, capacity, chunk, true)
+    }
+
+    fn build(
+        ctx: Arc<CudaContext>,
+        spec: DecoderSpec,
+        src: &dyn WeightSource,
+        num_slots: usize,
+        capacity: usize,
+        chunk: usize,
+        paged: bool,
+    ) -> Result<Self, CudaError> {
         let s = &spec;
         let hd = s.head_dim;
         let hdk = kernel_head_dim(hd)
@@ -349,12 +390,25 @@ impl GpuDecoder {
             }
             o
         };
+        // Paged: whole pages per (slot, head) run, the addresses reserved up front.
+        let paging = match paged {
+            true => {
+                let vmm = Vmm::new(ctx.ctx.clone())?;
+                let geo = PageGeometry::new(vmm.page_bytes(), hdk, 2, nkv, 2 * s.layers)?;
+                Some((vmm, geo))
+            }
+            false => None,
+        };
+        let capacity = paging
+            .as_ref()
+            .map_or(capacity, |(_, g)| g.padded_capacity(capacity));
         let kv = KvLayout {
             num_slots,
             kv_heads: nkv,
             capacity,
             head_dim: hdk,
         };
+        let mut reservations = Vec::new();
         let mut layers = Vec::with_capacity(s.layers);
         let mut caches = Vec::with_capacity(s.layers);
         for l in 0..s.layers {
@@ -387,13 +441,34 @@ impl GpuDecoder {
                 w_gate_up: ctx.upload(&gate_up)?,
                 w_down: ctx.upload(&w_down)?,
             });
-            caches.push((ctx.alloc(kv.elems())?, ctx.alloc(kv.elems())?));
+            match &paging {
+                Some((vmm, _)) => {
+                    let (k, v) = (vmm.reserve(kv.elems() * 2)?, vmm.reserve(kv.elems() * 2)?);
+                    caches.push((
+                        GpuBuffer::mapped(k.ptr, kv.elems()),
+                        GpuBuffer::mapped(v.ptr, kv.elems()),
+                    ));
+                    reservations.push(k);
+                    reservations.push(v);
+                }
+                None => caches.push((ctx.alloc(kv.elems())?, ctx.alloc(kv.elems())?)),
+            }
         }
         let embed = ctx.upload(&up(Tensor::Embed, s.vocab, h)?)?;
         let lm_head = if s.tied {
             None
         } else {
             Some(ctx.upload(&up(Tensor::LmHead, s.vocab, h)?)?)
+        };
+        let pages = match paging {
+            Some((vmm, geo)) => {
+                let bases = reservations.iter().map(|r| r.ptr).collect();
+                Some(KvPaging {
+                    pool: PagePool::new(vmm, geo, bases, num_slots, capacity, 0)?,
+                    _reserved: reservations,
+                })
+            }
+            None => None,
         };
         let chunk = chunk.min(capacity);
         let pre = Acts::new(&ctx, s, hdk, chunk)?;
@@ -430,6 +505,8 @@ impl GpuDecoder {
             hdk,
             layers,
             caches,
+            pages,
+            dummy_prefill: false,
             embed,
             lm_head,
             kv,
@@ -462,10 +539,102 @@ impl GpuDecoder {
     pub fn weight_bytes(&self) -> usize {
         self.weight_bytes
     }
-    /// Bytes of the KV cache allocated (all layers, K and V).
+    /// Bytes of the KV cache allocated (all layers, K and V): with pages, those the slots
+    /// hold now.
     pub fn kv_bytes(&self) -> usize {
-        self.caches.len() * 2 * self.kv.elems() * 2
+        match &self.pages {
+            Some(p) => p.pool.bytes_in_use(),
+            None => self.caches.len() * 2 * self.kv.elems() * 2,
+        }
     }
+
+    /// Whether the KV cache is paged ([`GpuDecoder::new_paged`]).
+    pub fn paged(&self) -> bool {
+        self.pages.is_some()
+    }
+
+    /// Bytes of KV `slot` holds: its pages, or its share of the whole cache.
+    pub fn slot_kv_bytes(&self, slot: usize) -> usize {
+        match &self.pages {
+            Some(p) => p.pool.slot_bytes(slot),
+            None => self.kv_bytes() / self.kv.num_slots,
+        }
+    }
+
+    /// Bytes of KV a slot holding `tokens` tokens maps (paged), or a slot's share.
+    pub fn kv_bytes_for(&self, tokens: usize) -> usize {
+        match &self.pages {
+            Some(p) => p.pool.geometry().bytes_for(tokens, self.kv.capacity),
+            None => self.kv_bytes() / self.kv.num_slots,
+        }
+    }
+
+    /// Tokens a KV page holds per (slot, head) run (paged), else the capacity.
+    pub fn page_tokens(&self) -> usize {
+        self.pages
+            .as_ref()
+            .map_or(self.kv.capacity, |p| p.pool.geometry().page_tokens)
+    }
+
+    /// The most bytes of pages the slots may hold together (paged; the whole cache
+    /// otherwise).
+    pub fn kv_limit(&self) -> usize {
+        match &self.pages {
+            Some(p) => p.pool.limit_bytes(),
+            None => self.kv_bytes(),
+        }
+    }
+
+    /// Sets the bytes of pages the slots may hold together (paged only; at least what they
+    /// hold now). Pages are created as slots grow; none is created here.
+    pub fn set_kv_limit(&mut self, bytes: usize) -> Result<(), CudaError> {
+        match self.pages.as_mut() {
+            Some(p) => p.pool.set_limit(bytes),
+            None => Err(bad("set_kv_limit: the KV cache is not paged".into())),
+        }
+    }
+
+    /// Maps the pages `slot` needs to hold `tokens` tokens (paged; a no-op otherwise). A
+    /// slot on the scratch page leaves it (after the device is idle: kernels queued for its
+    /// dummy tokens still use it), except for a free slot's dummy tokens, which stay there.
+    fn ensure_kv(&mut self, slot: usize, tokens: usize, dummy: bool) -> Result<(), CudaError> {
+        let Some(p) = self.pages.as_mut() else {
+            return Ok(());
+        };
+        if p.pool.on_scratch(slot) {
+            if dummy {
+                let room = p.pool.room(slot);
+                if tokens > room {
+                    return Err(bad(format!(
+                        "slot {slot} holds no KV pages and {tokens} dummy tokens pass its scratch page of {room}"
+                    )));
+                }
+                return Ok(());
+            }
+            self.ctx.synchronize()?;
+        }
+        self.pages
+            .as_mut()
+            .expect("paged")
+            .pool
+            .ensure(slot, tokens)
+    }
+
+    /// Empties `slot`, gives its KV pages back to the pool (paged) and leaves it holding
+    /// one dummy token (token 0, on the scratch page when paged), as a free slot of the
+    /// serving scheduler does: decode steps step every slot. Synchronises when paged.
+    pub fn release_slot(&mut self, slot: usize) -> Result<(), CudaError> {
+        self.reset_slot(slot)?;
+        if self.pages.is_some() {
+            self.ctx.synchronize()?;
+            self.pages.as_mut().expect("paged").pool.release(slot)?;
+        }
+        self.dummy_prefill = true;
+        let r = self.prefill(slot, &[0], false);
+        self.dummy_prefill = false;
+        r.map(|_| ())
+    }
+
     /// Bytes of weights one decode step reads (every matrix once; one embedding row per token
     /// is negligible and left out; a tied head reads the embedding once).
     pub fn decode_weight_bytes(&self) -> usize {
@@ -671,6 +840,9 @@ impl GpuDecoder {
                     self.kv.capacity
                 )));
             }
+        }
+        for s in 0..ns {
+            self.ensure_kv(s, self.slot_len[s] + rows, true)?;
         }
         // Pending refreshes are published first when this pass captures: their Selector reads
         // the scores it overwrites.
@@ -959,20 +1131,34 @@ impl GpuDecoder {
             return Ok(());
         }
         self.flush_refreshes()?;
-        let slot_elems = self.kv.kv_heads * self.kv.capacity * self.kv.head_dim;
-        let stream = self.ctx.stream().cu_stream();
+        let len = self.slot_len[from];
+        self.ensure_kv(to, len, false)?;
+        // Whole slots when allocated whole; with pages, each head's run up to the length
+        // (the rest of `to` may not be mapped).
+        let (run, rows, runs) = match self.pages {
+            None => (
+                self.kv.kv_heads * self.kv.capacity,
+                self.kv.kv_heads * self.kv.capacity,
+                1,
+            ),
+            Some(_) => (self.kv.capacity, len, self.kv.kv_heads),
+        };
+        let (d, stream) = (self.kv.head_dim, self.ctx.stream().cu_stream());
         for (k, v) in &self.caches {
             for c in [k, v] {
                 let base = c.device_ptr();
-                unsafe {
-                    cudarc::driver::result::memcpy_dtod_async(
-                        base + (to * slot_elems * 2) as u64,
-                        base + (from * slot_elems * 2) as u64,
-                        slot_elems * 2,
-                        stream,
-                    )
+                for h in 0..runs {
+                    let at = |slot: usize| base + (((slot * runs + h) * run) * d * 2) as u64;
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtod_async(
+                            at(to),
+                            at(from),
+                            rows * d * 2,
+                            stream,
+                        )
+                    }
+                    .map_err(crate::context::drv("cuMemcpyDtoDAsync (KV slot)"))?;
                 }
-                .map_err(crate::context::drv("cuMemcpyDtoDAsync (KV slot)"))?;
             }
         }
         self.slot_len[to] = self.slot_len[from];
@@ -1028,6 +1214,7 @@ impl GpuDecoder {
                 self.kv.capacity
             )));
         }
+        self.ensure_kv(slot, start + tokens.len(), self.dummy_prefill)?;
         let mut all = all_logits.then(Vec::new);
         let mut scratch: Option<GpuBuffer<f32>> = None;
         let total = tokens.len();
@@ -1154,6 +1341,9 @@ impl GpuDecoder {
                 "slot {s} is full ({} tokens)",
                 self.kv.capacity
             )));
+        }
+        for s in 0..self.kv.num_slots {
+            self.ensure_kv(s, self.slot_len[s] + 1, true)?;
         }
         // SFI: slots that asked for a refresh, or long enough for a memory but without one
         // (the bridge after a short prompt), run a slow step: dense + capture + refresh.

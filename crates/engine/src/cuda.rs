@@ -173,6 +173,20 @@ pub fn load_decoder(
     GpuDecoder::new(ctx, spec_of(model), &Dequant(model), slots, capacity, chunk).map_err(gpu_err)
 }
 
+/// As [`load_decoder`], with the KV cache paged ([`GpuDecoder::new_paged`]): slots map
+/// pages as their sequences grow, within the limit `set_kv_limit` gives (the server's).
+pub fn load_paged_decoder(
+    ctx: Arc<CudaContext>,
+    model: &Model,
+    slots: usize,
+    capacity: usize,
+    chunk: usize,
+) -> Result<GpuDecoder, EngineError> {
+    crate::device::check_cuda_support(model)?;
+    GpuDecoder::new_paged(ctx, spec_of(model), &Dequant(model), slots, capacity, chunk)
+        .map_err(gpu_err)
+}
+
 /// The GPU form of a KV policy: full, streaming and SFI run on the GPU; the others answer
 /// that they are CPU-only.
 pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
@@ -430,6 +444,9 @@ pub struct GpuBenchOptions {
     pub repeats: usize,
     /// KV policies timed at every context (full, streaming, sfi).
     pub policies: Vec<String>,
+    /// The KV cache paged ([`GpuDecoder::new_paged`], the server's) instead of allocated
+    /// whole.
+    pub paged: bool,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -475,6 +492,8 @@ pub struct GpuBenchRecord {
     pub compact_bytes: usize,
     pub peak_gpu_mem_gib: f64,
     pub device_name: String,
+    /// `paged` (mapped as the sequences grow) or `contiguous` (allocated whole).
+    pub kv_layout: String,
 }
 
 /// Device-to-device copy rate (GB/s, bytes read + written) over 2 GiB.
@@ -620,7 +639,25 @@ pub fn bench(
         "ceilings: device copy {copy:.0} GB/s, bf16 GEMM 8192^3 {gemm:.0} TFLOP/s"
     ));
     let t = Instant::now();
-    let mut dec = load_decoder(ctx.clone(), &m.model, o.batch, capacity, GPU_CHUNK)?;
+    let mut dec = match o.paged {
+        false => load_decoder(ctx.clone(), &m.model, o.batch, capacity, GPU_CHUNK)?,
+        true => {
+            let mut d = load_paged_decoder(ctx.clone(), &m.model, o.batch, capacity, GPU_CHUNK)?;
+            // Every slot at its longest, within what the device has free (less 2 GiB for
+            // the policy's state and the workspace).
+            let (free, _) = ctx.mem_info().map_err(gpu_err)?;
+            let want = o.batch * d.kv_bytes_for(capacity);
+            let limit = want.min(free.saturating_sub(2 << 30));
+            d.set_kv_limit(limit).map_err(gpu_err)?;
+            progress(&format!(
+                "paged KV: pages of {} tokens a head, a pool of {:.2} GiB ({:.2} GiB for every slot at its longest)",
+                d.page_tokens(),
+                limit as f64 / (1u64 << 30) as f64,
+                want as f64 / (1u64 << 30) as f64
+            ));
+            d
+        }
+    };
     progress(&format!(
         "weights on the GPU: {:.2} GiB bf16 (dequantized + uploaded in {:.1}s); KV cache {:.2} GiB for {} x {} tokens",
         dec.weight_bytes() as f64 / (1u64 << 30) as f64,
@@ -800,6 +837,7 @@ pub fn bench(
                 compact_bytes: dec.compact_bytes(),
                 peak_gpu_mem_gib: peak,
                 device_name: ctx.device_name().to_owned(),
+                kv_layout: if o.paged { "paged" } else { "contiguous" }.into(),
             };
             if let Some(prof) = dec.sfi_profile() {
                 let refreshes = dec.step_counts().2.max(1) as f64;
@@ -881,7 +919,10 @@ pub fn table(rs: &[GpuBenchRecord]) -> String {
         s.push_str(&format!(
             "| {} | {} | {} | {} | {:.0} ({:.0}%) | {:.1} | {} | {:.3} | {:.3} / {:.3} | {:.0} | {:.0} ({:.1}%) | {:.1} |\n",
             r.model,
-            r.policy,
+            match r.kv_layout.as_str() {
+                "paged" => format!("{} (paged KV)", r.policy),
+                _ => r.policy.clone(),
+            },
             r.batch,
             r.context,
             r.prefill_tok_s,

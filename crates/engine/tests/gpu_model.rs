@@ -651,3 +651,110 @@ fn default_model_matches_cpu() {
         "default model: only {exact}/32 greedy tokens equal to the CPU's"
     );
 }
+
+/// The paged KV cache (the server's) against the cache allocated whole, on random Qwen3-0.6B
+/// shapes (head dim 128: 8192 tokens a 2 MiB page): three slots, one prefilled past a page
+/// boundary, decoded under full KV and SFI with graphs. Same kernels and layout, so the
+/// logits are equal bit for bit. Then the accounting (bytes per slot, released slots back to
+/// the scratch page, their pages reused) and a prefill past the pool's limit, refused with
+/// nothing changed.
+#[test]
+fn paged_kv_equals_contiguous() {
+    let Some(ctx) = gpu("paged_kv_equals_contiguous") else {
+        return;
+    };
+    use slowfast_engine::cuda::load_paged_decoder;
+    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
+        .unwrap()
+        .model;
+    let v = m.cfg.vocab_size;
+    let cap = 16384; // whole pages: the same layout both ways
+    let lens = [300usize, 8300, 40];
+    let mut whole = load_decoder(ctx.clone(), &m, 3, cap, 2048).unwrap();
+    let mut paged = load_paged_decoder(ctx.clone(), &m, 3, cap, 2048).unwrap();
+    assert!(paged.paged() && !whole.paged());
+    assert_eq!(paged.capacity(), cap);
+    assert_eq!(paged.page_tokens(), 8192);
+    paged.set_kv_limit(8 << 30).unwrap();
+    let sfi = slowfast_cuda::GpuKvPolicy::Sfi(slowfast_cuda::GpuSfiConfig {
+        sinks: 4,
+        selected: 256,
+        recent: 64,
+        page: 16,
+        bootstrap_rows: 8,
+        selector: default_selector(),
+        refresh_lag: 0,
+    });
+    for (round, policy) in [slowfast_cuda::GpuKvPolicy::Full, sfi]
+        .into_iter()
+        .enumerate()
+    {
+        for d in [&mut whole, &mut paged] {
+            d.set_policy(policy).unwrap();
+            for (s, &n) in lens.iter().enumerate() {
+                d.reset_slot(s).unwrap();
+                d.prefill(s, &tokens(n, v, 0xB10C + s as u64 + round as u64), false)
+                    .unwrap();
+            }
+            d.begin_decode().unwrap();
+        }
+        assert_eq!(whole.logits().unwrap(), paged.logits().unwrap(), "prefill");
+        for (i, &t) in tokens(24, v, 0x9A9E).iter().enumerate() {
+            for d in [&mut whole, &mut paged] {
+                d.set_next(&[t, t ^ 1, t ^ 2]).unwrap();
+                if i % 7 == 3 {
+                    d.request_refresh(1).unwrap();
+                }
+                d.decode_step().unwrap();
+                if i == 1 {
+                    d.capture_decode().unwrap();
+                }
+            }
+            let (a, b) = (whole.logits().unwrap(), paged.logits().unwrap());
+            assert!(a == b, "policy {round}, step {i}: logits differ");
+        }
+        eprintln!("paged = contiguous bit for bit: policy {round}, 24 steps of 3 slots");
+    }
+    // Accounting: 64 runs (28 layers x K/V x 8 heads) ... of 2 MiB pages per page step.
+    let page = 2usize << 20;
+    let runs = m.cfg.num_hidden_layers * 2 * m.cfg.num_key_value_heads;
+    let per_step = runs * page;
+    assert_eq!(paged.slot_kv_bytes(0), per_step);
+    assert_eq!(paged.slot_kv_bytes(1), 2 * per_step); // 8300 + 24 tokens: two pages
+    assert_eq!(paged.kv_bytes(), 4 * per_step);
+    assert_eq!(paged.kv_bytes_for(8300), 2 * per_step);
+    paged.release_slot(1).unwrap();
+    assert_eq!(paged.slot_kv_bytes(1), 0);
+    assert_eq!(paged.slot_len(1), 1); // its dummy token, on the scratch page
+    assert_eq!(paged.kv_bytes(), 2 * per_step);
+    // The limit: room for 3 page steps in all; slot 1 may take one, not two.
+    paged.set_kv_limit(3 * per_step).unwrap();
+    paged.reset_slot(1).unwrap();
+    let err = paged
+        .prefill(1, &tokens(8000, v, 7), false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("slot 1 needs"), "{err}");
+    assert_eq!(paged.slot_len(1), 0);
+    assert_eq!(paged.kv_bytes(), 2 * per_step);
+    paged.prefill(1, &tokens(7000, v, 7), false).unwrap();
+    assert_eq!(paged.kv_bytes(), 3 * per_step);
+    // Decoding still agrees after the release and reuse.
+    whole.reset_slot(1).unwrap();
+    whole.prefill(1, &tokens(7000, v, 7), false).unwrap();
+    for d in [&mut whole, &mut paged] {
+        d.set_policy(slowfast_cuda::GpuKvPolicy::Full).unwrap();
+        d.begin_decode().unwrap();
+        d.set_next(&[1, 2, 3]).unwrap();
+        d.decode_step().unwrap();
+    }
+    assert!(
+        whole.logits().unwrap() == paged.logits().unwrap(),
+        "after reuse"
+    );
+    // A slot's copy maps what it needs.
+    paged.release_slot(2).unwrap();
+    paged.set_kv_limit(4 * per_step).unwrap();
+    paged.copy_slot(0, 2).unwrap();
+    assert_eq!(paged.slot_kv_bytes(2), per_step);
+}

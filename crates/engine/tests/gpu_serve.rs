@@ -62,6 +62,7 @@ fn sched(m: &Arc<Loaded>, max_batch: usize, policy: &PolicySpec) -> SchedulerHan
         kv_dtype: KvDtype::F32,
         kv_memory: usize::MAX,
         kv_reserve: false,
+        gpu_memory_utilization: 0.9,
         max_context: MAX_CONTEXT,
         default_policy: policy.clone(),
         draft: None,
@@ -578,6 +579,7 @@ fn serve_throughput_with_and_without_graphs() {
                 kv_dtype: KvDtype::F32,
                 kv_memory: usize::MAX,
                 kv_reserve: false,
+                gpu_memory_utilization: 0.9,
                 max_context: 1024,
                 default_policy: PolicySpec::Full,
                 draft: None,
@@ -606,4 +608,78 @@ fn serve_throughput_with_and_without_graphs() {
         }
     }
     std::env::remove_var("SLOWFAST_SERVE_GRAPHS");
+}
+
+/// KV pages on demand with preemption: three 7,600-token prompts decoding 300 tokens each in
+/// a pool of three page steps (4 layers x K/V x 8 heads x 2 MiB = 128 MiB a step of 8,192
+/// tokens). All three prompts fit at first; past about 7,680 tokens each needs a second step,
+/// so the newest are preempted, wait, and are prefilled again with what they generated.
+/// Every request finishes with all its tokens; the oldest, never preempted, gives exactly
+/// `generate --device cuda`'s tokens (rows are independent of the batch); the pool ends
+/// empty.
+#[test]
+fn kv_pages_preempt_and_every_request_finishes() {
+    if !have_gpu("kv_pages_preempt_and_every_request_finishes") {
+        return;
+    }
+    let mut cfg = slowfast_model::presets::preset("qwen3-0.6b").unwrap();
+    cfg.num_hidden_layers = 4;
+    cfg.layer_sliding = vec![false; 4];
+    cfg.vocab_size = 8192;
+    cfg.max_position_embeddings = 32768;
+    let w = slowfast_model::random::random_weights(&cfg, GgmlType::BF16, 0x9a9e).unwrap();
+    let m = Arc::new(Loaded {
+        tokenizer: slowfast_tokenizer::Tokenizer::byte_level(cfg.vocab_size).unwrap(),
+        model: Model::new(cfg, w).unwrap(),
+        name: "random qwen3 (4 layers, 32K)".into(),
+    });
+    let step = 4 * 2 * 8 * (2usize << 20);
+    let reqs: Vec<(Vec<u32>, usize)> = (0..3)
+        .map(|i| {
+            let p = slowfast_engine::bench::random_tokens(7600, 8192, 0x7A6E + i as u64);
+            (p, 300)
+        })
+        .collect();
+    let policy = PolicySpec::Full;
+    let want = alone(&m, &reqs[..1], &policy);
+    let h = scheduler::spawn(
+        m.clone(),
+        SchedulerConfig {
+            device: Device::Cuda,
+            max_batch: 3,
+            max_queue: 16,
+            prefill_tokens_per_step: 8192,
+            chunk: 64,
+            kv_dtype: KvDtype::F32,
+            kv_memory: 3 * step,
+            kv_reserve: false,
+            gpu_memory_utilization: 0.9,
+            max_context: 16384,
+            default_policy: policy.clone(),
+            draft: None,
+            prefix_cache_bytes: 0,
+            prefix_block: 16,
+        },
+    )
+    .unwrap()
+    .0;
+    let t = Instant::now();
+    let got = together(&h, &reqs, &policy);
+    let g = h.gauges();
+    let pre = g.preemptions.load(Ordering::Relaxed);
+    eprintln!(
+        "3 x (7600 + 300) tokens in a pool of 3 page steps: {pre} preemptions, {:.1}s; vs generate alone (request 0): {}",
+        t.elapsed().as_secs_f64(),
+        agreement(&got[..1], &want)
+    );
+    assert!(pre > 0, "the pool must have run out");
+    for (i, o) in got.iter().enumerate() {
+        assert!(o.2.is_none(), "request {i} failed: {:?}", o.2);
+        assert_eq!(o.0.len(), 300, "request {i}");
+    }
+    check("the oldest, never preempted", &got[..1], &want, false);
+    // Everything back: no request holds pages.
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(g.kv_bytes_in_use.load(Ordering::Relaxed), 0);
+    assert_eq!(g.kv_bytes_capacity.load(Ordering::Relaxed), 3 * step);
 }

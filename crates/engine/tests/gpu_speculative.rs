@@ -325,6 +325,7 @@ fn default_model_served_speculation_is_full_kv() {
             kv_dtype: KvDtype::F32,
             kv_memory: usize::MAX,
             kv_reserve: false,
+            gpu_memory_utilization: 0.9,
             max_context: CONTEXT,
             default_policy: policy.clone(),
             draft: None,

@@ -57,6 +57,7 @@ fn app() -> Router {
         kv_dtype: KvDtype::F32,
         kv_memory: usize::MAX,
         kv_reserve: false,
+        gpu_memory_utilization: 0.9,
         max_context: 64,
         default_policy: PolicySpec::Full,
         draft: None,

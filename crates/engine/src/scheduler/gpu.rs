@@ -1,5 +1,8 @@
-//! The scheduler's GPU device (feature `cuda`): one `GpuDecoder` with `max_batch` slots of
-//! `max_context` tokens, every slot running the server's one KV policy. A sequence owns a
+//! The scheduler's GPU device (feature `cuda`): one paged `GpuDecoder` with `max_batch` slots
+//! of up to `max_context` tokens, every slot running the server's one KV policy. A slot maps
+//! KV pages as its sequence grows, from a pool of `--kv-memory` bytes (default: what
+//! `--gpu-memory-utilization` leaves); the scheduler admits and preempts by those bytes
+//! (`kv_estimate`, `kv_grown`), as on the CPU. A sequence owns a
 //! slot from `open` to `close`; a decode step steps every slot (the decoder has no per-step
 //! row selection), so a slot that is not decoding (free, or holding a prompt still being
 //! prefilled) is fed the dummy token 0 and later truncated back to what it holds.
@@ -16,7 +19,7 @@ use slowfast_kv::sfi::trigger::Trigger;
 use slowfast_kv::PolicyStats;
 
 use super::{BatchDevice, SchedulerConfig, SpecTurn};
-use crate::cuda::{gpu_policy, load_decoder, open_context, GPU_CHUNK};
+use crate::cuda::{gpu_policy, load_paged_decoder, open_context, GPU_CHUNK};
 use crate::sampler::SamplerConfig;
 use crate::session::PolicySpec;
 use crate::spec::{DraftKind, Row, SpecOptions, SpecStats, Speculator, MAX_SPEC_TOKENS};
@@ -46,6 +49,36 @@ fn describe(p: &GpuKvPolicy) -> String {
             c.sinks, c.selected, c.recent, c.page, c.bootstrap_rows
         ),
     }
+}
+
+/// The KV page pool when `--kv-memory` is not given: `utilization` of the device's memory,
+/// less what is in use after the weights, the activations and the policy's state were
+/// allocated, less a workspace (attention partials, cuBLAS, CUDA graphs: 1 GiB, or 2 % of
+/// the device).
+fn auto_kv_memory(
+    ctx: &std::sync::Arc<slowfast_cuda::CudaContext>,
+    utilization: f64,
+) -> Result<usize, EngineError> {
+    if !(utilization > 0.0 && utilization <= 1.0) {
+        return Err(EngineError::BadInput(format!(
+            "--gpu-memory-utilization {utilization}: give a fraction in (0, 1]"
+        )));
+    }
+    let (free, total) = ctx.mem_info().map_err(gpu_err)?;
+    let used = total - free;
+    let workspace = (1usize << 30).max(total / 50);
+    let budget = (total as f64 * utilization) as usize;
+    let kv = budget.saturating_sub(used + workspace);
+    if kv == 0 {
+        return Err(EngineError::BadInput(format!(
+            "--gpu-memory-utilization {utilization}: {} MiB of the device's {} MiB leave no room for KV after the {} MiB in use and a {} MiB workspace (raise it, or give --kv-memory)",
+            budget >> 20,
+            total >> 20,
+            used >> 20,
+            workspace >> 20
+        )));
+    }
+    Ok(kv)
 }
 
 /// SFI's sentence trigger of a sequence (host-side, on its generated tokens).
@@ -83,8 +116,6 @@ pub(super) struct GpuDevice {
     graphs: bool,
     /// SFI: a slot longer than this without a memory gets a (bridge) refresh.
     dense_below: usize,
-    /// KV bytes reported per sequence (the preallocated cache over the slots).
-    share: usize,
     vocab: usize,
 }
 
@@ -113,18 +144,37 @@ impl GpuDevice {
         trigger_of(policy)?; // the server's own trigger must build
         let slots = cfg.max_batch;
         let ctx = open_context()?;
-        let mut dec = load_decoder(ctx, &loaded.model, slots, cfg.max_context, GPU_CHUNK)?;
+        let mut dec = load_paged_decoder(
+            ctx.clone(),
+            &loaded.model,
+            slots,
+            cfg.max_context,
+            GPU_CHUNK,
+        )?;
         dec.set_policy(gp).map_err(gpu_err)?;
-        // Every slot holds at least one token: decode steps step them all.
+        // Every slot holds at least one token: decode steps step them all (a free slot's
+        // dummy tokens go to the scratch page).
         for s in 0..slots {
-            dec.prefill(s, &[0], false).map_err(gpu_err)?;
+            dec.release_slot(s).map_err(gpu_err)?;
         }
+        // --kv-memory, at most what the device has room for.
+        let room = auto_kv_memory(&ctx, cfg.gpu_memory_utilization)?;
+        let limit = match cfg.kv_memory {
+            0 => room,
+            n if n > room => {
+                eprintln!(
+                    "slowfast serve: --kv-memory {n} is more than the device has room for; the KV pages get {room} bytes"
+                );
+                room
+            }
+            n => n,
+        };
+        dec.set_kv_limit(limit).map_err(gpu_err)?;
         let dense_below = match gp {
             GpuKvPolicy::Sfi(_) => gp.dense_below(),
             _ => usize::MAX,
         };
         Ok(GpuDevice {
-            share: dec.kv_bytes() / slots,
             vocab: dec.spec().vocab,
             dec,
             policy: gp,
@@ -139,9 +189,9 @@ impl GpuDevice {
         })
     }
 
-    /// KV bytes of the decoder's cache (all slots).
+    /// KV bytes the slots may hold together (the page pool's limit).
     pub fn kv_total(&self) -> usize {
-        self.share * self.used.len()
+        self.dec.kv_limit()
     }
 
     /// Drops the captured graph when slot lengths changed on the host (`begin_decode`),
@@ -386,8 +436,18 @@ impl GpuDevice {
 impl BatchDevice for GpuDevice {
     type Seq = GpuSeq;
 
-    fn kv_estimate(&self, _policy: &PolicySpec, _capacity: usize, _len: usize) -> usize {
-        0 // preallocated: the slot count bounds the batch
+    fn kv_estimate(&self, _policy: &PolicySpec, _capacity: usize, len: usize) -> usize {
+        self.dec.kv_bytes_for(len)
+    }
+
+    /// The pages `seq` holds, or those it needs for `extra` more tokens and the dummy tokens
+    /// a decode step may append meanwhile (a prefilling slot gathers up to `IDLE_SPAN`): the
+    /// decoder maps them at the step, so the scheduler must have counted them.
+    fn kv_grown(&self, seq: &GpuSeq, extra: usize) -> usize {
+        let len = self.dec.slot_len(seq.slot).max(seq.prefilled);
+        self.dec
+            .slot_kv_bytes(seq.slot)
+            .max(self.dec.kv_bytes_for(len + extra + IDLE_SPAN))
     }
 
     fn open(&mut self, policy: &PolicySpec, capacity: usize) -> Result<GpuSeq, EngineError> {
@@ -589,8 +649,8 @@ impl BatchDevice for GpuDevice {
         seq.argmax
     }
 
-    fn kv_bytes(&self, _seq: &GpuSeq) -> usize {
-        self.share
+    fn kv_bytes(&self, seq: &GpuSeq) -> usize {
+        self.dec.slot_kv_bytes(seq.slot)
     }
 
     fn stats(&self, seq: &GpuSeq) -> PolicyStats {
@@ -655,9 +715,9 @@ impl BatchDevice for GpuDevice {
         let s = seq.slot;
         self.used[s] = false;
         self.hold[s] = 1;
-        // Back to one dummy token (an error here shows at the next step).
-        let len = self.dec.slot_len(s);
-        let _ = self.cut(s, len.min(1));
+        // Its pages back to the pool, one dummy token on the scratch page (an error here
+        // shows at the next step).
+        let _ = self.dec.release_slot(s);
         self.dirty = true;
     }
 }

@@ -161,6 +161,10 @@ pub struct SchedulerConfig {
     /// Reserve each request's whole KV (prompt + max_tokens) at admission instead: fewer
     /// sequences run together, none is ever preempted.
     pub kv_reserve: bool,
+    /// GPU, when `kv_memory` is 0: the fraction of the device's memory the server may use;
+    /// the KV page pool is what is left of it after the weights, the policy's state and a
+    /// workspace.
+    pub gpu_memory_utilization: f64,
     /// Longest sequence (prompt + generated) a request may have.
     pub max_context: usize,
     /// The server's default KV policy (resolved for `max_context`). On the GPU it is the
@@ -421,8 +425,7 @@ pub fn spawn(
                 let policy = cfg.default_policy.clone();
                 match gpu::GpuDevice::new(&loaded, &cfg, &policy) {
                     Ok(dev) => {
-                        // The decoder's KV is preallocated: its size is the capacity, and
-                        // the slots (max_batch) bound admission, not the KV estimate.
+                        // The decoder's page pool: its limit bounds admission.
                         let mut cfg = cfg;
                         cfg.kv_memory = dev.kv_total();
                         gauges

@@ -25,6 +25,7 @@ fn cfg(max_batch: usize, max_queue: usize) -> SchedulerConfig {
         kv_dtype: KvDtype::F32,
         kv_memory: usize::MAX,
         kv_reserve: false,
+        gpu_memory_utilization: 0.9,
         max_context: 256,
         default_policy: PolicySpec::Full,
         draft: None,

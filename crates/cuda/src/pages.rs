@@ -1,0 +1,564 @@
+//! KV memory on demand for the decoder's slot layout.
+//!
+//! The decoder's kernels address each layer's K and V cache as `[slots, kv_heads, capacity,
+//! head_dim]`. With pages on, that array is a reservation of virtual addresses only: each
+//! `(slot, head)` run of `capacity` rows is a whole number of physical pages (the driver's
+//! allocation granularity, 2 MiB on the H200), and a run is backed only as far as its slot's
+//! sequence has grown. The kernels are unchanged, so decode reads the same addresses as with
+//! the cache allocated whole, and costs the same; what changes is that a short sequence holds
+//! the pages of its length, not of `capacity`.
+//!
+//! A slot that holds no sequence (free, or preempted) maps one shared *scratch* page at the
+//! start of each of its runs: the serving scheduler feeds free slots dummy tokens (every slot
+//! steps in a decode step), whose keys land there and are never read for anything kept.
+//!
+//! [`PagePool`] is the bookkeeping: which physical pages each slot maps, the free list, the
+//! limit. It drives a [`PageBackend`]: the CUDA driver's virtual memory calls in a `cuda`
+//! build (`model.rs`), a recording fake in the tests here.
+
+use crate::error::CudaError;
+
+/// Rows past a sequence's length that stay mapped: the attention kernels load whole tiles
+/// (at most 128 rows) and zero-fill the rows past the end; keeping a tile's worth mapped
+/// past it means no load is ever issued against an unmapped address.
+pub const PAGE_MARGIN: usize = 256;
+
+/// The shape of paged KV: how many tokens a page holds per `(slot, head)` run, and how many
+/// runs a slot has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageGeometry {
+    /// Bytes of one physical page.
+    pub page_bytes: usize,
+    /// Tokens a page holds in one run (`page_bytes / (head_dim * elem_bytes)`).
+    pub page_tokens: usize,
+    /// Runs of one slot: cache buffers (layers x K/V) x kv heads.
+    pub runs_per_slot: usize,
+    /// Runs of one slot in one buffer (the kv heads).
+    pub heads: usize,
+    /// Cache buffers (layers x 2).
+    pub buffers: usize,
+}
+
+impl PageGeometry {
+    /// Geometry for pages of `page_bytes` over rows of `head_dim` elements of `elem_bytes`,
+    /// `kv_heads` heads and `buffers` cache buffers. Errors when a row does not divide a page.
+    pub fn new(
+        page_bytes: usize,
+        head_dim: usize,
+        elem_bytes: usize,
+        kv_heads: usize,
+        buffers: usize,
+    ) -> Result<Self, CudaError> {
+        let row = head_dim * elem_bytes;
+        if row == 0 || page_bytes == 0 || page_bytes % row != 0 || kv_heads == 0 || buffers == 0 {
+            return Err(CudaError::bad(
+                "KV pages",
+                format!("a page of {page_bytes} bytes over rows of {row} bytes, {kv_heads} heads, {buffers} buffers"),
+            ));
+        }
+        Ok(PageGeometry {
+            page_bytes,
+            page_tokens: page_bytes / row,
+            runs_per_slot: buffers * kv_heads,
+            heads: kv_heads,
+            buffers,
+        })
+    }
+
+    /// `capacity` rounded up to whole pages: the run length (rows) of the paged layout.
+    pub fn padded_capacity(&self, capacity: usize) -> usize {
+        capacity.div_ceil(self.page_tokens) * self.page_tokens
+    }
+
+    /// Pages one run maps to hold `tokens` tokens (with [`PAGE_MARGIN`] rows past them),
+    /// at most the run's `capacity` (padded).
+    pub fn pages_for(&self, tokens: usize, capacity: usize) -> usize {
+        if tokens == 0 {
+            return 0;
+        }
+        (tokens + PAGE_MARGIN)
+            .min(self.padded_capacity(capacity))
+            .div_ceil(self.page_tokens)
+    }
+
+    /// Bytes a slot holding `tokens` tokens maps (every run).
+    pub fn bytes_for(&self, tokens: usize, capacity: usize) -> usize {
+        self.pages_for(tokens, capacity) * self.page_bytes * self.runs_per_slot
+    }
+
+    /// Byte offset of `(slot, head)`'s run in a buffer whose runs are `capacity` rows
+    /// (padded).
+    pub fn run_offset(&self, capacity: usize, slot: usize, head: usize) -> usize {
+        let run_bytes = self.padded_capacity(capacity) / self.page_tokens * self.page_bytes;
+        (slot * self.heads + head) * run_bytes
+    }
+}
+
+/// What [`PagePool`] needs from the memory system: physical pages, and mapping one page at a
+/// virtual address (one page long) and unmapping it.
+pub trait PageBackend {
+    type Handle: Copy + PartialEq + std::fmt::Debug;
+    /// A new physical page.
+    fn create(&mut self) -> Result<Self::Handle, CudaError>;
+    /// Maps page `h` at `va` (readable and writable by the device).
+    fn map(&mut self, va: u64, h: Self::Handle) -> Result<(), CudaError>;
+    /// Unmaps the page at `va`.
+    fn unmap(&mut self, va: u64) -> Result<(), CudaError>;
+    /// Gives a physical page back to the system (it is mapped nowhere).
+    fn release(&mut self, h: Self::Handle);
+}
+
+/// One slot's pages: `owned[p * runs + r]` is page `p` of run `r`.
+#[derive(Debug)]
+struct SlotPages<H> {
+    owned: Vec<H>,
+    /// The scratch page is mapped at page 0 of every run (the slot holds no sequence).
+    scratch: bool,
+}
+
+/// The pages of every slot of the decoder's KV, within a limit.
+pub struct PagePool<B: PageBackend> {
+    backend: B,
+    geo: PageGeometry,
+    /// Run length (rows), a whole number of pages.
+    capacity: usize,
+    /// Base virtual address of each cache buffer.
+    bases: Vec<u64>,
+    slots: Vec<SlotPages<B::Handle>>,
+    free: Vec<B::Handle>,
+    /// Physical pages created (owned by slots or free), the scratch page not counted.
+    created: usize,
+    /// At most this many pages are created.
+    limit: usize,
+    scratch: B::Handle,
+}
+
+impl<B: PageBackend> PagePool<B> {
+    /// A pool over `bases.len()` buffers of `num_slots` slots of `capacity` rows (padded to
+    /// whole pages) holding at most `limit_bytes` of pages; every slot starts on the scratch
+    /// page.
+    pub fn new(
+        mut backend: B,
+        geo: PageGeometry,
+        bases: Vec<u64>,
+        num_slots: usize,
+        capacity: usize,
+        limit_bytes: usize,
+    ) -> Result<Self, CudaError> {
+        if bases.len() != geo.buffers {
+            return Err(CudaError::bad(
+                "KV pages",
+                format!(
+                    "{} buffer addresses for {} buffers",
+                    bases.len(),
+                    geo.buffers
+                ),
+            ));
+        }
+        let scratch = backend.create()?;
+        let mut pool = PagePool {
+            backend,
+            geo,
+            capacity: geo.padded_capacity(capacity),
+            bases,
+            slots: (0..num_slots)
+                .map(|_| SlotPages {
+                    owned: Vec::new(),
+                    scratch: false,
+                })
+                .collect(),
+            free: Vec::new(),
+            created: 0,
+            limit: limit_bytes / geo.page_bytes,
+            scratch,
+        };
+        for s in 0..num_slots {
+            pool.map_scratch(s)?;
+        }
+        Ok(pool)
+    }
+
+    pub fn geometry(&self) -> &PageGeometry {
+        &self.geo
+    }
+
+    /// Rows of each run (the padded capacity).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Virtual address of page `p` of run `r` of `slot`.
+    fn va(&self, slot: usize, r: usize, p: usize) -> u64 {
+        let (b, h) = (r / self.geo.heads, r % self.geo.heads);
+        self.bases[b]
+            + (self.geo.run_offset(self.capacity, slot, h) + p * self.geo.page_bytes) as u64
+    }
+
+    fn map_scratch(&mut self, slot: usize) -> Result<(), CudaError> {
+        for r in 0..self.geo.runs_per_slot {
+            let va = self.va(slot, r, 0);
+            self.backend.map(va, self.scratch)?;
+        }
+        self.slots[slot].scratch = true;
+        Ok(())
+    }
+
+    fn unmap_scratch(&mut self, slot: usize) -> Result<(), CudaError> {
+        for r in 0..self.geo.runs_per_slot {
+            let va = self.va(slot, r, 0);
+            self.backend.unmap(va)?;
+        }
+        self.slots[slot].scratch = false;
+        Ok(())
+    }
+
+    /// Whether `slot` holds no pages of its own (only the scratch page). Unmapping it (the
+    /// first `ensure`) needs the device idle; the caller synchronises first.
+    pub fn on_scratch(&self, slot: usize) -> bool {
+        self.slots[slot].scratch
+    }
+
+    /// Pages each run of `slot` maps (its own).
+    pub fn pages(&self, slot: usize) -> usize {
+        self.slots[slot].owned.len() / self.geo.runs_per_slot
+    }
+
+    /// Tokens `slot` may write without another `ensure` (scratch: the dummy tokens of a
+    /// free slot, up to one page).
+    pub fn room(&self, slot: usize) -> usize {
+        let s = &self.slots[slot];
+        if s.scratch {
+            self.geo.page_tokens - PAGE_MARGIN.min(self.geo.page_tokens)
+        } else {
+            (self.pages(slot) * self.geo.page_tokens).saturating_sub(PAGE_MARGIN)
+        }
+    }
+
+    /// Bytes of pages `slot` owns.
+    pub fn slot_bytes(&self, slot: usize) -> usize {
+        self.slots[slot].owned.len() * self.geo.page_bytes
+    }
+
+    /// Bytes of pages owned by slots.
+    pub fn bytes_in_use(&self) -> usize {
+        (self.created - self.free.len()) * self.geo.page_bytes
+    }
+
+    /// Bytes of pages the pool may hold.
+    pub fn limit_bytes(&self) -> usize {
+        self.limit * self.geo.page_bytes
+    }
+
+    /// Sets the bytes of pages the pool may hold (at least those the slots hold now); free
+    /// pages past it are given back.
+    pub fn set_limit(&mut self, bytes: usize) -> Result<(), CudaError> {
+        if bytes < self.bytes_in_use() {
+            return Err(CudaError::bad(
+                "KV pages",
+                format!(
+                    "a limit of {} MiB below the {} MiB the slots hold",
+                    bytes >> 20,
+                    self.bytes_in_use() >> 20
+                ),
+            ));
+        }
+        self.limit = bytes / self.geo.page_bytes;
+        while self.created > self.limit {
+            let h = self
+                .free
+                .pop()
+                .expect("created > limit >= owned: a page is free");
+            self.backend.release(h);
+            self.created -= 1;
+        }
+        Ok(())
+    }
+
+    /// Pages created and not owned by a slot.
+    pub fn free_pages(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Maps pages so that `slot` holds `tokens` tokens (and [`PAGE_MARGIN`] rows past them);
+    /// the first call on a slot on the scratch page unmaps it. Nothing changes when the pages
+    /// do not fit in the limit.
+    pub fn ensure(&mut self, slot: usize, tokens: usize) -> Result<(), CudaError> {
+        let runs = self.geo.runs_per_slot;
+        let want = self.geo.pages_for(tokens, self.capacity);
+        let have = self.pages(slot);
+        if want <= have {
+            return Ok(());
+        }
+        let need = (want - have) * runs;
+        let avail = self.free.len() + (self.limit - self.created.min(self.limit));
+        if need > avail {
+            return Err(CudaError::bad(
+                "KV pages",
+                format!(
+                    "slot {slot} needs {} MiB more for {tokens} tokens; {} MiB of the {} MiB pool are free",
+                    need * self.geo.page_bytes >> 20,
+                    avail * self.geo.page_bytes >> 20,
+                    self.limit_bytes() >> 20
+                ),
+            ));
+        }
+        if self.slots[slot].scratch {
+            self.unmap_scratch(slot)?;
+        }
+        for p in have..want {
+            for r in 0..runs {
+                let h = match self.free.pop() {
+                    Some(h) => h,
+                    None => {
+                        let h = self.backend.create()?;
+                        self.created += 1;
+                        h
+                    }
+                };
+                let va = self.va(slot, r, p);
+                if let Err(e) = self.backend.map(va, h) {
+                    self.free.push(h);
+                    return Err(e);
+                }
+                self.slots[slot].owned.push(h);
+            }
+        }
+        Ok(())
+    }
+
+    /// Unmaps every page of `slot` into the free list and puts it back on the scratch page.
+    /// The device must be idle (the caller synchronises).
+    pub fn release(&mut self, slot: usize) -> Result<(), CudaError> {
+        if self.slots[slot].scratch {
+            return Ok(());
+        }
+        let runs = self.geo.runs_per_slot;
+        let owned = std::mem::take(&mut self.slots[slot].owned);
+        for (i, &h) in owned.iter().enumerate() {
+            let va = self.va(slot, i % runs, i / runs);
+            self.backend.unmap(va)?;
+            self.free.push(h);
+        }
+        self.map_scratch(slot)
+    }
+
+    /// Gives the free pages back to the system (after preemptions emptied many slots, when
+    /// another allocation needs the memory).
+    pub fn trim(&mut self) {
+        for h in self.free.drain(..) {
+            self.backend.release(h);
+            self.created -= 1;
+        }
+    }
+}
+
+impl<B: PageBackend> Drop for PagePool<B> {
+    fn drop(&mut self) {
+        for s in 0..self.slots.len() {
+            let runs = self.geo.runs_per_slot;
+            let owned = std::mem::take(&mut self.slots[s].owned);
+            for (i, &h) in owned.iter().enumerate() {
+                let va = self.va(s, i % runs, i / runs);
+                let _ = self.backend.unmap(va);
+                self.backend.release(h);
+            }
+            if self.slots[s].scratch {
+                for r in 0..runs {
+                    let va = self.va(s, r, 0);
+                    let _ = self.backend.unmap(va);
+                }
+            }
+        }
+        for h in self.free.drain(..) {
+            self.backend.release(h);
+        }
+        self.backend.release(self.scratch);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::{HashMap, HashSet};
+    use std::sync::{Arc, Mutex};
+
+    /// Records what is mapped where and which pages exist; refuses double maps, unmaps of
+    /// nothing and releases of mapped or unknown pages.
+    #[derive(Default)]
+    struct Book {
+        next: u32,
+        live: HashSet<u32>,
+        at: HashMap<u64, u32>,
+    }
+
+    #[derive(Clone, Default)]
+    struct Fake(Arc<Mutex<Book>>);
+
+    impl PageBackend for Fake {
+        type Handle = u32;
+        fn create(&mut self) -> Result<u32, CudaError> {
+            let mut b = self.0.lock().unwrap();
+            b.next += 1;
+            let h = b.next;
+            b.live.insert(h);
+            Ok(h)
+        }
+        fn map(&mut self, va: u64, h: u32) -> Result<(), CudaError> {
+            let mut b = self.0.lock().unwrap();
+            assert!(b.live.contains(&h), "map of unknown page {h}");
+            assert!(b.at.insert(va, h).is_none(), "double map at {va:#x}");
+            Ok(())
+        }
+        fn unmap(&mut self, va: u64) -> Result<(), CudaError> {
+            let mut b = self.0.lock().unwrap();
+            assert!(b.at.remove(&va).is_some(), "unmap of nothing at {va:#x}");
+            Ok(())
+        }
+        fn release(&mut self, h: u32) {
+            let mut b = self.0.lock().unwrap();
+            assert!(b.live.remove(&h), "release of unknown page {h}");
+            assert!(
+                !b.at.values().any(|&m| m == h),
+                "release of page {h} still mapped"
+            );
+        }
+    }
+
+    const PAGE: usize = 4096;
+
+    fn geo() -> PageGeometry {
+        // Rows of 64 bf16 (128 bytes): 32 tokens a page; 2 heads, 3 buffers.
+        PageGeometry::new(PAGE, 64, 2, 2, 3).unwrap()
+    }
+
+    #[test]
+    fn geometry_pads_capacity_and_counts_pages_with_the_margin() {
+        let g = geo();
+        assert_eq!(g.page_tokens, 32);
+        assert_eq!(g.runs_per_slot, 6);
+        assert_eq!(g.padded_capacity(1000), 1024);
+        assert_eq!(g.pages_for(0, 1000), 0);
+        // 1 token + 256 margin = 257 rows = 9 pages of 32.
+        assert_eq!(g.pages_for(1, 1000), 9);
+        // Never past the padded capacity.
+        assert_eq!(g.pages_for(1000, 1000), 32);
+        assert_eq!(g.bytes_for(1, 1000), 9 * PAGE * 6);
+        assert_eq!(g.run_offset(1000, 1, 1), 3 * 32 * PAGE);
+        assert!(PageGeometry::new(PAGE, 48, 3, 1, 1).is_err()); // 144-byte rows
+        let h200 = PageGeometry::new(2 << 20, 128, 2, 8, 72).unwrap();
+        assert_eq!(h200.page_tokens, 8192);
+        assert_eq!(h200.padded_capacity(131072), 131072);
+    }
+
+    /// Random ensure / release / trim on 4 slots against a plain model of what each slot
+    /// should hold: no page is mapped twice, unmapped twice or lost; every address a slot
+    /// maps lies in its own runs; dropping the pool releases everything.
+    #[test]
+    fn random_traffic_never_leaks_double_maps_or_crosses_slots() {
+        let book = Fake::default();
+        let g = geo();
+        let (slots, cap) = (4, 1000);
+        let bases = vec![0x1000_0000u64, 0x2000_0000, 0x3000_0000];
+        let limit = 160 * PAGE;
+        let mut pool = PagePool::new(book.clone(), g, bases.clone(), slots, cap, limit).unwrap();
+        let run_bytes = (pool.capacity() / g.page_tokens * PAGE) as u64;
+        let mut model = vec![0usize; slots]; // tokens ensured per slot (0: scratch)
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = |n: usize| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % n as u64) as usize
+        };
+        let mut refused = 0;
+        for _ in 0..3000 {
+            let s = rnd(slots);
+            match rnd(10) {
+                0..=5 => {
+                    let t = model[s] + 1 + rnd(200);
+                    let want = g.pages_for(t, cap) * g.runs_per_slot;
+                    let held: usize = (0..slots).map(|i| pool.pages(i) * g.runs_per_slot).sum();
+                    let fits = held - pool.pages(s) * g.runs_per_slot + want <= limit / PAGE;
+                    match pool.ensure(s, t) {
+                        Ok(()) => {
+                            assert!(fits || want <= pool.pages(s) * g.runs_per_slot);
+                            model[s] = model[s].max(t);
+                        }
+                        Err(e) => {
+                            assert!(!fits, "refused although it fits: {e}");
+                            assert!(e.to_string().contains(&format!("slot {s} needs")));
+                            refused += 1;
+                        }
+                    }
+                }
+                6..=8 => {
+                    pool.release(s).unwrap();
+                    model[s] = 0;
+                }
+                _ => pool.trim(),
+            }
+            // What each slot maps, from the book: its pages, in its runs only.
+            let b = book.0.lock().unwrap();
+            for (i, &m) in model.iter().enumerate() {
+                let want = g.pages_for(m, cap).max(1) * g.runs_per_slot;
+                let mine =
+                    b.at.keys()
+                        .filter(|&&va| {
+                            bases.iter().any(|&base| {
+                                va >= base
+                                    && (va - base) / run_bytes / g.heads as u64 == i as u64
+                                    && va < base + run_bytes * (slots * g.heads) as u64
+                            })
+                        })
+                        .count();
+                assert_eq!(mine, want, "slot {i} holding {m} tokens");
+                assert_eq!(pool.on_scratch(i), m == 0);
+                assert!(m == 0 || pool.room(i) >= m);
+            }
+            let owned: usize = (0..slots).map(|i| pool.slot_bytes(i)).sum();
+            assert_eq!(owned, pool.bytes_in_use());
+            assert!(pool.bytes_in_use() <= limit);
+            // Live pages: owned + free + scratch.
+            assert_eq!(b.live.len(), owned / PAGE + pool.free_pages() + 1);
+        }
+        assert!(refused > 0, "the limit was never reached");
+        drop(pool);
+        let b = book.0.lock().unwrap();
+        assert!(b.at.is_empty() && b.live.is_empty(), "pages leaked");
+    }
+
+    #[test]
+    fn a_refused_ensure_changes_nothing() {
+        let book = Fake::default();
+        let g = geo();
+        let mut pool = PagePool::new(
+            book.clone(),
+            g,
+            vec![0, 1 << 30, 2 << 30],
+            2,
+            1000,
+            60 * PAGE,
+        )
+        .unwrap();
+        pool.ensure(0, 1).unwrap(); // 9 pages x 6 runs = 54
+        let before = (
+            pool.pages(1),
+            pool.bytes_in_use(),
+            book.0.lock().unwrap().at.len(),
+        );
+        assert!(pool.ensure(1, 1).is_err());
+        assert!(pool.on_scratch(1));
+        assert_eq!(
+            before,
+            (
+                pool.pages(1),
+                pool.bytes_in_use(),
+                book.0.lock().unwrap().at.len()
+            )
+        );
+        pool.release(0).unwrap();
+        pool.ensure(1, 1).unwrap(); // the freed pages are reused, none created
+        assert_eq!(pool.bytes_in_use(), 54 * PAGE);
+        assert_eq!(book.0.lock().unwrap().live.len(), 55);
+    }
+}
