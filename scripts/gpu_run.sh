@@ -179,11 +179,12 @@ PY
       # Mixed workload (issue 22): CAP_REQS (32) requests at once, prompt lengths geometric from
       # 1K to 124K (16 values, cycled), N tokens each, greedy, full KV, to `serve --device cuda
       # --max-context 131072 --kv-memory CAP_GIB GiB` (108: six 128K slots of Qwen3-4B) with
-      # --max-batch 6 (what slots allocated whole held in that memory), then CAP_SLOTS (32);
-      # bench/metrics_peak.py records the peak running sequences and KV bytes.
-      lens="1024,1412,1947,2686,3704,5108,7045,9716,13400,18481,25488,35152,48480,66862,92212,126976"
-      for slots in 6 ${CAP_SLOTS:-32}; do
-        log="$OUT/cap-$slots.log"
+      # --max-batch 6 (what slots allocated whole held in that memory), then 32 (CAP_LIST: "6 32");
+      # bench/metrics_peak.py records the peak running sequences and KV bytes. CAP_LENS: other
+      # prompt lengths (chat-length: 1024,1280,...,32768 with N=512).
+      lens="${CAP_LENS:-1024,1412,1947,2686,3704,5108,7045,9716,13400,18481,25488,35152,48480,66862,92212,126976}"
+      for slots in ${CAP_LIST:-6 32}; do
+        log="$OUT/cap-$slots${CAP_TAG:-}.log"
         echo "== capacity: --max-batch $slots" | tee -a "$OUT/capacity.log"
         .bin/slowfast serve --device cuda --model random:qwen3-4b --max-batch "$slots" --max-context 131072 \
           --kv-memory $(( ${CAP_GIB:-108} << 30 )) --max-queue 256 --max-body-bytes 67108864 --port 0 \
@@ -191,14 +192,14 @@ PY
         spid=$!
         url="$(serve_url "$log" "$spid")"
         if [ -z "$url" ]; then tail -20 "$log" | tee -a "$OUT/capacity.log"; rc=1; continue; fi
-        python3 .bin/metrics_peak.py --url "$url" --json "$OUT/cap-$slots-peak.json" &
+        python3 .bin/metrics_peak.py --url "$url" --json "$OUT/cap-$slots${CAP_TAG:-}-peak.json" &
         ppid=$!
         python3 .bin/serve_load.py --url "$url" --token-ids --vocab 151936 --concurrency "${CAP_REQS:-32}" \
           --requests "${CAP_REQS:-32}" --max-tokens "$N" --prompt-lengths "$lens" --ignore-eos \
           --disconnect-fraction 0 --temperature 0 --timeout 1800 --settle-timeout 30 \
-          --json "$OUT/cap-$slots.json" 2>&1 | tee -a "$OUT/capacity.log"
+          --json "$OUT/cap-$slots${CAP_TAG:-}.json" 2>&1 | tee -a "$OUT/capacity.log"
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-        kill "$ppid"; wait "$ppid" 2>&1 | tee -a "$OUT/capacity.log"
+        kill "$ppid"; wait "$ppid"
         nvidia-smi --query-gpu=memory.used --format=csv | tee -a "$OUT/capacity.log"
         kill "$spid"; wait "$spid" 2>/dev/null
       done ;;

@@ -625,9 +625,9 @@ impl GpuDecoder {
     /// serving scheduler does: decode steps step every slot. Synchronises when paged.
     pub fn release_slot(&mut self, slot: usize) -> Result<(), CudaError> {
         self.reset_slot(slot)?;
-        if self.pages.is_some() {
+        if let Some(p) = self.pages.as_mut() {
             self.ctx.synchronize()?;
-            self.pages.as_mut().expect("paged").pool.release(slot)?;
+            p.pool.release(slot)?;
         }
         self.dummy_prefill = true;
         let r = self.prefill(slot, &[0], false);

@@ -100,8 +100,11 @@ pub trait PageBackend {
     type Handle: Copy + PartialEq + std::fmt::Debug;
     /// A new physical page.
     fn create(&mut self) -> Result<Self::Handle, CudaError>;
-    /// Maps page `h` at `va` (readable and writable by the device).
+    /// Maps page `h` at `va` (not yet accessible: `grant` follows).
     fn map(&mut self, va: u64, h: Self::Handle) -> Result<(), CudaError>;
+    /// Makes the mapped pages of `[va, va + bytes)` readable and writable by the device (one
+    /// call for a run of pages: the driver's access call costs about as much as a map).
+    fn grant(&mut self, va: u64, bytes: usize) -> Result<(), CudaError>;
     /// Unmaps the page at `va`.
     fn unmap(&mut self, va: u64) -> Result<(), CudaError>;
     /// Gives a physical page back to the system (it is mapped nowhere).
@@ -198,6 +201,7 @@ impl<B: PageBackend> PagePool<B> {
         for r in 0..self.geo.runs_per_slot {
             let va = self.va(slot, r, 0);
             self.backend.map(va, self.scratch)?;
+            self.backend.grant(va, self.geo.page_bytes)?;
         }
         self.slots[slot].scratch = true;
         Ok(())
@@ -296,8 +300,8 @@ impl<B: PageBackend> PagePool<B> {
                 "KV pages",
                 format!(
                     "slot {slot} needs {} MiB more for {tokens} tokens; {} MiB of the {} MiB pool are free",
-                    need * self.geo.page_bytes >> 20,
-                    avail * self.geo.page_bytes >> 20,
+                    (need * self.geo.page_bytes) >> 20,
+                    (avail * self.geo.page_bytes) >> 20,
                     self.limit_bytes() >> 20
                 ),
             ));
@@ -305,23 +309,34 @@ impl<B: PageBackend> PagePool<B> {
         if self.slots[slot].scratch {
             self.unmap_scratch(slot)?;
         }
-        for p in have..want {
-            for r in 0..runs {
-                let h = match self.free.pop() {
-                    Some(h) => h,
-                    None => {
-                        let h = self.backend.create()?;
+        // Pages first (all or none), then each run's new pages mapped and granted at once.
+        let mut fresh = Vec::with_capacity(need);
+        while fresh.len() < need {
+            match self.free.pop() {
+                Some(h) => fresh.push(h),
+                None => match self.backend.create() {
+                    Ok(h) => {
                         self.created += 1;
-                        h
+                        fresh.push(h);
                     }
-                };
-                let va = self.va(slot, r, p);
-                if let Err(e) = self.backend.map(va, h) {
-                    self.free.push(h);
-                    return Err(e);
-                }
-                self.slots[slot].owned.push(h);
+                    Err(e) => {
+                        self.free.append(&mut fresh);
+                        return Err(e);
+                    }
+                },
             }
+        }
+        let first = have * runs;
+        self.slots[slot].owned.extend_from_slice(&fresh);
+        for r in 0..runs {
+            for p in have..want {
+                let va = self.va(slot, r, p);
+                let h = self.slots[slot].owned[first + (p - have) * runs + r];
+                self.backend.map(va, h)?;
+            }
+            let va = self.va(slot, r, have);
+            self.backend
+                .grant(va, (want - have) * self.geo.page_bytes)?;
         }
         Ok(())
     }
@@ -407,6 +422,16 @@ mod tests {
             let mut b = self.0.lock().unwrap();
             assert!(b.live.contains(&h), "map of unknown page {h}");
             assert!(b.at.insert(va, h).is_none(), "double map at {va:#x}");
+            Ok(())
+        }
+        fn grant(&mut self, va: u64, bytes: usize) -> Result<(), CudaError> {
+            let b = self.0.lock().unwrap();
+            for p in (va..va + bytes as u64).step_by(PAGE) {
+                assert!(
+                    b.at.contains_key(&p),
+                    "grant over an unmapped page at {p:#x}"
+                );
+            }
             Ok(())
         }
         fn unmap(&mut self, va: u64) -> Result<(), CudaError> {

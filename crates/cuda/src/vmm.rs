@@ -103,10 +103,13 @@ impl PageBackend for Vmm {
         check(
             unsafe { sys::cuMemMap(va, self.page, 0, h, 0) },
             "cuMemMap (KV page)",
-        )?;
+        )
+    }
+
+    fn grant(&mut self, va: u64, bytes: usize) -> Result<(), CudaError> {
         check(
-            unsafe { sys::cuMemSetAccess(va, self.page, &self.access, 1) },
-            "cuMemSetAccess (KV page)",
+            unsafe { sys::cuMemSetAccess(va, bytes, &self.access, 1) },
+            "cuMemSetAccess (KV pages)",
         )
     }
 

@@ -436,8 +436,10 @@ impl GpuDevice {
 impl BatchDevice for GpuDevice {
     type Seq = GpuSeq;
 
+    /// The pages of `len` tokens and of the dummy tokens a prefilling slot may gather (the
+    /// same count as `kv_grown`, so a sequence admitted is not preempted at its first step).
     fn kv_estimate(&self, _policy: &PolicySpec, _capacity: usize, len: usize) -> usize {
-        self.dec.kv_bytes_for(len)
+        self.dec.kv_bytes_for(len + IDLE_SPAN)
     }
 
     /// The pages `seq` holds, or those it needs for `extra` more tokens and the dummy tokens

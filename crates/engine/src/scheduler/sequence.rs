@@ -218,10 +218,13 @@ impl<S> Sequence<S> {
 }
 
 impl SeqState {
-    /// KV bytes the sequence holds once (re)prefilled, by the device's estimate: what
-    /// admission needs free.
+    /// KV bytes the sequence holds once (re)prefilled, plus one growth step (as a new
+    /// request's prompt is counted), by the device's estimate: what admission needs free.
+    /// Without the growth step a resumed sequence at a growth boundary is preempted again at
+    /// its first decode step, and again after each resume.
     pub fn kv_need<D: BatchDevice>(&self, dev: &D) -> usize {
-        dev.kv_estimate(&self.policy, self.capacity, self.tokens.len())
+        let len = (self.tokens.len() + slowfast_kv::KV_GROW).min(self.capacity);
+        dev.kv_estimate(&self.policy, self.capacity, len)
     }
 
     /// KV bytes the sequence holds at its longest (`--kv-reserve` admission).
