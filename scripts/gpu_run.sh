@@ -203,6 +203,16 @@ PY
         nvidia-smi --query-gpu=memory.used --format=csv | tee -a "$OUT/capacity.log"
         kill "$spid"; wait "$spid" 2>/dev/null
       done ;;
+    prefix)
+      # GPU prefix cache (issue 22): PREQS (32) greedy requests of 16 tokens sharing a system
+      # prompt cut from Emma (random:qwen3-4b's tokenizer is byte-level: 8525 tokens, the first
+      # 8192 one whole prefill part), sent at once to `serve --device cuda --max-batch 32`
+      # with the cache off, then on (bench/prefix_cache.py: TTFT, KV, texts identical)
+      python3 .bin/prefix_cache.py --slowfast .bin/slowfast --model random:qwen3-4b \
+        --system-file .bin/texts/austen_emma.txt --system-tokens 2000 --requests "${PREQS:-32}" \
+        --max-batch 32 --max-context 16384 --serve-arg=--device --serve-arg=cuda \
+        --json "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     lag)
       # SFI's refresh in order (--sfi-async-lag 0, the default) against the asynchronous one
       # (lag 4), alternated LAG_REPS times (1 2), at batch 1 and SB (6), CTX_SB (128k); budget and interval

@@ -62,7 +62,7 @@ done
 # The run tool sends the session's checkout: carry fixtures and the reference script too.
 mkdir -p "$bin/fixtures"
 cp -r tests/fixtures/hf tests/fixtures/gguf "$bin/fixtures/"
-cp bench/torch_reference.py bench/serve_load.py bench/metrics_peak.py scripts/gpu_run.sh scripts/gpu_spec.sh scripts/serve_url.sh "$bin/"
+cp bench/torch_reference.py bench/serve_load.py bench/metrics_peak.py bench/prefix_cache.py bench/serve_metrics.py scripts/gpu_run.sh scripts/gpu_spec.sh scripts/serve_url.sh "$bin/"
 # gpu_spec.sh's prompts (Emma, from scripts/get_texts.sh) and the default model's checksum
 mkdir -p "$bin/texts"
 if [ -f data/texts/austen_emma.txt ]; then cp data/texts/austen_emma.txt "$bin/texts/"; fi

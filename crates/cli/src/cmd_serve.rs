@@ -60,10 +60,11 @@ pub struct Args {
     /// it: fewer sequences run together, none is ever preempted.
     #[arg(long)]
     pub kv_reserve: bool,
-    /// Prefix cache (CPU): KV bytes it may hold for reuse by later prompts that start with
-    /// the same whole prefill chunks (a shared system prompt is then prefilled once; output is
-    /// unchanged). Allocated as blocks are first used; 0 turns it off. Default: as much as
-    /// --kv-memory on the CPU, off on the GPU (not built there yet).
+    /// Prefix cache: KV bytes it may hold for reuse by later prompts that start with the same
+    /// whole prefill chunks (a shared system prompt is then prefilled once; output is
+    /// unchanged); 0 turns it off. Default: as much as --kv-memory. On the CPU its blocks are
+    /// copies; on the GPU whole 8192-token prefill parts whose KV pages the sequences map and
+    /// share.
     #[arg(long)]
     pub prefix_cache_memory: Option<usize>,
     /// Tokens a prefix-cache block holds (must divide --chunk).
@@ -123,9 +124,6 @@ pub fn run(a: Args) -> Result<()> {
             .is_some_and(|o| o.drafter == DraftKind::Model)
     {
         bail!("--speculate model runs on the CPU only (--device cpu); on the GPU use sfi, streaming or ngram");
-    }
-    if gpu && a.prefix_cache_memory.is_some_and(|n| n > 0) {
-        bail!("--prefix-cache-memory: the prefix cache runs on the CPU only so far (--device cpu)");
     }
     let loaded = Arc::new(a.model.load()?);
     let draft = a.spec.load_draft()?.map(Arc::new);
@@ -201,10 +199,11 @@ pub fn run(a: Args) -> Result<()> {
         }
     });
 
-    // As much as the running sequences' KV on the CPU; none on the GPU (not built there).
-    let prefix_cache_bytes = a
-        .prefix_cache_memory
-        .unwrap_or(if gpu { 0 } else { kv_memory });
+    // As much as the running sequences' KV on the CPU; on the GPU the whole page pool (its
+    // cached pages are shared with the slots and evicted when they need the memory).
+    let prefix_cache_bytes =
+        a.prefix_cache_memory
+            .unwrap_or(if gpu { usize::MAX } else { kv_memory });
     let sched_cfg = SchedulerConfig {
         device,
         max_batch: a.max_batch,

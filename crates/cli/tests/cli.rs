@@ -581,8 +581,4 @@ fn serve_refuses_a_prefix_block_that_does_not_divide_the_chunk_and_a_gpu_prefix_
         with(&["--prefix-block", "24"]),
         "block of 24 tokens must divide the prefill chunk of 512 tokens",
     );
-    run(
-        with(&["--device", "cuda", "--prefix-cache-memory", "1000000"]),
-        "--prefix-cache-memory: the prefix cache runs on the CPU only so far",
-    );
 }

@@ -625,10 +625,6 @@ impl GpuDecoder {
     /// serving scheduler does: decode steps step every slot. Synchronises when paged.
     pub fn release_slot(&mut self, slot: usize) -> Result<(), CudaError> {
         self.reset_slot(slot)?;
-        if let Some(p) = self.pages.as_mut() {
-            self.ctx.synchronize()?;
-            p.pool.release(slot)?;
-        }
         self.dummy_prefill = true;
         let r = self.prefill(slot, &[0], false);
         self.dummy_prefill = false;
@@ -644,6 +640,7 @@ impl GpuDecoder {
     }
 
     /// Forgets the sequence in `slot`.
+    /// Paged: its pages go back to the pool (synchronises), the slot to the scratch page.
     pub fn reset_slot(&mut self, slot: usize) -> Result<(), CudaError> {
         self.check_slot(slot)?;
         self.flush_refreshes()?;
@@ -652,7 +649,89 @@ impl GpuDecoder {
         if let Some(sp) = self.sparse.as_mut() {
             sp.reset_slot(&self.ctx, slot)?;
         }
+        if let Some(p) = self.pages.as_mut() {
+            if !p.pool.on_scratch(slot) {
+                self.ctx.synchronize()?;
+                p.pool.release(slot)?;
+            }
+        }
         Ok(())
+    }
+
+    /// Paged KV: turns on the prefix cache, over whole blocks of `block_tokens` (a multiple
+    /// of a page's tokens; the serving scheduler uses its prefill part), at most `bytes` of
+    /// pages, evicted least recently used when slots need the memory.
+    pub fn enable_prefix_cache(
+        &mut self,
+        block_tokens: usize,
+        bytes: usize,
+    ) -> Result<(), CudaError> {
+        match self.pages.as_mut() {
+            Some(p) => p.pool.enable_prefix(block_tokens, bytes),
+            None => Err(bad("the prefix cache needs the paged KV".into())),
+        }
+    }
+
+    /// Maps into the empty `slot` the cached pages of the longest cached prefix of `tokens`
+    /// (whole blocks, at most `max_blocks`); returns its length, now the slot's. The shared
+    /// pages are read only: the slot's tokens continue past them. Synchronises.
+    pub fn adopt_prefix(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        max_blocks: usize,
+    ) -> Result<usize, CudaError> {
+        self.reset_slot(slot)?;
+        let Some(p) = self.pages.as_mut() else {
+            return Ok(0);
+        };
+        self.ctx.synchronize()?;
+        let n = p.pool.adopt(slot, tokens, max_blocks)?;
+        self.slot_len[slot] = n;
+        Ok(n)
+    }
+
+    /// Caches the first `blocks` whole blocks of `slot`'s sequence, whose tokens begin
+    /// `tokens` (blocks cached already are kept as they are).
+    pub fn cache_prefix(&mut self, slot: usize, tokens: &[u32], blocks: usize) {
+        let len = self.slot_len[slot];
+        if let Some(p) = self.pages.as_mut() {
+            p.pool
+                .remember(slot, &tokens[..len.min(tokens.len())], blocks);
+        }
+    }
+
+    /// Bytes of pages only the prefix cache holds.
+    pub fn prefix_cache_bytes(&self) -> usize {
+        self.pages
+            .as_ref()
+            .map_or(0, |p| p.pool.cached_only_bytes())
+    }
+
+    /// Tokens of a prefix-cache block (None: no prefix cache).
+    pub fn prefix_block(&self) -> Option<usize> {
+        self.pages.as_ref().and_then(|p| p.pool.prefix_block())
+    }
+
+    /// Bytes of the pages `slot` must still map to hold `tokens` tokens (paged; 0 otherwise).
+    pub fn kv_bytes_more(&self, slot: usize, tokens: usize) -> usize {
+        match &self.pages {
+            Some(p) => {
+                let g = p.pool.geometry();
+                let more = g
+                    .pages_for(tokens, self.kv.capacity)
+                    .saturating_sub(p.pool.pages(slot));
+                more * g.runs_per_slot * g.page_bytes
+            }
+            None => 0,
+        }
+    }
+
+    /// Tokens at the start of `slot` on pages shared from the prefix cache (never written).
+    fn shared_tokens(&self, slot: usize) -> usize {
+        self.pages
+            .as_ref()
+            .map_or(0, |p| p.pool.shared_tokens(slot))
     }
 
     /// Switches the global layers to `policy` (allocates its device state; forgets every
@@ -735,10 +814,11 @@ impl GpuDecoder {
     /// overwritten by what comes next).
     pub fn truncate(&mut self, slot: usize, len: usize) -> Result<(), CudaError> {
         self.check_slot(slot)?;
-        if len > self.slot_len[slot] {
+        if len > self.slot_len[slot] || len < self.shared_tokens(slot) {
             return Err(bad(format!(
-                "truncate slot {slot} of {} tokens to {len}",
-                self.slot_len[slot]
+                "truncate slot {slot} of {} tokens ({} shared) to {len}",
+                self.slot_len[slot],
+                self.shared_tokens(slot)
             )));
         }
         self.flush_refreshes()?;
@@ -754,10 +834,11 @@ impl GpuDecoder {
     /// speculative decoding cuts rejected drafts this way after every verification.
     pub fn rewind(&mut self, slot: usize, len: usize) -> Result<(), CudaError> {
         self.check_slot(slot)?;
-        if len > self.slot_len[slot] {
+        if len > self.slot_len[slot] || len < self.shared_tokens(slot) {
             return Err(bad(format!(
-                "rewind slot {slot} of {} tokens to {len}",
-                self.slot_len[slot]
+                "rewind slot {slot} of {} tokens ({} shared) to {len}",
+                self.slot_len[slot],
+                self.shared_tokens(slot)
             )));
         }
         if len == self.slot_len[slot] {
@@ -1206,6 +1287,12 @@ impl GpuDecoder {
             return Err(bad(format!("token id {t} outside the vocabulary of {v}")));
         }
         let start = self.slot_len[slot];
+        if start < self.shared_tokens(slot) {
+            return Err(bad(format!(
+                "slot {slot}: prefill at {start} would write the shared prefix of {} tokens",
+                self.shared_tokens(slot)
+            )));
+        }
         if start + tokens.len() > self.kv.capacity {
             return Err(bad(format!(
                 "{} + {} tokens exceed the KV capacity {}",

@@ -16,6 +16,10 @@
 //! limit. It drives a [`PageBackend`]: the CUDA driver's virtual memory calls in a `cuda`
 //! build (`model.rs`), a recording fake in the tests here.
 
+use std::collections::HashMap;
+
+use slowfast_kv::paged::{block_hash, root_hash, BlockId, Found, PrefixCache, PrefixStats};
+
 use crate::error::CudaError;
 
 /// Rows past a sequence's length that stay mapped: the attention kernels load whole tiles
@@ -97,7 +101,7 @@ impl PageGeometry {
 /// What [`PagePool`] needs from the memory system: physical pages, and mapping one page at a
 /// virtual address (one page long) and unmapping it.
 pub trait PageBackend {
-    type Handle: Copy + PartialEq + std::fmt::Debug;
+    type Handle: Copy + Eq + std::hash::Hash + std::fmt::Debug;
     /// A new physical page.
     fn create(&mut self) -> Result<Self::Handle, CudaError>;
     /// Maps page `h` at `va` (not yet accessible: `grant` follows).
@@ -119,7 +123,18 @@ struct SlotPages<H> {
     scratch: bool,
 }
 
-/// The pages of every slot of the decoder's KV, within a limit.
+/// Whole prompt blocks (`block_pages` page steps each) of every run, named by the hash chain
+/// of their tokens ([`PrefixCache`]): a later prompt that starts with the same blocks maps the
+/// same physical pages instead of prefilling them.
+struct PrefixIndex<H> {
+    cache: PrefixCache,
+    /// A cached block's pages, `[p * runs + r]` for its page steps p.
+    pages: HashMap<BlockId, Vec<H>>,
+    block_pages: usize,
+}
+
+/// The pages of every slot of the decoder's KV, within a limit. A page is held by the slots
+/// that map it and by the prefix cache; it goes back to the free list when none holds it.
 pub struct PagePool<B: PageBackend> {
     backend: B,
     geo: PageGeometry,
@@ -134,6 +149,13 @@ pub struct PagePool<B: PageBackend> {
     /// At most this many pages are created.
     limit: usize,
     scratch: B::Handle,
+    /// Per page: how many slots map it (absent: none).
+    maps: HashMap<B::Handle, u32>,
+    /// Pages the prefix cache holds.
+    held: HashMap<B::Handle, u32>,
+    /// Per slot: leading page steps mapped from the prefix cache (read only).
+    shared: Vec<usize>,
+    prefix: Option<PrefixIndex<B::Handle>>,
 }
 
 impl<B: PageBackend> PagePool<B> {
@@ -174,6 +196,10 @@ impl<B: PageBackend> PagePool<B> {
             created: 0,
             limit: limit_bytes / geo.page_bytes,
             scratch,
+            maps: HashMap::new(),
+            held: HashMap::new(),
+            shared: vec![0; num_slots],
+            prefix: None,
         };
         for s in 0..num_slots {
             pool.map_scratch(s)?;
@@ -238,14 +264,198 @@ impl<B: PageBackend> PagePool<B> {
         }
     }
 
-    /// Bytes of pages `slot` owns.
+    /// Bytes of pages `slot` maps, a page shared by n slots counted 1/n in each (so the slots'
+    /// bytes add up to the pages they map).
     pub fn slot_bytes(&self, slot: usize) -> usize {
-        self.slots[slot].owned.len() * self.geo.page_bytes
+        let pb = self.geo.page_bytes;
+        self.slots[slot]
+            .owned
+            .iter()
+            .map(|h| pb.div_ceil(self.maps.get(h).copied().unwrap_or(1).max(1) as usize))
+            .sum()
     }
 
-    /// Bytes of pages owned by slots.
+    /// Bytes of pages held by slots or by the prefix cache.
     pub fn bytes_in_use(&self) -> usize {
         (self.created - self.free.len()) * self.geo.page_bytes
+    }
+
+    /// Bytes of pages only the prefix cache holds (no slot maps them): evicted when a slot
+    /// needs the memory.
+    pub fn cached_only_bytes(&self) -> usize {
+        self.held
+            .keys()
+            .filter(|h| !self.maps.contains_key(h))
+            .count()
+            * self.geo.page_bytes
+    }
+
+    /// Tokens at the start of `slot` mapped from the prefix cache (read only).
+    pub fn shared_tokens(&self, slot: usize) -> usize {
+        self.shared[slot] * self.geo.page_tokens
+    }
+
+    /// Takes a hold on page `h` for a slot mapping.
+    fn map_ref(&mut self, h: B::Handle) {
+        *self.maps.entry(h).or_insert(0) += 1;
+    }
+
+    /// Drops a slot mapping's hold on `h`; a page nobody holds goes to the free list.
+    fn unmap_ref(&mut self, h: B::Handle) {
+        let n = self.maps.get_mut(&h).expect("a mapped page");
+        *n -= 1;
+        if *n == 0 {
+            self.maps.remove(&h);
+            if !self.held.contains_key(&h) {
+                self.free.push(h);
+            }
+        }
+    }
+
+    /// Drops the prefix cache's hold on `h`.
+    fn unhold(&mut self, h: B::Handle) {
+        let n = self.held.get_mut(&h).expect("a cached page");
+        *n -= 1;
+        if *n == 0 {
+            self.held.remove(&h);
+            if !self.maps.contains_key(&h) {
+                self.free.push(h);
+            }
+        }
+    }
+
+    /// Evicts the prefix cache's least recently used block no lookup holds; false when there
+    /// is none.
+    fn evict_block(&mut self) -> bool {
+        let Some(px) = self.prefix.as_mut() else {
+            return false;
+        };
+        let Some(id) = px.cache.evict_one() else {
+            return false;
+        };
+        let pages = px.pages.remove(&id).expect("a cached block has pages");
+        for h in pages {
+            self.unhold(h);
+        }
+        true
+    }
+
+    /// Pages that can be had now: free, or not yet created within the limit.
+    fn available(&self) -> usize {
+        self.free.len() + (self.limit - self.created.min(self.limit))
+    }
+
+    /// Turns the prefix cache on: whole blocks of `block_tokens` tokens (a multiple of a
+    /// page's tokens), at most `bytes` of them cached.
+    pub fn enable_prefix(&mut self, block_tokens: usize, bytes: usize) -> Result<(), CudaError> {
+        let pt = self.geo.page_tokens;
+        if block_tokens == 0 || block_tokens % pt != 0 {
+            return Err(CudaError::bad(
+                "KV pages",
+                format!("prefix blocks of {block_tokens} tokens: not whole pages of {pt}"),
+            ));
+        }
+        let block_pages = block_tokens / pt;
+        let n_blocks = bytes / (block_pages * self.geo.runs_per_slot * self.geo.page_bytes);
+        if n_blocks == 0 {
+            return Err(CudaError::bad(
+                "KV pages",
+                format!("a prefix cache of {bytes} bytes holds no block of {block_tokens} tokens"),
+            ));
+        }
+        self.prefix = Some(PrefixIndex {
+            cache: PrefixCache::new(n_blocks, block_tokens),
+            pages: HashMap::new(),
+            block_pages,
+        });
+        Ok(())
+    }
+
+    /// Tokens of a prefix-cache block (None: the cache is off).
+    pub fn prefix_block(&self) -> Option<usize> {
+        self.prefix.as_ref().map(|p| p.cache.block_size())
+    }
+
+    pub fn prefix_stats(&self) -> Option<PrefixStats> {
+        self.prefix.as_ref().map(|p| p.cache.stats())
+    }
+
+    /// Caches the first `blocks` whole blocks of `slot`'s sequence, whose tokens begin
+    /// `tokens`: each block not cached yet gets a hold on the slot's pages. Stops early when
+    /// the cache is full of blocks in use.
+    pub fn remember(&mut self, slot: usize, tokens: &[u32], blocks: usize) {
+        let runs = self.geo.runs_per_slot;
+        let Some(px) = self.prefix.as_ref() else {
+            return;
+        };
+        let (bt, bp) = (px.cache.block_size(), px.block_pages);
+        let blocks = blocks.min(tokens.len() / bt).min(self.pages(slot) / bp);
+        let mut parent = root_hash(0);
+        for j in 0..blocks {
+            let toks = &tokens[j * bt..(j + 1) * bt];
+            if self.prefix.as_ref().expect("on").cache.pool().n_free() == 0 && !self.evict_block() {
+                return;
+            }
+            let px = self.prefix.as_mut().expect("on");
+            if let Some(id) = px.cache.insert(parent, j as u32, toks) {
+                let pages = self.slots[slot].owned[j * bp * runs..(j + 1) * bp * runs].to_vec();
+                for &h in &pages {
+                    *self.held.entry(h).or_insert(0) += 1;
+                }
+                let px = self.prefix.as_mut().expect("on");
+                px.pages.insert(id, pages);
+                px.cache.unpin(Found { blocks: vec![id] });
+            }
+            parent = block_hash(parent, toks);
+        }
+    }
+
+    /// Maps into the empty `slot` (on the scratch page; the device idle) the pages of the
+    /// longest cached prefix of `tokens`, at most `max_blocks` blocks; returns its tokens.
+    pub fn adopt(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        max_blocks: usize,
+    ) -> Result<usize, CudaError> {
+        let runs = self.geo.runs_per_slot;
+        let Some(px) = self.prefix.as_mut() else {
+            return Ok(0);
+        };
+        if !self.slots[slot].scratch {
+            return Err(CudaError::bad(
+                "KV pages",
+                format!("slot {slot} must be empty to take a cached prefix"),
+            ));
+        }
+        let found = px.cache.lookup(0, tokens, max_blocks);
+        let n = found.blocks.len();
+        let (bt, bp) = (px.cache.block_size(), px.block_pages);
+        let owned: Vec<B::Handle> = found
+            .blocks
+            .iter()
+            .flat_map(|id| px.pages[id].iter().copied())
+            .collect();
+        px.cache.unpin(found);
+        if n == 0 {
+            return Ok(0);
+        }
+        self.unmap_scratch(slot)?;
+        for &h in &owned {
+            self.map_ref(h);
+        }
+        self.slots[slot].owned = owned;
+        self.shared[slot] = n * bp;
+        for r in 0..runs {
+            for p in 0..n * bp {
+                let h = self.slots[slot].owned[p * runs + r];
+                let va = self.va(slot, r, p);
+                self.backend.map(va, h)?;
+            }
+            let va = self.va(slot, r, 0);
+            self.backend.grant(va, n * bp * self.geo.page_bytes)?;
+        }
+        Ok(n * bt)
     }
 
     /// Bytes of pages the pool may hold.
@@ -256,24 +466,27 @@ impl<B: PageBackend> PagePool<B> {
     /// Sets the bytes of pages the pool may hold (at least those the slots hold now); free
     /// pages past it are given back.
     pub fn set_limit(&mut self, bytes: usize) -> Result<(), CudaError> {
-        if bytes < self.bytes_in_use() {
+        let slots_hold = self.bytes_in_use() - self.cached_only_bytes();
+        if bytes < slots_hold {
             return Err(CudaError::bad(
                 "KV pages",
                 format!(
                     "a limit of {} MiB below the {} MiB the slots hold",
                     bytes >> 20,
-                    self.bytes_in_use() >> 20
+                    slots_hold >> 20
                 ),
             ));
         }
         self.limit = bytes / self.geo.page_bytes;
         while self.created > self.limit {
-            let h = self
-                .free
-                .pop()
-                .expect("created > limit >= owned: a page is free");
-            self.backend.release(h);
-            self.created -= 1;
+            match self.free.pop() {
+                Some(h) => {
+                    self.backend.release(h);
+                    self.created -= 1;
+                }
+                None if self.evict_block() => {}
+                None => break, // cached pages the slots map: given back as they leave
+            }
         }
         Ok(())
     }
@@ -294,7 +507,8 @@ impl<B: PageBackend> PagePool<B> {
             return Ok(());
         }
         let need = (want - have) * runs;
-        let avail = self.free.len() + (self.limit - self.created.min(self.limit));
+        while need > self.available() && self.evict_block() {}
+        let avail = self.available();
         if need > avail {
             return Err(CudaError::bad(
                 "KV pages",
@@ -327,6 +541,9 @@ impl<B: PageBackend> PagePool<B> {
             }
         }
         let first = have * runs;
+        for &h in &fresh {
+            self.map_ref(h);
+        }
         self.slots[slot].owned.extend_from_slice(&fresh);
         for r in 0..runs {
             for p in have..want {
@@ -349,10 +566,11 @@ impl<B: PageBackend> PagePool<B> {
         }
         let runs = self.geo.runs_per_slot;
         let owned = std::mem::take(&mut self.slots[slot].owned);
+        self.shared[slot] = 0;
         for (i, &h) in owned.iter().enumerate() {
             let va = self.va(slot, i % runs, i / runs);
             self.backend.unmap(va)?;
-            self.free.push(h);
+            self.unmap_ref(h);
         }
         self.map_scratch(slot)
     }
@@ -369,13 +587,12 @@ impl<B: PageBackend> PagePool<B> {
 
 impl<B: PageBackend> Drop for PagePool<B> {
     fn drop(&mut self) {
+        let runs = self.geo.runs_per_slot;
         for s in 0..self.slots.len() {
-            let runs = self.geo.runs_per_slot;
             let owned = std::mem::take(&mut self.slots[s].owned);
-            for (i, &h) in owned.iter().enumerate() {
+            for i in 0..owned.len() {
                 let va = self.va(s, i % runs, i / runs);
                 let _ = self.backend.unmap(va);
-                self.backend.release(h);
             }
             if self.slots[s].scratch {
                 for r in 0..runs {
@@ -384,7 +601,11 @@ impl<B: PageBackend> Drop for PagePool<B> {
                 }
             }
         }
-        for h in self.free.drain(..) {
+        // Every page once: mapped by slots, held by the cache, or free.
+        let mut all: Vec<B::Handle> = self.maps.keys().copied().collect();
+        all.extend(self.held.keys().filter(|h| !self.maps.contains_key(h)));
+        all.append(&mut self.free);
+        for h in all {
             self.backend.release(h);
         }
         self.backend.release(self.scratch);
@@ -547,6 +768,115 @@ mod tests {
             assert_eq!(b.live.len(), owned / PAGE + pool.free_pages() + 1);
         }
         assert!(refused > 0, "the limit was never reached");
+        drop(pool);
+        let b = book.0.lock().unwrap();
+        assert!(b.at.is_empty() && b.live.is_empty(), "pages leaked");
+    }
+
+    /// The prefix cache over random prompts from a 2-letter alphabet of blocks (so prompts
+    /// share prefixes), as the scheduler drives it: an empty slot adopts the longest cached
+    /// prefix, maps the rest, caches its whole blocks; slots are released at random. Checked
+    /// each step: a slot maps exactly the pages of its length, at its own addresses; a page a
+    /// prefill writes is mapped by that slot alone and not cached; every whole page of every
+    /// slot holds the KV of its own tokens (a wrong share would show another prompt's); no
+    /// page is lost; the slots' bytes add up to the pages they map; a full cache evicts;
+    /// dropping the pool releases everything.
+    #[test]
+    fn shared_prefixes_hold_their_own_tokens_and_never_leak() {
+        let book = Fake::default();
+        let g = geo(); // 32 tokens a page, 6 runs
+        let (slots, cap, bt) = (3, 1000, 64); // blocks of 2 pages
+        let bases = vec![0x1000_0000u64, 0x2000_0000, 0x3000_0000];
+        let mut pool = PagePool::new(book.clone(), g, bases, slots, cap, 400 * PAGE).unwrap();
+        pool.enable_prefix(bt, 120 * PAGE).unwrap(); // 10 blocks of 12 pages
+        let mut held: Vec<Option<Vec<u32>>> = vec![None; slots];
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = |n: usize| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % n as u64) as usize
+        };
+        let mut hits = 0;
+        let runs = g.runs_per_slot;
+        // A page's content: the tokens up to its end (its KV depends on all of them).
+        let tag = |t: &[u32], p: usize| -> Vec<u32> {
+            t[..((p + 1) * g.page_tokens).min(t.len())].to_vec()
+        };
+        let mut content: HashMap<u32, Vec<u32>> = HashMap::new();
+        for _ in 0..1500 {
+            let s = rnd(slots);
+            if held[s].is_some() && rnd(3) == 0 {
+                pool.release(s).unwrap();
+                held[s] = None;
+            } else if held[s].is_none() {
+                // A prompt of 1-5 blocks, each all-0 or all-1 tokens, and a tail of 0-40.
+                let mut t = Vec::new();
+                for _ in 0..1 + rnd(5) {
+                    t.extend(std::iter::repeat_n(rnd(2) as u32, bt));
+                }
+                t.extend(std::iter::repeat_n(7u32, rnd(41)));
+                let whole = (t.len() - 1) / bt; // the last part is never adopted
+                let got = pool.adopt(s, &t, whole).unwrap();
+                assert_eq!(got % bt, 0);
+                assert_eq!(pool.shared_tokens(s), got);
+                hits += usize::from(got > 0);
+                match pool.ensure(s, t.len()) {
+                    Ok(()) => {
+                        // The prefill writes the pages past the adopted ones: none of them
+                        // may be held by the cache or mapped by another slot.
+                        let sp = pool.shared_tokens(s) / g.page_tokens;
+                        for p in sp..pool.pages(s) {
+                            for r in 0..runs {
+                                let page = pool.slots[s].owned[p * runs + r];
+                                assert_eq!(pool.maps[&page], 1, "a written page is shared");
+                                assert!(!pool.held.contains_key(&page), "a cached page written");
+                                content.insert(page, tag(&t, p));
+                            }
+                        }
+                        pool.remember(s, &t, t.len() / bt);
+                        held[s] = Some(t);
+                    }
+                    Err(_) => pool.release(s).unwrap(),
+                }
+            }
+            let b = book.0.lock().unwrap();
+            for (i, h) in held.iter().enumerate() {
+                let want = h.as_ref().map_or(0, |t| g.pages_for(t.len(), cap));
+                assert_eq!(pool.pages(i), want, "slot {i}");
+                assert_eq!(pool.on_scratch(i), h.is_none());
+                for r in 0..runs {
+                    for p in 0..want {
+                        let va = pool.va(i, r, p);
+                        assert_eq!(b.at.get(&va), Some(&pool.slots[i].owned[p * runs + r]));
+                    }
+                }
+            }
+            // What each page holds: every whole page of a slot holds its own tokens' KV.
+            for (i, h) in held.iter().enumerate() {
+                let Some(t) = h else { continue };
+                for p in 0..t.len() / g.page_tokens {
+                    for r in 0..runs {
+                        let page = pool.slots[i].owned[p * runs + r];
+                        assert_eq!(content.get(&page), Some(&tag(t, p)), "slot {i} page {p}");
+                    }
+                }
+            }
+            let mapped: HashSet<u32> = (0..slots)
+                .flat_map(|i| pool.slots[i].owned.clone())
+                .collect();
+            let attributed: usize = (0..slots).map(|i| pool.slot_bytes(i)).sum();
+            assert!(attributed >= mapped.len() * PAGE && attributed < mapped.len() * PAGE + PAGE);
+            let cached_only = pool.cached_only_bytes() / PAGE;
+            assert_eq!(
+                b.live.len(),
+                mapped.len() + cached_only + pool.free_pages() + 1
+            );
+            assert_eq!(pool.bytes_in_use(), (mapped.len() + cached_only) * PAGE);
+        }
+        let st = pool.prefix_stats().unwrap();
+        assert!(hits > 100, "only {hits} prefix hits");
+        assert!(st.evicted_blocks > 0, "the cache never filled");
         drop(pool);
         let b = book.0.lock().unwrap();
         assert!(b.at.is_empty() && b.live.is_empty(), "pages leaked");

@@ -758,3 +758,80 @@ fn paged_kv_equals_contiguous() {
     paged.copy_slot(0, 2).unwrap();
     assert_eq!(paged.slot_kv_bytes(2), per_step);
 }
+
+/// The GPU prefix cache: slot 0 prefills an 8192-token shared prefix (one 2 MiB page a head,
+/// cached) and its own tail; slot 1 maps the cached pages instead of prefilling them and
+/// prefills only its tail. Against the decoder allocated whole prefilling both prompts in
+/// full, the logits are equal bit for bit (the same prefill chunks write the same KV), through
+/// prefill and 8 decode steps; the shared page is held once (3 page steps, not 4), and nothing
+/// may write into it.
+#[test]
+fn prefix_pages_equal_prefill() {
+    let Some(ctx) = gpu("prefix_pages_equal_prefill") else {
+        return;
+    };
+    use slowfast_engine::cuda::load_paged_decoder;
+    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
+        .unwrap()
+        .model;
+    let v = m.cfg.vocab_size;
+    let cap = 16384;
+    let shared = tokens(8192, v, 0x5A5A);
+    let prompt = |tail: usize, seed: u64| {
+        let mut p = shared.clone();
+        p.extend(tokens(tail, v, seed));
+        p
+    };
+    let (a, b) = (prompt(300, 1), prompt(500, 2));
+    let mut whole = load_decoder(ctx.clone(), &m, 2, cap, 2048).unwrap();
+    let mut paged = load_paged_decoder(ctx.clone(), &m, 2, cap, 2048).unwrap();
+    paged.set_kv_limit(8 << 30).unwrap();
+    paged.enable_prefix_cache(8192, 4 << 30).unwrap();
+    whole.prefill(0, &a, false).unwrap();
+    whole.prefill(1, &b, false).unwrap();
+    paged.prefill(0, &a[..8192], false).unwrap();
+    paged.cache_prefix(0, &a, 1);
+    paged.prefill(0, &a[8192..], false).unwrap();
+    assert_eq!(paged.adopt_prefix(1, &b, 1).unwrap(), 8192);
+    assert_eq!(paged.slot_len(1), 8192);
+    // The shared page is read only.
+    assert!(paged.truncate(1, 100).is_err());
+    paged.prefill(1, &b[8192..], false).unwrap();
+    let per_step = m.cfg.num_hidden_layers * 2 * m.cfg.num_key_value_heads * (2 << 20);
+    assert_eq!(
+        paged.kv_bytes(),
+        3 * per_step,
+        "one copy of the shared page step"
+    );
+    assert_eq!(
+        paged.slot_kv_bytes(0) + paged.slot_kv_bytes(1),
+        3 * per_step
+    );
+    assert_eq!(paged.prefix_cache_bytes(), 0); // the cached pages are mapped
+    for d in [&mut whole, &mut paged] {
+        d.begin_decode().unwrap();
+    }
+    assert!(
+        whole.logits().unwrap() == paged.logits().unwrap(),
+        "prefill logits"
+    );
+    for (i, &t) in tokens(8, v, 0x77).iter().enumerate() {
+        for d in [&mut whole, &mut paged] {
+            d.set_next(&[t, t ^ 5]).unwrap();
+            d.decode_step().unwrap();
+        }
+        assert!(
+            whole.logits().unwrap() == paged.logits().unwrap(),
+            "decode step {i}"
+        );
+    }
+    // Slot 1 leaves: the shared page stays with slot 0 and the cache; slot 0 leaves: the
+    // cache alone holds it, evictable.
+    paged.release_slot(1).unwrap();
+    assert_eq!(paged.kv_bytes(), 2 * per_step);
+    paged.release_slot(0).unwrap();
+    assert_eq!(paged.prefix_cache_bytes(), per_step);
+    eprintln!(
+        "prefix pages: slot 1 mapped slot 0's 8192-token page step; logits equal bit for bit"
+    );
+}

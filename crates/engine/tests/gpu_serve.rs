@@ -686,3 +686,85 @@ fn kv_pages_preempt_and_every_request_finishes() {
     assert_eq!(g.kv_bytes_in_use.load(Ordering::Relaxed), 0);
     assert_eq!(g.kv_bytes_capacity.load(Ordering::Relaxed), 3 * step);
 }
+
+/// The GPU prefix cache in the server: six requests whose prompts share an 8192-token prefix
+/// (one whole prefill part) and differ after it. The first prefills it and caches its pages;
+/// the others map them: the cache serves 5 x 8192 tokens. Under full KV every request's greedy
+/// tokens equal `generate --device cuda` alone (the same prefill parts write the same KV);
+/// under SFI every request finishes.
+#[test]
+fn prefix_cache_shares_pages_and_keeps_the_tokens() {
+    if !have_gpu("prefix_cache_shares_pages_and_keeps_the_tokens") {
+        return;
+    }
+    let mut cfg = slowfast_model::presets::preset("qwen3-0.6b").unwrap();
+    cfg.num_hidden_layers = 4;
+    cfg.layer_sliding = vec![false; 4];
+    cfg.vocab_size = 8192;
+    cfg.max_position_embeddings = 32768;
+    let w = slowfast_model::random::random_weights(&cfg, GgmlType::BF16, 0x9a9f).unwrap();
+    let m = Arc::new(Loaded {
+        tokenizer: slowfast_tokenizer::Tokenizer::byte_level(cfg.vocab_size).unwrap(),
+        model: Model::new(cfg, w).unwrap(),
+        name: "random qwen3 (4 layers, 32K)".into(),
+    });
+    let shared = slowfast_engine::bench::random_tokens(8192, 8192, 0x5157);
+    let reqs: Vec<(Vec<u32>, usize)> = (0..6)
+        .map(|i| {
+            let mut p = shared.clone();
+            p.extend(slowfast_engine::bench::random_tokens(
+                40 + 9 * i,
+                8192,
+                0x7A11 + i as u64,
+            ));
+            (p, 24)
+        })
+        .collect();
+    for policy in policies(&m).into_iter().filter(|p| p.name() != "streaming") {
+        let want = alone(&m, &reqs, &policy);
+        let h = scheduler::spawn(
+            m.clone(),
+            SchedulerConfig {
+                device: Device::Cuda,
+                max_batch: 4,
+                max_queue: 16,
+                prefill_tokens_per_step: 512,
+                chunk: 64,
+                kv_dtype: KvDtype::F32,
+                kv_memory: usize::MAX,
+                kv_reserve: false,
+                gpu_memory_utilization: 0.9,
+                max_context: 16384,
+                default_policy: policy.clone(),
+                draft: None,
+                prefix_cache_bytes: usize::MAX,
+                prefix_block: 16,
+            },
+        )
+        .unwrap()
+        .0;
+        let got = together(&h, &reqs, &policy);
+        let hits = h.gauges().prefix_hit_tokens.load(Ordering::Relaxed);
+        eprintln!(
+            "{}: prefix cache served {hits} tokens; vs generate alone: {}",
+            policy.name(),
+            agreement(&got, &want)
+        );
+        assert_eq!(hits, 5 * 8192, "{}", policy.name());
+        if policy.name() == "sfi" {
+            // Batched SFI rows may part from their runs alone (see
+            // greedy_requests_equal_generate_alone): every request finishes.
+            for (i, g) in got.iter().enumerate() {
+                assert!(g.2.is_none(), "sfi: request {i}: {:?}", g.2);
+                assert_eq!(g.0.len(), 24, "sfi: request {i}");
+            }
+            continue;
+        }
+        check(
+            &format!("{} with the prefix cache", policy.name()),
+            &got,
+            &want,
+            false,
+        );
+    }
+}

@@ -170,6 +170,18 @@ impl GpuDevice {
             n => n,
         };
         dec.set_kv_limit(limit).map_err(gpu_err)?;
+        // The prefix cache: whole prefill parts (GPU_CHUNK tokens), sharing the slots' pages.
+        if cfg.prefix_cache_bytes > 0 {
+            let pt = dec.page_tokens();
+            if GPU_CHUNK.is_multiple_of(pt) {
+                dec.enable_prefix_cache(GPU_CHUNK, cfg.prefix_cache_bytes.min(limit))
+                    .map_err(gpu_err)?;
+            } else {
+                eprintln!(
+                    "slowfast serve: no prefix cache on the GPU for this model (a KV page of {pt} tokens is more than a prefill part of {GPU_CHUNK})"
+                );
+            }
+        }
         let dense_below = match gp {
             GpuKvPolicy::Sfi(_) => gp.dense_below(),
             _ => usize::MAX,
@@ -447,9 +459,44 @@ impl BatchDevice for GpuDevice {
     /// decoder maps them at the step, so the scheduler must have counted them.
     fn kv_grown(&self, seq: &GpuSeq, extra: usize) -> usize {
         let len = self.dec.slot_len(seq.slot).max(seq.prefilled);
-        self.dec
-            .slot_kv_bytes(seq.slot)
-            .max(self.dec.kv_bytes_for(len + extra + IDLE_SPAN))
+        self.dec.slot_kv_bytes(seq.slot) + self.dec.kv_bytes_more(seq.slot, len + extra + IDLE_SPAN)
+    }
+
+    /// Maps the cached pages of the prompt's leading whole parts (not its last) into the
+    /// fresh sequence's slot; returns the parts skipped.
+    fn reuse_prefix(&mut self, seq: &mut GpuSeq, prompt: &[u32], plan: &[(usize, usize)]) -> usize {
+        let Some(block) = self.dec.prefix_block() else {
+            return 0;
+        };
+        let whole = plan[..plan.len().saturating_sub(1)]
+            .iter()
+            .take_while(|&&(a, b)| a.is_multiple_of(block) && b - a == block)
+            .count();
+        if whole == 0 || seq.prefilled != 0 {
+            return 0;
+        }
+        match self.dec.adopt_prefix(seq.slot, prompt, whole) {
+            Ok(n) => {
+                self.dirty = true;
+                if n == 0 {
+                    // Back to the free slot's dummy token until its first part.
+                    let _ = self.dec.release_slot(seq.slot);
+                    return 0;
+                }
+                seq.prefilled = n;
+                self.hold[seq.slot] = n;
+                n / block
+            }
+            Err(e) => {
+                eprintln!("prefix cache: adopting failed ({e}); prefilling the whole prompt");
+                let _ = self.dec.release_slot(seq.slot);
+                0
+            }
+        }
+    }
+
+    fn prefix_bytes(&self) -> usize {
+        self.dec.prefix_cache_bytes()
     }
 
     fn open(&mut self, policy: &PolicySpec, capacity: usize) -> Result<GpuSeq, EngineError> {
@@ -526,6 +573,12 @@ impl BatchDevice for GpuDevice {
             .map_err(gpu_err)?;
         seq.prefilled = b;
         self.hold[slot] = b;
+        // Whole parts before the last go to the prefix cache.
+        if let Some(block) = self.dec.prefix_block() {
+            if i + 1 < plan.len() && b.is_multiple_of(block) {
+                self.dec.cache_prefix(slot, prompt, b / block);
+            }
+        }
         if let Some(t) = seq.trigger.as_mut() {
             if self.dec.step_counts().2 > refreshes {
                 t.reset_after_refresh(); // the bootstrap
