@@ -42,8 +42,10 @@ def one(port: int, model: str, prompt: str, max_tokens: int, t0: float, out: dic
             continue
         chunk = json.loads(line[6:])
         for ch in chunk.get("choices", []):
+            # The first chunk is the first token, even when it decodes to no text yet (a
+            # random-weight model's byte-level tokens).
+            out.setdefault("ttft", time.perf_counter() - t0)
             if ch.get("text"):
-                out.setdefault("ttft", time.perf_counter() - t0)
                 text.append(ch["text"])
     out["text"] = "".join(text)
     out["end"] = time.perf_counter() - t0
