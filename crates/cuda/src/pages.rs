@@ -672,6 +672,16 @@ mod tests {
 
     const PAGE: usize = 4096;
 
+    /// Draws in `0..n` from a xorshift generator seeded with `x`.
+    fn xorshift(mut x: u64) -> impl FnMut(usize) -> usize {
+        move |n| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % n as u64) as usize
+        }
+    }
+
     fn geo() -> PageGeometry {
         // Rows of 64 bf16 (128 bytes): 32 tokens a page; 2 heads, 3 buffers.
         PageGeometry::new(PAGE, 64, 2, 2, 3).unwrap()
@@ -709,13 +719,7 @@ mod tests {
         let mut pool = PagePool::new(book.clone(), g, bases.clone(), slots, cap, limit).unwrap();
         let run_bytes = (pool.capacity() / g.page_tokens * PAGE) as u64;
         let mut model = vec![0usize; slots]; // tokens ensured per slot (0: scratch)
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rnd = |n: usize| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % n as u64) as usize
-        };
+        let mut rnd = xorshift(0x9e37_79b9_7f4a_7c15u64);
         let mut refused = 0;
         for _ in 0..3000 {
             let s = rnd(slots);
@@ -790,13 +794,7 @@ mod tests {
         let mut pool = PagePool::new(book.clone(), g, bases, slots, cap, 400 * PAGE).unwrap();
         pool.enable_prefix(bt, 120 * PAGE).unwrap(); // 10 blocks of 12 pages
         let mut held: Vec<Option<Vec<u32>>> = vec![None; slots];
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut rnd = |n: usize| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % n as u64) as usize
-        };
+        let mut rnd = xorshift(0x2545_f491_4f6c_dd1du64);
         let mut hits = 0;
         let runs = g.runs_per_slot;
         // A page's content: the tokens up to its end (its KV depends on all of them).

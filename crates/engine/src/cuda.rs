@@ -169,8 +169,7 @@ pub fn load_decoder(
     capacity: usize,
     chunk: usize,
 ) -> Result<GpuDecoder, EngineError> {
-    crate::device::check_cuda_support(model)?;
-    GpuDecoder::new(ctx, spec_of(model), &Dequant(model), slots, capacity, chunk).map_err(gpu_err)
+    load_decoder_with(ctx, model, (slots, capacity, chunk), false)
 }
 
 /// As [`load_decoder`], with the KV cache paged ([`GpuDecoder::new_paged`]): slots map
@@ -182,9 +181,22 @@ pub fn load_paged_decoder(
     capacity: usize,
     chunk: usize,
 ) -> Result<GpuDecoder, EngineError> {
+    load_decoder_with(ctx, model, (slots, capacity, chunk), true)
+}
+
+fn load_decoder_with(
+    ctx: Arc<CudaContext>,
+    model: &Model,
+    (slots, capacity, chunk): (usize, usize, usize),
+    paged: bool,
+) -> Result<GpuDecoder, EngineError> {
     crate::device::check_cuda_support(model)?;
-    GpuDecoder::new_paged(ctx, spec_of(model), &Dequant(model), slots, capacity, chunk)
-        .map_err(gpu_err)
+    let (spec, w) = (spec_of(model), &Dequant(model));
+    match paged {
+        false => GpuDecoder::new(ctx, spec, w, slots, capacity, chunk),
+        true => GpuDecoder::new_paged(ctx, spec, w, slots, capacity, chunk),
+    }
+    .map_err(gpu_err)
 }
 
 /// The GPU form of a KV policy: full, streaming and SFI run on the GPU; the others answer

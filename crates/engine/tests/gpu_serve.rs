@@ -36,12 +36,17 @@ fn have_gpu(name: &str) -> bool {
 /// Qwen3-0.6B shapes (head dim 128, 16 / 8 heads, q/k norm) cut to 4 layers and an 8K vocab,
 /// random bf16 weights, a byte-level tokenizer.
 fn model() -> Arc<Loaded> {
+    model_with(4096, 0x5e7e)
+}
+
+/// The 4-layer model with a context of `context` tokens and weights from `seed`.
+fn model_with(context: usize, seed: u64) -> Arc<Loaded> {
     let mut cfg = slowfast_model::presets::preset("qwen3-0.6b").unwrap();
     cfg.num_hidden_layers = 4;
     cfg.layer_sliding = vec![false; 4];
     cfg.vocab_size = 8192;
-    cfg.max_position_embeddings = 4096;
-    let w = slowfast_model::random::random_weights(&cfg, GgmlType::BF16, 0x5e7e).unwrap();
+    cfg.max_position_embeddings = context;
+    let w = slowfast_model::random::random_weights(&cfg, GgmlType::BF16, seed).unwrap();
     let tokenizer = slowfast_tokenizer::Tokenizer::byte_level(cfg.vocab_size).unwrap();
     Arc::new(Loaded {
         model: Model::new(cfg, w).unwrap(),
@@ -52,8 +57,10 @@ fn model() -> Arc<Loaded> {
 
 const MAX_CONTEXT: usize = 256;
 
-fn sched(m: &Arc<Loaded>, max_batch: usize, policy: &PolicySpec) -> SchedulerHandle {
-    let cfg = SchedulerConfig {
+/// The GPU server's config: `max_batch` slots of `max_context`, the pool from the device, no
+/// prefix cache.
+fn config(max_batch: usize, max_context: usize, policy: &PolicySpec) -> SchedulerConfig {
+    SchedulerConfig {
         device: Device::Cuda,
         max_batch,
         max_queue: 16,
@@ -63,13 +70,18 @@ fn sched(m: &Arc<Loaded>, max_batch: usize, policy: &PolicySpec) -> SchedulerHan
         kv_memory: usize::MAX,
         kv_reserve: false,
         gpu_memory_utilization: 0.9,
-        max_context: MAX_CONTEXT,
+        max_context,
         default_policy: policy.clone(),
         draft: None,
         prefix_cache_bytes: 0,
         prefix_block: 16,
-    };
-    scheduler::spawn(m.clone(), cfg).unwrap().0
+    }
+}
+
+fn sched(m: &Arc<Loaded>, max_batch: usize, policy: &PolicySpec) -> SchedulerHandle {
+    scheduler::spawn(m.clone(), config(max_batch, MAX_CONTEXT, policy))
+        .unwrap()
+        .0
 }
 
 fn sink(id: usize, tx: &Sender<(usize, Event)>) -> (Box<ChannelSink>, Arc<AtomicBool>) {
@@ -622,17 +634,7 @@ fn kv_pages_preempt_and_every_request_finishes() {
     if !have_gpu("kv_pages_preempt_and_every_request_finishes") {
         return;
     }
-    let mut cfg = slowfast_model::presets::preset("qwen3-0.6b").unwrap();
-    cfg.num_hidden_layers = 4;
-    cfg.layer_sliding = vec![false; 4];
-    cfg.vocab_size = 8192;
-    cfg.max_position_embeddings = 32768;
-    let w = slowfast_model::random::random_weights(&cfg, GgmlType::BF16, 0x9a9e).unwrap();
-    let m = Arc::new(Loaded {
-        tokenizer: slowfast_tokenizer::Tokenizer::byte_level(cfg.vocab_size).unwrap(),
-        model: Model::new(cfg, w).unwrap(),
-        name: "random qwen3 (4 layers, 32K)".into(),
-    });
+    let m = model_with(32768, 0x9a9e);
     let step = 4 * 2 * 8 * (2usize << 20);
     let reqs: Vec<(Vec<u32>, usize)> = (0..3)
         .map(|i| {
@@ -642,27 +644,12 @@ fn kv_pages_preempt_and_every_request_finishes() {
         .collect();
     let policy = PolicySpec::Full;
     let want = alone(&m, &reqs[..1], &policy);
-    let h = scheduler::spawn(
-        m.clone(),
-        SchedulerConfig {
-            device: Device::Cuda,
-            max_batch: 3,
-            max_queue: 16,
-            prefill_tokens_per_step: 8192,
-            chunk: 64,
-            kv_dtype: KvDtype::F32,
-            kv_memory: 3 * step,
-            kv_reserve: false,
-            gpu_memory_utilization: 0.9,
-            max_context: 16384,
-            default_policy: policy.clone(),
-            draft: None,
-            prefix_cache_bytes: 0,
-            prefix_block: 16,
-        },
-    )
-    .unwrap()
-    .0;
+    let cfg = SchedulerConfig {
+        prefill_tokens_per_step: 8192,
+        kv_memory: 3 * step,
+        ..config(3, 16384, &policy)
+    };
+    let h = scheduler::spawn(m.clone(), cfg).unwrap().0;
     let t = Instant::now();
     let got = together(&h, &reqs, &policy);
     let g = h.gauges();
@@ -697,17 +684,7 @@ fn prefix_cache_shares_pages_and_keeps_the_tokens() {
     if !have_gpu("prefix_cache_shares_pages_and_keeps_the_tokens") {
         return;
     }
-    let mut cfg = slowfast_model::presets::preset("qwen3-0.6b").unwrap();
-    cfg.num_hidden_layers = 4;
-    cfg.layer_sliding = vec![false; 4];
-    cfg.vocab_size = 8192;
-    cfg.max_position_embeddings = 32768;
-    let w = slowfast_model::random::random_weights(&cfg, GgmlType::BF16, 0x9a9f).unwrap();
-    let m = Arc::new(Loaded {
-        tokenizer: slowfast_tokenizer::Tokenizer::byte_level(cfg.vocab_size).unwrap(),
-        model: Model::new(cfg, w).unwrap(),
-        name: "random qwen3 (4 layers, 32K)".into(),
-    });
+    let m = model_with(32768, 0x9a9f);
     let shared = slowfast_engine::bench::random_tokens(8192, 8192, 0x5157);
     let reqs: Vec<(Vec<u32>, usize)> = (0..6)
         .map(|i| {
@@ -722,27 +699,11 @@ fn prefix_cache_shares_pages_and_keeps_the_tokens() {
         .collect();
     for policy in policies(&m).into_iter().filter(|p| p.name() != "streaming") {
         let want = alone(&m, &reqs, &policy);
-        let h = scheduler::spawn(
-            m.clone(),
-            SchedulerConfig {
-                device: Device::Cuda,
-                max_batch: 4,
-                max_queue: 16,
-                prefill_tokens_per_step: 512,
-                chunk: 64,
-                kv_dtype: KvDtype::F32,
-                kv_memory: usize::MAX,
-                kv_reserve: false,
-                gpu_memory_utilization: 0.9,
-                max_context: 16384,
-                default_policy: policy.clone(),
-                draft: None,
-                prefix_cache_bytes: usize::MAX,
-                prefix_block: 16,
-            },
-        )
-        .unwrap()
-        .0;
+        let cfg = SchedulerConfig {
+            prefix_cache_bytes: usize::MAX,
+            ..config(4, 16384, &policy)
+        };
+        let h = scheduler::spawn(m.clone(), cfg).unwrap().0;
         let got = together(&h, &reqs, &policy);
         let hits = h.gauges().prefix_hit_tokens.load(Ordering::Relaxed);
         eprintln!(
