@@ -203,6 +203,13 @@ PY
         nvidia-smi --query-gpu=memory.used --format=csv | tee -a "$OUT/capacity.log"
         kill "$spid"; wait "$spid" 2>/dev/null
       done ;;
+    long)
+      # One sequence at LCTX (8k,128k,256k,512k; issue 22's scale with context, bf16 KV: 1M
+      # needs fp8): full and sfi at batch 1, the KV before the last 8192 positions filled
+      # (--real-prefill 8192); budget and interval as in `sfi`
+      .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${LCTX:-8k,128k,256k,512k}" \
+        --batch 1 --new-tokens "$N" --policies full,sfi $SFI_OPTS --real-prefill 8192 \
+        --json "$OUT/long.json" 2>&1 | tee "$OUT/long.log" ;;
     prefix)
       # GPU prefix cache (issue 22): PREQS (32) greedy requests of 16 tokens sharing a system
       # prompt cut from Emma (random:qwen3-4b's tokenizer is byte-level: 8525 tokens, the first

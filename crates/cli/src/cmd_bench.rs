@@ -28,7 +28,8 @@ pub struct Args {
     pub policies: String,
     /// Prefill only the last N prompt tokens of each context for real and fill the KV of the
     /// positions before them with pseudo-random values (decode speed does not depend on them;
-    /// makes 32K+ decode benchmarks affordable on a CPU). Prefill tok/s then covers those N
+    /// makes 32K+ decode benchmarks affordable on a CPU; on the GPU the positions get copies
+    /// of the first 8192 tokens' KV, for 256K+ contexts). Prefill tok/s then covers those N
     /// tokens only. Default: prefill the whole context.
     #[arg(long)]
     pub real_prefill: Option<usize>,
@@ -182,6 +183,7 @@ fn run_cuda(
         repeats: o.repeats,
         policies: o.policies,
         paged: a.paged_kv,
+        real_prefill: a.real_prefill,
     };
     let spec_for = |name: &str, ctx: usize| policy_for(a, &m, name, ctx);
     let (recs, spec_recs) = bench(&m, &go, spec.as_ref(), &spec_for, &mut |s| eprintln!("{s}"))?;

@@ -1249,6 +1249,60 @@ impl GpuDecoder {
         Ok(())
     }
 
+    /// Fills the empty `slot` with `tokens.len()` positions for timing long contexts: the
+    /// first `min(chunk, len)` tokens are prefilled for real and their keys and values copied
+    /// over the rest of the positions (doubling copies per layer and head). Decode cost does
+    /// not depend on the values; the copies' rotary phases belong to their source positions.
+    pub fn fill_synthetic(&mut self, slot: usize, tokens: &[u32]) -> Result<(), CudaError> {
+        self.check_slot(slot)?;
+        if self.slot_len[slot] != 0 || tokens.is_empty() {
+            return Err(bad(format!(
+                "fill_synthetic: slot {slot} must be empty and the fill not empty"
+            )));
+        }
+        let len = tokens.len();
+        let seed = len.min(self.chunk);
+        self.prefill(slot, &tokens[..seed], false)?;
+        if len == seed {
+            return Ok(());
+        }
+        if len > self.kv.capacity {
+            return Err(bad(format!(
+                "fill_synthetic: {len} tokens exceed the KV capacity {}",
+                self.kv.capacity
+            )));
+        }
+        self.ensure_kv(slot, len, false)?;
+        let (cap, d, heads) = (self.kv.capacity, self.kv.head_dim, self.kv.kv_heads);
+        let stream = self.ctx.stream().cu_stream();
+        for (k, v) in &self.caches {
+            for c in [k, v] {
+                for h in 0..heads {
+                    let run = c.device_ptr() + (((slot * heads + h) * cap) * d * 2) as u64;
+                    let mut have = seed;
+                    while have < len {
+                        let n = have.min(len - have);
+                        unsafe {
+                            cudarc::driver::result::memcpy_dtod_async(
+                                run + (have * d * 2) as u64,
+                                run,
+                                n * d * 2,
+                                stream,
+                            )
+                        }
+                        .map_err(crate::context::drv("cuMemcpyDtoDAsync (KV fill)"))?;
+                        have += n;
+                    }
+                }
+            }
+        }
+        self.slot_len[slot] = len;
+        if let Some(sp) = self.sparse.as_mut() {
+            sp.reset_slot(&self.ctx, slot)?;
+        }
+        Ok(())
+    }
+
     /// The chunks `[a, b)` in which `prefill` runs `total` tokens: `chunk` tokens each, the
     /// last one holding at least SFI's bootstrap rows (taken from the chunk before when needed:
     /// the bootstrap captures the last rows of the last chunk).
