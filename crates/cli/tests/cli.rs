@@ -558,6 +558,10 @@ fn bench_speculate_on_the_cpu_replays_the_acceptance() {
             &["--speculate", "ngram", "--spec-graphs", "off"],
             "--spec-graphs off: verification graphs exist on --device cuda only",
         ),
+        (
+            &["--paged-kv"],
+            "--paged-kv is for --device cuda (the CPU's KV always grows on demand)",
+        ),
     ] {
         let mut args = vec!["bench", "--model", m, "--contexts", "96"];
         args.extend(flags);
@@ -566,7 +570,7 @@ fn bench_speculate_on_the_cpu_replays_the_acceptance() {
 }
 
 #[test]
-fn serve_refuses_a_prefix_block_that_does_not_divide_the_chunk_and_a_gpu_prefix_cache() {
+fn serve_refuses_a_prefix_block_that_does_not_divide_the_chunk_and_a_bad_memory_fraction() {
     let dir = fixture("qwen3");
     let m = dir.to_str().unwrap();
     let serve = ["serve", "--model", m, "--port", "0"];
@@ -581,4 +585,10 @@ fn serve_refuses_a_prefix_block_that_does_not_divide_the_chunk_and_a_gpu_prefix_
         with(&["--prefix-block", "24"]),
         "block of 24 tokens must divide the prefill chunk of 512 tokens",
     );
+    for bad in ["0", "1.5", "NaN"] {
+        run(
+            with(&["--gpu-memory-utilization", bad]),
+            "--gpu-memory-utilization must be a fraction in (0, 1]",
+        );
+    }
 }
