@@ -102,12 +102,7 @@ pub fn run(a: Args) -> Result<()> {
     if a.max_body_bytes < 1024 {
         bail!("--max-body-bytes must be at least 1024");
     }
-    if !(a.gpu_memory_utilization > 0.0 && a.gpu_memory_utilization <= 1.0) {
-        bail!(
-            "--gpu-memory-utilization must be a fraction in (0, 1], not {}",
-            a.gpu_memory_utilization
-        );
-    }
+    scheduler::check_gpu_memory_utilization(a.gpu_memory_utilization)?;
     for (name, v) in [
         ("--header-read-timeout", a.header_read_timeout),
         ("--body-read-timeout", a.body_read_timeout),

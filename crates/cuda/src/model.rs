@@ -128,8 +128,6 @@ pub struct GpuDecoder {
     caches: Vec<(GpuBuffer<bf16>, GpuBuffer<bf16>)>,
     /// Paged KV: the physical pages behind `caches` (None: allocated whole).
     pages: Option<KvPaging>,
-    /// Set while `release_slot` prefills a free slot's dummy token into the scratch page.
-    dummy_prefill: bool,
     embed: GpuBuffer<bf16>,
     lm_head: Option<GpuBuffer<bf16>>,
     final_norm: GpuBuffer<f32>,
@@ -506,7 +504,6 @@ impl GpuDecoder {
             layers,
             caches,
             pages,
-            dummy_prefill: false,
             embed,
             lm_head,
             kv,
@@ -613,11 +610,7 @@ impl GpuDecoder {
             }
             self.ctx.synchronize()?;
         }
-        self.pages
-            .as_mut()
-            .expect("paged")
-            .pool
-            .ensure(slot, tokens)
+        p.pool.ensure(slot, tokens)
     }
 
     /// Empties `slot`, gives its KV pages back to the pool (paged) and leaves it holding
@@ -625,10 +618,7 @@ impl GpuDecoder {
     /// serving scheduler does: decode steps step every slot. Synchronises when paged.
     pub fn release_slot(&mut self, slot: usize) -> Result<(), CudaError> {
         self.reset_slot(slot)?;
-        self.dummy_prefill = true;
-        let r = self.prefill(slot, &[0], false);
-        self.dummy_prefill = false;
-        r.map(|_| ())
+        self.prefill_into(slot, &[0], false, true).map(|_| ())
     }
 
     /// Bytes of weights one decode step reads (every matrix once; one embedding row per token
@@ -643,17 +633,24 @@ impl GpuDecoder {
     /// Paged: its pages go back to the pool (synchronises), the slot to the scratch page.
     pub fn reset_slot(&mut self, slot: usize) -> Result<(), CudaError> {
         self.check_slot(slot)?;
-        self.flush_refreshes()?;
-        self.slot_len[slot] = 0;
-        self.want_refresh[slot] = false;
-        if let Some(sp) = self.sparse.as_mut() {
-            sp.reset_slot(&self.ctx, slot)?;
-        }
+        self.forget_slot(slot)?;
         if let Some(p) = self.pages.as_mut() {
             if !p.pool.on_scratch(slot) {
                 self.ctx.synchronize()?;
                 p.pool.release(slot)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Forgets the sequence in `slot` (length, refresh request, policy state), its KV
+    /// pages left as they are.
+    fn forget_slot(&mut self, slot: usize) -> Result<(), CudaError> {
+        self.flush_refreshes()?;
+        self.slot_len[slot] = 0;
+        self.want_refresh[slot] = false;
+        if let Some(sp) = self.sparse.as_mut() {
+            sp.reset_slot(&self.ctx, slot)?;
         }
         Ok(())
     }
@@ -672,22 +669,35 @@ impl GpuDecoder {
         }
     }
 
-    /// Maps into the empty `slot` the cached pages of the longest cached prefix of `tokens`
-    /// (whole blocks, at most `max_blocks`); returns its length, now the slot's. The shared
-    /// pages are read only: the slot's tokens continue past them. Synchronises.
+    /// Maps into `slot` the cached pages of the longest cached prefix of `tokens` (whole
+    /// blocks, at most `max_blocks`); returns its length, now the slot's sequence (a slot
+    /// holding pages gives them back first). Nothing cached: 0, and a slot on the scratch
+    /// page (a free slot's dummy tokens) is left as it was. The shared pages are read only:
+    /// the slot's tokens continue past them. Synchronises.
     pub fn adopt_prefix(
         &mut self,
         slot: usize,
         tokens: &[u32],
         max_blocks: usize,
     ) -> Result<usize, CudaError> {
-        self.reset_slot(slot)?;
-        let Some(p) = self.pages.as_mut() else {
-            return Ok(0);
-        };
+        self.check_slot(slot)?;
+        match &self.pages {
+            Some(p) if p.pool.prefix_block().is_some() => {
+                if !p.pool.on_scratch(slot) {
+                    self.reset_slot(slot)?;
+                }
+            }
+            _ => return Ok(0),
+        }
+        self.flush_refreshes()?;
+        // A hit unmaps the scratch page, which kernels queued for the dummy tokens use.
         self.ctx.synchronize()?;
-        let n = p.pool.adopt(slot, tokens, max_blocks)?;
-        self.slot_len[slot] = n;
+        let pool = &mut self.pages.as_mut().expect("paged").pool;
+        let n = pool.adopt(slot, tokens, max_blocks)?;
+        if n > 0 {
+            self.forget_slot(slot)?;
+            self.slot_len[slot] = n;
+        }
         Ok(n)
     }
 
@@ -725,6 +735,12 @@ impl GpuDecoder {
             }
             None => 0,
         }
+    }
+
+    /// Device address of `(slot, head)`'s run of `capacity` rows in cache buffer `c`.
+    fn kv_run(&self, c: &GpuBuffer<bf16>, slot: usize, head: usize) -> u64 {
+        let row0 = (slot * self.kv.kv_heads + head) * self.kv.capacity;
+        c.device_ptr() + (row0 * self.kv.head_dim * 2) as u64
     }
 
     /// Tokens at the start of `slot` on pages shared from the prefix cache (never written).
@@ -1212,29 +1228,19 @@ impl GpuDecoder {
             return Ok(());
         }
         self.flush_refreshes()?;
+        // Each head's run up to the length (with pages, the rest of `to` may not be mapped).
         let len = self.slot_len[from];
         self.ensure_kv(to, len, false)?;
-        // Whole slots when allocated whole; with pages, each head's run up to the length
-        // (the rest of `to` may not be mapped).
-        let (run, rows, runs) = match self.pages {
-            None => (
-                self.kv.kv_heads * self.kv.capacity,
-                self.kv.kv_heads * self.kv.capacity,
-                1,
-            ),
-            Some(_) => (self.kv.capacity, len, self.kv.kv_heads),
-        };
-        let (d, stream) = (self.kv.head_dim, self.ctx.stream().cu_stream());
+        let stream = self.ctx.stream().cu_stream();
         for (k, v) in &self.caches {
             for c in [k, v] {
-                let base = c.device_ptr();
-                for h in 0..runs {
-                    let at = |slot: usize| base + (((slot * runs + h) * run) * d * 2) as u64;
+                for h in 0..self.kv.kv_heads {
+                    let at = |slot| self.kv_run(c, slot, h);
                     unsafe {
                         cudarc::driver::result::memcpy_dtod_async(
                             at(to),
                             at(from),
-                            rows * d * 2,
+                            len * self.kv.head_dim * 2,
                             stream,
                         )
                     }
@@ -1273,12 +1279,11 @@ impl GpuDecoder {
             )));
         }
         self.ensure_kv(slot, len, false)?;
-        let (cap, d, heads) = (self.kv.capacity, self.kv.head_dim, self.kv.kv_heads);
-        let stream = self.ctx.stream().cu_stream();
+        let (d, stream) = (self.kv.head_dim, self.ctx.stream().cu_stream());
         for (k, v) in &self.caches {
             for c in [k, v] {
-                for h in 0..heads {
-                    let run = c.device_ptr() + (((slot * heads + h) * cap) * d * 2) as u64;
+                for h in 0..self.kv.kv_heads {
+                    let run = self.kv_run(c, slot, h);
                     let mut have = seed;
                     while have < len {
                         let n = have.min(len - have);
@@ -1331,6 +1336,18 @@ impl GpuDecoder {
         tokens: &[u32],
         all_logits: bool,
     ) -> Result<Option<Vec<f32>>, CudaError> {
+        self.prefill_into(slot, tokens, all_logits, false)
+    }
+
+    /// `prefill`; `dummy`: a free slot's dummy tokens, which stay on the scratch page of a
+    /// paged slot that holds no pages.
+    fn prefill_into(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        all_logits: bool,
+        dummy: bool,
+    ) -> Result<Option<Vec<f32>>, CudaError> {
         self.check_slot(slot)?;
         let v = self.spec.vocab;
         if tokens.is_empty() {
@@ -1355,7 +1372,7 @@ impl GpuDecoder {
                 self.kv.capacity
             )));
         }
-        self.ensure_kv(slot, start + tokens.len(), self.dummy_prefill)?;
+        self.ensure_kv(slot, start + tokens.len(), dummy)?;
         let mut all = all_logits.then(Vec::new);
         let mut scratch: Option<GpuBuffer<f32>> = None;
         let total = tokens.len();

@@ -121,6 +121,8 @@ struct SlotPages<H> {
     owned: Vec<H>,
     /// The scratch page is mapped at page 0 of every run (the slot holds no sequence).
     scratch: bool,
+    /// Leading page steps mapped from the prefix cache (read only).
+    shared: usize,
 }
 
 /// Whole prompt blocks (`block_pages` page steps each) of every run, named by the hash chain
@@ -153,8 +155,6 @@ pub struct PagePool<B: PageBackend> {
     maps: HashMap<B::Handle, u32>,
     /// Pages the prefix cache holds.
     held: HashMap<B::Handle, u32>,
-    /// Per slot: leading page steps mapped from the prefix cache (read only).
-    shared: Vec<usize>,
     prefix: Option<PrefixIndex<B::Handle>>,
 }
 
@@ -190,6 +190,7 @@ impl<B: PageBackend> PagePool<B> {
                 .map(|_| SlotPages {
                     owned: Vec::new(),
                     scratch: false,
+                    shared: 0,
                 })
                 .collect(),
             free: Vec::new(),
@@ -198,7 +199,6 @@ impl<B: PageBackend> PagePool<B> {
             scratch,
             maps: HashMap::new(),
             held: HashMap::new(),
-            shared: vec![0; num_slots],
             prefix: None,
         };
         for s in 0..num_slots {
@@ -292,7 +292,7 @@ impl<B: PageBackend> PagePool<B> {
 
     /// Tokens at the start of `slot` mapped from the prefix cache (read only).
     pub fn shared_tokens(&self, slot: usize) -> usize {
-        self.shared[slot] * self.geo.page_tokens
+        self.slots[slot].shared * self.geo.page_tokens
     }
 
     /// Takes a hold on page `h` for a slot mapping.
@@ -445,7 +445,7 @@ impl<B: PageBackend> PagePool<B> {
             self.map_ref(h);
         }
         self.slots[slot].owned = owned;
-        self.shared[slot] = n * bp;
+        self.slots[slot].shared = n * bp;
         for r in 0..runs {
             for p in 0..n * bp {
                 let h = self.slots[slot].owned[p * runs + r];
@@ -566,7 +566,7 @@ impl<B: PageBackend> PagePool<B> {
         }
         let runs = self.geo.runs_per_slot;
         let owned = std::mem::take(&mut self.slots[slot].owned);
-        self.shared[slot] = 0;
+        self.slots[slot].shared = 0;
         for (i, &h) in owned.iter().enumerate() {
             let va = self.va(slot, i % runs, i / runs);
             self.backend.unmap(va)?;

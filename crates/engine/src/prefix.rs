@@ -113,8 +113,9 @@ pub fn check_block(block: usize, chunk: usize) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// Leading parts of `plan` that are whole chunks, the last part excluded.
-fn whole_chunks(plan: &[(usize, usize)], chunk: usize) -> usize {
+/// Leading parts of `plan` that are whole chunks, the last part excluded: what a prefix
+/// cache may hold and restore (the CPU's and the GPU scheduler's).
+pub(crate) fn whole_chunks(plan: &[(usize, usize)], chunk: usize) -> usize {
     plan[..plan.len().saturating_sub(1)]
         .iter()
         .take_while(|&&(a, b)| a.is_multiple_of(chunk) && b - a == chunk)

@@ -59,11 +59,7 @@ fn auto_kv_memory(
     ctx: &std::sync::Arc<slowfast_cuda::CudaContext>,
     utilization: f64,
 ) -> Result<usize, EngineError> {
-    if !(utilization > 0.0 && utilization <= 1.0) {
-        return Err(EngineError::BadInput(format!(
-            "--gpu-memory-utilization {utilization}: give a fraction in (0, 1]"
-        )));
-    }
+    super::check_gpu_memory_utilization(utilization)?;
     let (free, total) = ctx.mem_info().map_err(gpu_err)?;
     let used = total - free;
     let workspace = (1usize << 30).max(total / 50);
@@ -468,27 +464,21 @@ impl BatchDevice for GpuDevice {
         let Some(block) = self.dec.prefix_block() else {
             return 0;
         };
-        let whole = plan[..plan.len().saturating_sub(1)]
-            .iter()
-            .take_while(|&&(a, b)| a.is_multiple_of(block) && b - a == block)
-            .count();
+        let whole = crate::prefix::whole_chunks(plan, block);
         if whole == 0 || seq.prefilled != 0 {
             return 0;
         }
         match self.dec.adopt_prefix(seq.slot, prompt, whole) {
+            Ok(0) => 0, // the slot keeps its dummy token until its first part
             Ok(n) => {
                 self.dirty = true;
-                if n == 0 {
-                    // Back to the free slot's dummy token until its first part.
-                    let _ = self.dec.release_slot(seq.slot);
-                    return 0;
-                }
                 seq.prefilled = n;
                 self.hold[seq.slot] = n;
                 n / block
             }
             Err(e) => {
                 eprintln!("prefix cache: adopting failed ({e}); prefilling the whole prompt");
+                self.dirty = true;
                 let _ = self.dec.release_slot(seq.slot);
                 0
             }
@@ -575,8 +565,8 @@ impl BatchDevice for GpuDevice {
         self.hold[slot] = b;
         // Whole parts before the last go to the prefix cache.
         if let Some(block) = self.dec.prefix_block() {
-            if i + 1 < plan.len() && b.is_multiple_of(block) {
-                self.dec.cache_prefix(slot, prompt, b / block);
+            if i < crate::prefix::whole_chunks(plan, block) {
+                self.dec.cache_prefix(slot, prompt, i + 1);
             }
         }
         if let Some(t) = seq.trigger.as_mut() {

@@ -266,6 +266,17 @@ impl SchedulerHandle {
     }
 }
 
+/// `--gpu-memory-utilization` must be a fraction in (0, 1].
+pub fn check_gpu_memory_utilization(u: f64) -> Result<(), EngineError> {
+    if u > 0.0 && u <= 1.0 {
+        Ok(())
+    } else {
+        Err(EngineError::BadInput(format!(
+            "--gpu-memory-utilization must be a fraction in (0, 1], not {u}"
+        )))
+    }
+}
+
 /// What the scheduler needs from a device: open a sequence (allocating its KV), prefill it
 /// part by part, and step many sequences' next tokens together.
 pub(crate) trait BatchDevice {
