@@ -158,11 +158,21 @@ def hard_close(s: socket.socket):
 
 # -- the faults ----------------------------------------------------------------------------------
 def disconnect_mid_prefill(t: Target, n: int = 4, prompt_tokens: int = 700):
-    """Long prompts, the socket closed right after the request is sent (before any token)."""
+    """Long prompts, the socket closed once the server has taken the request (before any token).
+
+    The close waits for /metrics to count the prompt: a reset that arrives before the server
+    has read the body drops the request unread (a connection error, not a cancelled request),
+    and on a busy machine that race decided the outcome."""
+    key = "slowfast_prompt_tokens_total"
     for i in range(n):
         s = t.sock()
         body = t.body(prompt_tokens, 16, stream=(i % 2 == 0), seed=i)
+        seen = t.metrics().get(key, 0)
         s.sendall(t.head("POST", "/v1/completions", len(body)) + body)
+        deadline = time.monotonic() + 30
+        while t.metrics().get(key, 0) <= seen:
+            assert time.monotonic() < deadline, "the server never took the request"
+            time.sleep(0.005)
         time.sleep(0.05 * i)
         (hard_close if i % 2 else socket.socket.close)(s)
 
