@@ -10,6 +10,7 @@
 #   bash .gpu/gpu_default_model.sh run   # there, after the parts arrived: greedy tokens on the
 #                                        # GPU and the CPU, eval nll and passkey with --device cuda,
 #                                        # SFI at --sfi-async-lag 0 and 4 on prose and code
+#   bash .gpu/gpu_default_model.sh run fp8   # there: fp8 KV against bf16 KV (greedy, nll, passkey)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -48,6 +49,27 @@ CALLS
     B=$C/.gpu/slowfast
     T=$C/.gpu/austen_prideprejudice.txt
     P="It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a"
+    if [ "${2:-}" = fp8 ]; then
+      # fp8 KV (issue 22) against bf16 KV on the GPU: greedy tokens, eval nll on prose and
+      # code (full, sfi, streaming at a 20 % budget) and passkey, at 8K
+      {
+        for kv in f16 fp8; do
+          echo "== cuda --kv-dtype $kv"; $B generate --device cuda -m $M -p "$P" -n 32 --temperature 0 --ignore-eos --kv-dtype $kv
+        done
+      } > "$OUT/greedy-fp8.log" 2>&1
+      for kv in f16 fp8; do
+        for t in $T $C/.gpu/rust_serde_json.txt; do
+          n=$(basename $t .txt)
+          $B eval --device cuda -m $M --task nll -i $t --context 8192 --policies full,sfi,streaming --kv-budget 0.2 \
+            --kv-dtype $kv --json "$OUT/nll-$n-$kv.json" > "$OUT/nll-$n-$kv.md" 2> "$OUT/nll-$n-$kv.err"
+        done
+        $B eval --device cuda -m $M --task passkey -i $T --context 8192 --passkey-trials 10 --seed 1 \
+          --policies full,sfi --kv-budget 0.2 --kv-dtype $kv --json "$OUT/pk-$kv.json" > "$OUT/pk-$kv.md" 2> "$OUT/pk-$kv.err"
+      done
+      cat "$OUT/greedy-fp8.log" "$OUT"/nll-*-f16.md "$OUT"/nll-*-fp8.md "$OUT"/pk-f16.md "$OUT"/pk-fp8.md
+      tail -3 "$OUT"/*.err
+      exit 0
+    fi
     {
       echo "== cuda"; $B generate --device cuda -m $M -p "$P" -n 32 --temperature 0 --ignore-eos
       echo; echo "== cpu f32 KV"; $B generate --device cpu -m $M -p "$P" -n 32 --temperature 0 --ignore-eos --kv-dtype f32

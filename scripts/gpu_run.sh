@@ -210,6 +210,34 @@ PY
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${LCTX:-8k,128k,256k,512k}" \
         --batch 1 --new-tokens "$N" --policies full,sfi $SFI_OPTS --real-prefill 8192 \
         --json "$OUT/long.json" 2>&1 | tee "$OUT/long.log" ;;
+    fp8)
+      # fp8 KV against bf16 KV (issue 22), both allocated whole: full, sfi and streaming at
+      # batch 1 (PCTX: 8k,32k,128k) and batch PB (6) at PCTX_B (32k,128k), the two alternated
+      # FREPS (1) times; budget and interval as in `sfi`
+      for rep in ${FREPS:-1}; do
+        for kv in f16 fp8; do
+          echo "== rep $rep kv $kv batch 1" | tee -a "$OUT/fp8.log"
+          .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${PCTX:-8k,32k,128k}" --batch 1 \
+            --new-tokens "$N" --policies full,sfi,streaming $SFI_OPTS --kv-dtype $kv \
+            --json "$OUT/fp8-$kv-b1-r$rep.json" 2>&1 | tee -a "$OUT/fp8.log"
+          echo "== rep $rep kv $kv batch ${PB:-6}" | tee -a "$OUT/fp8.log"
+          .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${PCTX_B:-32k,128k}" --batch "${PB:-6}" \
+            --new-tokens "$N" --policies full,sfi,streaming $SFI_OPTS --kv-dtype $kv \
+            --json "$OUT/fp8-$kv-b${PB:-6}-r$rep.json" 2>&1 | tee -a "$OUT/fp8.log"
+        done
+      done ;;
+    fp8cap)
+      # FB (12) sequences at 128K with fp8 KV on one H200 (issue 22's target: SFI >= 2000
+      # tok/s there), the KV before the last 8192 positions filled; full and sfi
+      .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${FCTX:-128k}" --batch "${FB:-12}" \
+        --new-tokens "$N" --policies full,sfi $SFI_OPTS --kv-dtype fp8 --real-prefill 8192 \
+        --json "$OUT/fp8cap-b${FB:-12}.json" 2>&1 | tee "$OUT/fp8cap.log" ;;
+    fp8long)
+      # One sequence at FLCTX (8k,128k,256k,512k,1m) with fp8 KV: full and sfi, the KV before
+      # the last 8192 positions filled (issue 22's scale with context)
+      .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${FLCTX:-8k,128k,256k,512k,1m}" \
+        --batch 1 --new-tokens "$N" --policies full,sfi $SFI_OPTS --kv-dtype fp8 --real-prefill 8192 \
+        --json "$OUT/fp8long.json" 2>&1 | tee "$OUT/fp8long.log" ;;
     prefix)
       # GPU prefix cache (issue 22): PREQS (32) greedy requests of 16 tokens sharing a system
       # prompt cut from Emma (random:qwen3-4b's tokenizer is byte-level: 8525 tokens, the first

@@ -184,6 +184,7 @@ fn run_cuda(
         policies: o.policies,
         paged: a.paged_kv,
         real_prefill: a.real_prefill,
+        kv_dtype: a.model.kv(),
     };
     let spec_for = |name: &str, ctx: usize| policy_for(a, &m, name, ctx);
     let (recs, spec_recs) = bench(&m, &go, spec.as_ref(), &spec_for, &mut |s| eprintln!("{s}"))?;

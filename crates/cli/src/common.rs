@@ -14,8 +14,9 @@ pub struct ModelArgs {
     /// (--sfi-async-lag trades a little of SFI's quality there for speed).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
-    /// Element type of the KV cache.
-    #[arg(long, default_value = "f16", value_parser = ["f16", "f32"])]
+    /// Element type of the KV cache. The CPU stores f16 or f32; the GPU stores bf16 for
+    /// either, or e4m3 with fp8 (GPU only: half the bytes a token, scales calibrated at load).
+    #[arg(long, default_value = "f16", value_parser = ["f16", "f32", "fp8"])]
     pub kv_dtype: String,
     /// Prompt tokens per prefill forward pass.
     #[arg(long, default_value_t = 512)]
@@ -38,6 +39,9 @@ impl ModelArgs {
         }
         if self.chunk == 0 {
             bail!("--chunk must be at least 1");
+        }
+        if self.kv() == KvDtype::Fp8 && self.device() != slowfast_engine::Device::Cuda {
+            bail!("--kv-dtype fp8 runs on the GPU only (--device cuda); the CPU keeps f16 or f32");
         }
         let t = std::time::Instant::now();
         let m = slowfast_engine::load(&self.model, &mut |s| eprintln!("{s}"))

@@ -562,6 +562,10 @@ fn bench_speculate_on_the_cpu_replays_the_acceptance() {
             &["--paged-kv"],
             "--paged-kv is for --device cuda (the CPU's KV always grows on demand)",
         ),
+        (
+            &["--kv-dtype", "fp8"],
+            "--kv-dtype fp8 runs on the GPU only (--device cuda)",
+        ),
     ] {
         let mut args = vec!["bench", "--model", m, "--contexts", "96"];
         args.extend(flags);

@@ -51,6 +51,7 @@ fn decode(
         kv_heads,
         capacity: ctx_len,
         head_dim: d,
+        fp8: false,
     };
     let kc = ctx.upload(&rand_bf16(kv.elems(), 1))?;
     let vc = ctx.upload(&rand_bf16(kv.elems(), 2))?;
@@ -139,6 +140,7 @@ fn prefill(
         kv_heads,
         capacity: n,
         head_dim: d,
+        fp8: false,
     };
     let kc = ctx.upload(&rand_bf16(kv.elems(), 6))?;
     let vc = ctx.upload(&rand_bf16(kv.elems(), 7))?;

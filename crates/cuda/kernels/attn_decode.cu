@@ -73,7 +73,7 @@ struct VerifyArgs {
     u32 lstride;
 };
 
-template <int D, int STAGES, bool SPARSE, bool POST = false, bool VERIFY = false, int NGB = 1>
+template <int D, int STAGES, bool SPARSE, bool POST = false, bool VERIFY = false, int NGB = 1, bool F8 = false>
 __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                  const bf16* __restrict__ v_cache, const u32* __restrict__ seq_lens,
                                                  const u32* __restrict__ slots, float* __restrict__ part_o,
@@ -187,12 +187,40 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         kcc = sp.ck + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
         vcc = sp.cv + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
     }
+    // F8: the caches (and the compact buffers) hold e4m3 bytes, a row D bytes.
+    typedef const unsigned char* b8;
+    const b8 kc8 = reinterpret_cast<b8>(k_cache) + ((u64)slot * kv_heads + kvh) * capacity * D;
+    const b8 vc8 = reinterpret_cast<b8>(v_cache) + ((u64)slot * kv_heads + kvh) * capacity * D;
+    b8 kcc8 = nullptr, vcc8 = nullptr;
+    if constexpr (SPARSE && F8) {
+        kcc8 = reinterpret_cast<b8>(sp.ck) + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
+        vcc8 = reinterpret_cast<b8>(sp.cv) + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
+    }
 
     const int n_tiles = (s_hi - s_lo + BK - 1) / BK;
     auto load_tile = [&](int t) {
         bf16* kd = ks + (t % STAGES) * BK * STR;
         bf16* vd = vs + (t % STAGES) * BK * STR;
         const int j0 = s_lo + t * BK;
+        if constexpr (F8) {
+            // 16 e4m3 a copy, into the upper half of the row (fp8_tiles_to_bf16 widens them)
+            for (int idx = threadIdx.x; idx < BK * (D / 16); idx += NT) {
+                const int r = idx / (D / 16), c = idx % (D / 16), j = j0 + r;
+                const bool ok = j < s_hi;
+                const int jj = ok ? j : s_lo;
+                b8 ksrc = kc8, vsrc = vc8;
+                u64 row = jj;
+                if constexpr (SPARSE) {
+                    const bool cmp = jj < n_c;
+                    ksrc = cmp ? kcc8 : kc8;
+                    vsrc = cmp ? vcc8 : vc8;
+                    row = cmp ? jj : rlo + jj - n_c;
+                }
+                cp_async_16(fp8_row_dst(kd + r * STR, D, c), ksrc + row * D + c * 16, ok ? 16u : 0u);
+                cp_async_16(fp8_row_dst(vd + r * STR, D, c), vsrc + row * D + c * 16, ok ? 16u : 0u);
+            }
+            return;
+        }
         for (int idx = threadIdx.x; idx < BK * CH; idx += NT) {
             const int r = idx / CH, c = idx % CH, j = j0 + r;
             const bool ok = j < s_hi;
@@ -269,7 +297,15 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
             for (int c = lane; c < D; c += 32) {
                 newk[c] = f2bf(hbuf[c]);
                 newv[c] = vrow[c];
-                if (rg == 0) {
+                if constexpr (F8) {
+                    const unsigned char k8 = f2fp8(bf2f(newk[c])), v8 = f2fp8(bf2f(newv[c]));
+                    newk[c] = f2bf(fp82f(k8));
+                    newv[c] = f2bf(fp82f(v8));
+                    if (rg == 0) {
+                        reinterpret_cast<unsigned char*>(pa.kw)[at + c] = k8;
+                        reinterpret_cast<unsigned char*>(pa.vw)[at + c] = v8;
+                    }
+                } else if (rg == 0) {
                     pa.kw[at + c] = newk[c];
                     pa.vw[at + c] = newv[c];
                 }
@@ -294,6 +330,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
         __syncthreads();
         if (t + STAGES - 1 < n_tiles) load_tile(t + STAGES - 1);
         cp_async_commit();
+        if constexpr (F8) fp8_tiles_to_bf16<D, BK, NT>(ks + (t % STAGES) * BK * STR, vs + (t % STAGES) * BK * STR);
         if constexpr (POST) {
             // The tile holding the new position read the cache row before anyone wrote it:
             // put the new key and value in its place.
@@ -448,16 +485,19 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     }
 }
 
-#define DECODE_ENTRY(NAME, D, STAGES)                                                                    \
+#define DECODE_ENTRY_T(NAME, D, STAGES, F8)                                                              \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS)                                            \
         NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, const u32* seq_lens,               \
              const u32* slots, float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity,    \
              u32 num_slots, u32 window, u32 chunk, float scale_log2) {                                    \
         SparseArgs sp = {};                                                                              \
-        attn_decode_impl<D, STAGES, false>(q, k_cache, v_cache, seq_lens, slots, part_o, part_ml,         \
+        attn_decode_impl<D, STAGES, false, false, false, 1, F8>(q, k_cache, v_cache, seq_lens, slots,   \
+                                                                part_o, part_ml,                        \
                                            n_heads, kv_heads, capacity, num_slots, window, chunk,        \
                                            scale_log2, sp);                                              \
     }
+// Each entry twice: NAME over bf16 caches, NAME_f8 over e4m3 caches.
+#define DECODE_ENTRY(NAME, D, STAGES) DECODE_ENTRY_T(NAME, D, STAGES, false) DECODE_ENTRY_T(NAME##_f8, D, STAGES, true)
 DECODE_ENTRY(attn_decode_d64, 64, 4)
 DECODE_ENTRY(attn_decode_d128, 128, 3)
 // Deeper K/V rings (more bytes in flight a SM, one block a SM): SLOWFAST_DECODE_STAGES.
@@ -467,7 +507,7 @@ DECODE_ENTRY(attn_decode_d256, 256, 2)
 
 // The dense kernels with the q/k/v post-processing inside (POST above): the same grid and
 // partials; dynamic smem 6 KB (+ 2 D bf16) more.
-#define POST_DECODE_ENTRY(NAME, D, STAGES)                                                               \
+#define POST_DECODE_ENTRY_T(NAME, D, STAGES, F8)                                                         \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS)                                            \
         NAME(const bf16* qkv, bf16* k_cache, bf16* v_cache, const u32* seq_lens, const u32* slots,       \
              float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity, u32 num_slots,      \
@@ -475,26 +515,32 @@ DECODE_ENTRY(attn_decode_d256, 256, 2)
              float eps, const u32* positions, u32 rot, const double* inv_freq) {                         \
         SparseArgs sp = {};                                                                              \
         PostArgs pa = {qkv, qkv_stride, qn, kn, eps, positions, rot, inv_freq, k_cache, v_cache};        \
-        attn_decode_impl<D, STAGES, false, true>(nullptr, k_cache, v_cache, seq_lens, slots, part_o,      \
+        attn_decode_impl<D, STAGES, false, true, false, 1, F8>(nullptr, k_cache, v_cache, seq_lens,      \
+                                                 slots, part_o,                                          \
                                                  part_ml, n_heads, kv_heads, capacity, num_slots, window, \
                                                  chunk, scale_log2, sp, pa);                              \
     }
+#define POST_DECODE_ENTRY(NAME, D, STAGES) \
+    POST_DECODE_ENTRY_T(NAME, D, STAGES, false) POST_DECODE_ENTRY_T(NAME##_f8, D, STAGES, true)
 POST_DECODE_ENTRY(attn_decode_post_d64, 64, 4)
 POST_DECODE_ENTRY(attn_decode_post_d128, 128, 3)
 POST_DECODE_ENTRY(attn_decode_post_d128_s4, 128, 4)
 POST_DECODE_ENTRY(attn_decode_post_d256, 256, 2)
 
 // The sparse / capturing variant (see SparseArgs above); same grid, smem and partials.
-#define SPARSE_DECODE_ENTRY(NAME, D, STAGES)                                                             \
+#define SPARSE_DECODE_ENTRY_T(NAME, D, STAGES, F8)                                                       \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS)                                            \
         NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, const u32* seq_lens,               \
              const u32* slots, float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity,    \
              u32 num_slots, float scale_log2, const bf16* ck, const bf16* cv, const u32* clen,            \
              const u32* rstart, u32 ccap, u32 rwin, float* logits, const u32* capture, u32 lstride) {      \
         SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride};                    \
-        attn_decode_impl<D, STAGES, true>(q, k_cache, v_cache, seq_lens, slots, part_o, part_ml, n_heads, \
+        attn_decode_impl<D, STAGES, true, false, false, 1, F8>(q, k_cache, v_cache, seq_lens, slots,     \
+                                          part_o, part_ml, n_heads,                                      \
                                           kv_heads, capacity, num_slots, 0, 0, scale_log2, sp);          \
     }
+#define SPARSE_DECODE_ENTRY(NAME, D, STAGES) \
+    SPARSE_DECODE_ENTRY_T(NAME, D, STAGES, false) SPARSE_DECODE_ENTRY_T(NAME##_f8, D, STAGES, true)
 SPARSE_DECODE_ENTRY(attn_sparse_decode_d64, 64, 4)
 SPARSE_DECODE_ENTRY(attn_sparse_decode_d128, 128, 3)
 SPARSE_DECODE_ENTRY(attn_sparse_decode_d256, 256, 2)
@@ -503,7 +549,7 @@ SPARSE_DECODE_ENTRY(attn_sparse_decode_d256, 256, 2)
 // seq_lens[b] - 1, and the new key is the last of the sequence's virtual keys): the sparse
 // entry's arguments with the q/k/v row in place of q, then the post arguments; dynamic smem as
 // the sparse kernel's plus the post kernels' 6 KB (+ 2 D bf16).
-#define SPARSE_POST_DECODE_ENTRY(NAME, D, STAGES)                                                        \
+#define SPARSE_POST_DECODE_ENTRY_T(NAME, D, STAGES, F8)                                                  \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS)                                            \
         NAME(const bf16* qkv, bf16* k_cache, bf16* v_cache, const u32* seq_lens, const u32* slots,       \
              float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity, u32 num_slots,      \
@@ -513,10 +559,13 @@ SPARSE_DECODE_ENTRY(attn_sparse_decode_d256, 256, 2)
              const double* inv_freq) {                                                                  \
         SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride};                    \
         PostArgs pa = {qkv, qkv_stride, qn, kn, eps, positions, rot, inv_freq, k_cache, v_cache};        \
-        attn_decode_impl<D, STAGES, true, true>(nullptr, k_cache, v_cache, seq_lens, slots, part_o,       \
+        attn_decode_impl<D, STAGES, true, true, false, 1, F8>(nullptr, k_cache, v_cache, seq_lens,       \
+                                                slots, part_o,                                           \
                                                 part_ml, n_heads, kv_heads, capacity, num_slots, 0, 0,    \
                                                 scale_log2, sp, pa);                                      \
     }
+#define SPARSE_POST_DECODE_ENTRY(NAME, D, STAGES) \
+    SPARSE_POST_DECODE_ENTRY_T(NAME, D, STAGES, false) SPARSE_POST_DECODE_ENTRY_T(NAME##_f8, D, STAGES, true)
 SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d64, 64, 4)
 SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d128, 128, 3)
 SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d256, 256, 2)
@@ -526,7 +575,7 @@ SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d256, 256, 2)
 // verify_smem_bytes on the host says; partials for sequences x rps rows (reduce over them); the
 // split is always the device's even one. NGB is capped by the registers (128 NGB threads) and
 // the merge buffer (NGB <= STAGES keeps it inside the K/V ring).
-#define VERIFY_ENTRY(NAME, D, STAGES, NGB)                                                               \
+#define VERIFY_ENTRY_T(NAME, D, STAGES, NGB, F8)                                                         \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS * NGB)                                      \
         NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, const u32* seq_lens,               \
              const u32* slots, float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity,    \
@@ -535,11 +584,13 @@ SPARSE_POST_DECODE_ENTRY(attn_sparse_decode_post_d256, 256, 2)
         SparseArgs sp = {};                                                                              \
         PostArgs pa = {};                                                                                \
         VerifyArgs va = {rps, logits, capture, lstride};                                                 \
-        attn_decode_impl<D, STAGES, false, false, true, NGB>(q, k_cache, v_cache, seq_lens, slots,        \
+        attn_decode_impl<D, STAGES, false, false, true, NGB, F8>(q, k_cache, v_cache, seq_lens, slots,    \
                                                              part_o, part_ml, n_heads, kv_heads,          \
                                                              capacity, num_slots, window, 0, scale_log2,  \
                                                              sp, pa, va);                                 \
     }
+#define VERIFY_ENTRY(NAME, D, STAGES, NGB) \
+    VERIFY_ENTRY_T(NAME, D, STAGES, NGB, false) VERIFY_ENTRY_T(NAME##_f8, D, STAGES, NGB, true)
 VERIFY_ENTRY(attn_verify_d64, 64, 4, 1)
 VERIFY_ENTRY(attn_verify_d64_g2, 64, 4, 2)
 VERIFY_ENTRY(attn_verify_d64_g4, 64, 4, 4)

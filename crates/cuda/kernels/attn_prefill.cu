@@ -18,6 +18,21 @@ __device__ __forceinline__ void pf_load_kv(bf16* ks, bf16* vs, const bf16* kc, c
     }
 }
 
+// The same over e4m3 caches (kc8 / vc8: the head's rows, D bytes each): 16 bytes a copy into the
+// upper half of each shared row, widened by fp8_tiles_to_bf16 once the copy has landed.
+template <int D, int BK>
+__device__ __forceinline__ void pf_load_kv8(bf16* ks, bf16* vs, const unsigned char* kc8, const unsigned char* vc8,
+                                            int j0, int kv_len) {
+    constexpr int C = D / 16, STR = D + 8;
+    for (int idx = threadIdx.x; idx < BK * C; idx += ATT_THREADS) {
+        const int r = idx / C, c = idx % C, j = j0 + r;
+        const bool ok = j < kv_len;
+        const u64 off = (u64)(ok ? j : 0) * D + c * 16;
+        cp_async_16(fp8_row_dst(ks + r * STR, D, c), kc8 + off, ok ? 16u : 0u);
+        cp_async_16(fp8_row_dst(vs + r * STR, D, c), vc8 + off, ok ? 16u : 0u);
+    }
+}
+
 // A prefill block's query tile and the key tiles it reads: query rows [q0, q0 + BQ) of head h
 // (blocks in reverse order, so the heaviest, last tiles start first), positions
 // [p_first, p_last], keys [t_begin * BK, t_end * BK) of kv head kvh's cache rows kc / vc.
@@ -101,7 +116,7 @@ __device__ __forceinline__ void pf_softmax(float (*s)[4], bool need_mask, int j0
 // every K/V fragment read from shared memory feeds MT mma instructions.
 // K/V tiles stream through an ST-stage cp.async ring (ST - 1 tiles in flight during compute).
 // grid (ceil(n_q / BQ), n_heads), block 128, dynamic smem (BQ + 2 ST BK)(D + 8) * 2 bytes.
-template <int D, int BK, int MT, int ST>
+template <int D, int BK, int MT, int ST, bool F8 = false>
 __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                   const bf16* __restrict__ v_cache, bf16* __restrict__ o,
                                                   float* __restrict__ lse, u32 n_q, u32 n_heads, u32 kv_heads,
@@ -116,6 +131,16 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
     const int h = tl.h, q0 = tl.q0, kv_len = tl.kv_len, p_first = tl.p_first, p_last = tl.p_last;
     const int t_begin = tl.t_begin, t_end = tl.t_end;
     const bf16 *kc = tl.kc, *vc = tl.vc;
+    // F8: e4m3 caches, this head's rows D bytes each
+    const u64 head_row0 = (u64)(h / (n_heads / kv_heads)) * capacity;
+    const unsigned char* kc8 = reinterpret_cast<const unsigned char*>(k_cache) + head_row0 * D;
+    const unsigned char* vc8 = reinterpret_cast<const unsigned char*>(v_cache) + head_row0 * D;
+    auto load_kv = [&](bf16* kd, bf16* vd, int j0) {
+        if constexpr (F8)
+            pf_load_kv8<D, BK>(kd, vd, kc8, vc8, j0, kv_len);
+        else
+            pf_load_kv<D, BK>(kd, vd, kc, vc, j0, kv_len);
+    };
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, tig = lane & 3;
 
@@ -125,12 +150,12 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
         const bf16* src = q + ((u64)(ok ? row : 0) * n_heads + h) * D + c * 8;
         cp_async_16(smem_addr(qs + r * STR + c * 8), src, ok ? 16u : 0u);
     }
-    pf_load_kv<D, BK>(ks, vs, kc, vc, t_begin * BK, kv_len);
+    load_kv(ks, vs, t_begin * BK);
     cp_async_commit();
 #pragma unroll
     for (int st = 1; st < ST - 1; ++st) {
         if (t_begin + st < t_end)
-            pf_load_kv<D, BK>(ks + st * BK * STR, vs + st * BK * STR, kc, vc, (t_begin + st) * BK, kv_len);
+            load_kv(ks + st * BK * STR, vs + st * BK * STR, (t_begin + st) * BK);
         cp_async_commit();
     }
 
@@ -153,9 +178,10 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
         const int stage = (t - t_begin) % ST;
         if (t + ST - 1 < t_end) {
             const int ahead = (t - t_begin + ST - 1) % ST;
-            pf_load_kv<D, BK>(ks + ahead * BK * STR, vs + ahead * BK * STR, kc, vc, (t + ST - 1) * BK, kv_len);
+            load_kv(ks + ahead * BK * STR, vs + ahead * BK * STR, (t + ST - 1) * BK);
         }
         cp_async_commit();
+        if constexpr (F8) fp8_tiles_to_bf16<D, BK, ATT_THREADS>(ks + stage * BK * STR, vs + stage * BK * STR);
         const bf16* kst = ks + stage * BK * STR;
         const bf16* vst = vs + stage * BK * STR;
         const int j0 = t * BK;
@@ -248,13 +274,18 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
     }
 }
 
-#define PREFILL_ENTRY(NAME, D, BK, MT, ST)                                                              \
+#define PREFILL_ENTRY_T(NAME, D, BK, MT, ST, F8)                                                        \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                           \
         NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* o, float* lse, u32 n_q,       \
              u32 n_heads, u32 kv_heads, u32 capacity, u32 pos0, u32 window, float scale_log2) {           \
-        attn_prefill_impl<D, BK, MT, ST>(q, k_cache, v_cache, o, lse, n_q, n_heads, kv_heads, capacity,  \
+        attn_prefill_impl<D, BK, MT, ST, F8>(q, k_cache, v_cache, o, lse, n_q, n_heads, kv_heads,         \
+                                             capacity,                                                   \
                                          pos0, window, scale_log2);                                      \
     }
+// Each entry twice: NAME over bf16 caches, NAME_f8 over e4m3 caches (the wgmma kernels of
+// attn_prefill_wg.cu read bf16 only; an fp8 prefill runs these).
+#define PREFILL_ENTRY(NAME, D, BK, MT, ST) \
+    PREFILL_ENTRY_T(NAME, D, BK, MT, ST, false) PREFILL_ENTRY_T(NAME##_f8, D, BK, MT, ST, true)
 PREFILL_ENTRY(attn_prefill_d64, 64, 64, 1, 2)
 PREFILL_ENTRY(attn_prefill_d128, 128, 64, 1, 2)
 PREFILL_ENTRY(attn_prefill_d256, 256, 32, 1, 2)

@@ -167,6 +167,73 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// fp8 KV (e4m3: 1 sign, 4 exponent bits of bias 7, 3 mantissa bits; largest 448, no infinity).
+// Plain integer arithmetic (no sm_89 cvt), so every architecture compiles it. The caches hold no
+// scale: the model's per-layer / per-head power-of-two scales are folded into its weights
+// (model.rs calibrate_fp8), so a stored value is the key or value itself.
+// bf16 bits of one e4m3 byte (exact: e4m3 is a subset of bf16).
+__device__ __forceinline__ u32 fp8_bf16_bits(u32 x) {
+    const u32 s = (x & 0x80u) << 8, em = x & 0x7fu;
+    if (em >= 8u) return s | ((em << 4) + (120u << 7));         // normal: rebias 7 -> 127
+    return s | (__float_as_uint((float)em * 0.001953125f) >> 16);  // subnormal m * 2^-9, or 0
+}
+__device__ __forceinline__ float fp82f(unsigned char x) { return __uint_as_float(fp8_bf16_bits(x) << 16); }
+// e4m3 byte of f: round to nearest even, saturating to +-448 (NaN saturates too).
+__device__ __forceinline__ unsigned char f2fp8(float f) {
+    const u32 s = (__float_as_uint(f) >> 24) & 0x80u;
+    const float a = fminf(fabsf(f), 448.0f);
+    if (a < 0.015625f) return (unsigned char)(s | __float2uint_rn(a * 512.0f));  // 8 -> 2^-6
+    u32 b = __float_as_uint(a);
+    b += 0x7ffffu + ((b >> 20) & 1u);
+    return (unsigned char)(s | ((((b >> 23) - 120u) << 3) | ((b >> 20) & 7u)));
+}
+// Four e4m3 bytes of a word -> two words of bf16 pairs (element order kept).
+__device__ __forceinline__ void fp8x4_bf16(u32 w, u32& lo, u32& hi) {
+    lo = fp8_bf16_bits(w & 0xffu) | (fp8_bf16_bits((w >> 8) & 0xffu) << 16);
+    hi = fp8_bf16_bits((w >> 16) & 0xffu) | (fp8_bf16_bits(w >> 24) << 16);
+}
+// A shared K/V tile of BK rows of stride D + 8 bf16 whose e4m3 bytes were copied into the upper
+// D bytes of each row (from byte D + 16, as fp8_row_dst places them): converted to bf16 in place,
+// so the bf16 code after it runs unchanged. Every one of the block's NTH threads calls it (two
+// barriers: all bytes are read into registers before any row is overwritten).
+__device__ __forceinline__ u32 fp8_row_dst(const bf16* row, int D, int c16) {
+    return smem_addr(reinterpret_cast<const unsigned char*>(row) + D + 16 + c16 * 16);
+}
+template <int D, int BK, int NTH>
+__device__ __forceinline__ void fp8_tiles_to_bf16(bf16* kt, bf16* vt) {
+    constexpr int C = D / 16, N = BK * C, PER = (N + NTH - 1) / NTH, STR = D + 8;
+    uint4 rk[PER], rv[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int idx = threadIdx.x + i * NTH, r = idx / C, c = idx % C;
+        if (idx < N) {
+            rk[i] = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(kt + r * STR) + D + 16 + c * 16);
+            rv[i] = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(vt + r * STR) + D + 16 + c * 16);
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int idx = threadIdx.x + i * NTH, r = idx / C, c = idx % C;
+        if (idx < N) {
+            uint4 a, b;
+            fp8x4_bf16(rk[i].x, a.x, a.y);
+            fp8x4_bf16(rk[i].y, a.z, a.w);
+            fp8x4_bf16(rk[i].z, b.x, b.y);
+            fp8x4_bf16(rk[i].w, b.z, b.w);
+            *reinterpret_cast<uint4*>(kt + r * STR + c * 16) = a;
+            *reinterpret_cast<uint4*>(kt + r * STR + c * 16 + 8) = b;
+            fp8x4_bf16(rv[i].x, a.x, a.y);
+            fp8x4_bf16(rv[i].y, a.z, a.w);
+            fp8x4_bf16(rv[i].z, b.x, b.y);
+            fp8x4_bf16(rv[i].w, b.z, b.w);
+            *reinterpret_cast<uint4*>(vt + r * STR + c * 16) = a;
+            *reinterpret_cast<uint4*>(vt + r * STR + c * 16 + 8) = b;
+        }
+    }
+    __syncthreads();
+}
+
 // RoPE angles of one position: cos / sin of pos * inv_freq[i] for i < half (f64, cast to float),
 // into cs[0][i] / cs[1][i]; threads of a block share the loop. The caller synchronises.
 __device__ __forceinline__ void rope_angles(u32 pos, const double* __restrict__ inv_freq, u32 half, float (*cs)[128]) {

@@ -55,21 +55,34 @@ __device__ __forceinline__ double block_max_d(double v, double* scratch) {
 // norms[kvh, p] = |k[slot, kvh, p, :hd]| for p in [p0, p1). kptrs[layer]: that layer's cache
 // [num_slots, kv_heads, capacity, D]; norms: this slot's [kv_heads, capacity] (layer stride ns).
 // grid (ceil((p1 - p0) / 8), kv_heads, layers), block 256 (a warp per position).
-extern "C" __global__ void sfi_key_norms(const u64* __restrict__ kptrs, float* __restrict__ norms, u32 ns, u32 slot,
-                                         u32 kv_heads, u32 capacity, u32 D, u32 p0, u32 p1) {
+template <bool F8>
+__device__ __forceinline__ void sfi_key_norms_impl(const u64* __restrict__ kptrs, float* __restrict__ norms, u32 ns,
+                                                   u32 slot, u32 kv_heads, u32 capacity, u32 D, u32 p0, u32 p1) {
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 p = p0 + blockIdx.x * 8 + warp, h = blockIdx.y;
     if (p >= p1) return;
-    const bf16* k = reinterpret_cast<const bf16*>(kptrs[blockIdx.z]);
     norms += (u64)blockIdx.z * ns;
-    const bf16* row = k + (((u64)slot * kv_heads + h) * capacity + p) * D;
+    const u64 row = (((u64)slot * kv_heads + h) * capacity + p) * D;
     float s = 0.0f;
     for (u32 c = lane; c < D; c += 32) {
-        const float x = bf2f(row[c]);
+        float x;
+        if constexpr (F8)
+            x = fp82f(reinterpret_cast<const unsigned char*>(kptrs[blockIdx.z])[row + c]);
+        else
+            x = bf2f(reinterpret_cast<const bf16*>(kptrs[blockIdx.z])[row + c]);
         s += x * x;
     }
     s = warp_sum(s);
     if (lane == 0) norms[(u64)h * capacity + p] = sqrtf(s);
+}
+extern "C" __global__ void sfi_key_norms(const u64* __restrict__ kptrs, float* __restrict__ norms, u32 ns, u32 slot,
+                                         u32 kv_heads, u32 capacity, u32 D, u32 p0, u32 p1) {
+    sfi_key_norms_impl<false>(kptrs, norms, ns, slot, kv_heads, capacity, D, p0, p1);
+}
+// The same over e4m3 caches.
+extern "C" __global__ void sfi_key_norms_f8(const u64* __restrict__ kptrs, float* __restrict__ norms, u32 ns, u32 slot,
+                                            u32 kv_heads, u32 capacity, u32 D, u32 p0, u32 p1) {
+    sfi_key_norms_impl<true>(kptrs, norms, ns, slot, kv_heads, capacity, D, p0, p1);
 }
 
 // Row (kvh, rr), rr = r * G + gi, of the captured logits: capture row r, query head kvh*G + gi.
@@ -1020,7 +1033,8 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // Compact memory of one (layer, slot): rows [0, sinks) are positions 0..sinks, rows
-// [sinks, sinks + m) the chosen positions sel[h, :]. ck/cv [num_slots, kv_heads, ccap, D]; then
+// [sinks, sinks + m) the chosen positions sel[h, :]. A copy of rows, so e4m3 caches gather with
+// D given in bf16 units (the row's bytes / 2) and compact buffers of e4m3 rows. ck/cv [num_slots, kv_heads, ccap, D]; then
 // clen[slot] = sinks + m and rstart[slot] = recent_start (thread 0 of block (0, 0)).
 // Per layer z: caches kptrs[z] / vptrs[z], compact buffers advance by cs elements, clen and
 // rstart by num_slots, sel by kv_heads * k_cap, mcount by 1.

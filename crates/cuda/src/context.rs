@@ -177,6 +177,8 @@ const POST_SMEM: u32 = (2 * 128 + 4 * 256) * 4;
 
 /// Dynamic shared memory (bytes) each attention kernel is launched with.
 pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
+    // an fp8 twin widens its tiles in place: the bf16 kernel's shared memory
+    let kernel = kernel.strip_suffix("_f8").unwrap_or(kernel);
     let s = |rows: u32, d: u32| rows * (d + 8) * 2;
     Some(match kernel {
         "attn_prefill_d64" => s(64 + 4 * 64, 64),

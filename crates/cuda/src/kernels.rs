@@ -98,8 +98,57 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_fused_n2_m0",
     "gemv_fused_n2_m1",
     "qkv_post_bf16",
+    "qkv_post_f8",
+    "scale_block_bf16",
     "stream_read_bench",
+    // the same attention over e4m3 (fp8) caches: `kv_kernel(name, true)`
+    "attn_prefill_d64_f8",
+    "attn_prefill_d128_f8",
+    "attn_prefill_d256_f8",
+    "attn_prefill_d64_m2_f8",
+    "attn_prefill_d128_m2_f8",
+    "attn_decode_d64_f8",
+    "attn_decode_d128_f8",
+    "attn_decode_d128_s4_f8",
+    "attn_decode_d128_s6_f8",
+    "attn_decode_d256_f8",
+    "attn_decode_post_d64_f8",
+    "attn_decode_post_d128_f8",
+    "attn_decode_post_d128_s4_f8",
+    "attn_decode_post_d256_f8",
+    "attn_verify_d64_f8",
+    "attn_verify_d64_g2_f8",
+    "attn_verify_d64_g4_f8",
+    "attn_verify_d128_f8",
+    "attn_verify_d128_g2_f8",
+    "attn_verify_d128_g3_f8",
+    "attn_verify_d256_f8",
+    "attn_verify_d256_g2_f8",
+    "attn_sparse_decode_d64_f8",
+    "attn_sparse_decode_d128_f8",
+    "attn_sparse_decode_d256_f8",
+    "attn_sparse_decode_post_d64_f8",
+    "attn_sparse_decode_post_d128_f8",
+    "attn_sparse_decode_post_d256_f8",
+    "sfi_key_norms_f8",
 ];
+
+/// The entry point reading the KV caches as `name` does, over e4m3 caches when `fp8` (the
+/// kernels that touch the caches are compiled twice, the second time named `{name}_f8`).
+/// Panics on a name without an fp8 twin: a caller's bug, caught by the fp8 tests.
+pub fn kv_kernel(name: &'static str, fp8: bool) -> &'static str {
+    if !fp8 {
+        return name;
+    }
+    if name == "qkv_post_bf16" {
+        return "qkv_post_f8";
+    }
+    KERNEL_NAMES
+        .iter()
+        .find(|n| n.len() == name.len() + 3 && n.starts_with(name) && n.ends_with("_f8"))
+        .copied()
+        .unwrap_or_else(|| panic!("kernel {name} has no fp8 twin"))
+}
 
 /// Whether kernel `name` calls `pdl_wait()` before touching anything an earlier kernel wrote
 /// (see common.cuh): the only kernels a decode step launches with programmatic dependent launch.
@@ -109,7 +158,12 @@ pub fn is_pdl_kernel(name: &str) -> bool {
         || name.starts_with("attn_sparse_decode_")
         || matches!(
             name,
-            "embed_gather" | "advance_positions" | "rmsnorm_bf16" | "argmax_f32" | "qkv_post_bf16"
+            "embed_gather"
+                | "advance_positions"
+                | "rmsnorm_bf16"
+                | "argmax_f32"
+                | "qkv_post_bf16"
+                | "qkv_post_f8"
         )
 }
 
@@ -119,6 +173,7 @@ pub fn is_attn_pdl_kernel(name: &str) -> bool {
     name.starts_with("attn_decode_")
         || name.starts_with("attn_sparse_decode_")
         || name == "qkv_post_bf16"
+        || name == "qkv_post_f8"
 }
 
 /// The single translation unit handed to NVRTC: the common header followed by every file.

@@ -6,6 +6,7 @@
 //! ([`compile_kernels`]) works in every build and needs no GPU.
 
 pub mod error;
+pub mod fp8;
 pub mod kernels;
 pub mod nvrtc;
 pub mod pages;
@@ -36,7 +37,7 @@ pub use context::CudaContext;
 #[cfg(feature = "cuda")]
 pub use half::bf16;
 #[cfg(feature = "cuda")]
-pub use model::{DecoderSpec, GpuDecoder, Norm, Tensor, WeightSource};
+pub use model::{fp8_scale, DecoderSpec, GpuDecoder, KvOptions, Norm, Tensor, WeightSource};
 #[cfg(feature = "cuda")]
 pub use ops::attention::{AttnWorkspace, DecodeAttn, PrefillAttn};
 #[cfg(feature = "cuda")]

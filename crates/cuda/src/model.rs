@@ -79,6 +79,33 @@ pub enum Norm {
     Final,
 }
 
+/// How the decoder keeps its KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvOptions {
+    /// Physical pages mapped as sequences grow ([`GpuDecoder::new_paged`]).
+    pub paged: bool,
+    /// e4m3 (fp8) keys and values, one byte an element instead of bf16's two: per-layer (K,
+    /// with q/k norms) or per-head power-of-two scales are calibrated at load and folded into
+    /// the weights, so every attention kernel reads plain e4m3 values.
+    pub fp8: bool,
+}
+
+/// Tokens of the fp8 calibration prefill ([`GpuDecoder::kv_scales`]).
+const CALIB_TOKENS: usize = 512;
+/// fp8 scales leave this factor of headroom above the calibration's largest |k| / |v|: keys
+/// and values up to 16x larger still fit e4m3's 448 (the 3-bit mantissa makes the rounding
+/// error relative, so headroom costs only the subnormal range at the bottom).
+const FP8_HEADROOM: f32 = 16.0;
+
+/// The power-of-two scale for values up to `amax` in e4m3 with [`FP8_HEADROOM`] (1 for 0 or a
+/// non-finite amax).
+pub fn fp8_scale(amax: f32) -> f32 {
+    if !(amax.is_finite() && amax > 0.0) {
+        return 1.0;
+    }
+    (amax * FP8_HEADROOM / 448.0).log2().ceil().exp2()
+}
+
 /// Where the decoder's weights come from (the engine dequantizes its CPU model).
 pub trait WeightSource {
     /// The matrix as bf16, row-major `[rows, cols]`.
@@ -167,6 +194,10 @@ pub struct GpuDecoder {
     last_refresh: Vec<usize>,
     /// Speculative verification (allocated by the first `verify`).
     ver: Option<VerifyBufs>,
+    /// fp8 KV calibration under way: `[layers][2 kv_heads]` largest |k|, |v| (qkv_post_f8).
+    calib: Option<GpuBuffer<f32>>,
+    /// fp8 KV: per layer, each kv head's K and V scale folded into the weights (1 with bf16).
+    kv_scales: Vec<(Vec<f32>, Vec<f32>)>,
     /// Whether verifications without score capture replay CUDA graphs (`set_verify_graphs`).
     verify_graphs: bool,
     /// Verifications that replayed a captured graph.
@@ -313,7 +344,30 @@ impl GpuDecoder {
         capacity: usize,
         chunk: usize,
     ) -> Result<Self, CudaError> {
-        Self::build(ctx, spec, src, num_slots, capacity, chunk, false)
+        Self::with_options(
+            ctx,
+            spec,
+            src,
+            (num_slots, capacity, chunk),
+            KvOptions::default(),
+        )
+    }
+
+    /// A decoder of `num_slots` sequences of up to `capacity` tokens, prefilling `chunk`
+    /// tokens at a time, its KV cache as `opts` says (paged, fp8). With fp8 KV the decoder
+    /// calibrates its scales before it returns ([`GpuDecoder::kv_scales`]).
+    pub fn with_options(
+        ctx: Arc<CudaContext>,
+        spec: DecoderSpec,
+        src: &dyn WeightSource,
+        (num_slots, capacity, chunk): (usize, usize, usize),
+        opts: KvOptions,
+    ) -> Result<Self, CudaError> {
+        let mut d = Self::build(ctx, spec, src, num_slots, capacity, chunk, opts)?;
+        if opts.fp8 {
+            d.calibrate_fp8()?;
+        }
+        Ok(d)
     }
 
     /// As [`GpuDecoder::new`], but the KV cache is paged (`pages.rs`): its addresses are
@@ -329,7 +383,11 @@ impl GpuDecoder {
         capacity: usize,
         chunk: usize,
     ) -> Result<Self, CudaError> {
-        Self::build(ctx, spec, src, num_slots, capacity, chunk, true)
+        let opts = KvOptions {
+            paged: true,
+            fp8: false,
+        };
+        Self::with_options(ctx, spec, src, (num_slots, capacity, chunk), opts)
     }
 
     fn build(
@@ -339,7 +397,7 @@ impl GpuDecoder {
         num_slots: usize,
         capacity: usize,
         chunk: usize,
-        paged: bool,
+        KvOptions { paged, fp8 }: KvOptions,
     ) -> Result<Self, CudaError> {
         let s = &spec;
         let hd = s.head_dim;
@@ -392,7 +450,8 @@ impl GpuDecoder {
         let paging = match paged {
             true => {
                 let vmm = Vmm::new(ctx.ctx.clone())?;
-                let geo = PageGeometry::new(vmm.page_bytes(), hdk, 2, nkv, 2 * s.layers)?;
+                let elem = if fp8 { 1 } else { 2 };
+                let geo = PageGeometry::new(vmm.page_bytes(), hdk, elem, nkv, 2 * s.layers)?;
                 Some((vmm, geo))
             }
             false => None,
@@ -405,6 +464,7 @@ impl GpuDecoder {
             kv_heads: nkv,
             capacity,
             head_dim: hdk,
+            fp8,
         };
         let mut reservations = Vec::new();
         let mut layers = Vec::with_capacity(s.layers);
@@ -441,15 +501,16 @@ impl GpuDecoder {
             });
             match &paging {
                 Some((vmm, _)) => {
-                    let (k, v) = (vmm.reserve(kv.elems() * 2)?, vmm.reserve(kv.elems() * 2)?);
+                    let bytes = kv.buf_len() * 2;
+                    let (k, v) = (vmm.reserve(bytes)?, vmm.reserve(bytes)?);
                     caches.push((
-                        GpuBuffer::mapped(k.ptr, kv.elems()),
-                        GpuBuffer::mapped(v.ptr, kv.elems()),
+                        GpuBuffer::mapped(k.ptr, kv.buf_len()),
+                        GpuBuffer::mapped(v.ptr, kv.buf_len()),
                     ));
                     reservations.push(k);
                     reservations.push(v);
                 }
-                None => caches.push((ctx.alloc(kv.elems())?, ctx.alloc(kv.elems())?)),
+                None => caches.push((ctx.alloc(kv.buf_len())?, ctx.alloc(kv.buf_len())?)),
             }
         }
         let embed = ctx.upload(&up(Tensor::Embed, s.vocab, h)?)?;
@@ -498,6 +559,8 @@ impl GpuDecoder {
             step_no: 0,
             last_refresh: Vec::new(),
             ver: None,
+            calib: None,
+            kv_scales: vec![(vec![1.0; nkv], vec![1.0; nkv]); s.layers],
             verify_graphs: true,
             verify_replays: 0,
             hdk,
@@ -541,7 +604,7 @@ impl GpuDecoder {
     pub fn kv_bytes(&self) -> usize {
         match &self.pages {
             Some(p) => p.pool.bytes_in_use(),
-            None => self.caches.len() * 2 * self.kv.elems() * 2,
+            None => self.caches.len() * 2 * self.kv.buf_len() * 2,
         }
     }
 
@@ -737,10 +800,99 @@ impl GpuDecoder {
         }
     }
 
+    /// fp8 KV: per layer, each kv head's (K scale, V scale), the power-of-two factors the
+    /// stored keys and values are divided by (folded into the weights); 1 with bf16 KV.
+    pub fn kv_scales(&self) -> &[(Vec<f32>, Vec<f32>)] {
+        &self.kv_scales
+    }
+
+    /// Whether the KV cache holds e4m3 values.
+    pub fn kv_fp8(&self) -> bool {
+        self.kv.fp8
+    }
+
+    /// fp8 KV: prefills [`CALIB_TOKENS`] fixed tokens into slot 0 (the special ids 0-3, then a
+    /// fixed pseudo-random sequence over the vocabulary) collecting each kv head's largest
+    /// |k| and |v| per layer, picks power-of-two scales with [`FP8_HEADROOM`] and folds them
+    /// into the weights: K's into the k-norm (or k rows) and its inverse into the q-norm (or
+    /// q rows) — scores unchanged; V's into the v rows and its inverse into the output
+    /// projection's columns — outputs unchanged. Powers of two make the folds exact. Keys of a
+    /// model with q/k norms share one scale a layer (the norm weights are shared by the heads).
+    fn calibrate_fp8(&mut self) -> Result<(), CudaError> {
+        let (l, nkv) = (self.spec.layers, self.spec.n_kv_heads);
+        let n = CALIB_TOKENS.min(self.kv.capacity);
+        let vocab = self.spec.vocab as u64;
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let tokens: Vec<u32> = (0..n as u64)
+            .map(|i| {
+                if i < 4 {
+                    return (i % vocab) as u32;
+                }
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 33) % vocab) as u32
+            })
+            .collect();
+        let limit = self.pages.as_ref().map(|p| p.pool.limit_bytes());
+        if let Some(p) = self.pages.as_mut() {
+            let need = p.pool.geometry().bytes_for(n, self.kv.capacity);
+            p.pool.set_limit(need.max(p.pool.limit_bytes()))?;
+        }
+        self.calib = Some(self.ctx.upload(&vec![0.0f32; l * 2 * nkv])?);
+        let run = self.prefill(0, &tokens, false);
+        let amax = self.ctx.download(self.calib.as_ref().expect("set above"));
+        self.calib = None;
+        run?;
+        let amax = amax?;
+        self.reset_slot(0)?;
+        if let (Some(p), Some(limit)) = (self.pages.as_mut(), limit) {
+            p.pool.set_limit(limit)?;
+        }
+        let (hdk, nh) = (self.hdk, self.spec.n_heads);
+        let g = nh / nkv;
+        for (li, a) in amax.chunks(2 * nkv).enumerate() {
+            let mut sk: Vec<f32> = a[..nkv].iter().map(|&m| fp8_scale(m)).collect();
+            let sv: Vec<f32> = a[nkv..].iter().map(|&m| fp8_scale(m)).collect();
+            let w = &mut self.layers[li];
+            match (&mut w.q_norm, &mut w.k_norm) {
+                (Some(qn), Some(kn)) => {
+                    let s = sk.iter().cloned().fold(0.0f32, f32::max);
+                    sk.iter_mut().for_each(|v| *v = s);
+                    for (buf, f) in [(qn, s), (kn, 1.0 / s)] {
+                        let v: Vec<f32> = self.ctx.download(buf)?.iter().map(|x| x * f).collect();
+                        self.ctx.upload_into(&v, buf)?;
+                    }
+                }
+                _ => {
+                    // wqkv [(heads + 2 kv_heads) * hdk, hidden]: k rows of head h, q rows of its group
+                    let hidden = self.spec.hidden;
+                    for (h, &s) in sk.iter().enumerate() {
+                        let (k0, q0) = ((nh + h) * hdk, h * g * hdk);
+                        let c = &self.ctx;
+                        c.scale_block(&mut w.wqkv, k0 * hidden, hdk, hidden, hidden, 1.0 / s)?;
+                        c.scale_block(&mut w.wqkv, q0 * hidden, g * hdk, hidden, hidden, s)?;
+                    }
+                }
+            }
+            for (h, &s) in sv.iter().enumerate() {
+                let v0 = (nh + nkv + h) * hdk;
+                let hidden = self.spec.hidden;
+                self.ctx
+                    .scale_block(&mut w.wqkv, v0 * hidden, hdk, hidden, hidden, 1.0 / s)?;
+                // wo [hidden, heads * hdk]: the columns of the group's query heads
+                self.ctx
+                    .scale_block(&mut w.wo, h * g * hdk, hidden, nh * hdk, g * hdk, s)?;
+            }
+            self.kv_scales[li] = (sk, sv);
+        }
+        self.ctx.synchronize()
+    }
+
     /// Device address of `(slot, head)`'s run of `capacity` rows in cache buffer `c`.
     fn kv_run(&self, c: &GpuBuffer<bf16>, slot: usize, head: usize) -> u64 {
         let row0 = (slot * self.kv.kv_heads + head) * self.kv.capacity;
-        c.device_ptr() + (row0 * self.kv.head_dim * 2) as u64
+        c.device_ptr() + (row0 * self.kv.row_bytes()) as u64
     }
 
     /// Tokens at the start of `slot` on pages shared from the prefix cache (never written).
@@ -1240,7 +1392,7 @@ impl GpuDecoder {
                         cudarc::driver::result::memcpy_dtod_async(
                             at(to),
                             at(from),
-                            len * self.kv.head_dim * 2,
+                            len * self.kv.row_bytes(),
                             stream,
                         )
                     }
@@ -1279,7 +1431,7 @@ impl GpuDecoder {
             )));
         }
         self.ensure_kv(slot, len, false)?;
-        let (d, stream) = (self.kv.head_dim, self.ctx.stream().cu_stream());
+        let (d, stream) = (self.kv.row_bytes(), self.ctx.stream().cu_stream());
         for (k, v) in &self.caches {
             for c in [k, v] {
                 for h in 0..self.kv.kv_heads {
@@ -1289,9 +1441,9 @@ impl GpuDecoder {
                         let n = have.min(len - have);
                         unsafe {
                             cudarc::driver::result::memcpy_dtod_async(
-                                run + (have * d * 2) as u64,
+                                run + (have * d) as u64,
                                 run,
-                                n * d * 2,
+                                n * d,
                                 stream,
                             )
                         }
@@ -1664,6 +1816,7 @@ impl GpuDecoder {
             decode_span,
             sparse,
             ver,
+            calib,
             ..
         } = self;
         let (ctx, hdk, kv) = (&**ctx, *hdk, *kv);
@@ -1723,6 +1876,9 @@ impl GpuDecoder {
                 eps: head_norm.eps,
                 rot_dim: s.head_dim,
                 inv_freq: freqs,
+                amax: calib
+                    .as_ref()
+                    .map_or(0, |c| c.device_ptr() + (l * 2 * nkv * 4) as u64),
             };
             let sp = sparse.as_mut().filter(|sp| sp.covers(l));
             let dp = DecodeAttn {

@@ -215,7 +215,8 @@ impl SparseState {
         let ccap = sfi.map_or(0, |c| c.sinks + c.selected);
         let compact = match sfi {
             Some(_) => {
-                let el = ng * ns * kv.kv_heads * ccap * kv.head_dim;
+                // rows of the caches' type (e4m3 with fp8 KV: half the buffer elements)
+                let el = ng * ns * kv.kv_heads * ccap * (kv.row_bytes() / 2);
                 Some((ctx.alloc(el)?, ctx.alloc(el)?))
             }
             None => None,
@@ -406,7 +407,7 @@ impl SparseState {
                 let (f, t) = ((gi * ns + from) * 4, (gi * ns + to) * 4);
                 Self::copy_raw(ctx, b + f as u64, b + t as u64, 4)?;
             }
-            let el = kv.kv_heads * self.ccap * kv.head_dim * 2;
+            let el = kv.kv_heads * self.ccap * kv.row_bytes();
             if let Some((ck, cv)) = &self.compact {
                 for c in [ck, cv] {
                     let b = c.device_ptr();
@@ -452,7 +453,7 @@ impl SparseState {
         let gi = self.gidx[l].ok_or_else(|| {
             CudaError::bad("sparse decode", format!("layer {l} is a sliding layer"))
         })?;
-        let el = ns * kv.kv_heads * self.ccap * kv.head_dim * 2;
+        let el = ns * kv.kv_heads * self.ccap * kv.row_bytes();
         let (ck, cv, ccap, rwin) = match (&self.compact, self.policy) {
             (Some((ck, cv)), _) => (
                 ck.device_ptr() + (gi * el) as u64,
@@ -615,7 +616,7 @@ impl SparseState {
             ));
         };
         let kv = self.kv;
-        let per_slot = kv.kv_heads * self.ccap * kv.head_dim;
+        let per_slot = kv.kv_heads * self.ccap * (kv.row_bytes() / 2);
         let src = [
             st.ck.device_ptr(),
             st.cv.device_ptr(),
@@ -678,7 +679,7 @@ impl SparseState {
             norm_layer_stride: nls,
         };
         ctx.sfi_select(&a, sel)?;
-        let cs = ns * kv.kv_heads * self.ccap * kv.head_dim;
+        let cs = ns * kv.kv_heads * self.ccap * (kv.row_bytes() / 2);
         let (ck, cv, clen, rstart) = match (&self.stage, staged) {
             (Some(st), true) => (&st.ck, &st.cv, &st.clen, &st.rstart),
             (None, true) => {
@@ -732,7 +733,7 @@ impl SparseState {
             ));
         };
         let (ns, kv) = (self.num_slots, self.kv);
-        let per = kv.kv_heads * self.ccap * kv.head_dim;
+        let per = kv.kv_heads * self.ccap * (kv.row_bytes() / 2);
         let pick = |all: Vec<bf16>| -> Vec<bf16> {
             (0..self.ng)
                 .flat_map(|gi| all[(gi * ns + slot) * per..(gi * ns + slot + 1) * per].to_vec())

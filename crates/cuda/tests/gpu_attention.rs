@@ -76,6 +76,7 @@ fn run_decode(
         kv_heads,
         capacity: cap,
         head_dim: d,
+        fp8: false,
     };
     // sequence b lives in slot (b + 1) % num_slots
     let slots: Vec<u32> = (0..batch)
@@ -233,6 +234,7 @@ fn run_prefill(
         kv_heads,
         capacity: kv_len + 70,
         head_dim: d,
+        fp8: false,
     };
     let slot = 1;
     let kc = fill_cache(rng, &kv, &[(slot, kv_len)]);
@@ -325,6 +327,7 @@ fn bad_shapes_are_refused() {
         kv_heads: 2,
         capacity: 16,
         head_dim: 96,
+        fp8: false,
     };
     let b = ctx.alloc::<bf16>(4096).unwrap();
     let mut o = ctx.alloc::<bf16>(4096).unwrap();
@@ -370,6 +373,7 @@ fn run_verify(
         kv_heads,
         capacity: cap,
         head_dim: d,
+        fp8: false,
     };
     // sequence b lives in slot (b + 1) % num_slots; its rows see first[b] .. first[b] + rps - 1
     let slot_of: Vec<usize> = (0..seqs).map(|b| (b + 1) % kv.num_slots).collect();
@@ -483,4 +487,97 @@ fn verify_matches_reference() {
     run_verify(&ctx, &mut rng, 256, 4, 1, &[4000, 300], 9, None);
     // a group of 16 (rows past one mma group each), head dim 64: 5 groups, two columns of _g4
     run_verify(&ctx, &mut rng, 64, 32, 2, &[1500, 17], 5, None);
+}
+
+/// fp8 caches: flash-decoding, the sparse fast step's kernel (over a compact buffer) and
+/// prefill attention over e4m3 caches give bit for bit what the bf16 kernels give over the
+/// same values widened to bf16 (the fp8 kernels widen their tiles in shared memory).
+#[test]
+fn fp8_caches_read_as_their_bf16_widening() {
+    use slowfast_cuda::fp8::{e4m3_from_f32, e4m3_to_f32, pack_e4m3};
+    let Some(ctx) = gpu("fp8_caches_read_as_their_bf16_widening") else {
+        return;
+    };
+    let mut rng = Rng::new(0xf8);
+    for d in [64, 128, 256] {
+        let (n_heads, kv_heads) = (8, 2);
+        let lens = [300usize, 77, 1];
+        let batch = lens.len();
+        let kv = KvLayout {
+            num_slots: batch,
+            kv_heads,
+            capacity: 320,
+            head_dim: d,
+            fp8: false,
+        };
+        let kv8 = KvLayout { fp8: true, ..kv };
+        let mut caches = Vec::new();
+        for _ in 0..2 {
+            let bytes: Vec<u8> = (0..kv.elems())
+                .map(|_| e4m3_from_f32(rng.normal(3.0)))
+                .collect();
+            let wide: Vec<bf16> = bytes
+                .iter()
+                .map(|&b| bf16::from_f32(e4m3_to_f32(b)))
+                .collect();
+            caches.push((
+                ctx.upload(&pack_e4m3(&bytes)).unwrap(),
+                ctx.upload(&wide).unwrap(),
+            ));
+        }
+        let [(k8, k16), (v8, v16)] = [caches.remove(0), caches.remove(0)];
+        let q = ctx.upload(&rng.vec_bf16(batch * n_heads * d, 1.0)).unwrap();
+        let lens32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+        let slots: Vec<u32> = (0..batch as u32).collect();
+        let (dl, ds) = (ctx.upload(&lens32).unwrap(), ctx.upload(&slots).unwrap());
+        let p = DecodeAttn {
+            batch,
+            n_heads,
+            scale: 0.1,
+            window: None,
+            max_seq_len: 320,
+            splits: None,
+        };
+        let mut outs = Vec::new();
+        for (k, v, layout) in [(&k16, &v16, kv), (&k8, &v8, kv8)] {
+            let mut out = ctx.upload(&nan_bf16(batch * n_heads * d)).unwrap();
+            let mut ws = AttnWorkspace::new();
+            ctx.attn_decode(&q, k, v, layout, &dl, &ds, &mut out, None, &mut ws, &p)
+                .unwrap();
+            outs.push(ctx.download(&out).unwrap());
+        }
+        assert_eq!(outs[0], outs[1], "decode d{d}: fp8 != bf16 widening");
+        // prefill: 64 query rows at positions 200.. of slot 0, through the same kernel
+        let kernel = match d {
+            64 => "attn_prefill_d64",
+            128 => "attn_prefill_d128",
+            _ => "attn_prefill_d256",
+        };
+        let qp = ctx.upload(&rng.vec_bf16(64 * n_heads * d, 1.0)).unwrap();
+        let pp = PrefillAttn {
+            n_tokens: 64,
+            n_heads,
+            slot: 0,
+            pos0: 200,
+            scale: 0.1,
+            window: None,
+        };
+        let mut outs = Vec::new();
+        for (k, v, layout) in [(&k16, &v16, kv), (&k8, &v8, kv8)] {
+            let mut out = ctx.upload(&nan_bf16(64 * n_heads * d)).unwrap();
+            ctx.attn_prefill_with_kernel(&qp, k, v, layout, &mut out, None, &pp, kernel)
+                .unwrap();
+            outs.push(ctx.download(&out).unwrap());
+        }
+        assert_eq!(outs[0], outs[1], "prefill d{d}: fp8 != bf16 widening");
+        // the default prefill kernel over fp8 (never the bf16-only wgmma one)
+        let mut out = ctx.upload(&nan_bf16(64 * n_heads * d)).unwrap();
+        ctx.attn_prefill(&qp, &k8, &v8, kv8, &mut out, None, &pp)
+            .unwrap();
+        let got = to_f64(&ctx.download(&out).unwrap());
+        assert!(
+            got.iter().all(|x| x.is_finite()),
+            "prefill d{d} default kernel"
+        );
+    }
 }

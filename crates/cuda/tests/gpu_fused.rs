@@ -168,6 +168,7 @@ fn qkv_post_matches_the_separate_kernels() {
             kv_heads: hk,
             capacity: 64,
             head_dim: hd,
+            fp8: false,
         };
         let q = rng.vec_bf16(n * hq * hd, 1.0);
         let k = rng.vec_bf16(n * hk * hd, 1.0);
@@ -237,6 +238,7 @@ fn qkv_post_matches_the_separate_kernels() {
             eps,
             rot_dim: rot,
             inv_freq: &df,
+            amax: 0,
         };
         ctx.qkv_post(&dqkv, &mut q2, &mut kc2, &mut vc2, &dp, &ds, kv, &p)
             .unwrap();
@@ -316,6 +318,7 @@ fn attn_decode_post_equals_qkv_post_then_decode() {
             kv_heads: hk,
             capacity: cap,
             head_dim: hd,
+            fp8: false,
         };
         let slots: Vec<u32> = (0..batch)
             .map(|b| ((b + 1) % kv.num_slots) as u32)
@@ -350,6 +353,7 @@ fn attn_decode_post_equals_qkv_post_then_decode() {
             eps: 1e-6,
             rot_dim: rot,
             inv_freq: &df,
+            amax: 0,
         };
         let p = DecodeAttn {
             batch,

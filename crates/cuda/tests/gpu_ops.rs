@@ -120,6 +120,7 @@ fn kv_append_writes_the_right_rows() {
         kv_heads: 2,
         capacity: 50,
         head_dim: 128,
+        fp8: false,
     };
     let n = 9;
     let k = rng.vec_bf16(n * kv.kv_heads * kv.head_dim, 1.0);

@@ -34,6 +34,7 @@ fn sparse_decode_matches_reference() {
             kv_heads: nkv,
             capacity: cap,
             head_dim: d,
+            fp8: false,
         };
         let mut views = Vec::new();
         for b in 0..batch {
@@ -211,6 +212,7 @@ fn sparse_decode_post_equals_qkv_post_then_sparse_decode() {
             kv_heads: nkv,
             capacity: cap,
             head_dim: d,
+            fp8: false,
         };
         let lens = [700usize, 333, 1100];
         let clens = [50usize, 0, 120];
@@ -261,6 +263,7 @@ fn sparse_decode_post_equals_qkv_post_then_sparse_decode() {
             eps: 1e-6,
             rot_dim: d,
             inv_freq: &df,
+            amax: 0,
         };
         let sp = SparsePost {
             qkv: dqkv.device_ptr(),
@@ -513,6 +516,7 @@ fn selector_matches_cpu() {
             kv_heads: nkv,
             capacity: len,
             head_dim: d,
+            fp8: false,
         };
         let caches: Vec<(Vec<bf16>, Vec<bf16>)> = (0..layers)
             .map(|_| (rng.vec_bf16(kv.elems(), 1.0), rng.vec_bf16(kv.elems(), 1.0)))
@@ -606,6 +610,7 @@ fn key_norms_match_cpu() {
         kv_heads: 4,
         capacity: 1000,
         head_dim: 128,
+        fp8: false,
     };
     let kc = rng.vec_bf16(kv.elems(), 1.0);
     let dk = ctx.upload(&kc).unwrap();

@@ -9,7 +9,8 @@ use half::bf16;
 use rayon::prelude::*;
 use slowfast_cuda::ops::elementwise::Glu;
 use slowfast_cuda::{
-    CudaContext, DecoderSpec, GpuDecoder, GpuKvPolicy, GpuSfiConfig, Norm, Tensor, WeightSource,
+    CudaContext, DecoderSpec, GpuDecoder, GpuKvPolicy, GpuSfiConfig, KvOptions, Norm, Tensor,
+    WeightSource,
 };
 use slowfast_kv::sfi::trigger::Trigger;
 use slowfast_kv::PolicyStats;
@@ -19,7 +20,7 @@ use slowfast_quant::GgmlType;
 
 use crate::device::Steps;
 use crate::load::Loaded;
-use crate::session::PolicySpec;
+use crate::session::{KvDtype, PolicySpec};
 use crate::EngineError;
 
 /// Prompt tokens per prefill pass on the GPU (GEMMs run near their peak from a few thousand
@@ -169,7 +170,7 @@ pub fn load_decoder(
     capacity: usize,
     chunk: usize,
 ) -> Result<GpuDecoder, EngineError> {
-    load_decoder_with(ctx, model, (slots, capacity, chunk), false)
+    load_decoder_with(ctx, model, (slots, capacity, chunk), KvOptions::default())
 }
 
 /// As [`load_decoder`], with the KV cache paged ([`GpuDecoder::new_paged`]): slots map
@@ -181,22 +182,32 @@ pub fn load_paged_decoder(
     capacity: usize,
     chunk: usize,
 ) -> Result<GpuDecoder, EngineError> {
-    load_decoder_with(ctx, model, (slots, capacity, chunk), true)
+    let opts = KvOptions {
+        paged: true,
+        fp8: false,
+    };
+    load_decoder_with(ctx, model, (slots, capacity, chunk), opts)
 }
 
-fn load_decoder_with(
+/// The KV cache options of the GPU decoder for `--kv-dtype` (fp8: e4m3; f16 / f32: bf16).
+pub fn kv_options(kv: KvDtype, paged: bool) -> KvOptions {
+    KvOptions {
+        paged,
+        fp8: kv == KvDtype::Fp8,
+    }
+}
+
+/// Uploads `model` with a KV cache of `slots` sequences of `capacity` tokens, prefilling
+/// `chunk` tokens at a time, kept as `opts` says.
+pub fn load_decoder_with(
     ctx: Arc<CudaContext>,
     model: &Model,
     (slots, capacity, chunk): (usize, usize, usize),
-    paged: bool,
+    opts: KvOptions,
 ) -> Result<GpuDecoder, EngineError> {
     crate::device::check_cuda_support(model)?;
     let (spec, w) = (spec_of(model), &Dequant(model));
-    match paged {
-        false => GpuDecoder::new(ctx, spec, w, slots, capacity, chunk),
-        true => GpuDecoder::new_paged(ctx, spec, w, slots, capacity, chunk),
-    }
-    .map_err(gpu_err)
+    GpuDecoder::with_options(ctx, spec, w, (slots, capacity, chunk), opts).map_err(gpu_err)
 }
 
 /// The GPU form of a KV policy: full, streaming and SFI run on the GPU; the others answer
@@ -257,7 +268,12 @@ pub struct GpuSession {
 }
 
 impl GpuSession {
-    pub fn new(model: &Model, max_tokens: usize, policy: &PolicySpec) -> Result<Self, EngineError> {
+    pub fn new(
+        model: &Model,
+        max_tokens: usize,
+        kv: KvDtype,
+        policy: &PolicySpec,
+    ) -> Result<Self, EngineError> {
         let gp = gpu_policy(policy)?;
         let trigger = match policy {
             PolicySpec::Sfi {
@@ -272,7 +288,8 @@ impl GpuSession {
             _ => None,
         };
         let ctx = open_context()?;
-        let mut dec = load_decoder(ctx, model, 1, max_tokens.max(1), GPU_CHUNK)?;
+        let dims = (1, max_tokens.max(1), GPU_CHUNK);
+        let mut dec = load_decoder_with(ctx, model, dims, kv_options(kv, false))?;
         dec.set_policy(gp).map_err(gpu_err)?;
         Ok(GpuSession {
             dec,
@@ -462,6 +479,17 @@ pub struct GpuBenchOptions {
     /// Prefill only the last N tokens of each context for real; the positions before them
     /// get copies of the first prefill chunk's KV (`GpuDecoder::fill_synthetic`).
     pub real_prefill: Option<usize>,
+    /// `Fp8`: e4m3 KV; otherwise bf16.
+    pub kv_dtype: KvDtype,
+}
+
+/// The element type of `dec`'s KV cache, as records name it.
+pub fn gpu_kv_name(dec: &GpuDecoder) -> &'static str {
+    if dec.kv_fp8() {
+        "fp8"
+    } else {
+        "bf16"
+    }
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -655,10 +683,12 @@ pub fn bench(
         "ceilings: device copy {copy:.0} GB/s, bf16 GEMM 8192^3 {gemm:.0} TFLOP/s"
     ));
     let t = Instant::now();
+    let dims = (o.batch, capacity, GPU_CHUNK);
     let mut dec = match o.paged {
-        false => load_decoder(ctx.clone(), &m.model, o.batch, capacity, GPU_CHUNK)?,
+        false => load_decoder_with(ctx.clone(), &m.model, dims, kv_options(o.kv_dtype, false))?,
         true => {
-            let mut d = load_paged_decoder(ctx.clone(), &m.model, o.batch, capacity, GPU_CHUNK)?;
+            let opts = kv_options(o.kv_dtype, true);
+            let mut d = load_decoder_with(ctx.clone(), &m.model, dims, opts)?;
             // Every slot at its longest, within what the device has free (less 2 GiB for
             // the policy's state and the workspace).
             let (free, _) = ctx.mem_info().map_err(gpu_err)?;
@@ -675,10 +705,11 @@ pub fn bench(
         }
     };
     progress(&format!(
-        "weights on the GPU: {:.2} GiB bf16 (dequantized + uploaded in {:.1}s); KV cache {:.2} GiB for {} x {} tokens",
+        "weights on the GPU: {:.2} GiB bf16 (dequantized + uploaded in {:.1}s); KV cache {:.2} GiB {} for {} x {} tokens",
         dec.weight_bytes() as f64 / (1u64 << 30) as f64,
         t.elapsed().as_secs_f64(),
         dec.kv_bytes() as f64 / (1u64 << 30) as f64,
+        gpu_kv_name(&dec),
         o.batch,
         capacity
     ));
@@ -816,6 +847,7 @@ pub fn bench(
             // K/V bytes read per (fast) step: global layers the attended tokens, sliding ones
             // their window, at the kernel head dim.
             let avg = n as f64 + 1.0 + o.new_tokens as f64;
+            let kv_elem = if dec.kv_fp8() { 1 } else { 2 };
             let kv_read: f64 = spec
                 .windows
                 .iter()
@@ -825,7 +857,7 @@ pub fn bench(
                         None if sparse => attended,
                         None => avg,
                     };
-                    2.0 * span * (spec.n_kv_heads * hdk * 2) as f64
+                    2.0 * span * (spec.n_kv_heads * hdk * kv_elem) as f64
                 })
                 .sum::<f64>()
                 * o.batch as f64;
@@ -839,7 +871,7 @@ pub fn bench(
                 batch: o.batch,
                 context: n,
                 new_tokens: o.new_tokens,
-                kv_dtype: "bf16".into(),
+                kv_dtype: gpu_kv_name(&dec).into(),
                 prefill_seconds: prefill_s,
                 prefill_tok_s: real as f64 / prefill_s,
                 prefill_tflops: tflops,

@@ -108,7 +108,7 @@ pub fn session<'m>(
         )?)),
         #[cfg(feature = "cuda")]
         Device::Cuda => Ok(Box::new(crate::cuda::GpuSession::new(
-            model, max_tokens, policy,
+            model, max_tokens, kv, policy,
         )?)),
         #[cfg(not(feature = "cuda"))]
         Device::Cuda => Err(not_built()),

@@ -41,6 +41,7 @@ impl PrefixCacheCpu {
         Ok(match kv {
             KvDtype::F32 => Self::F32(PrefixKv::new(l, h, d, block, bytes)),
             KvDtype::F16 => Self::F16(PrefixKv::new(l, h, d, block, bytes)),
+            KvDtype::Fp8 => return Err(KvDtype::cpu_only_error()),
         })
     }
 

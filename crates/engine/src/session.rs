@@ -12,11 +12,22 @@ use slowfast_model::{LogitsRows, Model, Scratch, TspConfig};
 
 use crate::EngineError;
 
-/// Element type of the KV cache.
+/// Element type of the KV cache: f32 / f16 on the CPU; on the GPU bf16 for either of them,
+/// or e4m3 with `Fp8` (GPU only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvDtype {
     F32,
     F16,
+    Fp8,
+}
+
+impl KvDtype {
+    /// The error for fp8 KV on the CPU.
+    pub fn cpu_only_error() -> EngineError {
+        EngineError::BadInput(
+            "--kv-dtype fp8 runs on the GPU only (--device cuda); the CPU keeps f16 or f32".into(),
+        )
+    }
 }
 
 impl std::str::FromStr for KvDtype {
@@ -25,7 +36,8 @@ impl std::str::FromStr for KvDtype {
         match s {
             "f32" => Ok(KvDtype::F32),
             "f16" => Ok(KvDtype::F16),
-            _ => Err(format!("unknown KV dtype `{s}` (f32 or f16)")),
+            "fp8" => Ok(KvDtype::Fp8),
+            _ => Err(format!("unknown KV dtype `{s}` (f32, f16 or fp8)")),
         }
     }
 }
@@ -246,6 +258,7 @@ impl<'m> Session<'m> {
                 model.new_cache(max_tokens, chunk),
                 policy.build(model.cfg.attn_scale)?,
             ),
+            KvDtype::Fp8 => return Err(KvDtype::cpu_only_error()),
         };
         let tsp = match policy {
             PolicySpec::FastKv {
@@ -685,14 +698,15 @@ pub fn parse_contexts(s: &str) -> Result<Vec<usize>, EngineError> {
     s.split(',')
         .map(|t| {
             let t = t.trim().to_ascii_lowercase();
-            let (num, mul) = match t.strip_suffix('k') {
-                Some(n) => (n, 1024),
-                None => (t.as_str(), 1),
+            let (num, mul) = match (t.strip_suffix('k'), t.strip_suffix('m')) {
+                (Some(n), _) => (n, 1024),
+                (_, Some(n)) => (n, 1 << 20),
+                _ => (t.as_str(), 1),
             };
             match num.parse::<usize>().ok().and_then(|v| v.checked_mul(mul)) {
                 Some(v) if v > 0 => Ok(v),
                 _ => Err(EngineError::BadInput(format!(
-                    "--contexts: `{t}` is not a positive token count (e.g. 8k or 8192)"
+                    "--contexts: `{t}` is not a positive token count (e.g. 8k, 8192 or 1m)"
                 ))),
             }
         })
@@ -1051,6 +1065,7 @@ mod tests {
     fn parse_contexts_refuses_overflow() {
         // Found reviewing the parsers for cli_parsers: `v * 1024` overflowed (debug panic).
         assert_eq!(parse_contexts("2k,8K, 100").unwrap(), vec![2048, 8192, 100]);
+        assert_eq!(parse_contexts("1m,2M").unwrap(), vec![1 << 20, 2 << 20]);
         assert!(parse_contexts("18446744073709551615k").is_err());
         assert!(parse_contexts(&format!("{}k", usize::MAX / 1024 + 1)).is_err());
         assert_eq!(

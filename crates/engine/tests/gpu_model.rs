@@ -676,45 +676,7 @@ fn paged_kv_equals_contiguous() {
     assert_eq!(paged.capacity(), cap);
     assert_eq!(paged.page_tokens(), 8192);
     paged.set_kv_limit(8 << 30).unwrap();
-    let sfi = slowfast_cuda::GpuKvPolicy::Sfi(slowfast_cuda::GpuSfiConfig {
-        sinks: 4,
-        selected: 256,
-        recent: 64,
-        page: 16,
-        bootstrap_rows: 8,
-        selector: default_selector(),
-        refresh_lag: 0,
-    });
-    for (round, policy) in [slowfast_cuda::GpuKvPolicy::Full, sfi]
-        .into_iter()
-        .enumerate()
-    {
-        for d in [&mut whole, &mut paged] {
-            d.set_policy(policy).unwrap();
-            for (s, &n) in lens.iter().enumerate() {
-                d.reset_slot(s).unwrap();
-                d.prefill(s, &tokens(n, v, 0xB10C + s as u64 + round as u64), false)
-                    .unwrap();
-            }
-            d.begin_decode().unwrap();
-        }
-        assert_eq!(whole.logits().unwrap(), paged.logits().unwrap(), "prefill");
-        for (i, &t) in tokens(24, v, 0x9A9E).iter().enumerate() {
-            for d in [&mut whole, &mut paged] {
-                d.set_next(&[t, t ^ 1, t ^ 2]).unwrap();
-                if i % 7 == 3 {
-                    d.request_refresh(1).unwrap();
-                }
-                d.decode_step().unwrap();
-                if i == 1 {
-                    d.capture_decode().unwrap();
-                }
-            }
-            let (a, b) = (whole.logits().unwrap(), paged.logits().unwrap());
-            assert!(a == b, "policy {round}, step {i}: logits differ");
-        }
-        eprintln!("paged = contiguous bit for bit: policy {round}, 24 steps of 3 slots");
-    }
+    decode_alike(&mut whole, &mut paged, &lens, 0xB10C, 24, 7, "bf16");
     // Accounting: 64 runs (28 layers x K/V x 8 heads) ... of 2 MiB pages per page step.
     let page = 2usize << 20;
     let runs = m.cfg.num_hidden_layers * 2 * m.cfg.num_key_value_heads;
@@ -834,4 +796,149 @@ fn prefix_pages_equal_prefill() {
     eprintln!(
         "prefix pages: slot 1 mapped slot 0's 8192-token page step; logits equal bit for bit"
     );
+}
+
+/// fp8 KV (e4m3; power-of-two scales calibrated at load and folded into the weights): the
+/// decoder tracks the bf16-KV decoder on the same teacher-forced tokens, on a model without
+/// q/k norms (the llama fixture: per-head K scales in the q/k rows) and with them (gemma3
+/// fixture, random Qwen3-0.6B: a K scale a layer in the norms), and its scales are powers of
+/// two.
+#[test]
+fn fp8_kv_tracks_bf16_kv() {
+    let Some(ctx) = gpu("fp8_kv_tracks_bf16_kv") else {
+        return;
+    };
+    use slowfast_cuda::KvOptions;
+    use slowfast_engine::cuda::load_decoder_with;
+    let fp8 = KvOptions {
+        paged: false,
+        fp8: true,
+    };
+    let models = [
+        ("hf/llama", load_fixture("hf/llama")),
+        ("hf/gemma3", load_fixture("hf/gemma3")),
+        (
+            "random qwen3-0.6b",
+            slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
+                .unwrap()
+                .model,
+        ),
+    ];
+    for (name, m) in &models {
+        let (n, steps) = (200, 16);
+        let cap = n + steps + 2;
+        let mut a = load_decoder(ctx.clone(), m, 1, cap, 64).unwrap();
+        let mut b = load_decoder_with(ctx.clone(), m, (1, cap, 64), fp8).unwrap();
+        assert!(b.kv_fp8() && !a.kv_fp8());
+        assert_eq!(
+            b.kv_bytes() * 2,
+            a.kv_bytes(),
+            "{name}: fp8 halves the KV bytes"
+        );
+        for (l, (sk, sv)) in b.kv_scales().iter().enumerate() {
+            for s in sk.iter().chain(sv) {
+                assert!(
+                    s.is_finite() && *s > 0.0 && s.log2().fract() == 0.0,
+                    "{name}: layer {l} scale {s}"
+                );
+            }
+        }
+        let prompt = tokens(n, m.cfg.vocab_size, 0xF8);
+        let worst = decode_pair(&mut a, &mut b, &prompt, steps, &[]);
+        eprintln!(
+            "{name}: fp8 vs bf16 KV, worst logits error {worst:.4} sd; layer 0 scales K {:?} V {:?}",
+            b.kv_scales()[0].0,
+            b.kv_scales()[0].1
+        );
+        assert!(
+            worst > 0.0,
+            "{name}: fp8 KV changed nothing (not in effect?)"
+        );
+        assert!(worst < 1.0, "{name}: fp8 KV is off bf16 KV by {worst} sd");
+    }
+}
+
+/// fp8 KV paged equals fp8 KV allocated whole, bit for bit, through prefill and decode steps
+/// with full KV and with SFI (slow steps included).
+#[test]
+fn fp8_paged_equals_contiguous() {
+    let Some(ctx) = gpu("fp8_paged_equals_contiguous") else {
+        return;
+    };
+    use slowfast_cuda::KvOptions;
+    use slowfast_engine::cuda::load_decoder_with;
+    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
+        .unwrap()
+        .model;
+    let cap = 32768; // whole 16384-token pages (2 MiB of 128-byte e4m3 rows)
+    let opts = |paged| KvOptions { paged, fp8: true };
+    let mut whole = load_decoder_with(ctx.clone(), &m, (2, cap, 2048), opts(false)).unwrap();
+    let mut paged = load_decoder_with(ctx.clone(), &m, (2, cap, 2048), opts(true)).unwrap();
+    assert_eq!(paged.page_tokens(), 16384);
+    assert_eq!(whole.kv_scales(), paged.kv_scales(), "the same calibration");
+    paged.set_kv_limit(4 << 30).unwrap();
+    decode_alike(&mut whole, &mut paged, &[700, 17000], 0xF8F8, 12, 5, "fp8");
+}
+
+/// Full KV, then SFI (slow steps for slot 1 at steps 3, 3 + every, ...), on `whole` and
+/// `paged`: prompts of `lens` tokens (seeds from `seed`), then `steps` teacher-forced steps of
+/// every slot (the graph captured at step 1); the logits must be equal bit for bit after the
+/// prefill and every step.
+fn decode_alike(
+    whole: &mut slowfast_cuda::GpuDecoder,
+    paged: &mut slowfast_cuda::GpuDecoder,
+    lens: &[usize],
+    seed: u64,
+    steps: usize,
+    every: usize,
+    what: &str,
+) {
+    let v = whole.spec().vocab;
+    let sfi = slowfast_cuda::GpuKvPolicy::Sfi(slowfast_cuda::GpuSfiConfig {
+        sinks: 4,
+        selected: 256,
+        recent: 64,
+        page: 16,
+        bootstrap_rows: 8,
+        selector: default_selector(),
+        refresh_lag: 0,
+    });
+    for (round, policy) in [slowfast_cuda::GpuKvPolicy::Full, sfi]
+        .into_iter()
+        .enumerate()
+    {
+        for d in [&mut *whole, &mut *paged] {
+            d.set_policy(policy).unwrap();
+            for (s, &n) in lens.iter().enumerate() {
+                d.reset_slot(s).unwrap();
+                d.prefill(s, &tokens(n, v, seed + s as u64 + round as u64), false)
+                    .unwrap();
+            }
+            d.begin_decode().unwrap();
+        }
+        assert_eq!(
+            whole.logits().unwrap(),
+            paged.logits().unwrap(),
+            "{what}: prefill"
+        );
+        for (i, &t) in tokens(steps, v, 0x9A9E).iter().enumerate() {
+            let next: Vec<u32> = (0..lens.len() as u32).map(|k| t ^ k).collect();
+            for d in [&mut *whole, &mut *paged] {
+                d.set_next(&next).unwrap();
+                if i % every == 3 {
+                    d.request_refresh(1).unwrap();
+                }
+                d.decode_step().unwrap();
+                if i == 1 {
+                    d.capture_decode().unwrap();
+                }
+            }
+            let (a, b) = (whole.logits().unwrap(), paged.logits().unwrap());
+            assert!(a == b, "{what}: policy {round}, step {i}: logits differ");
+        }
+        eprintln!(
+            "{what}: paged = contiguous bit for bit: policy {round}, {steps} steps of {} slots",
+            lens.len()
+        );
+    }
 }

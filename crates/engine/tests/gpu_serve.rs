@@ -377,7 +377,13 @@ fn other_policies_are_refused() {
 /// row's standard deviation (random weights give logits of any scale).
 fn full_kv_with_gaps(m: &Model, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
     use slowfast_engine::device::Steps;
-    let mut s = slowfast_engine::cuda::GpuSession::new(m, MAX_CONTEXT, &PolicySpec::Full).unwrap();
+    let mut s = slowfast_engine::cuda::GpuSession::new(
+        m,
+        MAX_CONTEXT,
+        slowfast_engine::KvDtype::F16,
+        &PolicySpec::Full,
+    )
+    .unwrap();
     let mut logits = s.prefill(prompt, &mut |_, _| {}).unwrap().to_vec();
     let (mut out, mut gaps) = (Vec::new(), Vec::new());
     while out.len() < n {

@@ -224,7 +224,13 @@ fn verification_graphs_replay_the_eager_pass() {
 
 /// Full KV's greedy tokens and each step's top-2 logit gap, on the GPU.
 fn plain_greedy(m: &Model, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
-    let mut s = GpuSession::new(m, prompt.len() + n + 40, &PolicySpec::Full).unwrap();
+    let mut s = GpuSession::new(
+        m,
+        prompt.len() + n + 40,
+        slowfast_engine::KvDtype::F16,
+        &PolicySpec::Full,
+    )
+    .unwrap();
     let mut smp = Sampler::new(SamplerConfig::greedy(), m.cfg.vocab_size).unwrap();
     prompt.iter().for_each(|&t| smp.accept(t));
     let mut logits = s.prefill(prompt, &mut |_, _| {}).unwrap().to_vec();
@@ -404,7 +410,13 @@ fn default_model_speculative_greedy_is_full_kv_at_8k() {
             DraftKind::Streaming => policy_spec("streaming", budget, 4, CONTEXT).unwrap(),
             _ => PolicySpec::Full,
         };
-        let mut s = GpuSession::new(&m.model, CONTEXT + 64, &policy).unwrap();
+        let mut s = GpuSession::new(
+            &m.model,
+            CONTEXT + 64,
+            slowfast_engine::KvDtype::F16,
+            &policy,
+        )
+        .unwrap();
         s.prefill(&prompt, &mut |_, _| {}).unwrap();
         let o = SpecOptions {
             drafter: kind,

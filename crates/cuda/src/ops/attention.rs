@@ -321,8 +321,8 @@ impl DecodeIo {
     ) -> Result<Self, CudaError> {
         let rows = p.batch * p.n_heads;
         Ok(DecodeIo {
-            k: k_cache.ptr_min(op, "k_cache", kv.elems())?,
-            v: v_cache.ptr_min(op, "v_cache", kv.elems())?,
+            k: k_cache.ptr_min(op, "k_cache", kv.buf_len())?,
+            v: v_cache.ptr_min(op, "v_cache", kv.buf_len())?,
             lens: seq_lens.ptr_min(op, "seq_lens [batch]", p.batch)?,
             slots: slots.ptr_min(op, "slots [batch]", p.batch)?,
             out: out.ptr_min(op, "out [batch, n_heads, head_dim]", rows * kv.head_dim)?,
@@ -535,7 +535,7 @@ impl CudaContext {
         ]);
         let grid_y = u32_of(OP, "kv_heads * block columns", kv.kv_heads * cols)?;
         self.launch(
-            v.name,
+            crate::kernels::kv_kernel(v.name, kv.fp8),
             (splits as u32, grid_y, p.batch as u32),
             (v.threads() as u32, 1, 1),
             v.smem_bytes() as u32,
@@ -597,7 +597,7 @@ impl CudaContext {
         args.extend_from_slice(extra);
         let grid_y = u32_of(op, "kv_heads * row groups", kv.kv_heads * row_groups)?;
         self.launch(
-            kernel,
+            crate::kernels::kv_kernel(kernel, kv.fp8),
             (splits as u32, grid_y, p.batch as u32),
             (128, 1, 1),
             smem,
@@ -655,7 +655,8 @@ impl CudaContext {
         let d = kv.head_dim;
         let kernel = match d {
             64 => PREFILL_DEFAULT[0],
-            128 if self.wgmma => PREFILL_WGMMA_D128,
+            // the wgmma kernel reads bf16 caches only
+            128 if self.wgmma && !kv.fp8 => PREFILL_WGMMA_D128,
             128 => PREFILL_DEFAULT[1],
             _ => PREFILL_DEFAULT[2],
         };
@@ -685,6 +686,12 @@ impl CudaContext {
             ));
         };
         check_heads(OP, p.n_heads, &kv, p.scale, p.window)?;
+        if prefill_is_wgmma(kernel) && kv.fp8 {
+            return Err(CudaError::bad(
+                OP,
+                format!("kernel {kernel} reads bf16 caches, not fp8"),
+            ));
+        }
         if prefill_is_wgmma(kernel) && !self.wgmma {
             return Err(CudaError::bad(
                 OP,
@@ -716,7 +723,8 @@ impl CudaContext {
         }
         let d = kv.head_dim;
         let rows = p.n_tokens * p.n_heads;
-        let slot_elems = kv.kv_heads * kv.capacity * d;
+        // a slot's caches, in buffer elements (half as many with fp8)
+        let slot_elems = kv.kv_heads * kv.capacity * d * kv.elem_bytes() / 2;
         let pk = k_cache.ptr_range(OP, "k_cache slot", p.slot * slot_elems, slot_elems)?;
         let pv = v_cache.ptr_range(OP, "v_cache slot", p.slot * slot_elems, slot_elems)?;
         let pq = q.ptr_min(OP, "q [n_tokens, n_heads, head_dim]", rows * d)?;
@@ -742,7 +750,7 @@ impl CudaContext {
         let grid = (p.n_tokens.div_ceil(bq) as u32, p.n_heads as u32, 1);
         let threads = if prefill_is_wgmma(kernel) { 256 } else { 128 };
         self.launch(
-            kernel,
+            crate::kernels::kv_kernel(kernel, kv.fp8),
             grid,
             (threads, 1, 1),
             attn_smem_bytes(kernel).unwrap_or(0),
@@ -779,6 +787,7 @@ mod tests {
             kv_heads: 8,
             capacity: 131_328,
             head_dim: 128,
+            fp8: false,
         };
         (p, kv)
     }

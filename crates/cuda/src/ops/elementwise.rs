@@ -180,12 +180,18 @@ impl CudaContext {
     ) -> Result<(), CudaError> {
         const OP: &str = "kv_append";
         kv.check(OP)?;
+        if kv.fp8 {
+            return Err(CudaError::bad(
+                OP,
+                "bf16 caches only (qkv_post writes fp8 ones)",
+            ));
+        }
         let rows = n_tokens * kv.kv_heads * kv.head_dim;
         let args = [
             KArg::P(k.ptr_min(OP, "k [n, kv_heads, head_dim]", rows)?),
             KArg::P(v.ptr_min(OP, "v [n, kv_heads, head_dim]", rows)?),
-            KArg::P(k_cache.ptr_min(OP, "k_cache", kv.elems())?),
-            KArg::P(v_cache.ptr_min(OP, "v_cache", kv.elems())?),
+            KArg::P(k_cache.ptr_min(OP, "k_cache", kv.buf_len())?),
+            KArg::P(v_cache.ptr_min(OP, "v_cache", kv.buf_len())?),
             KArg::P(positions.ptr_min(OP, "positions [n]", n_tokens)?),
             KArg::P(slots.ptr_min(OP, "slots [n]", n_tokens)?),
             KArg::U(kv.kv_heads as u32),
@@ -220,5 +226,44 @@ impl CudaContext {
             KArg::U(n as u32),
         ];
         self.launch(OP, (1, 1, 1), (1024, 1, 1), 0, &args)
+    }
+
+    /// Multiplies `w[offset + r * ld + c]` (r < rows, c < cols) by `s`; with a power of two,
+    /// exactly (fp8 KV folds its scales into the weights with it).
+    pub fn scale_block(
+        &self,
+        w: &mut GpuBuffer<bf16>,
+        offset: usize,
+        rows: usize,
+        ld: usize,
+        cols: usize,
+        s: f32,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "scale_block";
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        if cols > ld || rows > 65535 {
+            return Err(CudaError::bad(
+                OP,
+                format!("{rows} rows of {cols} (stride {ld})"),
+            ));
+        }
+        let n = (rows - 1) * ld + cols;
+        let p = w.ptr_range(OP, "w", offset, n)?;
+        let args = [
+            KArg::P(p),
+            KArg::U(rows as u32),
+            KArg::U(u32_of(OP, "ld", ld)?),
+            KArg::U(u32_of(OP, "cols", cols)?),
+            KArg::F(s),
+        ];
+        self.launch(
+            "scale_block_bf16",
+            (cols.div_ceil(256) as u32, rows as u32, 1),
+            (256, 1, 1),
+            0,
+            &args,
+        )
     }
 }

@@ -52,6 +52,9 @@ pub struct QkvPost<'a> {
     pub rot_dim: usize,
     /// RoPE inverse frequencies `[rot_dim / 2]`.
     pub inv_freq: &'a GpuBuffer<f64>,
+    /// fp8 caches: device address of `[2 kv_heads]` f32 that collect each kv head's largest
+    /// |k| then |v| (atomic max; calibration), or 0.
+    pub amax: u64,
 }
 
 /// Whether a q/k post-processing's RoPE width and norm eps are usable for heads of `head_dim`:
@@ -261,8 +264,8 @@ impl CudaContext {
             KArg::P(qkv.ptr_min(OP, "qkv [n, (q_heads + 2 kv_heads) * head_dim]", n * row)?),
             KArg::U(u32_of(OP, "qkv row", row)?),
             KArg::P(q.ptr_min(OP, "q [n, q_heads, head_dim]", n * p.q_heads * hd)?),
-            KArg::P(k_cache.ptr_min(OP, "k_cache", kv.elems())?),
-            KArg::P(v_cache.ptr_min(OP, "v_cache", kv.elems())?),
+            KArg::P(k_cache.ptr_min(OP, "k_cache", kv.buf_len())?),
+            KArg::P(v_cache.ptr_min(OP, "v_cache", kv.buf_len())?),
             KArg::P(qn),
             KArg::P(kn),
             KArg::F(p.eps),
@@ -275,7 +278,10 @@ impl CudaContext {
             KArg::P(freq),
             KArg::U(kv.capacity as u32),
             KArg::U(kv.num_slots as u32),
+            // qkv_post_f8 only: each kv head's largest |k| and |v| (calibrate_fp8), or null
+            KArg::P(p.amax),
         ];
+        let args = &args[..args.len() - usize::from(!kv.fp8)];
         // QKV_POST_HEADS (decode_fused.cu) heads a block, a warp each
         const HEADS: usize = 8;
         let grid = (
@@ -283,7 +289,13 @@ impl CudaContext {
             u32_of(OP, "heads", (p.q_heads + 2 * kv.kv_heads).div_ceil(HEADS))?,
             1,
         );
-        self.launch("qkv_post_bf16", grid, (32 * HEADS as u32, 1, 1), 0, &args)
+        self.launch(
+            crate::kernels::kv_kernel("qkv_post_bf16", kv.fp8),
+            grid,
+            (32 * HEADS as u32, 1, 1),
+            0,
+            args,
+        )
     }
 
     /// Reads `p` once (16-byte loads, a grid of 8 blocks of 256 a SM), writing nothing but a

@@ -10,20 +10,42 @@ pub mod sfi;
 
 use crate::error::CudaError;
 
-/// Geometry of one layer's KV cache: `[num_slots, kv_heads, capacity, head_dim]` bf16 for K
-/// and the same for V; a slot holds one sequence.
+/// Geometry of one layer's KV cache: `[num_slots, kv_heads, capacity, head_dim]` bf16 (or
+/// e4m3 bytes with `fp8`) for K and the same for V; a slot holds one sequence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvLayout {
     pub num_slots: usize,
     pub kv_heads: usize,
     pub capacity: usize,
     pub head_dim: usize,
+    /// The caches hold e4m3 bytes (fp8 KV); the buffers are still `GpuBuffer<bf16>`, of
+    /// [`KvLayout::buf_len`] elements (two e4m3 values an element).
+    pub fp8: bool,
 }
 
 impl KvLayout {
     /// Elements in one of K or V.
     pub fn elems(&self) -> usize {
         self.num_slots * self.kv_heads * self.capacity * self.head_dim
+    }
+
+    /// Bytes of one cached element (2: bf16, 1: e4m3).
+    pub fn elem_bytes(&self) -> usize {
+        if self.fp8 {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// Bytes of one cached row (a position of one head).
+    pub fn row_bytes(&self) -> usize {
+        self.head_dim * self.elem_bytes()
+    }
+
+    /// Length of a cache buffer (`GpuBuffer<bf16>` elements) holding the layout.
+    pub fn buf_len(&self) -> usize {
+        self.elems() * self.elem_bytes() / 2
     }
 
     pub(crate) fn check(&self, op: &'static str) -> Result<(), CudaError> {

@@ -452,8 +452,8 @@ impl CudaContext {
         let row_groups = (p.n_heads / kv.kv_heads).div_ceil(16);
         let mut args = vec![
             KArg::P(p.post.map_or(p.q, |pp| pp.qkv)),
-            KArg::P(k_cache.ptr_min(OP, "k_cache", kv.elems())?),
-            KArg::P(v_cache.ptr_min(OP, "v_cache", kv.elems())?),
+            KArg::P(k_cache.ptr_min(OP, "k_cache", kv.buf_len())?),
+            KArg::P(v_cache.ptr_min(OP, "v_cache", kv.buf_len())?),
             KArg::P(p.seq_lens),
             KArg::P(p.slots),
             KArg::P(part_o),
@@ -485,7 +485,7 @@ impl CudaContext {
             ]);
         }
         self.launch(
-            kernel,
+            crate::kernels::kv_kernel(kernel, kv.fp8),
             (
                 splits as u32,
                 u32_of(OP, "kv_heads * row groups", kv.kv_heads * row_groups)?,
@@ -538,7 +538,7 @@ impl CudaContext {
             KArg::U(p1 as u32),
         ];
         self.launch(
-            "sfi_key_norms",
+            crate::kernels::kv_kernel("sfi_key_norms", kv.fp8),
             (
                 (p1 - p0).div_ceil(8) as u32,
                 kv.kv_heads as u32,
@@ -916,7 +916,8 @@ impl CudaContext {
             KArg::U(kv.kv_heads as u32),
             KArg::U(kv.capacity as u32),
             KArg::U(g.ccap as u32),
-            KArg::U(kv.head_dim as u32),
+            // a copy of rows: their length in buffer elements (half the head dim with fp8)
+            KArg::U((kv.row_bytes() / 2) as u32),
             KArg::U(g.sinks as u32),
             KArg::U(sc.k as u32),
             KArg::U(u32_of(OP, "recent_start", g.recent_start)?),

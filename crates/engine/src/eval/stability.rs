@@ -194,6 +194,7 @@ pub fn eval_stability(
     let r = match o.kv {
         KvDtype::F32 => run::<f32>(m, tokens, o, &mut probe, progress)?,
         KvDtype::F16 => run::<half::f16>(m, tokens, o, &mut probe, progress)?,
+        KvDtype::Fp8 => return Err(KvDtype::cpu_only_error()),
     };
     Ok(EvalRecord {
         task: "stability".into(),

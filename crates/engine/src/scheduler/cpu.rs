@@ -77,6 +77,7 @@ pub fn kv_bytes_at(model: &Model, capacity: usize, len: usize, chunk: usize, kv:
     let elem = match kv {
         KvDtype::F32 => 4,
         KvDtype::F16 => 2,
+        KvDtype::Fp8 => 1,
     };
     2 * slots * model.cfg.num_key_value_heads * model.cfg.head_dim * elem
 }

@@ -19,7 +19,7 @@ use slowfast_kv::sfi::trigger::Trigger;
 use slowfast_kv::PolicyStats;
 
 use super::{BatchDevice, SchedulerConfig, SpecTurn};
-use crate::cuda::{gpu_policy, load_paged_decoder, open_context, GPU_CHUNK};
+use crate::cuda::{gpu_policy, kv_options, load_decoder_with, open_context, GPU_CHUNK};
 use crate::sampler::SamplerConfig;
 use crate::session::PolicySpec;
 use crate::spec::{DraftKind, Row, SpecOptions, SpecStats, Speculator, MAX_SPEC_TOKENS};
@@ -140,13 +140,9 @@ impl GpuDevice {
         trigger_of(policy)?; // the server's own trigger must build
         let slots = cfg.max_batch;
         let ctx = open_context()?;
-        let mut dec = load_paged_decoder(
-            ctx.clone(),
-            &loaded.model,
-            slots,
-            cfg.max_context,
-            GPU_CHUNK,
-        )?;
+        let dims = (slots, cfg.max_context, GPU_CHUNK);
+        let opts = kv_options(cfg.kv_dtype, true);
+        let mut dec = load_decoder_with(ctx.clone(), &loaded.model, dims, opts)?;
         dec.set_policy(gp).map_err(gpu_err)?;
         // Every slot holds at least one token: decode steps step them all (a free slot's
         // dummy tokens go to the scratch page).

@@ -96,7 +96,9 @@ pub fn spec_session<'m>(
             model, cap, kv, chunk, policy,
         )?)),
         #[cfg(feature = "cuda")]
-        Device::Cuda => Ok(Box::new(crate::cuda::GpuSession::new(model, cap, policy)?)),
+        Device::Cuda => Ok(Box::new(crate::cuda::GpuSession::new(
+            model, cap, kv, policy,
+        )?)),
         #[allow(unreachable_patterns)]
         _ => Err(crate::device::not_built()),
     }
