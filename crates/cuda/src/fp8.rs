@@ -101,6 +101,20 @@ mod tests {
         }
     }
 
+    /// The kernels' packed widening (`fp8x2_bf16x2` in common.cuh): the byte's sign to bit
+    /// 15 and its other bits to bits 4-14, read as a bf16 (a subnormal one for e4m3's
+    /// subnormals), times 2^120, is the e4m3 value, for every code.
+    #[test]
+    fn the_kernels_widening_identity_holds_for_every_code() {
+        for x in 0..=255u8 {
+            let bits = ((x as u16 & 0x80) << 8) | ((x as u16 & 0x7f) << 4);
+            let v = bf16::from_bits(bits).to_f32() * 120f32.exp2();
+            assert_eq!(v, e4m3_to_f32(x), "code {x:#04x}");
+            assert_eq!(bf16::from_f32(v).to_f32(), v, "code {x:#04x} exact in bf16");
+        }
+        assert_eq!(bf16::from_f32(120f32.exp2()).to_bits(), 0x7b80);
+    }
+
     #[test]
     fn bytes_pack_two_a_word() {
         let b = [1u8, 2, 3, 4, 5];
