@@ -11,6 +11,7 @@
 #                                        # GPU and the CPU, eval nll and passkey with --device cuda,
 #                                        # SFI at --sfi-async-lag 0 and 4 on prose and code
 #   bash .gpu/gpu_default_model.sh run fp8   # there: fp8 KV against bf16 KV (greedy, nll, passkey)
+#   bash .gpu/gpu_default_model.sh run tasks # there: eval agree and ruler with --device cuda
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -49,6 +50,17 @@ CALLS
     B=$C/.gpu/slowfast
     T=$C/.gpu/austen_prideprejudice.txt
     P="It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a"
+    if [ "${2:-}" = tasks ]; then
+      # eval's other tasks on the GPU (issue 23, item 5): agree and ruler at 8K, full, sfi and
+      # streaming at a 20 % budget, for the side-by-side table with the CPU's
+      $B eval --device cuda -m $M --task agree -i $T --context 8192 --eval-tokens 128 \
+        --policies full,sfi,streaming --kv-budget 0.2 --json "$OUT/agree-cuda.json" > "$OUT/agree-cuda.md" 2> "$OUT/agree-cuda.err"
+      $B eval --device cuda -m $M --task ruler -i $T --context 8192 --ruler-samples 4 --seed 1 \
+        --policies full,sfi,streaming --kv-budget 0.2 --json "$OUT/ruler-cuda.json" > "$OUT/ruler-cuda.md" 2> "$OUT/ruler-cuda.err"
+      cat "$OUT/agree-cuda.md" "$OUT/ruler-cuda.md"
+      tail -3 "$OUT"/*.err
+      exit 0
+    fi
     if [ "${2:-}" = fp8 ]; then
       # fp8 KV (issue 22) against bf16 KV on the GPU: greedy tokens, eval nll on prose and
       # code (full, sfi, streaming at a 20 % budget) and passkey, at 8K

@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use slowfast_engine::eval::agree::{eval_agree, AgreeOptions};
+use slowfast_engine::eval::agree::{eval_agree_on, AgreeOptions};
 use slowfast_engine::eval::passkey::{eval_passkey_spec, PasskeyMetrics, PasskeyOptions};
-use slowfast_engine::eval::ruler::{eval_ruler, RulerOptions, RulerTask};
+use slowfast_engine::eval::ruler::{eval_ruler_on, RulerOptions, RulerTask};
 use slowfast_engine::eval::stability::{eval_stability, StabilityOptions};
 use slowfast_engine::eval::{eval_nll_on, EvalRecord, Metrics, NllOptions};
 use slowfast_engine::PolicySpec;
@@ -336,10 +336,9 @@ pub fn run(a: Args) -> Result<()> {
             .collect::<Result<Vec<_>, _>>()?,
     };
     let device = a.model.device();
-    if device == slowfast_engine::Device::Cuda && !matches!(a.task.as_str(), "nll" | "passkey") {
+    if device == slowfast_engine::Device::Cuda && a.task == "stability" {
         bail!(
-            "--device cuda: `eval --task {}` is not on cuda yet (nll and passkey are; use --device cpu)",
-            a.task
+            "--device cuda: `eval --task stability` probes every head's attention on the CPU (use --device cpu; nll, agree, passkey and ruler run on cuda)"
         );
     }
     let depths: Vec<f64> = parse_list("--passkey-depths", &a.passkey_depths)?;
@@ -450,7 +449,7 @@ pub fn run(a: Args) -> Result<()> {
                 chunk,
                 teacher_forced: !a.agree_no_teacher_forced,
             };
-            recs = eval_agree(&m, &ids, &o, &specs, &mut progress)?;
+            recs = eval_agree_on(device, true, &m, &ids, &o, &specs, &mut progress)?;
             for r in &recs {
                 if let Metrics::Agree(x) = &r.metrics {
                     eprintln!(
@@ -491,7 +490,8 @@ pub fn run(a: Args) -> Result<()> {
             }
         }
         "ruler" => {
-            recs = eval_ruler(&m, text.as_deref(), &ruler, &specs, &mut progress)?;
+            let essay = text.as_deref();
+            recs = eval_ruler_on(device, true, &m, essay, &ruler, &specs, &mut progress)?;
         }
         "stability" => {
             let ids = encode(true)?;

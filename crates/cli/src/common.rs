@@ -10,7 +10,8 @@ pub struct ModelArgs {
     #[arg(long, short = 'm', default_value = slowfast_engine::DEFAULT_MODEL)]
     pub model: String,
     /// Compute device. `cuda` needs a build with `--features cuda` and an NVIDIA GPU; it runs
-    /// generate, bench and eval (tasks nll and passkey) with the policies full, streaming and sfi.
+    /// generate, bench, serve and eval (tasks nll, agree, passkey and ruler) with the policies full,
+    /// streaming and sfi.
     /// (--sfi-async-lag trades a little of SFI's quality there for speed).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,

@@ -342,6 +342,12 @@ fn bad_ruler_flags_are_named_before_loading_a_model() {
         &args(&m, &["--ruler-tasks", "vt,cwe,fwe,niah_single_1"]),
         "/nonexistent/model.gguf",
     );
+    // The stability probe is CPU-only, named before the model loads.
+    let stab = ["--model", "/nonexistent/model.gguf", "--task", "stability"];
+    fails(
+        &args(&stab, &["--device", "cuda", "-i", &t]),
+        "`eval --task stability` probes every head's attention on the CPU",
+    );
 }
 
 #[test]

@@ -156,6 +156,40 @@ pub(crate) fn prefilled_sessions<'m>(
         .collect())
 }
 
+/// One session a policy on `device`, each holding `tokens` prefilled, with its prefill seconds.
+/// With `share` (the CPU) the policies that need no prefill of their own fork one prefill
+/// ([`prefilled_sessions`]); otherwise, as on the GPU, each policy prefills its own session.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prefilled_steps<'m>(
+    device: crate::Device,
+    share: bool,
+    m: &'m Loaded,
+    cap: usize,
+    kv: KvDtype,
+    chunk: usize,
+    policies: &[PolicySpec],
+    tokens: &[u32],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<(Box<dyn crate::device::Steps + 'm>, f64)>, EngineError> {
+    if share && device == crate::Device::Cpu {
+        return Ok(
+            prefilled_sessions(m, cap, kv, chunk, policies, tokens, progress)?
+                .into_iter()
+                .map(|(s, t)| (Box::new(s) as Box<dyn crate::device::Steps + 'm>, t))
+                .collect(),
+        );
+    }
+    policies
+        .iter()
+        .map(|p| {
+            progress(&format!("prefill under {}", p.name()));
+            let mut sess = crate::device::session(device, &m.model, cap, kv, chunk, p)?;
+            let secs = prefill_reporting(&mut *sess, tokens, progress)?;
+            Ok((sess, secs))
+        })
+        .collect()
+}
+
 /// Prefill `tokens`, reporting progress at most every 2 s; returns the seconds it took.
 pub(crate) fn prefill_reporting(
     sess: &mut dyn crate::device::Steps,

@@ -4,10 +4,11 @@ use std::time::Instant;
 
 use super::{
     argmax, check_input_len, check_model_context, prefill_free, prefill_reporting,
-    prefilled_sessions, EvalRecord, Metrics,
+    prefilled_sessions, prefilled_steps, EvalRecord, Metrics,
 };
+use crate::device::Steps;
 use crate::load::Loaded;
-use crate::session::{KvDtype, PolicySpec, Session};
+use crate::session::{KvDtype, PolicySpec};
 use crate::EngineError;
 
 /// How a greedy continuation compares with the full-KV one.
@@ -63,6 +64,21 @@ pub fn eval_agree(
     policies: &[PolicySpec],
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<EvalRecord>, EngineError> {
+    eval_agree_on(crate::Device::Cpu, true, m, tokens, o, policies, progress)
+}
+
+/// [`eval_agree`] on `device` (`--device cuda`: full, streaming and sfi); without `share`
+/// each policy prefills the prompt itself, and again for the teacher-forced pass (the GPU
+/// always does).
+pub fn eval_agree_on(
+    device: crate::Device,
+    share: bool,
+    m: &Loaded,
+    tokens: &[u32],
+    o: &AgreeOptions,
+    policies: &[PolicySpec],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<EvalRecord>, EngineError> {
     let AgreeOptions {
         context,
         eval_tokens,
@@ -83,27 +99,32 @@ pub fn eval_agree(
     let n_prompt = context - eval_tokens;
     check_input_len(tokens.len(), n_prompt, context)?;
     check_model_context(m, context)?;
-    let sessions = prefilled_sessions(
-        m,
-        context,
-        kv,
-        chunk,
-        policies,
-        &tokens[..n_prompt - 1],
-        progress,
-    )?;
+    let prompt = &tokens[..n_prompt - 1];
     // Copies for the teacher-forced pass, taken before any decoding (the policies with
-    // their own prefill get a fresh one after the greedy pass).
-    let mut forced: Vec<Option<Session>> = Vec::new();
-    if teacher_forced {
-        for ((sess, _), p) in sessions.iter().zip(policies).skip(1) {
-            forced.push(if prefill_free(p) {
-                Some(sess.fork(p)?)
-            } else {
-                None
-            });
+    // their own prefill, and every policy off the CPU, get a fresh one after the greedy pass).
+    let mut forced: Vec<Option<Box<dyn Steps + '_>>> = Vec::new();
+    let sessions = if share && device == crate::Device::Cpu {
+        let sessions = prefilled_sessions(m, context, kv, chunk, policies, prompt, progress)?;
+        if teacher_forced {
+            for ((sess, _), p) in sessions.iter().zip(policies).skip(1) {
+                forced.push(match prefill_free(p) {
+                    true => Some(Box::new(sess.fork(p)?)),
+                    false => None,
+                });
+            }
         }
-    }
+        sessions
+            .into_iter()
+            .map(|(s, t)| (Box::new(s) as Box<dyn Steps>, t))
+            .collect()
+    } else {
+        if teacher_forced {
+            forced.extend(policies.iter().skip(1).map(|_| None));
+        }
+        prefilled_steps(
+            device, false, m, context, kv, chunk, policies, prompt, progress,
+        )?
+    };
     let mut reference: Option<Vec<u32>> = None;
     let mut recs = Vec::new();
     for ((mut sess, prefill_seconds), policy) in sessions.into_iter().zip(policies) {
@@ -162,8 +183,8 @@ pub fn eval_agree(
                     "{}: prefill again for the teacher-forced pass",
                     policy.name()
                 ));
-                let mut s = Session::try_with_policy(&m.model, context, kv, chunk, policy)?;
-                prefill_reporting(&mut s, &tokens[..n_prompt - 1], progress)?;
+                let mut s = crate::device::session(device, &m.model, context, kv, chunk, policy)?;
+                prefill_reporting(&mut *s, prompt, progress)?;
                 s
             }
         };
@@ -198,6 +219,62 @@ mod tests {
         // A shorter run counts the missing positions as different.
         assert_eq!(agreement(&[1, 2, 3, 4], &[1, 2]), (0.5, Some(2), 2));
         assert_eq!(agreement(&[], &[]), (1.0, None, 0));
+    }
+
+    /// The GPU's way (`prefilled_steps` without sharing: every policy prefills its own
+    /// session, and again for the teacher-forced pass), run on the CPU, gives the records of
+    /// the shared prefills: the same continuations, agreements and step counts.
+    #[test]
+    fn own_prefills_give_the_shared_prefills_records() {
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/hf/gemma3"
+        );
+        let m = crate::load(dir, &mut |_| {}).unwrap();
+        let ids: Vec<u32> = (0..96u32).map(|i| (i * 53 + 7) % 500).collect();
+        let knobs = crate::session::SfiKnobs {
+            recent: 16,
+            ..Default::default()
+        };
+        let sfi = crate::session::policy_spec_with("sfi", Some(48.0), 2, 128, &knobs)
+            .unwrap()
+            .with_vocab(&m.tokenizer);
+        let stream = crate::session::policy_spec("streaming", Some(40.0), 2, 128).unwrap();
+        let policies = [PolicySpec::Full, stream, sfi];
+        let o = AgreeOptions {
+            context: 120,
+            eval_tokens: 24,
+            kv: KvDtype::F32,
+            chunk: 16,
+            teacher_forced: true,
+        };
+        let shared = eval_agree(&m, &ids, &o, &policies, &mut |_| {}).unwrap();
+        let mut said = Vec::new();
+        let cpu = crate::Device::Cpu;
+        let own = eval_agree_on(cpu, false, &m, &ids, &o, &policies, &mut |s| {
+            said.push(s.to_string())
+        })
+        .unwrap();
+        // every policy prefilled its own session: 3, then 2 again for the forced pass
+        let prefills = said
+            .iter()
+            .filter(|s| s.starts_with("prefill under"))
+            .count();
+        let again = said.iter().filter(|s| s.contains("prefill again")).count();
+        assert_eq!((prefills, again), (3, 2), "{said:?}");
+        assert_eq!(shared.len(), own.len());
+        for (a, b) in shared.iter().zip(&own) {
+            let (Metrics::Agree(x), Metrics::Agree(y)) = (&a.metrics, &b.metrics) else {
+                panic!("agree records")
+            };
+            assert_eq!((&x.text, x.matched), (&y.text, y.matched), "{}", a.policy);
+            assert_eq!(
+                x.teacher_forced_agreement, y.teacher_forced_agreement,
+                "{}",
+                a.policy
+            );
+            assert_eq!((a.slow_steps, a.fast_steps), (b.slow_steps, b.fast_steps));
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@ pub mod words;
 
 use std::time::Instant;
 
-use super::{argmax, check_model_context, prefilled_sessions, EvalRecord, Metrics};
+use super::{argmax, check_model_context, prefilled_steps, EvalRecord, Metrics};
 use crate::device::Steps;
 use crate::load::Loaded;
 use crate::session::{KvDtype, PolicySpec};
@@ -128,6 +128,20 @@ pub fn eval_ruler(
     policies: &[PolicySpec],
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<EvalRecord>, EngineError> {
+    eval_ruler_on(crate::Device::Cpu, true, m, essay, o, policies, progress)
+}
+
+/// [`eval_ruler`] on `device` (`--device cuda`: full, streaming and sfi); without `share`
+/// each policy prefills every prompt itself (the GPU always does).
+pub fn eval_ruler_on(
+    device: crate::Device,
+    share: bool,
+    m: &Loaded,
+    essay: Option<&str>,
+    o: &RulerOptions,
+    policies: &[PolicySpec],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<EvalRecord>, EngineError> {
     o.validate()?;
     check_model_context(m, o.context)?;
     let gen = RulerGen::new(&m.tokenizer, essay, o.context, o.seed, o.chat);
@@ -155,12 +169,13 @@ pub fn eval_ruler(
                 t_run.elapsed().as_secs_f64()
             ));
             let cap = s.tokens.len() + task.budget();
+            let (dev, kv, chunk) = (device, o.kv, o.chunk);
             let sessions =
-                prefilled_sessions(m, cap, o.kv, o.chunk, policies, &s.tokens, progress)?;
+                prefilled_steps(dev, share, m, cap, kv, chunk, policies, &s.tokens, progress)?;
             for (pi, ((mut sess, pf), p)) in sessions.into_iter().zip(policies).enumerate() {
                 let after_prefill = sess.kv_bytes();
                 let t1 = Instant::now();
-                let text = answer(m, &mut sess, task.budget(), &mut decoded)?;
+                let text = answer(m, &mut *sess, task.budget(), &mut decoded)?;
                 let score = string_match_all(&text, &s.answers);
                 progress(&format!(
                     "  {}: {score:.0} (expected {}) {:?}",
@@ -176,7 +191,7 @@ pub fn eval_ruler(
                 acc.fast_steps += st.fast_steps;
                 acc.attended_tokens += st.attended_tokens;
                 acc.dense_tokens += st.dense_tokens;
-                kv_bytes[pi] = (after_prefill, Steps::kv_bytes(&sess));
+                kv_bytes[pi] = (after_prefill, sess.kv_bytes());
                 answers[pi].push(RulerAnswer {
                     expected: s.answers.clone(),
                     output: text,
