@@ -156,6 +156,9 @@ pub(crate) fn prefilled_sessions<'m>(
         .collect())
 }
 
+/// A prefilled session on some device and its prefill seconds.
+pub(crate) type Prefilled<'m> = (Box<dyn crate::device::Steps + 'm>, f64);
+
 /// One session a policy on `device`, each holding `tokens` prefilled, with its prefill seconds.
 /// With `share` (the CPU) the policies that need no prefill of their own fork one prefill
 /// ([`prefilled_sessions`]); otherwise, as on the GPU, each policy prefills its own session.
@@ -170,7 +173,7 @@ pub(crate) fn prefilled_steps<'m>(
     policies: &[PolicySpec],
     tokens: &[u32],
     progress: &mut dyn FnMut(&str),
-) -> Result<Vec<(Box<dyn crate::device::Steps + 'm>, f64)>, EngineError> {
+) -> Result<Vec<Prefilled<'m>>, EngineError> {
     if share && device == crate::Device::Cpu {
         return Ok(
             prefilled_sessions(m, cap, kv, chunk, policies, tokens, progress)?
