@@ -36,12 +36,8 @@ for p in $phases; do
       .bin/cuda_bench prefill 2>&1 | tee "$OUT/prefill-bench.log" ;;
     dbench)
       # flash-decoding alone (cuda_bench decode): batch 1 at 8K / 32K / 128K and 33 keys past
-      # each, batch 8 at 8K / 32K; the host's whole-tile split (SLOWFAST_DECODE_BALANCE=0) then
-      # the default (even on the device)
-      for f in 0 1; do
-        echo "== SLOWFAST_DECODE_BALANCE=$f" | tee -a "$OUT/decode-bench.log"
-        SLOWFAST_DECODE_BALANCE=$f .bin/cuda_bench decode 2>&1 | tee -a "$OUT/decode-bench.log"
-      done ;;
+      # each, batch 8 at 8K / 32K
+      .bin/cuda_bench decode 2>&1 | tee -a "$OUT/decode-bench.log" ;;
     gemvb)
       # 3-8 rows through each decode projection: cuBLAS against the tensor-core GEMV
       .bin/cuda_bench gemvb 2>&1 | tee "$OUT/gemvb-bench.log" ;;
@@ -265,7 +261,7 @@ PY
     sfi-ab)
       # SFI at batch SB (default 6) and CTX_SB (default 128k) under each of SFI_CFGS
       # (VAR=value settings, several joined by commas, e.g. "SLOWFAST_GEMV_MMA_ROWS=0
-      # SLOWFAST_GEMV_MMA_ROWS=8,SLOWFAST_SFI_SPLIT=0"); SFI_POLICIES (default full,sfi)
+      # SLOWFAST_GEMV_MMA_ROWS=8,SLOWFAST_SPARSE_POST=1"); SFI_POLICIES (default full,sfi)
       SFI_ARGS="--policies ${SFI_POLICIES:-full,sfi} $SFI_OPTS"
       for cfg in ${SFI_CFGS:-SLOWFAST_GEMV_MMA_ROWS=0 SLOWFAST_GEMV_MMA_ROWS=8}; do
         echo "== $cfg" | tee -a "$OUT/sfi-ab.log"

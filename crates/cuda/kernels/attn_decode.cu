@@ -500,9 +500,9 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
 #define DECODE_ENTRY(NAME, D, STAGES) DECODE_ENTRY_T(NAME, D, STAGES, false) DECODE_ENTRY_T(NAME##_f8, D, STAGES, true)
 DECODE_ENTRY(attn_decode_d64, 64, 4)
 DECODE_ENTRY(attn_decode_d128, 128, 3)
-// Deeper K/V rings (more bytes in flight a SM, one block a SM): SLOWFAST_DECODE_STAGES.
+// A deeper K/V ring (more bytes in flight a SM, one block a SM): decode_plan picks it when one
+// block a SM fills the device (6 stages were no better, run 25).
 DECODE_ENTRY(attn_decode_d128_s4, 128, 4)
-DECODE_ENTRY(attn_decode_d128_s6, 128, 6)
 DECODE_ENTRY(attn_decode_d256, 256, 2)
 
 // The dense kernels with the q/k/v post-processing inside (POST above): the same grid and

@@ -563,7 +563,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     }
 }
 
-// ---- The Selector split over many blocks (the default; SLOWFAST_SFI_SPLIT=0 runs sfi_score,
+// ---- The Selector split over many blocks (the default; the tests' set_split(false) runs sfi_score,
 // sfi_cross_head and sfi_topk above, one block per (layer, kv head) walking its whole domain in
 // six and four dependent passes). The same arithmetic, each pass spread over chunks of the
 // domain, and f, r and log s recomputed from the evidence instead of stored:

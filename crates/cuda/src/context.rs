@@ -65,15 +65,12 @@ pub struct CudaContext {
     /// PDL in decode steps of 3+ rows (cuBLAS GEMMs), `SLOWFAST_PDL_WIDE`: 0 none, 1 the
     /// attention kernels, 2 every PDL kernel of the step; unset: [`pdl_wide_default`].
     pdl_wide: Option<PdlMode>,
-    /// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel (3, 4 or 6; 0
-    /// chooses; `SLOWFAST_DECODE_STAGES`, default [`DECODE_DEFAULT_STAGES`]).
-    pub(crate) decode_stages: usize,
     /// Whether dense flash-decoding splits each sequence's keys evenly on the device at every
-    /// step (chunk 0) instead of by the host's chunk of whole 64-key tiles from `max_seq_len`
-    /// (`SLOWFAST_DECODE_BALANCE=0`, or [`CudaContext::set_decode_balance`]).
+    /// step (chunk 0, the default) instead of by the host's chunk of whole 64-key tiles from
+    /// `max_seq_len` ([`CudaContext::set_decode_balance`], for tests).
     decode_balance: std::sync::atomic::AtomicBool,
     /// Whether the fused dense decode step runs qkv_post inside flash-decoding
-    /// (`attn_decode_post_*`; `SLOWFAST_ATTN_POST=1`, or [`CudaContext::set_attn_post`]).
+    /// (`attn_decode_post_*`; off, [`CudaContext::set_attn_post`] for tests).
     attn_post: std::sync::atomic::AtomicBool,
     /// Shared memory a SM and reserved a block (bytes).
     pub(crate) smem_per_sm: u32,
@@ -150,10 +147,10 @@ fn post_mode(on: Option<bool>) -> u8 {
 /// (run 49, batch 1: 8K 3.129 -> 3.094 ms but 32K 3.812 -> 3.853 and 128K 7.294 -> 7.317).
 pub const ATTN_POST_DEFAULT: bool = false;
 
-/// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel by default: 0 lets
-/// `decode_plan` choose 4 stages (143 KB of shared memory, one block a SM: run 25, Qwen3-4B
-/// batch-1 step 4.27 -> 4.19 ms at 32K, 7.87 -> 7.72 ms at 128K; 6 stages no better) when one
-/// block a SM still fills the device, else 3 (two blocks a SM).
+/// K/V pipeline stages of the dense head-dim-128 flash-decoding kernel: 0 lets `decode_plan`
+/// choose 4 stages (143 KB of shared memory, one block a SM: run 25, Qwen3-4B batch-1 step
+/// 4.27 -> 4.19 ms at 32K, 7.87 -> 7.72 ms at 128K; 6 stages no better, removed) when one block
+/// a SM still fills the device, else 3 (two blocks a SM).
 pub const DECODE_DEFAULT_STAGES: usize = 0;
 
 impl std::fmt::Debug for CudaContext {
@@ -192,7 +189,6 @@ pub(crate) fn attn_smem_bytes(kernel: &str) -> Option<u32> {
         "attn_decode_d64" | "attn_sparse_decode_d64" => s(16 + 2 * 4 * 64, 64),
         "attn_decode_d128" | "attn_sparse_decode_d128" => s(16 + 2 * 3 * 64, 128),
         "attn_decode_d128_s4" => s(16 + 2 * 4 * 64, 128),
-        "attn_decode_d128_s6" => s(16 + 2 * 6 * 64, 128),
         "attn_decode_d256" | "attn_sparse_decode_d256" => s(16 + 2 * 2 * 64, 256),
         k if k.starts_with("attn_verify_") => crate::ops::attention::VERIFY_VARIANTS
             .iter()
@@ -375,13 +371,8 @@ impl CudaContext {
                 1 => PdlMode::Attention,
                 _ => PdlMode::All,
             }),
-            decode_stages: env_usize("SLOWFAST_DECODE_STAGES").unwrap_or(DECODE_DEFAULT_STAGES),
-            attn_post: std::sync::atomic::AtomicBool::new(
-                env_usize("SLOWFAST_ATTN_POST").unwrap_or(ATTN_POST_DEFAULT as usize) != 0,
-            ),
-            decode_balance: std::sync::atomic::AtomicBool::new(
-                env_usize("SLOWFAST_DECODE_BALANCE") != Some(0),
-            ),
+            attn_post: std::sync::atomic::AtomicBool::new(ATTN_POST_DEFAULT),
+            decode_balance: std::sync::atomic::AtomicBool::new(true),
             smem_per_sm,
             smem_reserved,
             verify_per_sm,
@@ -593,8 +584,8 @@ impl CudaContext {
     }
 
     /// The fused dense decode step: qkv_post inside flash-decoding (`true`) or before it (for
-    /// A/B runs and tests; default [`ATTN_POST_DEFAULT`], `SLOWFAST_ATTN_POST`). A decoder
-    /// captures its graph with the setting of that moment.
+    /// tests; default [`ATTN_POST_DEFAULT`]). A decoder captures its graph with the setting of
+    /// that moment.
     #[doc(hidden)]
     pub fn set_attn_post(&self, on: bool) {
         self.attn_post

@@ -1889,7 +1889,7 @@ impl GpuDecoder {
                 max_seq_len: span,
                 splits: None,
             };
-            // The fused dense step may run qkv_post inside flash-decoding (SLOWFAST_ATTN_POST).
+            // The fused dense step may run qkv_post inside flash-decoding (set_attn_post, tests).
             let post_in_attn = matches!(mode, Attn::Decode)
                 && fused
                 && sp.is_none()

@@ -262,8 +262,6 @@ impl SparseState {
             .unwrap_or_else(|| {
                 fast_step_splits(ctx.sparse_splits(ns, n_heads, &kv), policy.dense_below())
             });
-        // Capturing rows get their own split count unless SLOWFAST_CAPTURE_SPLITS=0 (A/B).
-        let own_splits = std::env::var("SLOWFAST_CAPTURE_SPLITS").as_deref() != Ok("0");
         Ok(Some(SparseState {
             policy,
             num_slots: ns,
@@ -290,14 +288,9 @@ impl SparseState {
             sel,
             stage,
             splits: fast_splits,
+            // capturing rows get their own split count (run 50)
             cap_splits: (0..=ns)
-                .map(|c| {
-                    if own_splits {
-                        ctx.sparse_splits(c.max(1), n_heads, &kv).max(fast_splits)
-                    } else {
-                        fast_splits
-                    }
-                })
+                .map(|c| ctx.sparse_splits(c.max(1), n_heads, &kv).max(fast_splits))
                 .collect(),
             step_splits: fast_splits,
             refreshes: 0,

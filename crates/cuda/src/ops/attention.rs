@@ -150,7 +150,7 @@ pub(crate) struct DecodeDevice {
 /// registers at most 4), no second-wave tail. At head_dim 128 the 4-stage kernel (one block a
 /// SM, more K/V in flight) when its wave fills >= 95 % of the SMs (batch 1: 16 splits x 8 kv
 /// heads on 132 SMs), else the 3-stage one (two a SM: batch 6 at 8 kv heads leaves 36 SMs idle
-/// with one a SM, gpu-notes.md run 27); `dev.stages` 3, 4 or 6 forces one.
+/// with one a SM, gpu-notes.md run 27); `dev.stages` 3 or 4 forces one (tests).
 pub(crate) fn decode_plan(
     dev: DecodeDevice,
     p: &DecodeAttn,
@@ -174,7 +174,6 @@ pub(crate) fn decode_plan(
     let (k, s, c, _) = match (kv.head_dim, dev.stages) {
         (64, _) => plan("attn_decode_d64"),
         (128, 3) => plan("attn_decode_d128"),
-        (128, 6) => plan("attn_decode_d128_s6"),
         (128, 4) => plan("attn_decode_d128_s4"),
         (128, _) => {
             let deep = plan("attn_decode_d128_s4");
@@ -368,7 +367,7 @@ impl CudaContext {
             sm_count: self.sm_count() as usize,
             smem_per_sm: self.smem_per_sm as usize,
             smem_reserved: self.smem_reserved as usize,
-            stages: self.decode_stages,
+            stages: crate::context::DECODE_DEFAULT_STAGES,
         };
         decode_plan(dev, p, kv)
     }
@@ -808,7 +807,7 @@ mod tests {
         // a forced stage count wins
         let (p, kv) = qwen3_4b(1, 32_768);
         assert_eq!(decode_plan(h200(3), &p, &kv).0, "attn_decode_d128");
-        assert_eq!(decode_plan(h200(6), &p, &kv).0, "attn_decode_d128_s6");
+        assert_eq!(decode_plan(h200(4), &p, &kv).0, "attn_decode_d128_s4");
     }
 
     #[test]

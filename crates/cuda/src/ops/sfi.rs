@@ -168,9 +168,11 @@ impl SelectorScratch {
         let n = max_n.max(1);
         let lh = layers * kv_heads;
         let span = Split::span(kv_heads, params.nms_window / 2);
-        let split = match (span, std::env::var("SLOWFAST_SFI_SPLIT").as_deref()) {
-            (Some(sp), r) if r != Ok("0") => Some(Split::new(ctx, lh, n, sp)?),
-            _ => None,
+        // The split kernels whenever the soft-NMS span allows (the one-block-per-head ones
+        // are the reference, `set_split(false)` in the tests; run 50).
+        let split = match span {
+            Some(sp) => Some(Split::new(ctx, lh, n, sp)?),
+            None => None,
         };
         let pair = |on: bool| -> Result<Option<GpuBuffer<f64>>, CudaError> {
             Ok(if on { Some(ctx.alloc(lh * n)?) } else { None })
