@@ -221,17 +221,14 @@ mod tests {
         assert_eq!(agreement(&[], &[]), (1.0, None, 0));
     }
 
-    /// The GPU's way (`prefilled_steps` without sharing: every policy prefills its own
-    /// session, and again for the teacher-forced pass), run on the CPU, gives the records of
-    /// the shared prefills: the same continuations, agreements and step counts.
-    #[test]
-    fn own_prefills_give_the_shared_prefills_records() {
+    /// The tiny Gemma 3 fixture (random weights, sliding and global layers), full KV,
+    /// streaming and SFI, and a 120-token agree run of 24 steps with the teacher-forced pass.
+    fn gemma3_fixture_setup() -> (Loaded, [PolicySpec; 3], AgreeOptions) {
         let dir = concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../../tests/fixtures/hf/gemma3"
         );
         let m = crate::load(dir, &mut |_| {}).unwrap();
-        let ids: Vec<u32> = (0..96u32).map(|i| (i * 53 + 7) % 500).collect();
         let knobs = crate::session::SfiKnobs {
             recent: 16,
             ..Default::default()
@@ -240,7 +237,6 @@ mod tests {
             .unwrap()
             .with_vocab(&m.tokenizer);
         let stream = crate::session::policy_spec("streaming", Some(40.0), 2, 128).unwrap();
-        let policies = [PolicySpec::Full, stream, sfi];
         let o = AgreeOptions {
             context: 120,
             eval_tokens: 24,
@@ -248,6 +244,16 @@ mod tests {
             chunk: 16,
             teacher_forced: true,
         };
+        (m, [PolicySpec::Full, stream, sfi], o)
+    }
+
+    /// The GPU's way (`prefilled_steps` without sharing: every policy prefills its own
+    /// session, and again for the teacher-forced pass), run on the CPU, gives the records of
+    /// the shared prefills: the same continuations, agreements and step counts.
+    #[test]
+    fn own_prefills_give_the_shared_prefills_records() {
+        let (m, policies, o) = gemma3_fixture_setup();
+        let ids: Vec<u32> = (0..96u32).map(|i| (i * 53 + 7) % 500).collect();
         let shared = eval_agree(&m, &ids, &o, &policies, &mut |_| {}).unwrap();
         let mut said = Vec::new();
         let cpu = crate::Device::Cpu;
@@ -281,28 +287,8 @@ mod tests {
     fn forked_sessions_continue_exactly_like_their_own_prefill() {
         // The tiny Gemma 3 fixture (random weights, sliding and global layers): full KV and
         // streaming forked from an SFI prefill must match their own prefills bit for bit.
-        let dir = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../tests/fixtures/hf/gemma3"
-        );
-        let m = crate::load(dir, &mut |_| {}).unwrap();
+        let (m, policies, o) = gemma3_fixture_setup();
         let ids: Vec<u32> = (0..96u32).map(|i| (i * 37 + 11) % 500).collect();
-        let knobs = crate::session::SfiKnobs {
-            recent: 16,
-            ..Default::default()
-        };
-        let sfi = crate::session::policy_spec_with("sfi", Some(48.0), 2, 128, &knobs)
-            .unwrap()
-            .with_vocab(&m.tokenizer);
-        let stream = crate::session::policy_spec("streaming", Some(40.0), 2, 128).unwrap();
-        let policies = [PolicySpec::Full, stream, sfi];
-        let o = AgreeOptions {
-            context: 120,
-            eval_tokens: 24,
-            kv: KvDtype::F32,
-            chunk: 16,
-            teacher_forced: true,
-        };
         let shared = eval_agree(&m, &ids, &o, &policies, &mut |_| {}).unwrap();
         for (i, p) in policies.iter().enumerate() {
             // Full alone prefills itself; streaming after full forks from a full prefill.
