@@ -247,6 +247,22 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
     })
 }
 
+/// SFI's slow-step trigger for `policy` (the CPU's, run on the host over the kept tokens), or
+/// none for the other policies. One place for the GPU session and the GPU scheduler.
+pub(crate) fn trigger_of(policy: &PolicySpec) -> Result<Option<Trigger>, EngineError> {
+    match policy {
+        PolicySpec::Sfi {
+            cfg,
+            enders,
+            newlines,
+            vocab_size,
+        } => Trigger::new(cfg.trigger.clone(), enders, newlines, (*vocab_size).max(1))
+            .map(Some)
+            .map_err(|e| EngineError::BadInput(format!("SFI trigger: {e}"))),
+        _ => Ok(None),
+    }
+}
+
 /// One sequence on the GPU, stepped by the generate loop (logits come back to the host for
 /// the CPU sampler chain, so sampling is the same as on the CPU). SFI's sentence trigger runs
 /// on the host on the sampled tokens and asks the decoder for a slow step.
@@ -275,18 +291,7 @@ impl GpuSession {
         policy: &PolicySpec,
     ) -> Result<Self, EngineError> {
         let gp = gpu_policy(policy)?;
-        let trigger = match policy {
-            PolicySpec::Sfi {
-                cfg,
-                enders,
-                newlines,
-                vocab_size,
-            } => Some(
-                Trigger::new(cfg.trigger.clone(), enders, newlines, (*vocab_size).max(1))
-                    .map_err(|e| EngineError::BadInput(format!("SFI trigger: {e}")))?,
-            ),
-            _ => None,
-        };
+        let trigger = trigger_of(policy)?;
         let ctx = open_context()?;
         let dims = (1, max_tokens.max(1), GPU_CHUNK);
         let mut dec = load_decoder_with(ctx, model, dims, kv_options(kv, false))?;

@@ -19,7 +19,7 @@ use slowfast_kv::sfi::trigger::Trigger;
 use slowfast_kv::PolicyStats;
 
 use super::{BatchDevice, SchedulerConfig, SpecTurn};
-use crate::cuda::{gpu_policy, kv_options, load_decoder_with, open_context, GPU_CHUNK};
+use crate::cuda::{gpu_policy, kv_options, load_decoder_with, open_context, trigger_of, GPU_CHUNK};
 use crate::sampler::SamplerConfig;
 use crate::session::PolicySpec;
 use crate::spec::{DraftKind, Row, SpecOptions, SpecStats, Speculator, MAX_SPEC_TOKENS};
@@ -75,21 +75,6 @@ fn auto_kv_memory(
         )));
     }
     Ok(kv)
-}
-
-/// SFI's sentence trigger of a sequence (host-side, on its generated tokens).
-fn trigger_of(policy: &PolicySpec) -> Result<Option<Trigger>, EngineError> {
-    match policy {
-        PolicySpec::Sfi {
-            cfg,
-            enders,
-            newlines,
-            vocab_size,
-        } => Trigger::new(cfg.trigger.clone(), enders, newlines, (*vocab_size).max(1))
-            .map(Some)
-            .map_err(|e| EngineError::BadInput(format!("SFI trigger: {e}"))),
-        _ => Ok(None),
-    }
 }
 
 pub(super) struct GpuDevice {
