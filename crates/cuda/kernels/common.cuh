@@ -207,9 +207,10 @@ __device__ __forceinline__ void fp8x4_bf16(u32 w, u32& lo, u32& hi) {
 // D bytes of each row (from byte D + 16, as fp8_row_dst places them): converted to bf16 in place,
 // so the bf16 code after it runs unchanged. Every one of the block's NTH threads calls it (two
 // barriers: all bytes are read into registers before any row is overwritten).
-__device__ __forceinline__ u32 fp8_row_dst(const bf16* row, int D, int c16) {
-    return smem_addr(reinterpret_cast<const unsigned char*>(row) + D + 16 + c16 * 16);
+__device__ __forceinline__ const unsigned char* fp8_in_row(const bf16* row, int D, int c16) {
+    return reinterpret_cast<const unsigned char*>(row) + D + 16 + c16 * 16;
 }
+__device__ __forceinline__ u32 fp8_row_dst(const bf16* row, int D, int c16) { return smem_addr(fp8_in_row(row, D, c16)); }
 template <int D, int BK, int NTH>
 __device__ __forceinline__ void fp8_tiles_to_bf16(bf16* kt, bf16* vt) {
     constexpr int C = D / 16, N = BK * C, PER = (N + NTH - 1) / NTH, STR = D + 8;
@@ -218,8 +219,8 @@ __device__ __forceinline__ void fp8_tiles_to_bf16(bf16* kt, bf16* vt) {
     for (int i = 0; i < PER; ++i) {
         const int idx = threadIdx.x + i * NTH, r = idx / C, c = idx % C;
         if (idx < N) {
-            rk[i] = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(kt + r * STR) + D + 16 + c * 16);
-            rv[i] = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(vt + r * STR) + D + 16 + c * 16);
+            rk[i] = *reinterpret_cast<const uint4*>(fp8_in_row(kt + r * STR, D, c));
+            rv[i] = *reinterpret_cast<const uint4*>(fp8_in_row(vt + r * STR, D, c));
         }
     }
     __syncthreads();

@@ -446,26 +446,25 @@ impl GpuDecoder {
             }
             o
         };
-        // Paged: whole pages per (slot, head) run, the addresses reserved up front.
-        let paging = match paged {
-            true => {
-                let vmm = Vmm::new(ctx.ctx.clone())?;
-                let elem = if fp8 { 1 } else { 2 };
-                let geo = PageGeometry::new(vmm.page_bytes(), hdk, elem, nkv, 2 * s.layers)?;
-                Some((vmm, geo))
-            }
-            false => None,
-        };
-        let capacity = paging
-            .as_ref()
-            .map_or(capacity, |(_, g)| g.padded_capacity(capacity));
-        let kv = KvLayout {
+        let mut kv = KvLayout {
             num_slots,
             kv_heads: nkv,
             capacity,
             head_dim: hdk,
             fp8,
         };
+        // Paged: whole pages per (slot, head) run, the addresses reserved up front.
+        let paging = match paged {
+            true => {
+                let vmm = Vmm::new(ctx.ctx.clone())?;
+                let (elem, runs) = (kv.elem_bytes(), 2 * s.layers);
+                let geo = PageGeometry::new(vmm.page_bytes(), hdk, elem, nkv, runs)?;
+                kv.capacity = geo.padded_capacity(capacity);
+                Some((vmm, geo))
+            }
+            false => None,
+        };
+        let capacity = kv.capacity;
         let mut reservations = Vec::new();
         let mut layers = Vec::with_capacity(s.layers);
         let mut caches = Vec::with_capacity(s.layers);
@@ -811,6 +810,11 @@ impl GpuDecoder {
         self.kv.fp8
     }
 
+    /// Bytes of one cached position of one kv head (the kernel head dim's bf16 or e4m3).
+    pub fn kv_row_bytes(&self) -> usize {
+        self.kv.row_bytes()
+    }
+
     /// fp8 KV: prefills [`CALIB_TOKENS`] fixed tokens into slot 0 (the special ids 0-3, then a
     /// fixed pseudo-random sequence over the vocabulary) collecting each kv head's largest
     /// |k| and |v| per layer, picks power-of-two scales with [`FP8_HEADROOM`] and folds them
@@ -849,7 +853,7 @@ impl GpuDecoder {
         if let (Some(p), Some(limit)) = (self.pages.as_mut(), limit) {
             p.pool.set_limit(limit)?;
         }
-        let (hdk, nh) = (self.hdk, self.spec.n_heads);
+        let (hdk, nh, hidden) = (self.hdk, self.spec.n_heads, self.spec.hidden);
         let g = nh / nkv;
         for (li, a) in amax.chunks(2 * nkv).enumerate() {
             let mut sk: Vec<f32> = a[..nkv].iter().map(|&m| fp8_scale(m)).collect();
@@ -866,7 +870,6 @@ impl GpuDecoder {
                 }
                 _ => {
                     // wqkv [(heads + 2 kv_heads) * hdk, hidden]: k rows of head h, q rows of its group
-                    let hidden = self.spec.hidden;
                     for (h, &s) in sk.iter().enumerate() {
                         let (k0, q0) = ((nh + h) * hdk, h * g * hdk);
                         let c = &self.ctx;
@@ -877,7 +880,6 @@ impl GpuDecoder {
             }
             for (h, &s) in sv.iter().enumerate() {
                 let v0 = (nh + nkv + h) * hdk;
-                let hidden = self.spec.hidden;
                 self.ctx
                     .scale_block(&mut w.wqkv, v0 * hidden, hdk, hidden, hidden, 1.0 / s)?;
                 // wo [hidden, heads * hdk]: the columns of the group's query heads

@@ -216,7 +216,7 @@ impl SparseState {
         let compact = match sfi {
             Some(_) => {
                 // rows of the caches' type (e4m3 with fp8 KV: half the buffer elements)
-                let el = ng * ns * kv.kv_heads * ccap * (kv.row_bytes() / 2);
+                let el = ng * ns * kv.kv_heads * ccap * kv.row_len();
                 Some((ctx.alloc(el)?, ctx.alloc(el)?))
             }
             None => None,
@@ -609,7 +609,7 @@ impl SparseState {
             ));
         };
         let kv = self.kv;
-        let per_slot = kv.kv_heads * self.ccap * (kv.row_bytes() / 2);
+        let per_slot = kv.kv_heads * self.ccap * kv.row_len();
         let src = [
             st.ck.device_ptr(),
             st.cv.device_ptr(),
@@ -672,7 +672,7 @@ impl SparseState {
             norm_layer_stride: nls,
         };
         ctx.sfi_select(&a, sel)?;
-        let cs = ns * kv.kv_heads * self.ccap * (kv.row_bytes() / 2);
+        let cs = ns * kv.kv_heads * self.ccap * kv.row_len();
         let (ck, cv, clen, rstart) = match (&self.stage, staged) {
             (Some(st), true) => (&st.ck, &st.cv, &st.clen, &st.rstart),
             (None, true) => {
@@ -726,7 +726,7 @@ impl SparseState {
             ));
         };
         let (ns, kv) = (self.num_slots, self.kv);
-        let per = kv.kv_heads * self.ccap * (kv.row_bytes() / 2);
+        let per = kv.kv_heads * self.ccap * kv.row_len();
         let pick = |all: Vec<bf16>| -> Vec<bf16> {
             (0..self.ng)
                 .flat_map(|gi| all[(gi * ns + slot) * per..(gi * ns + slot + 1) * per].to_vec())

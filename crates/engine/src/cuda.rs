@@ -719,7 +719,6 @@ pub fn bench(
         capacity
     ));
     let spec = dec.spec().clone();
-    let hdk = slowfast_cuda::model::kernel_head_dim(spec.head_dim).unwrap_or(spec.head_dim);
     let mut out = Vec::new();
     let mut spec_out = Vec::new();
     for &n in &o.contexts {
@@ -852,7 +851,6 @@ pub fn bench(
             // K/V bytes read per (fast) step: global layers the attended tokens, sliding ones
             // their window, at the kernel head dim.
             let avg = n as f64 + 1.0 + o.new_tokens as f64;
-            let kv_elem = if dec.kv_fp8() { 1 } else { 2 };
             let kv_read: f64 = spec
                 .windows
                 .iter()
@@ -862,7 +860,7 @@ pub fn bench(
                         None if sparse => attended,
                         None => avg,
                     };
-                    2.0 * span * (spec.n_kv_heads * hdk * kv_elem) as f64
+                    2.0 * span * (spec.n_kv_heads * dec.kv_row_bytes()) as f64
                 })
                 .sum::<f64>()
                 * o.batch as f64;

@@ -175,12 +175,8 @@ pub(crate) fn prefilled_steps<'m>(
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<Prefilled<'m>>, EngineError> {
     if share && device == crate::Device::Cpu {
-        return Ok(
-            prefilled_sessions(m, cap, kv, chunk, policies, tokens, progress)?
-                .into_iter()
-                .map(|(s, t)| (Box::new(s) as Box<dyn crate::device::Steps + 'm>, t))
-                .collect(),
-        );
+        let sessions = prefilled_sessions(m, cap, kv, chunk, policies, tokens, progress)?;
+        return Ok(boxed(sessions));
     }
     policies
         .iter()
@@ -190,6 +186,14 @@ pub(crate) fn prefilled_steps<'m>(
             let secs = prefill_reporting(&mut *sess, tokens, progress)?;
             Ok((sess, secs))
         })
+        .collect()
+}
+
+/// CPU sessions with their prefill seconds as [`Prefilled`] ones.
+pub(crate) fn boxed<'m>(sessions: Vec<(Session<'m>, f64)>) -> Vec<Prefilled<'m>> {
+    sessions
+        .into_iter()
+        .map(|(s, t)| (Box::new(s) as Box<dyn crate::device::Steps + 'm>, t))
         .collect()
 }
 

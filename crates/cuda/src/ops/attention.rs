@@ -723,7 +723,7 @@ impl CudaContext {
         let d = kv.head_dim;
         let rows = p.n_tokens * p.n_heads;
         // a slot's caches, in buffer elements (half as many with fp8)
-        let slot_elems = kv.kv_heads * kv.capacity * d * kv.elem_bytes() / 2;
+        let slot_elems = kv.kv_heads * kv.capacity * kv.row_len();
         let pk = k_cache.ptr_range(OP, "k_cache slot", p.slot * slot_elems, slot_elems)?;
         let pv = v_cache.ptr_range(OP, "v_cache slot", p.slot * slot_elems, slot_elems)?;
         let pq = q.ptr_min(OP, "q [n_tokens, n_heads, head_dim]", rows * d)?;

@@ -43,9 +43,14 @@ impl KvLayout {
         self.head_dim * self.elem_bytes()
     }
 
+    /// Buffer (`GpuBuffer<bf16>`) elements of one cached row: what copies of rows count in.
+    pub fn row_len(&self) -> usize {
+        self.row_bytes() / 2
+    }
+
     /// Length of a cache buffer (`GpuBuffer<bf16>` elements) holding the layout.
     pub fn buf_len(&self) -> usize {
-        self.elems() * self.elem_bytes() / 2
+        self.num_slots * self.kv_heads * self.capacity * self.row_len()
     }
 
     pub(crate) fn check(&self, op: &'static str) -> Result<(), CudaError> {

@@ -919,7 +919,7 @@ impl CudaContext {
             KArg::U(kv.capacity as u32),
             KArg::U(g.ccap as u32),
             // a copy of rows: their length in buffer elements (half the head dim with fp8)
-            KArg::U((kv.row_bytes() / 2) as u32),
+            KArg::U(kv.row_len() as u32),
             KArg::U(g.sinks as u32),
             KArg::U(sc.k as u32),
             KArg::U(u32_of(OP, "recent_start", g.recent_start)?),

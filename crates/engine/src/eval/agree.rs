@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use super::{
-    argmax, check_input_len, check_model_context, prefill_free, prefill_reporting,
+    argmax, boxed, check_input_len, check_model_context, prefill_free, prefill_reporting,
     prefilled_sessions, prefilled_steps, EvalRecord, Metrics,
 };
 use crate::device::Steps;
@@ -113,10 +113,7 @@ pub fn eval_agree_on(
                 });
             }
         }
-        sessions
-            .into_iter()
-            .map(|(s, t)| (Box::new(s) as Box<dyn Steps>, t))
-            .collect()
+        boxed(sessions)
     } else {
         if teacher_forced {
             forced.extend(policies.iter().skip(1).map(|_| None));
