@@ -154,6 +154,15 @@ PY
         --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b1.json" 2>&1 | tee "$OUT/sfi.log"
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
         --batch "${SB:-6}" --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b${SB:-6}.json" 2>&1 | tee -a "$OUT/sfi.log" ;;
+    policies)
+      # Every GPU policy in one run (issue 23): full, streaming, sfi, snapkv, pyramidkv at
+      # batch 1 (PCTX: 8k,32k,128k) and batch PB (6) at the same contexts; budget and interval
+      # as in `sfi`
+      POL_ARGS="--policies full,streaming,sfi,snapkv,pyramidkv $SFI_OPTS"
+      .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${PCTX:-8k,32k,128k}" --batch 1 \
+        --new-tokens "$N" $POL_ARGS --json "$OUT/policies-b1.json" 2>&1 | tee "$OUT/policies.log"
+      .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${PCTX:-8k,32k,128k}" --batch "${PB:-6}" \
+        --new-tokens "$N" $POL_ARGS --json "$OUT/policies-b${PB:-6}.json" 2>&1 | tee -a "$OUT/policies.log" ;;
     paged)
       # Paged KV (issue 22, the server's layout) against the KV allocated whole: full, sfi and
       # streaming at batch 1 (PCTX: 8k,32k,128k) and batch PB (6) at PCTX_B (32k,128k), the two

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Plot `slowfast bench --device cuda --policies full,sfi,streaming` records: decode tok/s per
-policy against context (batch 1) and the speedup over full KV, as one SVG.
+"""Plot `slowfast bench --device cuda --policies ...` records: decode tok/s per policy against
+context and the speedup over full KV, as one SVG (every policy the records hold).
 
     python3 scripts/plot_gpu_sfi.py OUT.svg RUN-b1.json [RUN-bN.json ...]
 
@@ -26,17 +26,19 @@ def main():
             recs.extend(json.load(fh))
     if not recs:
         sys.exit("no records")
-    colors = {"full": "#444444", "sfi": "#d62728", "streaming": "#1f77b4"}
+    colors = {"full": "#444444", "sfi": "#d62728", "streaming": "#1f77b4", "snapkv": "#2ca02c",
+              "pyramidkv": "#9467bd"}
+    policies = list(dict.fromkeys(r["policy"] for r in recs))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     batches = sorted({r["batch"] for r in recs})
     for b in batches:
-        for pol in ["full", "sfi", "streaming"]:
+        for pol in policies:
             rs = sorted((r for r in recs if r["batch"] == b and r["policy"] == pol), key=lambda r: r["context"])
             if not rs:
                 continue
             xs = [r["context"] / 1024 for r in rs]
             ys = [r["decode_tok_s"] for r in rs]
-            style = "-o" if b == 1 else "s"
+            style = "-o" if b == 1 else "--s"
             ax1.plot(xs, ys, style, color=colors.get(pol), label=f"{pol}, batch {b}", ms=6 if b == 1 else 9)
             full = {r["context"]: r["decode_tok_s"] for r in recs if r["batch"] == b and r["policy"] == "full"}
             sp = [(r["context"] / 1024, r["decode_tok_s"] / full[r["context"]]) for r in rs if r["context"] in full]
@@ -53,7 +55,7 @@ def main():
     ax2.axhline(1.0, color="#888888", lw=0.8)
     name = recs[0].get("model", "")
     dev = recs[0].get("device_name", "")
-    fig.suptitle(f"{name} on {dev}: full KV, SFI and StreamingLLM decode")
+    fig.suptitle(f"{name} on {dev}: decode by KV policy ({', '.join(policies)})")
     fig.tight_layout()
     fig.savefig(out, format="svg")
     print(f"wrote {out}")

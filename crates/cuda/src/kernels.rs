@@ -19,6 +19,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ),
     ("attn_decode.cu", include_str!("../kernels/attn_decode.cu")),
     ("sfi.cu", include_str!("../kernels/sfi.cu")),
+    ("snapkv.cu", include_str!("../kernels/snapkv.cu")),
     ("gemv.cu", include_str!("../kernels/gemv.cu")),
     (
         "decode_fused.cu",
@@ -74,6 +75,9 @@ pub const KERNEL_NAMES: &[&str] = &[
     "sfi_score",
     "sfi_cross_head",
     "sfi_topk",
+    "snap_rowstats",
+    "snap_colsum",
+    "snap_pool",
     "sfi_pos_prior",
     "sfi_score_part",
     "sfi_score_lambda",

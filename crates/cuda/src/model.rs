@@ -1352,11 +1352,15 @@ impl GpuDecoder {
         self.sparse.as_ref().and_then(|s| s.profile())
     }
 
-    /// Slot `slot`'s live SFI memory (compact rows, lengths, recent starts of every global
-    /// layer); None without SFI. Downloads and synchronises: for tests.
-    pub fn sfi_memory(&self, slot: usize) -> Result<Option<crate::sparse::SfiMemory>, CudaError> {
+    /// Slot `slot`'s live compact memory (SFI's or SnapKV's rows, lengths, the starts of the
+    /// ranges read in place, of every global layer); None for a policy without one. Downloads
+    /// and synchronises: for tests.
+    pub fn compact_memory(
+        &self,
+        slot: usize,
+    ) -> Result<Option<crate::sparse::CompactMemory>, CudaError> {
         self.check_slot(slot)?;
-        match self.sparse.as_ref().filter(|s| s.sfi().is_some()) {
+        match self.sparse.as_ref().filter(|s| s.has_compact()) {
             Some(s) => s.memory(&self.ctx, slot).map(Some),
             None => Ok(None),
         }

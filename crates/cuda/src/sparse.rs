@@ -1,7 +1,14 @@
-//! KV policies of the GPU decoder: full KV, StreamingLLM and SFI (methods.md §1). The global
-//! layers of a sparse policy decode through `attn_sparse_decode_*`: per (layer, slot) a compact
-//! length and a recent-window start on the device, so a fast step needs no host work and
+//! KV policies of the GPU decoder: full KV, StreamingLLM, SFI, SnapKV and PyramidKV
+//! (methods.md §1-2). The global layers of a sparse policy decode through
+//! `attn_sparse_decode_*`: per (layer, slot) a compact buffer of chosen rows, its length and
+//! the start of a range read in place, all on the device, so a fast step needs no host work and
 //! replays as one CUDA graph; sliding layers keep their window.
+//!
+//! SnapKV / PyramidKV per (global layer, slot): at the end of prefill the last `window` prompt
+//! rows attend densely and leave their scores; `snap_select` (ops/snapkv.rs) keeps the top
+//! `capacity - window` keys of the rest a kv head in the compact buffer, and the window and
+//! every decoded token after it are read in place from `rstart = prompt - window`. Nothing is
+//! selected again. The cache itself stays allocated (the dropped rows are not read).
 //!
 //! SFI per (global layer, slot): a compact buffer of the sinks and the Selector's choice
 //! (`[slot, kv_head, ccap, head_dim]`), rebuilt at each refresh, and the recent window read in
@@ -28,7 +35,9 @@ use crate::ops::attention::AttnWorkspace;
 use crate::ops::sfi::{
     GatherArgs, SelectArgs, SelectorConfig, SelectorScratch, SparseDecode, SparsePost,
 };
+use crate::ops::snapkv::{SnapArgs, SnapScratch};
 use crate::ops::KvLayout;
+use slowfast_kv::pyramid::pyramid_budgets;
 
 /// SFI on the GPU: S sinks + k Selector-chosen tokens + a recent window (page-aligned start).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -45,6 +54,40 @@ pub struct GpuSfiConfig {
     pub refresh_lag: usize,
 }
 
+/// SnapKV (PyramidKV with `pyramid_beta`) on the GPU: the CPU policy's knobs
+/// (`slowfast_kv::snapkv::SnapKvConfig`), the same rules.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GpuSnapConfig {
+    /// Tokens kept a kv head in each global layer (PyramidKV: the mean), window included.
+    pub capacity: usize,
+    /// The observation window: the last prompt rows, which score the keys and stay.
+    pub window: usize,
+    /// Max-pooling kernel (odd).
+    pub kernel: usize,
+    pub pyramid_beta: Option<f64>,
+}
+
+impl GpuSnapConfig {
+    /// Capacities (window included) of `layers` global layers for a prompt of `n` tokens:
+    /// the CPU's (`SnapKvPolicy::end_prefill`).
+    pub fn capacities(&self, layers: usize, n: usize) -> Vec<usize> {
+        match self.pyramid_beta {
+            Some(beta) => pyramid_budgets(self.capacity, self.window, layers, n, beta),
+            None => vec![self.capacity; layers],
+        }
+    }
+
+    /// The most keys a layer's selection may keep, over every prompt length: PyramidKV's
+    /// bottom layer keeps at most `2 (C - w) - min` plus one of the rounding.
+    pub fn max_picks(&self) -> usize {
+        let c = self.capacity - self.window;
+        match self.pyramid_beta {
+            Some(_) => 2 * c + 1,
+            None => c,
+        }
+    }
+}
+
 /// Which KV policy the decoder's global layers run.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum GpuKvPolicy {
@@ -55,15 +98,53 @@ pub enum GpuKvPolicy {
         recent: usize,
     },
     Sfi(GpuSfiConfig),
+    /// SnapKV / PyramidKV: one selection at the end of prefill.
+    Snap(GpuSnapConfig),
 }
 
 impl GpuKvPolicy {
+    /// The policy's sizes, for messages.
+    pub fn describe(&self) -> String {
+        match self {
+            GpuKvPolicy::Full => "full KV".into(),
+            GpuKvPolicy::Streaming { sinks, recent } => format!("{sinks} sinks + {recent} recent"),
+            GpuKvPolicy::Sfi(c) => format!(
+                "{} sinks + {} selected + {} recent (page {}, {} bootstrap rows)",
+                c.sinks, c.selected, c.recent, c.page, c.bootstrap_rows
+            ),
+            GpuKvPolicy::Snap(c) => format!(
+                "{} kept a layer{} with a {}-token window (pooling {})",
+                c.capacity,
+                if c.pyramid_beta.is_some() {
+                    " on average"
+                } else {
+                    ""
+                },
+                c.window,
+                c.kernel
+            ),
+        }
+    }
+
+    /// Rows at the end of a prompt that a prefill must compute for the policy to build its
+    /// memory, when only a prefill builds it (SnapKV's observation window); None otherwise
+    /// (SFI's decode steps build one too).
+    pub fn prefill_rows(&self) -> Option<usize> {
+        match *self {
+            GpuKvPolicy::Snap(c) => Some(c.window),
+            _ => None,
+        }
+    }
+
     /// Sequences up to this length attend densely (a sparse memory would not be smaller).
     pub fn dense_below(&self) -> usize {
         match *self {
             GpuKvPolicy::Full => usize::MAX,
             GpuKvPolicy::Streaming { sinks, recent } => sinks + recent,
             GpuKvPolicy::Sfi(c) => c.sinks + c.selected + c.recent,
+            // a prompt within the capacity keeps everything, in every layer (PyramidKV's
+            // budgets are then all at least the prompt)
+            GpuKvPolicy::Snap(c) => c.capacity,
         }
     }
 }
@@ -134,6 +215,11 @@ pub(crate) struct SparseState {
     /// Per slot: the sequence length at its last refresh.
     refreshed_len: Vec<usize>,
     sel: Option<SelectorScratch>,
+    /// SnapKV / PyramidKV: the selection's scratch.
+    snap: Option<SnapScratch>,
+    /// Per slot: keys a fast step reads beyond the sequence length, averaged over the global
+    /// layers (SnapKV: compact rows less the prompt before the window; 0 when dense).
+    snap_off: Vec<f64>,
     /// SFI with asynchronous refresh: where the side stream's gather writes.
     stage: Option<Stage>,
     pub splits: usize,
@@ -147,10 +233,10 @@ pub(crate) struct SparseState {
     pub refreshes: usize,
 }
 
-/// One slot's SFI memory on every global layer, as the fast step reads it (see
-/// [`crate::GpuDecoder::sfi_memory`]).
+/// One slot's compact memory (SFI's, SnapKV's) on every global layer, as the fast step reads it (see
+/// [`crate::GpuDecoder::compact_memory`]).
 #[derive(Clone, Debug, PartialEq)]
-pub struct SfiMemory {
+pub struct CompactMemory {
     /// Compact K rows, `[layer][kv_head, ccap, head_dim]` concatenated; V the same.
     pub k: Vec<bf16>,
     pub v: Vec<bf16>,
@@ -183,6 +269,14 @@ impl SparseState {
         let bad = |w: String| CudaError::bad("gpu kv policy", w);
         let (sfi, boot) = match policy {
             GpuKvPolicy::Full => return Ok(None),
+            GpuKvPolicy::Snap(c) => {
+                if c.window == 0 || c.capacity <= c.window || c.kernel % 2 == 0 {
+                    return Err(bad(format!(
+                        "SnapKV: {c:?} (the capacity must exceed a window of >= 1, the kernel be odd)"
+                    )));
+                }
+                (None, c.window)
+            }
             GpuKvPolicy::Streaming { recent, .. } => {
                 if recent == 0 {
                     return Err(bad("streaming: recent window 0".into()));
@@ -212,14 +306,22 @@ impl SparseState {
         if ng == 0 {
             return Ok(None); // every layer slides: the policy has nothing to act on
         }
-        let ccap = sfi.map_or(0, |c| c.sinks + c.selected);
-        let compact = match sfi {
-            Some(_) => {
+        let snap_cfg = match policy {
+            GpuKvPolicy::Snap(c) => Some(c),
+            _ => None,
+        };
+        let ccap = match (sfi, snap_cfg) {
+            (Some(c), _) => c.sinks + c.selected,
+            (_, Some(c)) => c.max_picks(),
+            _ => 0,
+        };
+        let compact = match ccap {
+            1.. => {
                 // rows of the caches' type (e4m3 with fp8 KV: half the buffer elements)
                 let el = ng * ns * kv.kv_heads * ccap * kv.row_len();
                 Some((ctx.alloc(el)?, ctx.alloc(el)?))
             }
-            None => None,
+            0 => None,
         };
         let norms = match sfi {
             Some(_) => Some(ctx.alloc(ng * ns * kv.kv_heads * kv.capacity)?),
@@ -251,10 +353,21 @@ impl SparseState {
             }),
             _ => None,
         };
-        let logits_rows = if sfi.is_some() {
-            (ng * ns).max(boot)
-        } else {
-            1
+        let snap = match snap_cfg {
+            Some(c) => Some(SnapScratch::new(
+                ctx,
+                c.window,
+                n_heads,
+                kv.kv_heads,
+                kv.capacity,
+                c.max_picks(),
+            )?),
+            None => None,
+        };
+        let logits_rows = match policy {
+            GpuKvPolicy::Sfi(_) => (ng * ns).max(boot),
+            GpuKvPolicy::Snap(_) => boot,
+            _ => 1,
         };
         // SLOWFAST_SPARSE_SPLITS=N sets the fast step's split count (A/B runs).
         let fast_splits = crate::context::env_usize("SLOWFAST_SPARSE_SPLITS")
@@ -286,6 +399,8 @@ impl SparseState {
             has_mem: vec![false; ns],
             refreshed_len: vec![0; ns],
             sel,
+            snap,
+            snap_off: vec![0.0; ns],
             stage,
             splits: fast_splits,
             // capturing rows get their own split count (run 50)
@@ -309,9 +424,26 @@ impl SparseState {
         self.gidx.get(l).is_some_and(|g| g.is_some())
     }
 
-    /// Bootstrap rows the last prefill chunk must hold (SFI), else 0.
+    /// Whether the policy keeps a compact buffer (SFI, SnapKV).
+    pub fn has_compact(&self) -> bool {
+        self.compact.is_some()
+    }
+
+    pub fn snap(&self) -> Option<GpuSnapConfig> {
+        match self.policy {
+            GpuKvPolicy::Snap(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// Rows the last prefill chunk must hold and capture (SFI's bootstrap, SnapKV's
+    /// observation window), else 0.
     pub fn bootstrap_rows(&self) -> usize {
-        self.sfi().map_or(0, |c| c.bootstrap_rows)
+        match self.policy {
+            GpuKvPolicy::Sfi(c) => c.bootstrap_rows,
+            GpuKvPolicy::Snap(c) => c.window,
+            _ => 0,
+        }
     }
 
     /// Start of the recent window of a sequence of `len` tokens.
@@ -319,6 +451,7 @@ impl SparseState {
         match self.policy {
             GpuKvPolicy::Sfi(c) => (len - c.recent.min(len)) / c.page * c.page,
             GpuKvPolicy::Streaming { recent, .. } => len.saturating_sub(recent),
+            GpuKvPolicy::Snap(c) => len.saturating_sub(c.window),
             GpuKvPolicy::Full => 0,
         }
     }
@@ -343,7 +476,8 @@ impl SparseState {
         self.norm_len[s] = 0;
         self.has_mem[s] = false;
         self.refreshed_len[s] = 0;
-        if self.sfi().is_some() {
+        self.snap_off[s] = 0.0;
+        if self.compact.is_some() {
             let zero = ctx.alloc::<u32>(1)?;
             for gi in 0..self.ng {
                 for buf in [&self.clen, &self.rstart] {
@@ -377,7 +511,7 @@ impl SparseState {
     /// Selector (the decode capture's logits of that layer, the capture flags, the row stride).
     pub fn verify_capture(&self, l: usize, n_heads: usize) -> Option<(u64, u64, usize)> {
         let gi = self.gidx.get(l).copied().flatten()?;
-        self.compact.as_ref()?;
+        self.sfi()?;
         let ls = self.num_slots * n_heads * self.kv.capacity * 4;
         Some((
             self.logits.device_ptr() + (gi * ls) as u64,
@@ -418,6 +552,7 @@ impl SparseState {
         self.norm_len[to] = self.norm_len[from];
         self.has_mem[to] = self.has_mem[from];
         self.refreshed_len[to] = self.refreshed_len[from];
+        self.snap_off[to] = self.snap_off[from];
         Ok(())
     }
 
@@ -549,7 +684,65 @@ impl SparseState {
             post: None,
         };
         ctx.attn_sparse_decode(kc, vc, kv, ws, &p)?;
+        if self.snap().is_some() {
+            return self.snap_layer(ctx, gi, r);
+        }
         self.select_gather(ctx, gi, 1, r, self.logits.device_ptr(), 0, n_heads, false)
+    }
+
+    /// SnapKV's selection on global layer `gi` of `r.slot` after its observation window (the
+    /// last `r.rows` of `r.len` prompt rows) left its scores: the top keys before the window
+    /// into the compact buffer, the window and what follows read in place. A layer whose
+    /// capacity holds the prompt stays dense (as the CPU's `snap_keep` keeps everything).
+    fn snap_layer(&mut self, ctx: &CudaContext, gi: usize, r: &Refresh) -> Result<(), CudaError> {
+        let (Some(c), Some(sc), Some((ck, cv))) = (self.snap(), self.snap.as_mut(), &self.compact)
+        else {
+            return Ok(());
+        };
+        let (kv, ns, n) = (self.kv, self.num_slots, r.len);
+        let cap = c.capacities(self.ng, n)[gi];
+        let at = |buf: &GpuBuffer<u32>| buf.device_ptr() + ((gi * ns + r.slot) * 4) as u64;
+        let (clen, rstart) = (at(&self.clen), at(&self.rstart));
+        if gi == 0 {
+            self.snap_off[r.slot] = 0.0; // a new selection (a later prefill) replaces the last
+        }
+        if n <= cap {
+            for dst in [clen, rstart] {
+                Self::copy_raw(ctx, self.zeros.device_ptr(), dst, 4)?;
+            }
+            return Ok(());
+        }
+        let w = c.window.min(n);
+        let (prefix, k) = (n - w, cap - w);
+        let a = SnapArgs {
+            logits: self.logits.device_ptr(),
+            lstride: kv.capacity,
+            rows: r.rows,
+            len0: n + 1 - r.rows,
+            n: prefix,
+            k,
+            kernel: c.kernel,
+        };
+        ctx.snap_select(&a, sc)?;
+        let cs = ns * kv.kv_heads * self.ccap * kv.row_len();
+        let g = GatherArgs {
+            layers: 1,
+            kptrs: self.kptrs.device_ptr() + (gi * 8) as u64,
+            vptrs: self.vptrs.device_ptr() + (gi * 8) as u64,
+            slot: r.slot,
+            sinks: 0,
+            recent_start: prefix,
+            ck: ck.device_ptr() + (gi * cs * 2) as u64,
+            cv: cv.device_ptr() + (gi * cs * 2) as u64,
+            ccap: self.ccap,
+            compact_layer_stride: cs,
+            clen: self.clen.device_ptr() + (gi * ns * 4) as u64,
+            rstart: self.rstart.device_ptr() + (gi * ns * 4) as u64,
+        };
+        ctx.gather_picks(kv, sc.picks(), &g)?;
+        // keys a fast step reads at length len: k.min(prefix) + (len - prefix)
+        self.snap_off[r.slot] += (k.min(prefix) as f64 - prefix as f64) / self.ng as f64;
+        Ok(())
     }
 
     /// Whether the refreshes of a slow decode step can run asynchronously: staging buffers
@@ -718,11 +911,11 @@ impl SparseState {
     /// Slot `slot`'s live SFI memory of every global layer: compact K and V rows
     /// (`[layer][kv_head, ccap, head_dim]` concatenated), compact lengths and recent starts
     /// (downloads and synchronises; for tests).
-    pub fn memory(&self, ctx: &CudaContext, slot: usize) -> Result<SfiMemory, CudaError> {
+    pub fn memory(&self, ctx: &CudaContext, slot: usize) -> Result<CompactMemory, CudaError> {
         let Some((ck, cv)) = &self.compact else {
             return Err(CudaError::bad(
-                "sfi memory",
-                "not an SFI policy".to_string(),
+                "compact memory",
+                "the policy keeps no compact memory".to_string(),
             ));
         };
         let (ns, kv) = (self.num_slots, self.kv);
@@ -734,7 +927,7 @@ impl SparseState {
         };
         let at =
             |all: Vec<u32>| -> Vec<u32> { (0..self.ng).map(|gi| all[gi * ns + slot]).collect() };
-        Ok(SfiMemory {
+        Ok(CompactMemory {
             k: pick(ctx.download(ck)?),
             v: pick(ctx.download(cv)?),
             clen: at(ctx.download(&self.clen)?),
@@ -763,13 +956,52 @@ impl SparseState {
                 let rs = self.recent_start(self.refreshed_len[slot]);
                 c.sinks + c.selected.min(rs.saturating_sub(c.sinks)) + len.saturating_sub(rs)
             }
+            // no memory: the prompt fit, every step reads everything (as on the CPU)
+            GpuKvPolicy::Snap(_) if !self.has_mem[slot] => len,
+            GpuKvPolicy::Snap(_) => (len as f64 + self.snap_off[slot]).round() as usize,
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::fast_step_splits;
+    use super::{fast_step_splits, GpuKvPolicy, GpuSnapConfig};
+
+    #[test]
+    fn snap_compact_buffer_holds_every_layers_picks() {
+        // The compact buffer is sized once (`max_picks`) before any prompt is seen: every
+        // layer's selection (capacity less the window) must fit it for every prompt length.
+        for &(capacity, window, layers) in
+            &[(1638, 32, 36), (100, 8, 28), (40, 32, 3), (2048, 32, 2)]
+        {
+            for beta in [None, Some(20.0), Some(2.0)] {
+                let c = GpuSnapConfig {
+                    capacity,
+                    window,
+                    kernel: 7,
+                    pyramid_beta: beta,
+                };
+                for n in (capacity + 1..capacity * 8).step_by(capacity / 7 + 1) {
+                    let caps = c.capacities(layers, n);
+                    assert_eq!(caps.len(), layers);
+                    let most = caps.iter().map(|&k| k - window.min(k)).max().unwrap();
+                    assert!(
+                        most <= c.max_picks(),
+                        "{c:?} at {n}: {most} > {}",
+                        c.max_picks()
+                    );
+                }
+            }
+        }
+        let p = GpuKvPolicy::Snap(GpuSnapConfig {
+            capacity: 512,
+            window: 32,
+            kernel: 7,
+            pyramid_beta: None,
+        });
+        assert_eq!((p.dense_below(), p.prefill_rows()), (512, Some(32)));
+        assert_eq!(GpuKvPolicy::Full.prefill_rows(), None);
+    }
 
     #[test]
     fn fast_step_splits_leave_each_block_three_tiles_within_one_wave() {

@@ -9,8 +9,8 @@ use half::bf16;
 use rayon::prelude::*;
 use slowfast_cuda::ops::elementwise::Glu;
 use slowfast_cuda::{
-    CudaContext, DecoderSpec, GpuDecoder, GpuKvPolicy, GpuSfiConfig, KvOptions, Norm, Tensor,
-    WeightSource,
+    CudaContext, DecoderSpec, GpuDecoder, GpuKvPolicy, GpuSfiConfig, GpuSnapConfig, KvOptions,
+    Norm, Tensor, WeightSource,
 };
 use slowfast_kv::sfi::trigger::Trigger;
 use slowfast_kv::PolicyStats;
@@ -210,8 +210,10 @@ pub fn load_decoder_with(
     GpuDecoder::with_options(ctx, spec, w, (slots, capacity, chunk), opts).map_err(gpu_err)
 }
 
-/// The GPU form of a KV policy: full, streaming and SFI run on the GPU; the others answer
-/// that they are CPU-only.
+/// The KV policies the GPU runs (the others answer that they are CPU-only).
+pub const GPU_POLICIES: &str = "full, streaming, sfi, snapkv, pyramidkv";
+
+/// The GPU form of a KV policy ([`GPU_POLICIES`]); the others answer that they are CPU-only.
 pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
     Ok(match spec {
         PolicySpec::Full => GpuKvPolicy::Full,
@@ -238,11 +240,19 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
             selector: cfg.selector,
             refresh_lag: cfg.async_lag,
         }),
+        // SnapKV and PyramidKV: the CPU policy's knobs (FastKV's retention is SnapKV's too, but
+        // its prefill propagation is not on the GPU)
+        PolicySpec::SnapKv(cfg) => GpuKvPolicy::Snap(GpuSnapConfig {
+            capacity: cfg.capacity,
+            window: cfg.window,
+            kernel: cfg.kernel,
+            pyramid_beta: cfg.pyramid_beta,
+        }),
         other => {
             return Err(EngineError::BadInput(format!(
-            "--device cuda: the {} KV policy runs on the CPU only (on cuda: full, streaming, sfi)",
-            other.name()
-        )))
+                "--device cuda: the {} KV policy runs on the CPU only (on cuda: {GPU_POLICIES})",
+                other.name()
+            )))
         }
     })
 }
@@ -417,10 +427,11 @@ impl crate::spec::SpecTarget for GpuSession {
         crate::spec::MAX_SPEC_TOKENS + 1
     }
     fn begin_draft(&mut self) -> Result<(), EngineError> {
-        if self.name == "full" {
-            return Err(EngineError::BadInput(
-                "full KV cannot draft: the self-drafters run the sfi or streaming policy".into(),
-            ));
+        if !matches!(self.name, "sfi" | "streaming") {
+            return Err(EngineError::BadInput(format!(
+                "the {} policy cannot draft for speculative decoding (drafters: sfi, streaming)",
+                self.name
+            )));
         }
         self.drafting = true;
         Ok(())
@@ -476,7 +487,7 @@ pub struct GpuBenchOptions {
     pub batch: usize,
     /// Timed decode runs per context (the median is reported).
     pub repeats: usize,
-    /// KV policies timed at every context (full, streaming, sfi).
+    /// KV policies timed at every context ([`GPU_POLICIES`]).
     pub policies: Vec<String>,
     /// The KV cache paged ([`GpuDecoder::new_paged`], the server's) instead of allocated
     /// whole.
@@ -755,7 +766,7 @@ pub fn bench(
                 _ => 0,
             };
             let next = crate::sampler::argmax(&first[..cfg.vocab_size]).unwrap_or(0);
-            restart_slots(&mut dec, n, gp, next)?;
+            restart_slots(&mut dec, &prompt, gp, next)?;
             ctx.synchronize().map_err(gpu_err)?;
             let mut peak = used_gib(&ctx);
             let sparse = gp != GpuKvPolicy::Full;
@@ -930,7 +941,7 @@ pub fn bench(
                 };
                 let gp = gpu_policy(&ps)?;
                 let next = crate::sampler::argmax(&first[..cfg.vocab_size]).unwrap_or(0);
-                restart_slots(&mut dec, n, gp, next)?;
+                restart_slots(&mut dec, &prompt, gp, next)?;
                 let _ = dec.capture_decode();
                 let next = dec.next_tokens().map_err(gpu_err)?;
                 progress(&format!(
@@ -951,14 +962,23 @@ pub fn bench(
 /// bridge step builds the memory).
 fn restart_slots(
     dec: &mut GpuDecoder,
-    n: usize,
+    prompt: &[u32],
     gp: GpuKvPolicy,
     next: u32,
 ) -> Result<(), EngineError> {
+    let n = prompt.len();
     for s in 0..dec.num_slots() {
         dec.truncate(s, n).map_err(gpu_err)?;
     }
     dec.set_policy(gp).map_err(gpu_err)?;
+    // A policy that builds its memory only at the end of a prefill (SnapKV) sees the prompt's
+    // last rows prefilled again (the same keys and values written over themselves).
+    if let Some(w) = gp.prefill_rows().filter(|&w| w < n) {
+        for s in 0..dec.num_slots() {
+            dec.truncate(s, n - w).map_err(gpu_err)?;
+            dec.prefill(s, &prompt[n - w..], false).map_err(gpu_err)?;
+        }
+    }
     dec.set_next(&vec![next; dec.num_slots()])
         .map_err(gpu_err)?;
     dec.begin_decode().map_err(gpu_err)?;

@@ -242,7 +242,7 @@ pub fn eval_nll(
     eval_nll_on(crate::Device::Cpu, m, tokens, o, policy, progress)
 }
 
-/// [`eval_nll`] on `device` (`--device cuda`: full, streaming and sfi).
+/// [`eval_nll`] on `device` (`--device cuda`: the policies `cuda::GPU_POLICIES` names).
 pub fn eval_nll_on(
     device: crate::Device,
     m: &Loaded,

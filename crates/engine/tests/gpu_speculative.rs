@@ -80,7 +80,7 @@ fn verify_against_steps(
     let p0: Vec<usize> = (0..b).map(|s| dec.slot_len(s)).collect();
     // Dense reference: the same tokens as plain steps under full KV.
     let mut want = vec![Vec::new(); b];
-    let sfi_mem = dec.sfi_memory(0).unwrap();
+    let sfi_mem = dec.compact_memory(0).unwrap();
     dec.set_policy(GpuKvPolicy::Full).unwrap();
     for i in 1..=k {
         dec.set_next(&fed.iter().map(|f| f[i]).collect::<Vec<_>>())
@@ -114,12 +114,12 @@ fn verify_against_steps(
         d2.set_next(&[fed[0][0]]).unwrap();
         d2.begin_decode().unwrap();
         d2.decode_step().unwrap();
-        assert_eq!(d2.sfi_memory(0).unwrap().unwrap(), mem);
+        assert_eq!(d2.compact_memory(0).unwrap().unwrap(), mem);
         d2.set_next(&[fed[0][1]]).unwrap();
         d2.decode_step().unwrap();
         d2.rewind(0, p0[0]).unwrap();
         assert_eq!(
-            d2.sfi_memory(0).unwrap().unwrap(),
+            d2.compact_memory(0).unwrap().unwrap(),
             mem,
             "rewind dropped SFI's memory"
         );

@@ -7,6 +7,7 @@ pub mod gemm;
 pub mod norm;
 pub mod sampling;
 pub mod sfi;
+pub mod snapkv;
 
 use crate::error::CudaError;
 

@@ -890,12 +890,29 @@ impl CudaContext {
         sc: &SelectorScratch,
         g: &GatherArgs,
     ) -> Result<(), CudaError> {
+        if g.layers > sc.layers {
+            return Err(CudaError::bad(
+                "sfi_gather",
+                format!("{} layers (scratch: {})", g.layers, sc.layers),
+            ));
+        }
+        let picks = (sc.sel.device_ptr(), sc.mcount.device_ptr(), sc.k);
+        self.gather_picks(kv, picks, g)
+    }
+
+    /// The gather of [`CudaContext::sfi_gather`] from any selection: `picks` = (positions
+    /// `[layers, kv_heads, k]`, counts `[layers]`, k), as `sfi_topk` leaves them.
+    pub(crate) fn gather_picks(
+        &self,
+        kv: KvLayout,
+        (sel, mcount, k): (u64, u64, usize),
+        g: &GatherArgs,
+    ) -> Result<(), CudaError> {
         const OP: &str = "sfi_gather";
         if g.slot >= kv.num_slots
             || g.ccap < g.sinks
             || g.layers == 0
-            || g.layers > sc.layers
-            || [g.ck, g.cv, g.kptrs, g.vptrs, g.clen, g.rstart].contains(&0)
+            || [g.ck, g.cv, g.kptrs, g.vptrs, g.clen, g.rstart, sel, mcount].contains(&0)
         {
             return Err(CudaError::bad(
                 OP,
@@ -910,8 +927,8 @@ impl CudaContext {
             KArg::P(g.vptrs),
             KArg::P(g.ck),
             KArg::P(g.cv),
-            KArg::P(sc.sel.device_ptr()),
-            KArg::P(sc.mcount.device_ptr()),
+            KArg::P(sel),
+            KArg::P(mcount),
             KArg::P(g.clen),
             KArg::P(g.rstart),
             KArg::U(g.slot as u32),
@@ -921,7 +938,7 @@ impl CudaContext {
             // a copy of rows: their length in buffer elements (half the head dim with fp8)
             KArg::U(kv.row_len() as u32),
             KArg::U(g.sinks as u32),
-            KArg::U(sc.k as u32),
+            KArg::U(u32_of(OP, "k", k)?),
             KArg::U(u32_of(OP, "recent_start", g.recent_start)?),
             KArg::U(kv.num_slots as u32),
             KArg::U(u32_of(OP, "compact layer stride", g.compact_layer_stride)?),

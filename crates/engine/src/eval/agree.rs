@@ -67,7 +67,7 @@ pub fn eval_agree(
     eval_agree_on(crate::Device::Cpu, true, m, tokens, o, policies, progress)
 }
 
-/// [`eval_agree`] on `device` (`--device cuda`: full, streaming and sfi); without `share`
+/// [`eval_agree`] on `device` (`--device cuda`: the policies `cuda::GPU_POLICIES` names); without `share`
 /// each policy prefills the prompt itself, and again for the teacher-forced pass (the GPU
 /// always does).
 pub fn eval_agree_on(

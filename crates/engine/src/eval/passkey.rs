@@ -448,7 +448,7 @@ fn prefilled_on<'m>(
     Ok(out)
 }
 
-/// [`eval_passkey`] on `device` (`--device cuda`: full, streaming and sfi).
+/// [`eval_passkey`] on `device` (`--device cuda`: the policies `cuda::GPU_POLICIES` names).
 pub fn eval_passkey_on(
     device: Device,
     m: &Loaded,

@@ -131,7 +131,7 @@ pub fn eval_ruler(
     eval_ruler_on(crate::Device::Cpu, true, m, essay, o, policies, progress)
 }
 
-/// [`eval_ruler`] on `device` (`--device cuda`: full, streaming and sfi); without `share`
+/// [`eval_ruler`] on `device` (`--device cuda`: the policies `cuda::GPU_POLICIES` names); without `share`
 /// each policy prefills every prompt itself (the GPU always does).
 pub fn eval_ruler_on(
     device: crate::Device,

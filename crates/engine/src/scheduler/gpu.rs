@@ -39,18 +39,6 @@ fn graphs_on() -> bool {
     std::env::var("SLOWFAST_SERVE_GRAPHS").map_or(true, |v| v.trim() != "0")
 }
 
-/// The sizes of a GPU policy, for messages.
-fn describe(p: &GpuKvPolicy) -> String {
-    match p {
-        GpuKvPolicy::Full => "full KV".into(),
-        GpuKvPolicy::Streaming { sinks, recent } => format!("{sinks} sinks + {recent} recent"),
-        GpuKvPolicy::Sfi(c) => format!(
-            "{} sinks + {} selected + {} recent (page {}, {} bootstrap rows)",
-            c.sinks, c.selected, c.recent, c.page, c.bootstrap_rows
-        ),
-    }
-}
-
 /// The KV page pool when `--kv-memory` is not given: `utilization` of the device's memory,
 /// less what is in use after the weights, the activations and the policy's state were
 /// allocated, less a workspace (attention partials, cuBLAS, CUDA graphs: 1 GiB, or 2 % of
@@ -480,7 +468,10 @@ impl BatchDevice for GpuDevice {
         }
         let gp = gpu_policy(policy)?;
         if gp != self.policy {
-            let (want, got) = (describe(&self.policy), describe(&gp));
+            let (want, got) = (
+                GpuKvPolicy::describe(&self.policy),
+                GpuKvPolicy::describe(&gp),
+            );
             let what = if want == got {
                 "its Selector settings differ".to_owned()
             } else {
