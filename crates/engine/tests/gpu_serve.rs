@@ -1,6 +1,6 @@
 //! The serving scheduler on the GPU (`Device::Cuda`, one decoder of `max_batch` slots) on a
 //! small random Qwen3-shaped model: greedy requests give `generate --device cuda`'s tokens,
-//! alone and batched, under full KV, StreamingLLM and SFI; a cancelled request frees its slot
+//! alone and batched, under full KV, StreamingLLM, SFI and SnapKV; a cancelled request frees its slot
 //! for the next; requests for another policy than the server's are refused; speculative
 //! requests batch with plain ones. Skips without a GPU unless SLOWFAST_REQUIRE_GPU=1.
 #![cfg(feature = "cuda")]
@@ -123,6 +123,10 @@ fn policies(m: &Loaded) -> Vec<PolicySpec> {
     )
     .unwrap()
     .with_vocab(&m.tokenizer);
+    // SnapKV keeps 4 picks + a 32-token window: the 40-token prompt (and the prefix-cache
+    // test's 8K ones) is compacted, the shorter ones are read whole.
+    let snapkv =
+        slowfast_engine::session::policy_spec("snapkv", Some(36.0), 4, MAX_CONTEXT).unwrap();
     vec![
         PolicySpec::Full,
         PolicySpec::Streaming {
@@ -130,6 +134,7 @@ fn policies(m: &Loaded) -> Vec<PolicySpec> {
             recent: 28,
         },
         sfi,
+        snapkv,
     ]
 }
 

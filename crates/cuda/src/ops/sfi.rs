@@ -200,6 +200,16 @@ impl SelectorScratch {
         })
     }
 
+    /// (scores, finite counts, chosen positions, counts m) for `sfi_topk`.
+    fn topk_picks(&self) -> [u64; 4] {
+        [
+            self.scores.device_ptr(),
+            self.cnt.device_ptr(),
+            self.sel.device_ptr(),
+            self.mcount.device_ptr(),
+        ]
+    }
+
     /// Chosen positions `[layers, kv_heads, k]` (the first `m[layer]` of each head valid) and
     /// the per-layer counts m (downloads; for tests).
     pub fn download(&self, ctx: &CudaContext) -> Result<(Vec<u32>, Vec<usize>), CudaError> {
@@ -582,22 +592,8 @@ impl CudaContext {
             ));
         }
         if n == 0 {
-            return self.launch(
-                "sfi_topk",
-                (1, a.layers as u32, 1),
-                (32, 1, 1),
-                0,
-                &[
-                    KArg::P(sc.scores.device_ptr()),
-                    KArg::P(sc.cnt.device_ptr()),
-                    KArg::P(sc.sel.device_ptr()),
-                    KArg::P(sc.mcount.device_ptr()),
-                    KArg::U(0),
-                    KArg::U(0),
-                    KArg::U(0),
-                    KArg::U(0),
-                ],
-            );
+            // no candidates: every layer's count is 0
+            return self.topk_launch(sc.topk_picks(), (1, a.layers as u32, 32), (0, 0, 0, 0));
         }
         // The CPU Selector's test for the geometric mean.
         let geo = (sc.params.alpha.abs() < 1e-6) as u32;
@@ -698,24 +694,42 @@ impl CudaContext {
                 )
             })?;
         }
+        let picks = sc.topk_picks();
         self.sfi_stage(sc, 5, || {
-            self.launch(
-                "sfi_topk",
-                (kvh, nl, 1),
-                (1024, 1, 1),
-                0,
-                &[
-                    KArg::P(sc.scores.device_ptr()),
-                    KArg::P(sc.cnt.device_ptr()),
-                    KArg::P(sc.sel.device_ptr()),
-                    KArg::P(sc.mcount.device_ptr()),
-                    KArg::U(kvh),
-                    KArg::U(n as u32),
-                    KArg::U(sc.k as u32),
-                    KArg::U(lo as u32),
-                ],
+            self.topk_launch(
+                picks,
+                (kvh, nl, 1024),
+                (kvh, n as u32, sc.k as u32, lo as u32),
             )
         })
+    }
+
+    /// `sfi_topk` over `scores [layers, kv_heads, n]` with finite counts `cnt`: the top `k` a
+    /// kv head (ties: lower position first) as ascending positions `lo + i` into `sel`, the
+    /// equalised count into `mcount`. `grid` = (kv heads, layers, threads a block); `args` =
+    /// (kv heads, n, k, lo).
+    pub(crate) fn topk_launch(
+        &self,
+        [scores, cnt, sel, mcount]: [u64; 4],
+        (gx, gy, threads): (u32, u32, u32),
+        (kvh, n, k, lo): (u32, u32, u32, u32),
+    ) -> Result<(), CudaError> {
+        self.launch(
+            "sfi_topk",
+            (gx, gy, 1),
+            (threads, 1, 1),
+            0,
+            &[
+                KArg::P(scores),
+                KArg::P(cnt),
+                KArg::P(sel),
+                KArg::P(mcount),
+                KArg::U(kvh),
+                KArg::U(n),
+                KArg::U(k),
+                KArg::U(lo),
+            ],
+        )
     }
 
     /// The split Selector's score and top-k stages (after the row stats and the evidence):

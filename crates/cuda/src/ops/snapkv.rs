@@ -169,21 +169,12 @@ impl CudaContext {
             ],
         )?;
         sc.k = a.k;
-        self.launch(
-            "sfi_topk",
-            (kvh, 1, 1),
-            (1024, 1, 1),
-            0,
-            &[
-                KArg::P(sc.scores.device_ptr()),
-                KArg::P(sc.cnt.device_ptr()),
-                KArg::P(sc.sel.device_ptr()),
-                KArg::P(sc.mcount.device_ptr()),
-                KArg::U(kvh),
-                KArg::U(n),
-                KArg::U(a.k as u32),
-                KArg::U(0),
-            ],
-        )
+        let picks = [
+            sc.scores.device_ptr(),
+            sc.cnt.device_ptr(),
+            sc.sel.device_ptr(),
+            sc.mcount.device_ptr(),
+        ];
+        self.topk_launch(picks, (kvh, 1, 1024), (kvh, n, a.k as u32, 0))
     }
 }
