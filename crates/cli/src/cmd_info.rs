@@ -86,7 +86,7 @@ pub fn info(a: InfoArgs) -> Result<()> {
     println!("vocabulary:       {}", c.vocab_size);
     println!("context length:   {}", c.max_position_embeddings);
     if c.arch.qkv_bias() {
-        println!("attention:        q/k/v projections with biases (CPU only)");
+        println!("attention:        q/k/v projections with biases");
     }
     if let Some(wd) = c.sliding_window {
         println!(

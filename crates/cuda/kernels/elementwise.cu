@@ -17,6 +17,13 @@ extern "C" __global__ void embed_gather(const bf16* __restrict__ table, const u3
     for (u32 c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = f2bf(bf2f(src[c]) * scale);
 }
 
+// x[r, c] += bias[c] over rows of `cols` elements (the q/k/v projections' biases, Qwen2);
+// grid-stride over all `n` elements.
+extern "C" __global__ void add_bias_bf16(bf16* x, const float* __restrict__ bias, u32 cols, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        x[i] = f2bf(bf2f(x[i]) + bias[i % cols]);
+}
+
 // out[i] = a[i] + b[i] (out may alias a or b); grid-stride.
 extern "C" __global__ void add_bf16(const bf16* a, const bf16* b, bf16* out, u64 n) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)

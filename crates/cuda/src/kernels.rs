@@ -31,6 +31,7 @@ pub const SOURCES: &[(&str, &str)] = &[
 pub const KERNEL_NAMES: &[&str] = &[
     "embed_gather",
     "add_bf16",
+    "add_bias_bf16",
     "glu_bf16",
     "kv_append",
     "advance_positions",

@@ -111,6 +111,11 @@ pub trait WeightSource {
     /// The matrix as bf16, row-major `[rows, cols]`.
     fn matrix(&self, t: Tensor) -> Result<Vec<bf16>, String>;
     fn norm(&self, n: Norm) -> Result<Vec<f32>, String>;
+    /// Layer `layer`'s q, k and v projection biases (`[heads * head_dim]`, `[kv_heads *
+    /// head_dim]` twice), for models that have them (Qwen2); None for the others.
+    fn qkv_bias(&self, _layer: usize) -> Result<Option<[Vec<f32>; 3]>, String> {
+        Ok(None)
+    }
 }
 
 struct Layer {
@@ -122,6 +127,8 @@ struct Layer {
     post_ffw: Option<GpuBuffer<f32>>,
     /// q, k and v stacked: [(heads + 2 kv_heads) * hdk, hidden] (one GEMV at decode).
     wqkv: GpuBuffer<bf16>,
+    /// Their biases, stacked and padded as the rows: [(heads + 2 kv_heads) * hdk] (Qwen2).
+    bqkv: Option<GpuBuffer<f32>>,
     wo: GpuBuffer<bf16>,        // [hidden, heads * hdk]
     w_gate_up: GpuBuffer<bf16>, // [2 * intermediate, hidden]
     w_down: GpuBuffer<bf16>,    // [hidden, intermediate]
@@ -239,6 +246,30 @@ fn pad_rows(w: Vec<bf16>, heads: usize, hd: usize, hdk: usize, cols: usize) -> V
         out[h * hdk * cols..h * hdk * cols + hd * cols].copy_from_slice(src);
     }
     out
+}
+
+/// q, k and v biases stacked as `wqkv`'s rows: each head's `hd` values padded to `hdk`.
+fn stack_bias(
+    b: &[Vec<f32>; 3],
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    hdk: usize,
+) -> Result<Vec<f32>, String> {
+    let mut out = Vec::with_capacity((nh + 2 * nkv) * hdk);
+    for (v, heads) in b.iter().zip([nh, nkv, nkv]) {
+        if v.len() != heads * hd {
+            return Err(format!(
+                "a q/k/v bias of {} values for {heads} heads of {hd}",
+                v.len()
+            ));
+        }
+        for h in v.chunks(hd) {
+            out.extend_from_slice(h);
+            out.resize(out.len() + hdk - hd, 0.0);
+        }
+    }
+    Ok(out)
 }
 
 /// `[rows, heads * hd]` -> `[rows, heads * hdk]` with zero columns after each head.
@@ -472,6 +503,16 @@ impl GpuDecoder {
             let mut wqkv = pad_rows(up(Tensor::Q(l), nh * hd, h)?, nh, hd, hdk, h);
             wqkv.extend(pad_rows(up(Tensor::K(l), nkv * hd, h)?, nkv, hd, hdk, h));
             wqkv.extend(pad_rows(up(Tensor::V(l), nkv * hd, h)?, nkv, hd, hdk, h));
+            let bqkv = match src
+                .qkv_bias(l)
+                .map_err(|e| CudaError::bad("weights", format!("layer {l}: {e}")))?
+            {
+                Some(b) => Some(
+                    stack_bias(&b, nh, nkv, hd, hdk)
+                        .map_err(|e| CudaError::bad("weights", format!("layer {l}: {e}")))?,
+                ),
+                None => None,
+            };
             let wo = pad_cols(up(Tensor::O(l), h, nh * hd)?, h, nh, hd, hdk);
             let mut gate_up = up(Tensor::Gate(l), inter, h)?;
             gate_up.extend_from_slice(&up(Tensor::Up(l), inter, h)?);
@@ -494,6 +535,7 @@ impl GpuDecoder {
                 ffn_norm: ctx.upload(&norm(Norm::Ffn(l), h)?)?,
                 post_ffw: upo(opt(Norm::PostFfw(l), s.post_norms, h)?)?,
                 wqkv: ctx.upload(&wqkv)?,
+                bqkv: bqkv.map(|b| ctx.upload(&b)).transpose()?,
                 wo: ctx.upload(&wo)?,
                 w_gate_up: ctx.upload(&gate_up)?,
                 w_down: ctx.upload(&w_down)?,
@@ -859,6 +901,9 @@ impl GpuDecoder {
             let mut sk: Vec<f32> = a[..nkv].iter().map(|&m| fp8_scale(m)).collect();
             let sv: Vec<f32> = a[nkv..].iter().map(|&m| fp8_scale(m)).collect();
             let w = &mut self.layers[li];
+            // The bias rows scale with their weight rows (q and k only without q/k norms: a
+            // norm after the bias takes the scale instead).
+            let mut bias_f = vec![1.0f32; (nh + 2 * nkv) * hdk];
             match (&mut w.q_norm, &mut w.k_norm) {
                 (Some(qn), Some(kn)) => {
                     let s = sk.iter().cloned().fold(0.0f32, f32::max);
@@ -875,6 +920,8 @@ impl GpuDecoder {
                         let c = &self.ctx;
                         c.scale_block(&mut w.wqkv, k0 * hidden, hdk, hidden, hidden, 1.0 / s)?;
                         c.scale_block(&mut w.wqkv, q0 * hidden, g * hdk, hidden, hidden, s)?;
+                        bias_f[k0..k0 + hdk].iter_mut().for_each(|f| *f = 1.0 / s);
+                        bias_f[q0..q0 + g * hdk].iter_mut().for_each(|f| *f = s);
                     }
                 }
             }
@@ -882,9 +929,20 @@ impl GpuDecoder {
                 let v0 = (nh + nkv + h) * hdk;
                 self.ctx
                     .scale_block(&mut w.wqkv, v0 * hidden, hdk, hidden, hidden, 1.0 / s)?;
+                bias_f[v0..v0 + hdk].iter_mut().for_each(|f| *f = 1.0 / s);
                 // wo [hidden, heads * hdk]: the columns of the group's query heads
                 self.ctx
                     .scale_block(&mut w.wo, h * g * hdk, hidden, nh * hdk, g * hdk, s)?;
+            }
+            if let Some(b) = w.bqkv.as_mut() {
+                let v: Vec<f32> = self
+                    .ctx
+                    .download(b)?
+                    .iter()
+                    .zip(&bias_f)
+                    .map(|(x, f)| x * f)
+                    .collect();
+                self.ctx.upload_into(&v, b)?;
             }
             self.kv_scales[li] = (sk, sv);
         }
@@ -1873,6 +1931,9 @@ impl GpuDecoder {
                 ctx.gemv_fused(&a.x, input, &w.wqkv, y, n, h, qd + 2 * kd)?;
             } else {
                 ctx.linear(&a.xb, &w.wqkv, &mut a.qkv, n, h, qd + 2 * kd)?;
+            }
+            if let Some(b) = &w.bqkv {
+                ctx.add_bias(&mut a.qkv, b, n)?;
             }
             let p = QkvPost {
                 n_tokens: n,

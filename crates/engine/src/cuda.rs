@@ -160,6 +160,19 @@ impl WeightSource for Dequant<'_> {
             Norm::Final => w.final_norm.clone(),
         })
     }
+
+    fn qkv_bias(&self, layer: usize) -> Result<Option<[Vec<f32>; 3]>, String> {
+        let l = &self.0.weights.layers[layer];
+        Ok(match (&l.bq, &l.bk, &l.bv) {
+            (None, None, None) => None,
+            (Some(q), Some(k), Some(v)) => Some([q.clone(), k.clone(), v.clone()]),
+            _ => {
+                return Err(format!(
+                    "layer {layer} has biases on only some of q, k and v"
+                ))
+            }
+        })
+    }
 }
 
 /// Uploads `model` to the GPU with a KV cache of `slots` sequences of `capacity` tokens.
@@ -205,7 +218,6 @@ pub fn load_decoder_with(
     (slots, capacity, chunk): (usize, usize, usize),
     opts: KvOptions,
 ) -> Result<GpuDecoder, EngineError> {
-    crate::device::check_cuda_support(model)?;
     let (spec, w) = (spec_of(model), &Dequant(model));
     GpuDecoder::with_options(ctx, spec, w, (slots, capacity, chunk), opts).map_err(gpu_err)
 }

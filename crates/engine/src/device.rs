@@ -36,22 +36,6 @@ pub fn not_built() -> EngineError {
     )
 }
 
-/// Refuses, before anything is uploaded, a model the GPU decoder cannot run: the CUDA
-/// decoder has no bias on the q/k/v projections (Qwen2), so such a model runs on the CPU only.
-pub fn check_cuda_support(model: &Model) -> Result<(), EngineError> {
-    let w = &model.weights;
-    if w.layers
-        .iter()
-        .any(|l| l.bq.is_some() || l.bk.is_some() || l.bv.is_some())
-    {
-        return Err(EngineError::BadInput(format!(
-            "--device cuda: this {} model has biases on its q/k/v projections, which the GPU decoder does not apply yet; run it with --device cpu",
-            model.cfg.arch.name()
-        )));
-    }
-    Ok(())
-}
-
 /// What the generate loop needs from a session (CPU `Session` or the GPU session).
 pub trait Steps {
     /// Prefill `tokens`; returns the last row's logits.
@@ -125,24 +109,6 @@ mod tests {
         assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda);
         assert!("tpu".parse::<Device>().unwrap_err().contains("tpu"));
         assert!(not_built().to_string().contains("--features cuda"));
-    }
-
-    #[test]
-    fn cuda_refuses_attention_biases() {
-        let tiny = |cfg: slowfast_model::ModelConfig| {
-            let w = slowfast_model::random::random_weights(&cfg, slowfast_quant::GgmlType::F32, 1)
-                .unwrap();
-            Model::new(cfg, w).unwrap()
-        };
-        let qwen2 = tiny(slowfast_model::presets::qwen2(
-            64, 2, 4, 2, 16, 64, 64, true,
-        ));
-        let err = check_cuda_support(&qwen2).unwrap_err().to_string();
-        assert!(err.contains("qwen2") && err.contains("q/k/v"), "{err}");
-        let gemma = tiny(slowfast_model::presets::gemma3(
-            64, 2, 4, 2, 16, 64, 64, 4, 2,
-        ));
-        check_cuda_support(&gemma).unwrap();
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -216,8 +216,11 @@ fn fixtures_match_cpu() {
         "hf/qwen3-bf16",
         "hf/llama",
         "hf/gemma3",
+        "hf/qwen2",
+        "hf/mistral",
         "gguf/qwen3-tiny.gguf",
         "gguf/llama-tiny.gguf",
+        "gguf/qwen2-tiny.gguf",
     ] {
         let m = load_fixture(rel);
         // 100 tokens in chunks of 32 (pos0 > 0 prefill, Gemma's window of 8 crossed).
@@ -910,6 +913,8 @@ fn fp8_kv_tracks_bf16_kv() {
     let models = [
         ("hf/llama", load_fixture("hf/llama")),
         ("hf/gemma3", load_fixture("hf/gemma3")),
+        // q/k/v biases, scaled with their weight rows
+        ("hf/qwen2", load_fixture("hf/qwen2")),
         (
             "random qwen3-0.6b",
             slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})

@@ -81,6 +81,35 @@ impl CudaContext {
         self.launch_add(pa, pb, pa, n)
     }
 
+    /// `x[r, :] += bias` for `rows` rows of `bias.len()` elements (a projection's bias).
+    pub fn add_bias(
+        &self,
+        x: &mut GpuBuffer<bf16>,
+        bias: &GpuBuffer<f32>,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        let cols = bias.len();
+        let n = rows * cols;
+        let px = x.ptr_min("add_bias", "x", n)?;
+        let pb = bias.ptr_min("add_bias", "bias", cols)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            KArg::P(px),
+            KArg::P(pb),
+            KArg::U(u32_of("add_bias", "cols", cols)?),
+            KArg::P(n as u64),
+        ];
+        self.launch(
+            "add_bias_bf16",
+            (grid_1d(n, 256), 1, 1),
+            (256, 1, 1),
+            0,
+            &args,
+        )
+    }
+
     fn launch_add(&self, a: u64, b: u64, out: u64, n: usize) -> Result<(), CudaError> {
         // add_bf16 takes n as a 64-bit count (KArg::P is a plain u64).
         let args = [KArg::P(a), KArg::P(b), KArg::P(out), KArg::P(n as u64)];
