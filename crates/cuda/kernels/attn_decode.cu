@@ -20,7 +20,8 @@
 // raised to len - rwin when rwin > 0: a sliding recent window). c = 0, rlo = 0 is dense. The
 // chunk is per sequence (vlen over the splits), so a dense and a sparse sequence share a launch.
 // With logits != null and capture[b] != 0 the row attends densely (c = 0, rlo = 0) and the scaled
-// scores (log2 units) of every key go to logits[b, head, j] (row stride lstride) for the Selector.
+// scores (log2 units) of every key go to logits[capture[b] - 1, head, j] (row stride lstride) for
+// the Selector: the host numbers the capturing rows 1, 2, ... so the score buffer holds only them.
 struct SparseArgs {
     const bf16* ck;
     const bf16* cv;
@@ -65,7 +66,8 @@ struct PostArgs {
 // NGB take further block columns. (One group a block and ceil(rps G / 16) blocks a column read
 // each tile once a group: verification at 5 rows a sequence cost 1.75x a dense step, run 102.)
 // With logits != null, row 0 of a sequence whose capture[slot] is set leaves its scaled scores
-// (log2 units) at logits[slot, head, j], j < its length, for the Selector (SFI's slow step).
+// (log2 units) at logits[capture[slot] - 1, head, j], j < its length, for the Selector (SFI's
+// slow step).
 struct VerifyArgs {
     u32 rps;
     float* logits;
@@ -121,7 +123,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
             lim_lo[i] = window ? max(0, lim_hi[i] - (int)window) : 0;
             if (va.logits != nullptr && r == 0 && rg * 16 + g + 8 * i < GV && slot < num_slots &&
                 va.capture[slot] != 0)
-                vl[i] = va.logits + ((u64)slot * n_heads + vhead(vr)) * va.lstride;
+                vl[i] = va.logits + ((u64)(va.capture[slot] - 1) * n_heads + vhead(vr)) * va.lstride;
         }
     }
     // Dense: keys [s_lo, s_hi) are cache rows. Sparse: virtual indices (compact rows, then the
@@ -134,7 +136,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     if constexpr (SPARSE) {
         if (sp.logits != nullptr && sp.capture[b] != 0) {
             // A capturing row attends densely (a slow step): its scores index positions.
-            lrow = sp.logits + ((u64)b * n_heads + kvh * G + rg * 16) * sp.lstride;
+            lrow = sp.logits + ((u64)(sp.capture[b] - 1) * n_heads + kvh * G + rg * 16) * sp.lstride;
         } else {
             n_c = slot < num_slots ? (int)min(sp.clen[b], sp.ccap) : 0;
             rlo = (int)min(sp.rstart[b], (u32)len);

@@ -1113,8 +1113,9 @@ impl GpuDecoder {
     /// over the slot's whole cache (each K/V tile read once for all rows, `attn_verify`), and
     /// leaves every row's logits and argmax (`verify_logits`, `verify_argmax`). Their keys and
     /// values are written into the cache and each slot grows by `rows`; `rewind` cuts what is
-    /// rejected. SFI: row 0 of each slot with `capture[s]` also leaves its scores, from which
-    /// `refresh_from_verify` rebuilds the memory (the verification is its slow step).
+    /// rejected. SFI: row 0 of each slot with `capture[s]` (the first `CAPTURE_ROWS` of them)
+    /// also leaves its scores, from which `refresh_from_verify` rebuilds the memory (the
+    /// verification is its slow step).
     pub fn verify(
         &mut self,
         tokens: &[u32],
@@ -1184,8 +1185,18 @@ impl GpuDecoder {
         let mut refresh = Vec::new();
         if let Some(sp) = self.sparse.as_mut().filter(|s| s.sfi().is_some()) {
             if capture.iter().any(|&c| c) {
-                sp.set_capture(&self.ctx, capture)?;
-                for (s, _) in capture.iter().enumerate().filter(|c| *c.1) {
+                // the first `capture_rows` flagged slots capture; the others refresh later
+                let mut take = sp.capture_rows();
+                let flags: Vec<bool> = capture
+                    .iter()
+                    .map(|&c| {
+                        let on = c && take > 0;
+                        take -= on as usize;
+                        on
+                    })
+                    .collect();
+                sp.set_capture(&self.ctx, &flags)?;
+                for (s, _) in flags.iter().enumerate().filter(|c| *c.1) {
                     refresh.push(Refresh {
                         slot: s,
                         len: self.slot_len[s] + 1,
@@ -1720,13 +1731,18 @@ impl GpuDecoder {
             self.ensure_kv(s, self.slot_len[s] + 1, true)?;
         }
         // SFI: slots that asked for a refresh, or long enough for a memory but without one
-        // (the bridge after a short prompt), run a slow step: dense + capture + refresh.
-        let mut refresh = Vec::new();
+        // (the bridge after a short prompt), run a slow step: dense + capture + refresh; past
+        // the score rows a step holds (`capture_rows`), the others wait for the next step.
+        let (mut refresh, mut deferred) = (Vec::new(), Vec::new());
         if let Some(sp) = self.sparse.as_ref().filter(|s| s.sfi().is_some()) {
             let dense_below = sp.policy.dense_below();
             for s in 0..self.kv.num_slots {
                 let len = self.slot_len[s] + 1;
                 if len > dense_below && (self.want_refresh[s] || !sp.has_mem[s]) {
+                    if refresh.len() == sp.capture_rows() {
+                        deferred.push(s);
+                        continue;
+                    }
                     refresh.push(Refresh {
                         slot: s,
                         len,
@@ -1737,22 +1753,22 @@ impl GpuDecoder {
             }
         }
         self.want_refresh.iter_mut().for_each(|w| *w = false);
+        for s in deferred {
+            self.want_refresh[s] = true;
+        }
         self.last_refresh = refresh.iter().map(|r| r.slot).collect();
         self.step_no += 1;
         // Due asynchronous refreshes are published before this step reads the memory; all of
-        // them when a slot with one pending refreshes again or this step refreshes in order
-        // (the Selector's scratch is then used on this stream).
+        // them when this step captures scores (the rows a pending Selector still reads are
+        // numbered afresh: `SparseState::set_capture`) or refreshes in order (the Selector's
+        // scratch is then used on this stream).
         let staged = self.refresh_lag > 0
             && self
                 .sparse
                 .as_ref()
                 .is_some_and(|sp| sp.can_stage(&refresh));
-        let again = refresh.iter().any(|r| {
-            self.pending
-                .iter()
-                .any(|p| p.slots.iter().any(|s| s.0 == r.slot))
-        });
-        self.publish_pending((!refresh.is_empty() && !staged) || again)?;
+        let again = !refresh.is_empty() && !self.pending.is_empty();
+        self.publish_pending(again || (!refresh.is_empty() && !staged))?;
         if refresh.is_empty() {
             match &self.graph {
                 Some(g) => g.launch().map_err(crate::context::drv("cuGraphLaunch"))?,

@@ -149,6 +149,12 @@ impl GpuKvPolicy {
     }
 }
 
+/// Slots whose slow steps capture scores in one decode step (a row each of every global
+/// layer's score buffer): at 12 x 128K of Qwen3-4B the buffer for every slot took 7.2 GiB,
+/// for 4 it takes 2.4. More slow steps at once wait a step (a slot without a memory reads
+/// densely meanwhile).
+pub const CAPTURE_ROWS: usize = 4;
+
 /// Key tiles (`DECODE_BK`, 64 keys) a block of the sparse fast step streams at most (when the
 /// wave allows that many blocks). The kernel's 3-stage ring loads two tiles before its
 /// `pdl_wait()`, so a third is in flight while the first two are scored.
@@ -197,16 +203,22 @@ pub(crate) struct SparseState {
     /// The global layers' K and V caches (device addresses).
     kptrs: GpuBuffer<u64>,
     vptrs: GpuBuffer<u64>,
-    clen: GpuBuffer<u32>,    // [ng, num_slots]
-    rstart: GpuBuffer<u32>,  // [ng, num_slots]
-    capture: GpuBuffer<u32>, // [num_slots] capture flags
-    ones: GpuBuffer<u32>,    // [bootstrap rows]
-    zeros: GpuBuffer<u32>,   // [bootstrap rows]
+    clen: GpuBuffer<u32>,   // [ng, num_slots]
+    rstart: GpuBuffer<u32>, // [ng, num_slots]
+    /// Per slot: 0, or 1 + the row of `logits` its capturing step writes (SFI's slow steps).
+    capture: GpuBuffer<u32>, // [num_slots]
+    /// The slots of the current capture, in row order (host copy of `capture`).
+    cap_slots: Vec<usize>,
+    /// Score rows a decode step can capture at once (`CAPTURE_ROWS`, at most the slots).
+    cap_rows: usize,
+    rows1: GpuBuffer<u32>, // [bootstrap rows]: 1, 2, ... (bootstrap row r writes row r)
+    zeros: GpuBuffer<u32>, // [bootstrap rows]
     boot_lens: GpuBuffer<u32>,
     boot_slots: GpuBuffer<u32>,
     boot_out: GpuBuffer<bf16>, // [bootstrap rows, n_heads, hdk]
-    /// SFI: captured scores, decode `[ng, num_slots, n_heads, capacity]`; the bootstrap uses
-    /// the first `bootstrap rows x n_heads` rows.
+    /// SFI: captured scores, decode `[ng, cap_rows, n_heads, capacity]` (a capturing slot's
+    /// row is its place in `cap_slots`); the bootstrap uses the first `bootstrap rows x
+    /// n_heads` rows.
     logits: GpuBuffer<f32>,
     /// Per slot: key norms are computed for positions below this.
     norm_len: Vec<usize>,
@@ -364,8 +376,9 @@ impl SparseState {
             )?),
             None => None,
         };
+        let cap_rows = ns.min(CAPTURE_ROWS);
         let logits_rows = match policy {
-            GpuKvPolicy::Sfi(_) => (ng * ns).max(boot),
+            GpuKvPolicy::Sfi(_) => (ng * cap_rows).max(boot),
             GpuKvPolicy::Snap(_) => boot,
             _ => 1,
         };
@@ -389,7 +402,9 @@ impl SparseState {
             clen: ctx.upload(&vec![init_clen; ng * ns])?,
             rstart: ctx.upload(&vec![init_rstart; ng * ns])?,
             capture: ctx.alloc(ns)?,
-            ones: ctx.upload(&vec![1u32; boot])?,
+            cap_slots: Vec::new(),
+            cap_rows,
+            rows1: ctx.upload(&(1..=boot as u32).collect::<Vec<_>>())?,
             zeros: ctx.alloc(boot)?,
             boot_lens: ctx.alloc(boot)?,
             boot_slots: ctx.alloc(boot)?,
@@ -456,12 +471,41 @@ impl SparseState {
         }
     }
 
-    /// Sets which slots capture (attend densely and refresh) in the next plain decode step.
+    /// Slots a step can capture at once (their scores take a row each of every layer's
+    /// score buffer); the decoder defers the others' slow steps to the next step.
+    pub fn capture_rows(&self) -> usize {
+        self.cap_rows
+    }
+
+    /// Sets which slots capture (attend densely and refresh) in the next plain decode step:
+    /// at most `capture_rows` of them, each given the next score row.
     pub fn set_capture(&mut self, ctx: &CudaContext, flags: &[bool]) -> Result<(), CudaError> {
-        let v: Vec<u32> = flags.iter().map(|&f| f as u32).collect();
-        self.step_splits =
-            self.cap_splits[flags.iter().filter(|&&f| f).count().min(self.num_slots)];
+        let slots: Vec<usize> = (0..flags.len()).filter(|&s| flags[s]).collect();
+        if slots.len() > self.cap_rows {
+            return Err(CudaError::bad(
+                "sparse capture",
+                format!(
+                    "{} capturing slots, room for {}",
+                    slots.len(),
+                    self.cap_rows
+                ),
+            ));
+        }
+        let mut v = vec![0u32; flags.len()];
+        for (row, &s) in slots.iter().enumerate() {
+            v[s] = row as u32 + 1;
+        }
+        self.step_splits = self.cap_splits[slots.len().min(self.num_slots)];
+        self.cap_slots = slots;
         ctx.upload_into(&v, &mut self.capture)
+    }
+
+    /// The score row of capturing slot `slot` (its place among the capturing slots).
+    fn cap_row(&self, slot: usize) -> Result<usize, CudaError> {
+        self.cap_slots
+            .iter()
+            .position(|&s| s == slot)
+            .ok_or_else(|| CudaError::bad("sfi refresh", format!("slot {slot} captured no scores")))
     }
 
     fn copy_raw(ctx: &CudaContext, src: u64, dst: u64, bytes: usize) -> Result<(), CudaError> {
@@ -512,7 +556,7 @@ impl SparseState {
     pub fn verify_capture(&self, l: usize, n_heads: usize) -> Option<(u64, u64, usize)> {
         let gi = self.gidx.get(l).copied().flatten()?;
         self.sfi()?;
-        let ls = self.num_slots * n_heads * self.kv.capacity * 4;
+        let ls = self.cap_rows * n_heads * self.kv.capacity * 4;
         Some((
             self.logits.device_ptr() + (gi * ls) as u64,
             self.capture.device_ptr(),
@@ -595,7 +639,7 @@ impl SparseState {
             _ => (kc.device_ptr(), vc.device_ptr(), kv.capacity, 0),
         };
         let off = (gi * ns * 4) as u64;
-        let ls = ns * n_heads * kv.capacity * 4;
+        let ls = self.cap_rows * n_heads * kv.capacity * 4;
         let p = SparseDecode {
             batch,
             n_heads,
@@ -679,7 +723,7 @@ impl SparseState {
             rstart: self.zeros.device_ptr(),
             rwin: 0,
             logits: self.logits.device_ptr(),
-            capture: self.ones.device_ptr(),
+            capture: self.rows1.device_ptr(),
             lstride: kv.capacity,
             post: None,
         };
@@ -767,14 +811,17 @@ impl SparseState {
         n_heads: usize,
         staged: bool,
     ) -> Result<Option<cudarc::driver::CudaEvent>, CudaError> {
-        let ls = self.num_slots * n_heads * self.kv.capacity;
+        let ls = self.cap_rows * n_heads * self.kv.capacity;
+        let rows: Vec<usize> = refresh
+            .iter()
+            .map(|r| self.cap_row(r.slot))
+            .collect::<Result<_, _>>()?;
         if staged {
             ctx.side_begin()?;
         }
         let mut res = Ok(());
-        for r in refresh {
-            let logits =
-                self.logits.device_ptr() + (r.slot * n_heads * self.kv.capacity * 4) as u64;
+        for (r, row) in refresh.iter().zip(rows) {
+            let logits = self.logits.device_ptr() + (row * n_heads * self.kv.capacity * 4) as u64;
             res = self.select_gather(ctx, 0, self.ng, r, logits, ls, n_heads, staged);
             if res.is_err() {
                 break;

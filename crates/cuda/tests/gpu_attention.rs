@@ -389,9 +389,16 @@ fn run_verify(
         .map(|i| (first[i / rps] + i % rps) as u32)
         .collect();
     let slots: Vec<u32> = (0..rows).map(|i| slot_of[i / rps] as u32).collect();
-    // capture row 0 of every other sequence
+    // capture row 0 of every other sequence, its scores into score row `slot` (flag slot + 1)
     let flags: Vec<u32> = (0..kv.num_slots)
-        .map(|s| (0..seqs).any(|b| slot_of[b] == s && b % 2 == 0) as u32)
+        .map(|s| {
+            let on = (0..seqs).any(|b| slot_of[b] == s && b % 2 == 0);
+            if on {
+                s as u32 + 1
+            } else {
+                0
+            }
+        })
         .collect();
     let (dq, dk, dv) = (
         ctx.upload(&q).unwrap(),

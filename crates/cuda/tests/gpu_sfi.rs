@@ -83,7 +83,11 @@ fn sparse_decode_matches_reference() {
         let dl = ctx.upload(&u32s(&|v| v.len)).unwrap();
         let dclen = ctx.upload(&u32s(&|v| v.compact[0].len())).unwrap();
         let drs = ctx.upload(&u32s(&|v| v.rstart)).unwrap();
-        let dcap = ctx.upload(&u32s(&|v| v.capture as usize)).unwrap();
+        // a capturing row's scores go to score row capture[b] - 1: here row b
+        let caps: Vec<u32> = (0..batch)
+            .map(|b| if views[b].capture { b as u32 + 1 } else { 0 })
+            .collect();
+        let dcap = ctx.upload(&caps).unwrap();
         let slots: Vec<u32> = (0..batch as u32).collect();
         let dslots = ctx.upload(&slots).unwrap();
         let (dq, dk, dv) = (

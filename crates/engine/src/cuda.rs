@@ -664,7 +664,9 @@ pub fn bench(
     let max_ctx = *o.contexts.iter().max().unwrap_or(&1);
     let repeats = o.repeats.max(1);
     // Per policy and repeat: a warm-up step and at most three timed runs of new_tokens steps.
-    let mut capacity = max_ctx + (3 * o.new_tokens + 2 + TRACE_STEPS) * repeats + 2;
+    // (and SFI's bridge steps, CAPTURE_ROWS slots a step)
+    let bridge = o.batch.div_ceil(slowfast_cuda::sparse::CAPTURE_ROWS);
+    let mut capacity = max_ctx + (3 * o.new_tokens + 2 + TRACE_STEPS) * repeats + 2 + bridge;
     if let Some(so) = spec_opts {
         let g = so.gammas.iter().copied().max().unwrap_or(1);
         capacity = capacity.max(max_ctx + 4 + (so.rounds + 1) * (g + 2));
@@ -970,8 +972,8 @@ pub fn bench(
 }
 
 /// Every slot back to the prompt's first `n` tokens under policy `gp`, each restarting from
-/// the prompt's first next token `next`, and one warm-up step (sizes the workspace; SFI: the
-/// bridge step builds the memory).
+/// the prompt's first next token `next`, and a warm-up step (sizes the workspace; SFI: the
+/// bridge steps build the memories, `CAPTURE_ROWS` a step).
 fn restart_slots(
     dec: &mut GpuDecoder,
     prompt: &[u32],
@@ -994,7 +996,15 @@ fn restart_slots(
     dec.set_next(&vec![next; dec.num_slots()])
         .map_err(gpu_err)?;
     dec.begin_decode().map_err(gpu_err)?;
-    dec.decode_step().map_err(gpu_err)
+    // SFI's bridge steps: a step builds at most `CAPTURE_ROWS` memories, so a larger batch
+    // takes a few warm-up steps before every slot has one
+    for _ in 0..=dec.num_slots() {
+        dec.decode_step().map_err(gpu_err)?;
+        if dec.last_refreshed().is_empty() {
+            break;
+        }
+    }
+    Ok(())
 }
 
 /// A markdown table of GPU bench records, with each sparse policy's speedup over full KV at

@@ -532,6 +532,76 @@ fn snapkv_keeps_its_budget_and_decodes_like_full_kv() {
     assert_eq!(d.attended(0), n, "a prompt within the budget is read whole");
 }
 
+/// More SFI slow steps at once than a step has score rows (`CAPTURE_ROWS`): six slots ask at
+/// the same step, four refresh then and two a step later, exactly as if those two had asked a
+/// step later (logits bit for bit, every step).
+#[test]
+fn sfi_slow_steps_past_the_score_rows_wait_a_step() {
+    let Some(ctx) = gpu("sfi_slow_steps_past_the_score_rows_wait_a_step") else {
+        return;
+    };
+    use slowfast_cuda::{GpuKvPolicy, GpuSfiConfig};
+    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
+        .unwrap()
+        .model;
+    let (ns, steps, ask) = (6, 6, 2);
+    assert!(ns > slowfast_cuda::sparse::CAPTURE_ROWS);
+    let rows = slowfast_cuda::sparse::CAPTURE_ROWS;
+    let cfg = GpuSfiConfig {
+        sinks: 4,
+        recent: 64,
+        selected: 128,
+        page: 16,
+        bootstrap_rows: 16,
+        selector: default_selector(),
+        refresh_lag: 0,
+    };
+    let prompts: Vec<Vec<u32>> = (0..ns)
+        .map(|s| tokens(400 + 37 * s, m.cfg.vocab_size, 0x600 + s as u64))
+        .collect();
+    let cap = 400 + 37 * ns + steps + 2;
+    let dec = || {
+        let mut d = load_decoder(ctx.clone(), &m, ns, cap, 128).unwrap();
+        d.set_policy(GpuKvPolicy::Sfi(cfg)).unwrap();
+        for (s, p) in prompts.iter().enumerate() {
+            d.prefill(s, p, false).unwrap();
+        }
+        d.begin_decode().unwrap();
+        d
+    };
+    let (mut all, mut split) = (dec(), dec());
+    for (i, &t) in tokens(steps, m.cfg.vocab_size, 0x77).iter().enumerate() {
+        for d in [&mut all, &mut split] {
+            d.set_next(&vec![t; ns]).unwrap();
+        }
+        if i == ask {
+            (0..ns).for_each(|s| all.request_refresh(s).unwrap());
+            (0..rows).for_each(|s| split.request_refresh(s).unwrap());
+        }
+        if i == ask + 1 {
+            (rows..ns).for_each(|s| split.request_refresh(s).unwrap());
+        }
+        all.decode_step().unwrap();
+        split.decode_step().unwrap();
+        let want: Vec<usize> = match i {
+            _ if i == ask => (0..rows).collect(),
+            _ if i == ask + 1 => (rows..ns).collect(),
+            _ => Vec::new(),
+        };
+        assert_eq!(
+            all.last_refreshed(),
+            &want[..],
+            "step {i}: the slots refreshed"
+        );
+        assert_eq!(split.last_refreshed(), &want[..], "step {i}");
+        assert_eq!(
+            all.logits().unwrap(),
+            split.logits().unwrap(),
+            "step {i}: a deferred slow step differs from one asked a step later"
+        );
+    }
+}
+
 /// SFI's asynchronous refresh: the Selector of a slow step runs on the side stream and its
 /// memory is published `lag` steps later. Against a decoder refreshing in order on the same
 /// teacher-forced tokens: identical logits up to the slow step, the live memory unchanged
