@@ -12,7 +12,7 @@
 #                                        # SFI at --sfi-async-lag 0 and 4 on prose and code
 #   bash .gpu/gpu_default_model.sh run fp8   # there: fp8 KV against bf16 KV (greedy, nll, passkey)
 #   bash .gpu/gpu_default_model.sh run tasks # there: eval agree and ruler with --device cuda
-#   bash .gpu/gpu_default_model.sh run policies # there: snapkv and pyramidkv with --device cuda
+#   bash .gpu/gpu_default_model.sh run policies # there: snapkv, pyramidkv and quest with --device cuda
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -63,15 +63,15 @@ CALLS
       exit 0
     fi
     if [ "${2:-}" = policies ]; then
-      # The GPU's SnapKV and PyramidKV (issue 23) against the CPU's numbers in docs/results.md
+      # The GPU's SnapKV, PyramidKV and Quest (issue 23) against the CPU's numbers in docs/results.md
       # ("Every policy at 8K"): nll on prose and code, passkey as the CPU's table ran it
       for t in $T $C/.gpu/rust_serde_json.txt; do
         n=$(basename $t .txt)
-        $B eval --device cuda -m $M --task nll -i $t --context 8192 --policies full,snapkv,pyramidkv,sfi,streaming \
+        $B eval --device cuda -m $M --task nll -i $t --context 8192 --policies full,snapkv,pyramidkv,quest,sfi,streaming \
           --kv-budget 0.2 --json "$OUT/nll-$n-snap.json" > "$OUT/nll-$n-snap.md" 2> "$OUT/nll-$n-snap.err"
       done
       $B eval --device cuda -m $M --task passkey -i $T --context 8192 --passkey-trials 3 --passkey-depths 0.1,0.5,0.9 \
-        --seed 1 --policies full,snapkv,pyramidkv --kv-budget 0.2 --json "$OUT/pk-snap.json" > "$OUT/pk-snap.md" 2> "$OUT/pk-snap.err"
+        --seed 1 --policies full,snapkv,pyramidkv,quest --kv-budget 0.2 --json "$OUT/pk-snap.json" > "$OUT/pk-snap.md" 2> "$OUT/pk-snap.err"
       cat "$OUT"/nll-*-snap.md "$OUT/pk-snap.md"
       tail -n 3 "$OUT"/*.err
       exit 0

@@ -11,7 +11,7 @@ pub struct ModelArgs {
     pub model: String,
     /// Compute device. `cuda` needs a build with `--features cuda` and an NVIDIA GPU; it runs
     /// generate, bench, serve and eval (tasks nll, agree, passkey and ruler) with the policies full,
-    /// streaming, sfi, snapkv and pyramidkv.
+    /// streaming, sfi, snapkv, pyramidkv and quest.
     /// (--sfi-async-lag trades a little of SFI's quality there for speed).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,

@@ -22,6 +22,11 @@
 // With logits != null and capture[b] != 0 the row attends densely (c = 0, rlo = 0) and the scaled
 // scores (log2 units) of every key go to logits[capture[b] - 1, head, j] (row stride lstride) for
 // the Selector: the host numbers the capturing rows 1, 2, ... so the score buffer holds only them.
+// PAGE LIST (cidx != null, Quest): the compact rows are read in place from the cache: row j is
+// cache row cidx[b, kv head, j / cgran] * cgran + j % cgran (cidx [batch, kv_heads, ccap]), there
+// are clen[b] * cgran of them (clen counts list entries), and the recent part starts no lower
+// than the newest key's page, (len - 1) / cgran * cgran. The list is written by the kernels just
+// before this one, so such a launch waits for them (pdl_wait) before reading anything.
 struct SparseArgs {
     const bf16* ck;
     const bf16* cv;
@@ -31,6 +36,8 @@ struct SparseArgs {
     float* logits;
     const u32* capture;
     u32 lstride;
+    const u32* cidx;
+    u32 cgran;
 };
 
 // POST (attn_decode_post_*, dense): the step's q/k/v projection row goes straight in, and
@@ -133,7 +140,9 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     // newest position, the only one the kernel before this one (qkv_post) writes.
     int vend = len;
     float* lrow = nullptr;
+    const u32* cpg = nullptr;  // PAGE LIST: this (sequence, kv head)'s list
     if constexpr (SPARSE) {
+        if (sp.cidx != nullptr) pdl_wait();
         if (sp.logits != nullptr && sp.capture[b] != 0) {
             // A capturing row attends densely (a slow step): its scores index positions.
             lrow = sp.logits + ((u64)(sp.capture[b] - 1) * n_heads + kvh * G + rg * 16) * sp.lstride;
@@ -141,6 +150,11 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
             n_c = slot < num_slots ? (int)min(sp.clen[b], sp.ccap) : 0;
             rlo = (int)min(sp.rstart[b], (u32)len);
             if (sp.rwin) rlo = max(rlo, len - (int)sp.rwin);
+            if (sp.cidx != nullptr) {
+                cpg = sp.cidx + ((u64)b * kv_heads + kvh) * sp.ccap;
+                n_c *= (int)sp.cgran;
+                if (len > 0) rlo = max(rlo, (len - 1) / (int)sp.cgran * (int)sp.cgran);
+            }
             n_c = min(n_c, rlo);  // compact rows are positions below the recent window
         }
         const int vlen = n_c + len - rlo;
@@ -186,17 +200,21 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     const bf16* kcc = nullptr;
     const bf16* vcc = nullptr;
     if constexpr (SPARSE) {
-        kcc = sp.ck + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
-        vcc = sp.cv + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
+        kcc = cpg ? kc : sp.ck + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
+        vcc = cpg ? vc : sp.cv + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
     }
+    // The cache row of compact row jj (< n_c): its index, or its place in the page list.
+    auto crow = [&](int jj) -> u64 {
+        return cpg ? (u64)cpg[jj / (int)sp.cgran] * sp.cgran + jj % (int)sp.cgran : (u64)jj;
+    };
     // F8: the caches (and the compact buffers) hold e4m3 bytes, a row D bytes.
     typedef const unsigned char* b8;
     const b8 kc8 = reinterpret_cast<b8>(k_cache) + ((u64)slot * kv_heads + kvh) * capacity * D;
     const b8 vc8 = reinterpret_cast<b8>(v_cache) + ((u64)slot * kv_heads + kvh) * capacity * D;
     b8 kcc8 = nullptr, vcc8 = nullptr;
     if constexpr (SPARSE && F8) {
-        kcc8 = reinterpret_cast<b8>(sp.ck) + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
-        vcc8 = reinterpret_cast<b8>(sp.cv) + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
+        kcc8 = cpg ? kc8 : reinterpret_cast<b8>(sp.ck) + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
+        vcc8 = cpg ? vc8 : reinterpret_cast<b8>(sp.cv) + ((u64)slot * kv_heads + kvh) * sp.ccap * D;
     }
 
     const int n_tiles = (s_hi - s_lo + BK - 1) / BK;
@@ -216,7 +234,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
                     const bool cmp = jj < n_c;
                     ksrc = cmp ? kcc8 : kc8;
                     vsrc = cmp ? vcc8 : vc8;
-                    row = cmp ? jj : rlo + jj - n_c;
+                    row = cmp ? crow(jj) : rlo + jj - n_c;
                 }
                 cp_async_16(fp8_row_dst(kd + r * STR, D, c), ksrc + row * D + c * 16, ok ? 16u : 0u);
                 cp_async_16(fp8_row_dst(vd + r * STR, D, c), vsrc + row * D + c * 16, ok ? 16u : 0u);
@@ -229,7 +247,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
             const int jj = ok ? j : s_lo;
             if constexpr (SPARSE) {
                 const bool cmp = jj < n_c;
-                const u64 off = (u64)(cmp ? jj : rlo + jj - n_c) * D + c * 8;
+                const u64 off = (cmp ? crow(jj) : (u64)(rlo + jj - n_c)) * D + c * 8;
                 cp_async_16(smem_addr(kd + r * STR + c * 8), (cmp ? kcc : kc) + off, ok ? 16u : 0u);
                 cp_async_16(smem_addr(vd + r * STR + c * 8), (cmp ? vcc : vc) + off, ok ? 16u : 0u);
             } else {
@@ -535,8 +553,9 @@ POST_DECODE_ENTRY(attn_decode_post_d256, 256, 2)
         NAME(const bf16* q, const bf16* k_cache, const bf16* v_cache, const u32* seq_lens,               \
              const u32* slots, float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity,    \
              u32 num_slots, float scale_log2, const bf16* ck, const bf16* cv, const u32* clen,            \
-             const u32* rstart, u32 ccap, u32 rwin, float* logits, const u32* capture, u32 lstride) {      \
-        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride};                    \
+             const u32* rstart, u32 ccap, u32 rwin, float* logits, const u32* capture, u32 lstride,       \
+             const u32* cidx, u32 cgran) {                                                              \
+        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride, cidx, cgran};       \
         attn_decode_impl<D, STAGES, true, false, false, 1, F8>(q, k_cache, v_cache, seq_lens, slots,     \
                                           part_o, part_ml, n_heads,                                      \
                                           kv_heads, capacity, num_slots, 0, 0, scale_log2, sp);          \
@@ -559,7 +578,7 @@ SPARSE_DECODE_ENTRY(attn_sparse_decode_d256, 256, 2)
              u32 ccap, u32 rwin, float* logits, const u32* capture, u32 lstride, u32 qkv_stride,        \
              const float* qn, const float* kn, float eps, const u32* positions, u32 rot,                \
              const double* inv_freq) {                                                                  \
-        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride};                    \
+        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride, nullptr, 1};        \
         PostArgs pa = {qkv, qkv_stride, qn, kn, eps, positions, rot, inv_freq, k_cache, v_cache};        \
         attn_decode_impl<D, STAGES, true, true, false, 1, F8>(nullptr, k_cache, v_cache, seq_lens,       \
                                                 slots, part_o,                                           \

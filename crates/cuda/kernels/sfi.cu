@@ -440,15 +440,59 @@ __device__ __noinline__ void sfi_radix_select(const double* __restrict__ s, u32 
     }
 }
 
+// The block's top-m write, once the m-th largest key `prefix` is known: every key above it and
+// the first `rem` equal to it (lowest indices first), as ascending `lo + i` into out[:m].
+// key_at(i) is key i < n (the same in every call); one pass over the keys in tiles of the block
+// (every thread calls it).
+template <typename K, typename F>
+__device__ __forceinline__ void topk_write_ascending(F key_at, u32 n, K prefix, u32 rem, u32 m, u32 lo, u32* out) {
+    __shared__ u32 wsum[32];
+    __shared__ u32 sh_base;
+    const u32 T = blockDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (threadIdx.x == 0) sh_base = 0;
+    u32 eq_seen = 0;  // equal keys before this tile (uniform across the block)
+    __syncthreads();
+    for (u32 t0 = 0; t0 < n; t0 += T) {
+        const u32 i = t0 + threadIdx.x;
+        const K key = i < n ? key_at(i) : K(0);
+        const bool gt = i < n && key > prefix, eq = i < n && key == prefix;
+        // Inclusive scans of eq (to rank equal keys) and then of the chosen flag.
+        const u32 be = __ballot_sync(0xffffffffu, eq);
+        if (lane == 0) wsum[warp] = __popc(be);
+        __syncthreads();
+        u32 eq_before = eq_seen, eq_tile = 0;
+        for (u32 w = 0; w < T / 32; ++w) {
+            if (w < warp) eq_before += wsum[w];
+            eq_tile += wsum[w];
+        }
+        eq_before += __popc(be & ((1u << lane) - 1));
+        const bool take = gt || (eq && eq_before < rem);
+        __syncthreads();
+        const u32 bt = __ballot_sync(0xffffffffu, take);
+        if (lane == 0) wsum[warp] = __popc(bt);
+        __syncthreads();
+        u32 before = sh_base, tile = 0;
+        for (u32 w = 0; w < T / 32; ++w) {
+            if (w < warp) before += wsum[w];
+            tile += wsum[w];
+        }
+        before += __popc(bt & ((1u << lane) - 1));
+        if (take && before < m) out[before] = lo + i;
+        eq_seen += eq_tile;
+        __syncthreads();
+        if (threadIdx.x == 0) sh_base += tile;
+        __syncthreads();
+    }
+}
+
 // Per kv head (one block): m = min over heads of min(k, cnt[h]) (the equalised count); the m
 // highest scores (ties: lower position first) as ascending positions lo + i into sel[h, :m];
 // mcount[0] = m. grid (kv_heads, layers), block 1024.
 extern "C" __global__ void __launch_bounds__(1024)
     sfi_topk(const double* __restrict__ scores, const u32* __restrict__ cnt, u32* __restrict__ sel,
              u32* __restrict__ mcount, u32 kv_heads, u32 n, u32 k, u32 lo) {
-    __shared__ u32 sh_rem, sh_base;
-    __shared__ u32 wsum[32];
-    const u32 h = blockIdx.x, T = blockDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ u32 sh_rem;
+    const u32 h = blockIdx.x, T = blockDim.x;
     {
         const u64 z = blockIdx.y;
         scores += z * kv_heads * n;
@@ -525,42 +569,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     }
     if (!bucketed) sfi_radix_select(s, n, m, prefix, rem);
     // prefix is the threshold key; take every key above it and the first `rem` equal to it.
-    u32* out = sel + (u64)h * k;
-    if (threadIdx.x == 0) sh_base = 0;
-    u32 eq_seen = 0;  // equal keys before this tile (uniform across the block)
-    __syncthreads();
-    for (u32 t0 = 0; t0 < n; t0 += T) {
-        const u32 i = t0 + threadIdx.x;
-        const u64 key = i < n ? sfi_key(s[i]) : 0;
-        const bool gt = i < n && key > prefix, eq = i < n && key == prefix;
-        // Inclusive scans of eq (to rank equal keys) and then of the chosen flag.
-        const u32 be = __ballot_sync(0xffffffffu, eq);
-        const u32 eq_in_warp = __popc(be & ((1u << lane) - 1));
-        if (lane == 0) wsum[warp] = __popc(be);
-        __syncthreads();
-        u32 eq_before = eq_seen, eq_tile = 0;
-        for (u32 w = 0; w < T / 32; ++w) {
-            if (w < warp) eq_before += wsum[w];
-            eq_tile += wsum[w];
-        }
-        eq_before += eq_in_warp;
-        const bool take = gt || (eq && eq_before < rem);
-        __syncthreads();
-        const u32 bt = __ballot_sync(0xffffffffu, take);
-        if (lane == 0) wsum[warp] = __popc(bt);
-        __syncthreads();
-        u32 before = sh_base, tile = 0;
-        for (u32 w = 0; w < T / 32; ++w) {
-            if (w < warp) before += wsum[w];
-            tile += wsum[w];
-        }
-        before += __popc(bt & ((1u << lane) - 1));
-        if (take && before < m) out[before] = lo + i;
-        eq_seen += eq_tile;
-        __syncthreads();
-        if (threadIdx.x == 0) sh_base += tile;
-        __syncthreads();
-    }
+    topk_write_ascending([&](u32 i) { return sfi_key(s[i]); }, n, prefix, rem, m, lo, sel + (u64)h * k);
 }
 
 // ---- The Selector split over many blocks (the default; the tests' set_split(false) runs sfi_score,

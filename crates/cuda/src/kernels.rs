@@ -20,6 +20,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attn_decode.cu", include_str!("../kernels/attn_decode.cu")),
     ("sfi.cu", include_str!("../kernels/sfi.cu")),
     ("snapkv.cu", include_str!("../kernels/snapkv.cu")),
+    ("quest.cu", include_str!("../kernels/quest.cu")),
     ("gemv.cu", include_str!("../kernels/gemv.cu")),
     (
         "decode_fused.cu",
@@ -79,6 +80,9 @@ pub const KERNEL_NAMES: &[&str] = &[
     "snap_rowstats",
     "snap_colsum",
     "snap_pool",
+    "quest_bounds",
+    "quest_score",
+    "quest_topk",
     "sfi_pos_prior",
     "sfi_score_part",
     "sfi_score_lambda",
@@ -134,6 +138,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attn_sparse_decode_post_d128_f8",
     "attn_sparse_decode_post_d256_f8",
     "sfi_key_norms_f8",
+    "quest_bounds_f8",
+    "quest_score_f8",
 ];
 
 /// The entry point reading the KV caches as `name` does, over e4m3 caches when `fp8` (the

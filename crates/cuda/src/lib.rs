@@ -49,7 +49,7 @@ pub use ops::norm::{RmsNorm, Rope};
 #[cfg(feature = "cuda")]
 pub use ops::KvLayout;
 #[cfg(feature = "cuda")]
-pub use sparse::{CompactMemory, GpuKvPolicy, GpuSfiConfig, GpuSnapConfig};
+pub use sparse::{CompactMemory, GpuKvPolicy, GpuQuestConfig, GpuSfiConfig, GpuSnapConfig};
 #[cfg(not(feature = "cuda"))]
 pub use stub::CudaContext;
 

@@ -982,6 +982,12 @@ impl GpuDecoder {
             self.kv,
             self.refresh_lag > 0,
         )?;
+        // sequences already held (a policy set after their prefill)
+        if let Some(sp) = self.sparse.as_mut() {
+            for (s, &len) in self.slot_len.iter().enumerate().filter(|(_, &l)| l > 0) {
+                sp.prefilled(&self.ctx, s, len)?;
+            }
+        }
         Ok(())
     }
 
@@ -1185,18 +1191,13 @@ impl GpuDecoder {
         let mut refresh = Vec::new();
         if let Some(sp) = self.sparse.as_mut().filter(|s| s.sfi().is_some()) {
             if capture.iter().any(|&c| c) {
-                // the first `capture_rows` flagged slots capture; the others refresh later
-                let mut take = sp.capture_rows();
-                let flags: Vec<bool> = capture
-                    .iter()
-                    .map(|&c| {
-                        let on = c && take > 0;
-                        take -= on as usize;
-                        on
-                    })
-                    .collect();
+                // the first `CAPTURE_ROWS` flagged slots capture; the others refresh later
+                let wanting = (0..capture.len()).filter(|&s| capture[s]).collect();
+                let (now, _) = sp.split_capture(wanting);
+                let mut flags = vec![false; capture.len()];
+                now.iter().for_each(|&s| flags[s] = true);
                 sp.set_capture(&self.ctx, &flags)?;
-                for (s, _) in flags.iter().enumerate().filter(|c| *c.1) {
+                for s in now {
                     refresh.push(Refresh {
                         slot: s,
                         len: self.slot_len[s] + 1,
@@ -1666,6 +1667,9 @@ impl GpuDecoder {
             }
         }
         self.slot_len[slot] = start + tokens.len();
+        if let Some(sp) = self.sparse.as_mut() {
+            sp.prefilled(&self.ctx, slot, start + tokens.len())?;
+        }
         Ok(all)
     }
 
@@ -1732,25 +1736,27 @@ impl GpuDecoder {
         }
         // SFI: slots that asked for a refresh, or long enough for a memory but without one
         // (the bridge after a short prompt), run a slow step: dense + capture + refresh; past
-        // the score rows a step holds (`capture_rows`), the others wait for the next step.
+        // the score rows a step holds (`CAPTURE_ROWS`, `SparseState::split_capture`), the
+        // others wait for the next step.
         let (mut refresh, mut deferred) = (Vec::new(), Vec::new());
         if let Some(sp) = self.sparse.as_ref().filter(|s| s.sfi().is_some()) {
             let dense_below = sp.policy.dense_below();
-            for s in 0..self.kv.num_slots {
-                let len = self.slot_len[s] + 1;
-                if len > dense_below && (self.want_refresh[s] || !sp.has_mem[s]) {
-                    if refresh.len() == sp.capture_rows() {
-                        deferred.push(s);
-                        continue;
-                    }
-                    refresh.push(Refresh {
-                        slot: s,
-                        len,
-                        rows: 1,
-                        boot_row0: None,
-                    });
-                }
-            }
+            let wanting = (0..self.kv.num_slots)
+                .filter(|&s| {
+                    self.slot_len[s] + 1 > dense_below && (self.want_refresh[s] || !sp.has_mem[s])
+                })
+                .collect();
+            let now;
+            (now, deferred) = sp.split_capture(wanting);
+            refresh = now
+                .into_iter()
+                .map(|s| Refresh {
+                    slot: s,
+                    len: self.slot_len[s] + 1,
+                    rows: 1,
+                    boot_row0: None,
+                })
+                .collect();
         }
         self.want_refresh.iter_mut().for_each(|w| *w = false);
         for s in deferred {
@@ -1979,22 +1985,24 @@ impl GpuDecoder {
                 && ctx.attn_post()
                 && ctx.decode_post_kernel(&dp, &kv).is_some();
             // Sparse decode steps may run it inside sparse flash-decoding (SLOWFAST_SPARSE_POST).
-            let sparse_post =
-                if matches!(mode, Attn::Decode) && sp.is_some() && ctx.sparse_post_in(fused) {
-                    let [q_norm, k_norm, inv_freq] = p.check("sparse decode", kv.head_dim)?;
-                    Some(SparsePost {
-                        qkv: a.qkv.device_ptr(),
-                        qkv_stride: qd + 2 * kd,
-                        q_norm,
-                        k_norm,
-                        eps: p.eps,
-                        positions: a.pos.device_ptr(),
-                        rot_dim: p.rot_dim,
-                        inv_freq,
-                    })
-                } else {
-                    None
-                };
+            let sparse_post = if matches!(mode, Attn::Decode)
+                && sp.as_ref().is_some_and(|s| s.policy.post_in_attention())
+                && ctx.sparse_post_in(fused)
+            {
+                let [q_norm, k_norm, inv_freq] = p.check("sparse decode", kv.head_dim)?;
+                Some(SparsePost {
+                    qkv: a.qkv.device_ptr(),
+                    qkv_stride: qd + 2 * kd,
+                    q_norm,
+                    k_norm,
+                    eps: p.eps,
+                    positions: a.pos.device_ptr(),
+                    rot_dim: p.rot_dim,
+                    inv_freq,
+                })
+            } else {
+                None
+            };
             if post_in_attn {
                 ctx.attn_decode_post(
                     &a.qkv, kc, vc, kv, dec_lens, &a.slots, &a.pos, &mut a.att, None, ws, &dp, &p,

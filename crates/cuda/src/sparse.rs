@@ -1,4 +1,4 @@
-//! KV policies of the GPU decoder: full KV, StreamingLLM, SFI, SnapKV and PyramidKV
+//! KV policies of the GPU decoder: full KV, StreamingLLM, SFI, SnapKV, PyramidKV and Quest
 //! (methods.md §1-2). The global layers of a sparse policy decode through
 //! `attn_sparse_decode_*`: per (layer, slot) a compact buffer of chosen rows, its length and
 //! the start of a range read in place, all on the device, so a fast step needs no host work and
@@ -9,6 +9,13 @@
 //! `capacity - window` keys of the rest a kv head in the compact buffer, and the window and
 //! every decoded token after it are read in place from `rstart = prompt - window`. Nothing is
 //! selected again. The cache itself stays allocated (the dropped rows are not read).
+//!
+//! Quest per (global layer, slot): per-page key bounds (`[slot, kv_head, page, 2, head_dim]`),
+//! all computed after each prefill and the newest full pages again at every decode step; each
+//! decode step scores the pages against its query, keeps the top `pages - 1` full ones a kv
+//! head (ops/quest.rs) and reads them in place through the sparse kernel's page list, with the
+//! newest, partial page as the range read in place. The first `dense_layers` layers read
+//! densely. Nothing is evicted, as on the CPU.
 //!
 //! SFI per (global layer, slot): a compact buffer of the sinks and the Selector's choice
 //! (`[slot, kv_head, ccap, head_dim]`), rebuilt at each refresh, and the recent window read in
@@ -32,12 +39,14 @@ use crate::buffer::GpuBuffer;
 use crate::context::CudaContext;
 use crate::error::CudaError;
 use crate::ops::attention::AttnWorkspace;
+use crate::ops::quest::{QuestArgs, QuestPages, QuestScratch, QUEST_FRESH};
 use crate::ops::sfi::{
     GatherArgs, SelectArgs, SelectorConfig, SelectorScratch, SparseDecode, SparsePost,
 };
 use crate::ops::snapkv::{SnapArgs, SnapScratch};
 use crate::ops::KvLayout;
 use slowfast_kv::pyramid::pyramid_budgets;
+use slowfast_kv::quest::QuestPolicy;
 
 /// SFI on the GPU: S sinks + k Selector-chosen tokens + a recent window (page-aligned start).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -88,6 +97,29 @@ impl GpuSnapConfig {
     }
 }
 
+/// Quest on the GPU: the CPU policy's numbers (`slowfast_kv::quest::QuestPolicy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuQuestConfig {
+    /// Pages read a decode step, the newest (partial) one included.
+    pub pages: usize,
+    /// Tokens a page.
+    pub page: usize,
+    /// The first this many layers read densely.
+    pub dense_layers: usize,
+}
+
+impl GpuQuestConfig {
+    /// The CPU policy's configuration for a budget of `budget` tokens a kv head.
+    pub fn for_budget(budget: usize) -> Self {
+        let p = QuestPolicy::new(budget);
+        GpuQuestConfig {
+            pages: p.pages(),
+            page: p.page,
+            dense_layers: p.dense_layers,
+        }
+    }
+}
+
 /// Which KV policy the decoder's global layers run.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum GpuKvPolicy {
@@ -100,9 +132,19 @@ pub enum GpuKvPolicy {
     Sfi(GpuSfiConfig),
     /// SnapKV / PyramidKV: one selection at the end of prefill.
     Snap(GpuSnapConfig),
+    /// Quest: the top pages by a key-bound score, chosen at every decode step.
+    Quest(GpuQuestConfig),
 }
 
 impl GpuKvPolicy {
+    /// SnapKV's (PyramidKV's) configuration, when the policy is one of them.
+    pub fn snap(&self) -> Option<GpuSnapConfig> {
+        match *self {
+            GpuKvPolicy::Snap(c) => Some(c),
+            _ => None,
+        }
+    }
+
     /// The policy's sizes, for messages.
     pub fn describe(&self) -> String {
         match self {
@@ -122,6 +164,10 @@ impl GpuKvPolicy {
                 },
                 c.window,
                 c.kernel
+            ),
+            GpuKvPolicy::Quest(c) => format!(
+                "{} pages of {} a step ({} dense layers first)",
+                c.pages, c.page, c.dense_layers
             ),
         }
     }
@@ -145,7 +191,15 @@ impl GpuKvPolicy {
             // a prompt within the capacity keeps everything, in every layer (PyramidKV's
             // budgets are then all at least the prompt)
             GpuKvPolicy::Snap(c) => c.capacity,
+            // every page is read (as the CPU's `n_pages > pages()` test)
+            GpuKvPolicy::Quest(c) => c.pages * c.page,
         }
+    }
+
+    /// Whether a sparse decode step may run `qkv_post` inside the attention kernel: not when
+    /// the policy reads the step's query before attention (Quest's page scores).
+    pub fn post_in_attention(&self) -> bool {
+        !matches!(self, GpuKvPolicy::Quest(_))
     }
 }
 
@@ -229,6 +283,9 @@ pub(crate) struct SparseState {
     sel: Option<SelectorScratch>,
     /// SnapKV / PyramidKV: the selection's scratch.
     snap: Option<SnapScratch>,
+    /// Quest: the page geometry, every global layer's bounds `[ng, layer_elems]` and the
+    /// per-step selection's scratch.
+    quest: Option<(QuestPages, GpuBuffer<bf16>, QuestScratch)>,
     /// Per slot: keys a fast step reads beyond the sequence length, averaged over the global
     /// layers (SnapKV: compact rows less the prompt before the window; 0 when dense).
     snap_off: Vec<f64>,
@@ -255,6 +312,52 @@ pub struct CompactMemory {
     /// Per layer: rows of the compact buffer in use, and the recent window's start.
     pub clen: Vec<u32>,
     pub rstart: Vec<u32>,
+}
+
+/// The shapes and cache addresses a gather into the compact buffers needs.
+#[derive(Clone, Copy)]
+struct GatherGeom {
+    kv: KvLayout,
+    ns: usize,
+    ccap: usize,
+    kptrs: u64,
+    vptrs: u64,
+}
+
+impl GatherGeom {
+    /// The gather of global layers `[gi0, gi0 + layers)` of `slot` (the first `sinks` keys,
+    /// then the chosen ones, below `recent_start`) into `dst`: compact K and V, clen and
+    /// rstart, the live buffers or the staging ones (same layouts).
+    fn args(
+        &self,
+        (gi0, layers): (usize, usize),
+        slot: usize,
+        (sinks, recent_start): (usize, usize),
+        dst: (
+            &GpuBuffer<bf16>,
+            &GpuBuffer<bf16>,
+            &GpuBuffer<u32>,
+            &GpuBuffer<u32>,
+        ),
+    ) -> GatherArgs {
+        let (kv, ns) = (self.kv, self.ns);
+        let cs = ns * kv.kv_heads * self.ccap * kv.row_len();
+        let (ck, cv, clen, rstart) = dst;
+        GatherArgs {
+            layers,
+            kptrs: self.kptrs + (gi0 * 8) as u64,
+            vptrs: self.vptrs + (gi0 * 8) as u64,
+            slot,
+            sinks,
+            recent_start,
+            ck: ck.device_ptr() + (gi0 * cs * 2) as u64,
+            cv: cv.device_ptr() + (gi0 * cs * 2) as u64,
+            ccap: self.ccap,
+            compact_layer_stride: cs,
+            clen: clen.device_ptr() + (gi0 * ns * 4) as u64,
+            rstart: rstart.device_ptr() + (gi0 * ns * 4) as u64,
+        }
+    }
 }
 
 /// Staging copies of the compact K / V, clen and rstart (the live buffers' layouts).
@@ -295,6 +398,14 @@ impl SparseState {
                 }
                 (None, 1)
             }
+            GpuKvPolicy::Quest(c) => {
+                if c.pages < 2 || c.page == 0 {
+                    return Err(bad(format!(
+                        "Quest: {c:?} (at least 2 pages a step, of >= 1 token)"
+                    )));
+                }
+                (None, 1)
+            }
             GpuKvPolicy::Sfi(c) => {
                 if c.selected == 0 || c.recent == 0 || c.bootstrap_rows == 0 || c.page == 0 {
                     return Err(bad(format!(
@@ -318,10 +429,7 @@ impl SparseState {
         if ng == 0 {
             return Ok(None); // every layer slides: the policy has nothing to act on
         }
-        let snap_cfg = match policy {
-            GpuKvPolicy::Snap(c) => Some(c),
-            _ => None,
-        };
+        let snap_cfg = policy.snap();
         let ccap = match (sfi, snap_cfg) {
             (Some(c), _) => c.sinks + c.selected,
             (_, Some(c)) => c.max_picks(),
@@ -376,6 +484,15 @@ impl SparseState {
             )?),
             None => None,
         };
+        let quest = match policy {
+            GpuKvPolicy::Quest(c) => {
+                let pg = QuestPages::new(kv, c.page)?;
+                let bounds = ctx.alloc(ng * pg.layer_elems(kv))?;
+                let sc = QuestScratch::new(ctx, ns, kv.kv_heads, pg.maxp, c.pages - 1)?;
+                Some((pg, bounds, sc))
+            }
+            _ => None,
+        };
         let cap_rows = ns.min(CAPTURE_ROWS);
         let logits_rows = match policy {
             GpuKvPolicy::Sfi(_) => (ng * cap_rows).max(boot),
@@ -405,7 +522,7 @@ impl SparseState {
             cap_slots: Vec::new(),
             cap_rows,
             rows1: ctx.upload(&(1..=boot as u32).collect::<Vec<_>>())?,
-            zeros: ctx.alloc(boot)?,
+            zeros: ctx.alloc(boot.max(ns))?,
             boot_lens: ctx.alloc(boot)?,
             boot_slots: ctx.alloc(boot)?,
             boot_out: ctx.alloc(boot * n_heads * kv.head_dim)?,
@@ -415,6 +532,7 @@ impl SparseState {
             refreshed_len: vec![0; ns],
             sel,
             snap,
+            quest,
             snap_off: vec![0.0; ns],
             stage,
             splits: fast_splits,
@@ -445,10 +563,7 @@ impl SparseState {
     }
 
     pub fn snap(&self) -> Option<GpuSnapConfig> {
-        match self.policy {
-            GpuKvPolicy::Snap(c) => Some(c),
-            _ => None,
-        }
+        self.policy.snap()
     }
 
     /// Rows the last prefill chunk must hold and capture (SFI's bootstrap, SnapKV's
@@ -467,18 +582,13 @@ impl SparseState {
             GpuKvPolicy::Sfi(c) => (len - c.recent.min(len)) / c.page * c.page,
             GpuKvPolicy::Streaming { recent, .. } => len.saturating_sub(recent),
             GpuKvPolicy::Snap(c) => len.saturating_sub(c.window),
+            GpuKvPolicy::Quest(c) => len.saturating_sub(1) / c.page * c.page,
             GpuKvPolicy::Full => 0,
         }
     }
 
-    /// Slots a step can capture at once (their scores take a row each of every layer's
-    /// score buffer); the decoder defers the others' slow steps to the next step.
-    pub fn capture_rows(&self) -> usize {
-        self.cap_rows
-    }
-
     /// Sets which slots capture (attend densely and refresh) in the next plain decode step:
-    /// at most `capture_rows` of them, each given the next score row.
+    /// at most `CAPTURE_ROWS` of them, each given the next score row.
     pub fn set_capture(&mut self, ctx: &CudaContext, flags: &[bool]) -> Result<(), CudaError> {
         let slots: Vec<usize> = (0..flags.len()).filter(|&s| flags[s]).collect();
         if slots.len() > self.cap_rows {
@@ -522,14 +632,12 @@ impl SparseState {
         self.refreshed_len[s] = 0;
         self.snap_off[s] = 0.0;
         if self.compact.is_some() {
-            let zero = ctx.alloc::<u32>(1)?;
             for gi in 0..self.ng {
                 for buf in [&self.clen, &self.rstart] {
                     let dst = buf.device_ptr() + ((gi * self.num_slots + s) * 4) as u64;
-                    Self::copy_raw(ctx, zero.device_ptr(), dst, 4)?;
+                    Self::copy_raw(ctx, self.zeros.device_ptr(), dst, 4)?;
                 }
             }
-            ctx.synchronize()?; // `zero` is freed on return
         }
         Ok(())
     }
@@ -549,6 +657,32 @@ impl SparseState {
         }
         self.norm_len[s] = self.norm_len[s].min(len);
         Ok(())
+    }
+
+    /// After slot `s` holds `len` tokens from a prefill (or under a policy set after it): Quest
+    /// computes every page's key bounds on every global layer.
+    pub fn prefilled(&mut self, ctx: &CudaContext, s: usize, len: usize) -> Result<(), CudaError> {
+        if let Some((pg, bounds, _)) = &self.quest {
+            let (kptrs, b) = (self.kptrs.device_ptr(), bounds.device_ptr());
+            ctx.quest_bounds(
+                self.kv,
+                *pg,
+                kptrs,
+                self.ng,
+                b,
+                s,
+                (0, len.div_ceil(pg.page)),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Splits the slots that want a slow step into those this step captures (the first
+    /// `CAPTURE_ROWS`, at most the slots) and those that wait for a later step.
+    pub fn split_capture(&self, wanting: Vec<usize>) -> (Vec<usize>, Vec<usize>) {
+        let mut now = wanting;
+        let later = now.split_off(now.len().min(self.cap_rows));
+        (now, later)
     }
 
     /// SFI on global layer `l`: where a verification's row 0 leaves its scores for the
@@ -592,6 +726,12 @@ impl SparseState {
                 let (f, t) = ((gi * ns + from) * el, (gi * ns + to) * el);
                 Self::copy_raw(ctx, b + f as u64, b + t as u64, el)?;
             }
+            if let Some((pg, bounds, _)) = &self.quest {
+                let el = pg.layer_elems(kv) / ns * 2; // one slot's bytes
+                let b = bounds.device_ptr() + (gi * pg.layer_elems(kv) * 2) as u64;
+                let (f, t) = (from * el, to * el);
+                Self::copy_raw(ctx, b + f as u64, b + t as u64, el)?;
+            }
         }
         self.norm_len[to] = self.norm_len[from];
         self.has_mem[to] = self.has_mem[from];
@@ -626,6 +766,9 @@ impl SparseState {
             CudaError::bad("sparse decode", format!("layer {l} is a sliding layer"))
         })?;
         let el = ns * kv.kv_heads * self.ccap * kv.row_bytes();
+        let off = (gi * ns * 4) as u64;
+        let (mut clen, mut rstart) = (self.clen.device_ptr() + off, self.rstart.device_ptr() + off);
+        let (mut cidx, mut cgran) = (0, 1);
         let (ck, cv, ccap, rwin) = match (&self.compact, self.policy) {
             (Some((ck, cv)), _) => (
                 ck.device_ptr() + (gi * el) as u64,
@@ -636,9 +779,35 @@ impl SparseState {
             (None, GpuKvPolicy::Streaming { recent, .. }) => {
                 (kc.device_ptr(), vc.device_ptr(), kv.capacity, recent)
             }
+            (None, GpuKvPolicy::Quest(c)) => {
+                // this step's pages, read in place; the first layers densely
+                let (pg, bounds, sc) = self.quest.as_ref().expect("Quest's state");
+                if post.is_some() {
+                    return Err(CudaError::bad(
+                        "sparse decode",
+                        "Quest scores pages with the step's query: qkv_post runs first",
+                    ));
+                }
+                (clen, rstart) = (self.zeros.device_ptr(), self.zeros.device_ptr());
+                if l >= c.dense_layers {
+                    let a = QuestArgs {
+                        q,
+                        k_cache: kc.device_ptr(),
+                        bounds: bounds.device_ptr() + (gi * pg.layer_elems(kv) * 2) as u64,
+                        seq_lens,
+                        slots,
+                        batch,
+                        n_heads,
+                        fresh: QUEST_FRESH,
+                    };
+                    ctx.quest_select(kv, *pg, &a, sc)?;
+                    (cidx, clen) = sc.page_list();
+                    cgran = pg.page;
+                }
+                (kc.device_ptr(), vc.device_ptr(), sc.k(), 0)
+            }
             _ => (kc.device_ptr(), vc.device_ptr(), kv.capacity, 0),
         };
-        let off = (gi * ns * 4) as u64;
         let ls = self.cap_rows * n_heads * kv.capacity * 4;
         let p = SparseDecode {
             batch,
@@ -656,8 +825,8 @@ impl SparseState {
             ck,
             cv,
             ccap,
-            clen: self.clen.device_ptr() + off,
-            rstart: self.rstart.device_ptr() + off,
+            clen,
+            rstart,
             rwin,
             logits: if capture {
                 self.logits.device_ptr() + (gi * ls) as u64
@@ -667,6 +836,8 @@ impl SparseState {
             capture: self.capture.device_ptr(),
             lstride: kv.capacity,
             post,
+            cidx,
+            cgran,
         };
         // The partials at the most splits any step uses, from the first step on: a later
         // capturing step must not reallocate what a captured fast-step graph points at.
@@ -726,6 +897,8 @@ impl SparseState {
             capture: self.rows1.device_ptr(),
             lstride: kv.capacity,
             post: None,
+            cidx: 0,
+            cgran: 1,
         };
         ctx.attn_sparse_decode(kc, vc, kv, ws, &p)?;
         if self.snap().is_some() {
@@ -739,6 +912,7 @@ impl SparseState {
     /// into the compact buffer, the window and what follows read in place. A layer whose
     /// capacity holds the prompt stays dense (as the CPU's `snap_keep` keeps everything).
     fn snap_layer(&mut self, ctx: &CudaContext, gi: usize, r: &Refresh) -> Result<(), CudaError> {
+        let geom = self.gather_geom();
         let (Some(c), Some(sc), Some((ck, cv))) = (self.snap(), self.snap.as_mut(), &self.compact)
         else {
             return Ok(());
@@ -768,21 +942,8 @@ impl SparseState {
             kernel: c.kernel,
         };
         ctx.snap_select(&a, sc)?;
-        let cs = ns * kv.kv_heads * self.ccap * kv.row_len();
-        let g = GatherArgs {
-            layers: 1,
-            kptrs: self.kptrs.device_ptr() + (gi * 8) as u64,
-            vptrs: self.vptrs.device_ptr() + (gi * 8) as u64,
-            slot: r.slot,
-            sinks: 0,
-            recent_start: prefix,
-            ck: ck.device_ptr() + (gi * cs * 2) as u64,
-            cv: cv.device_ptr() + (gi * cs * 2) as u64,
-            ccap: self.ccap,
-            compact_layer_stride: cs,
-            clen: self.clen.device_ptr() + (gi * ns * 4) as u64,
-            rstart: self.rstart.device_ptr() + (gi * ns * 4) as u64,
-        };
+        let dst = (ck, cv, &self.clen, &self.rstart);
+        let g = geom.args((gi, 1), r.slot, (0, prefix), dst);
         ctx.gather_picks(kv, sc.picks(), &g)?;
         // keys a fast step reads at length len: k.min(prefix) + (len - prefix)
         self.snap_off[r.slot] += (k.min(prefix) as f64 - prefix as f64) / self.ng as f64;
@@ -882,6 +1043,7 @@ impl SparseState {
         staged: bool,
     ) -> Result<(), CudaError> {
         let recent_start = self.recent_start(r.len);
+        let geom = self.gather_geom();
         let (Some(c), Some((ck, cv)), Some(norms), Some(sel)) =
             (self.sfi(), &self.compact, &self.norms, self.sel.as_mut())
         else {
@@ -892,7 +1054,6 @@ impl SparseState {
         let slot_norms =
             norms.device_ptr() + ((gi0 * nls + r.slot * kv.kv_heads * kv.capacity) * 4) as u64;
         let kptrs = self.kptrs.device_ptr() + (gi0 * 8) as u64;
-        let vptrs = self.vptrs.device_ptr() + (gi0 * 8) as u64;
         let p0 = self.norm_len[r.slot].min(r.len);
         ctx.sfi_stage(sel, 0, || {
             ctx.sfi_key_norms(kptrs, layers, kv, r.slot, p0, r.len, slot_norms, nls)
@@ -912,8 +1073,7 @@ impl SparseState {
             norm_layer_stride: nls,
         };
         ctx.sfi_select(&a, sel)?;
-        let cs = ns * kv.kv_heads * self.ccap * kv.row_len();
-        let (ck, cv, clen, rstart) = match (&self.stage, staged) {
+        let dst = match (&self.stage, staged) {
             (Some(st), true) => (&st.ck, &st.cv, &st.clen, &st.rstart),
             (None, true) => {
                 return Err(CudaError::bad(
@@ -923,21 +1083,19 @@ impl SparseState {
             }
             _ => (ck, cv, &self.clen, &self.rstart),
         };
-        let g = GatherArgs {
-            layers,
-            kptrs,
-            vptrs,
-            slot: r.slot,
-            sinks: c.sinks,
-            recent_start,
-            ck: ck.device_ptr() + (gi0 * cs * 2) as u64,
-            cv: cv.device_ptr() + (gi0 * cs * 2) as u64,
-            ccap: self.ccap,
-            compact_layer_stride: cs,
-            clen: clen.device_ptr() + (gi0 * ns * 4) as u64,
-            rstart: rstart.device_ptr() + (gi0 * ns * 4) as u64,
-        };
+        let g = geom.args((gi0, layers), r.slot, (c.sinks, recent_start), dst);
         ctx.sfi_stage(sel, 6, || ctx.sfi_gather(kv, sel, &g))
+    }
+
+    /// Where the gathers of this state read and write (see [`GatherGeom::args`]).
+    fn gather_geom(&self) -> GatherGeom {
+        GatherGeom {
+            kv: self.kv,
+            ns: self.num_slots,
+            ccap: self.ccap,
+            kptrs: self.kptrs.device_ptr(),
+            vptrs: self.vptrs.device_ptr(),
+        }
     }
 
     /// Per-stage Selector milliseconds summed so far (`SLOWFAST_SFI_PROFILE=1`).
@@ -1006,6 +1164,16 @@ impl SparseState {
             // no memory: the prompt fit, every step reads everything (as on the CPU)
             GpuKvPolicy::Snap(_) if !self.has_mem[slot] => len,
             GpuKvPolicy::Snap(_) => (len as f64 + self.snap_off[slot]).round() as usize,
+            GpuKvPolicy::Quest(c) => {
+                // the chosen full pages and the newest page; the first layers read densely
+                let dense = self.gidx[..c.dense_layers.min(self.gidx.len())]
+                    .iter()
+                    .filter(|g| g.is_some())
+                    .count();
+                let full = (len - 1) / c.page;
+                let sparse = (c.pages - 1).min(full) * c.page + len - full * c.page;
+                (dense * len + (self.ng - dense) * sparse) / self.ng
+            }
         }
     }
 }

@@ -119,6 +119,8 @@ fn sparse_decode_matches_reference() {
                 capture: dcap.device_ptr(),
                 lstride: cap,
                 post: None,
+                cidx: 0,
+                cgran: 1,
             };
             ctx.attn_sparse_decode(&dk, &dv, kv, &mut ws, &p).unwrap();
             let got = to_f64(&ctx.download(&out).unwrap());
@@ -315,6 +317,8 @@ fn sparse_decode_post_equals_qkv_post_then_sparse_decode() {
                     capture: dcap.device_ptr(),
                     lstride: cap,
                     post: post.then_some(sp),
+                    cidx: 0,
+                    cgran: 1,
                 };
                 ctx.attn_sparse_decode(&kc, &vc, kv, &mut ws, &p).unwrap();
                 let b16 = |v: Vec<bf16>| -> Vec<u16> { v.iter().map(|x| x.to_bits()).collect() };

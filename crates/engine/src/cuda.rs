@@ -9,8 +9,8 @@ use half::bf16;
 use rayon::prelude::*;
 use slowfast_cuda::ops::elementwise::Glu;
 use slowfast_cuda::{
-    CudaContext, DecoderSpec, GpuDecoder, GpuKvPolicy, GpuSfiConfig, GpuSnapConfig, KvOptions,
-    Norm, Tensor, WeightSource,
+    CudaContext, DecoderSpec, GpuDecoder, GpuKvPolicy, GpuQuestConfig, GpuSfiConfig, GpuSnapConfig,
+    KvOptions, Norm, Tensor, WeightSource,
 };
 use slowfast_kv::sfi::trigger::Trigger;
 use slowfast_kv::PolicyStats;
@@ -223,7 +223,7 @@ pub fn load_decoder_with(
 }
 
 /// The KV policies the GPU runs (the others answer that they are CPU-only).
-pub const GPU_POLICIES: &str = "full, streaming, sfi, snapkv, pyramidkv";
+pub const GPU_POLICIES: &str = "full, streaming, sfi, snapkv, pyramidkv, quest";
 
 /// The GPU form of a KV policy ([`GPU_POLICIES`]); the others answer that they are CPU-only.
 pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
@@ -260,6 +260,8 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
             kernel: cfg.kernel,
             pyramid_beta: cfg.pyramid_beta,
         }),
+        // Quest: the CPU policy's pages, page size and dense layers
+        PolicySpec::Quest { budget } => GpuKvPolicy::Quest(GpuQuestConfig::for_budget(*budget)),
         other => {
             return Err(EngineError::BadInput(format!(
                 "--device cuda: the {} KV policy runs on the CPU only (on cuda: {GPU_POLICIES})",

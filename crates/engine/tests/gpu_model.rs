@@ -76,6 +76,13 @@ fn bf16_reference(m: &Model) -> Model {
     r
 }
 
+/// Qwen3-0.6B's shapes with random weights: the model of the policy tests.
+fn qwen3_06b() -> Model {
+    slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
+        .unwrap()
+        .model
+}
+
 fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     slowfast_engine::bench::random_tokens(n, vocab, seed)
 }
@@ -265,9 +272,7 @@ fn real_shapes_match_cpu() {
     );
     drop(m);
     // Qwen3-0.6B (head_dim 128, 16/8 heads, q/k norm, 151936 vocab).
-    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
-        .unwrap()
-        .model;
+    let m = qwen3_06b();
     let exact = check_model(&ctx, "random qwen3-0.6b", &m, 300, 128);
     assert!(
         exact >= 24,
@@ -369,6 +374,35 @@ fn decode_pair(
     worst
 }
 
+/// `steps` decode steps of every slot of `a` and `b` (the same policy, prefilled alike, after
+/// `begin_decode`) on the same tokens: `b` replays a captured graph from its third step on, and
+/// every step's logits are finite and equal to `a`'s plain steps bit for bit.
+fn replay_equals_plain(
+    a: &mut slowfast_cuda::GpuDecoder,
+    b: &mut slowfast_cuda::GpuDecoder,
+    steps: usize,
+) {
+    let ns = a.num_slots();
+    for (i, &t) in tokens(steps, a.spec().vocab, 0x77).iter().enumerate() {
+        a.set_next(&vec![t; ns]).unwrap();
+        b.set_next(&vec![t; ns]).unwrap();
+        a.decode_step().unwrap();
+        b.decode_step().unwrap();
+        if i == 1 {
+            b.capture_decode().unwrap();
+        }
+        let (la, lb) = (a.logits().unwrap(), b.logits().unwrap());
+        assert!(
+            la.iter().all(|x| x.is_finite()),
+            "step {i}: logits not finite"
+        );
+        assert_eq!(
+            la, lb,
+            "step {i}: the graph-replayed step differs from the plain one"
+        );
+    }
+}
+
 /// Runs `f` with the sparse step's q/k/v post-processing before sparse flash-decoding
 /// (`false`) and then inside it (`true`, SLOWFAST_SPARSE_POST), then puts the setting back.
 fn each_sparse_post(ctx: &CudaContext, mut f: impl FnMut(bool)) {
@@ -395,9 +429,7 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
         return;
     };
     use slowfast_cuda::{GpuKvPolicy, GpuSfiConfig};
-    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
-        .unwrap()
-        .model;
+    let m = qwen3_06b();
     // Both ways of a sparse step's q/k/v post-processing.
     each_sparse_post(&ctx, |post| {
         let n = 300;
@@ -450,9 +482,7 @@ fn snapkv_keeps_its_budget_and_decodes_like_full_kv() {
         return;
     };
     use slowfast_cuda::{GpuKvPolicy, GpuSnapConfig};
-    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
-        .unwrap()
-        .model;
+    let m = qwen3_06b();
     let (n, steps, w) = (300, 12, 32);
     let prompt = tokens(n, m.cfg.vocab_size, 0x5a4b);
     let cap = n + steps + 2;
@@ -507,27 +537,70 @@ fn snapkv_keeps_its_budget_and_decodes_like_full_kv() {
     let want: Vec<u32> = budgets.iter().map(|&b| (b - wp) as u32).collect();
     assert_eq!(mem.clen, want, "PyramidKV's compact rows per layer");
     assert_eq!(mem.rstart, vec![(n - wp) as u32; layers]);
-    for (i, &t) in tokens(steps, m.cfg.vocab_size, 0x77).iter().enumerate() {
-        a.set_next(&[t]).unwrap();
-        b.set_next(&[t]).unwrap();
-        a.decode_step().unwrap();
-        b.decode_step().unwrap();
-        if i == 1 {
-            b.capture_decode().unwrap();
-        }
-        let (la, lb) = (a.logits().unwrap(), b.logits().unwrap());
-        assert!(
-            la.iter().all(|x| x.is_finite()),
-            "step {i}: logits not finite"
-        );
-        assert_eq!(
-            la, lb,
-            "step {i}: the graph-replayed step differs from the plain one"
-        );
-    }
+    replay_equals_plain(&mut a, &mut b, steps);
     // A prompt within the capacity keeps everything: no memory, dense steps.
     let mut d = load_decoder(ctx.clone(), &m, 1, cap, 128).unwrap();
     d.set_policy(snap(n + 1, w, None)).unwrap();
+    d.prefill(0, &prompt, false).unwrap();
+    assert_eq!(d.attended(0), n, "a prompt within the budget is read whole");
+}
+
+/// Quest on the GPU: with a budget holding every page it reads every key, so decode matches
+/// full KV up to the float order; at a small budget the keys a step reads follow the CPU's
+/// rule (the first two layers dense, `pages - 1` full pages plus the newest elsewhere), a batch
+/// of two runs, and graph-replayed steps equal plain ones bit for bit (the page choice is made
+/// on the device at every step, inside the graph).
+#[test]
+fn quest_reads_its_pages_and_decodes_like_full_kv() {
+    let Some(ctx) = gpu("quest_reads_its_pages_and_decodes_like_full_kv") else {
+        return;
+    };
+    use slowfast_cuda::{GpuKvPolicy, GpuQuestConfig};
+    let m = qwen3_06b();
+    let (n, steps) = (300, 12);
+    let prompt = tokens(n, m.cfg.vocab_size, 0x9e57);
+    let cap = n + steps + 2;
+    let layers = m.cfg.num_hidden_layers;
+    let quest = |budget: usize| GpuKvPolicy::Quest(GpuQuestConfig::for_budget(budget));
+
+    let mut full = load_decoder(ctx.clone(), &m, 1, cap, 128).unwrap();
+    let mut q = load_decoder(ctx.clone(), &m, 1, cap, 128).unwrap();
+    q.set_policy(quest(cap.next_multiple_of(16))).unwrap();
+    let worst = decode_pair(&mut full, &mut q, &prompt, steps, &[]);
+    eprintln!("quest reading every page vs full: worst logits error {worst:.5}");
+    // Two GPU paths over the same keys differ by 0.08-0.10 on this model
+    // (sfi_with_the_whole_domain_equals_full_kv); a wrong page or range gives errors of order 1.
+    assert!(
+        worst < 0.2,
+        "Quest reading every page differs from full KV by {worst}"
+    );
+    assert_eq!(q.step_counts().0, 0, "Quest never takes a slow step");
+
+    // 6 pages of 16: 5 full pages chosen and the newest, past the two dense layers.
+    let budget = 96;
+    let cfg = GpuQuestConfig::for_budget(budget);
+    assert_eq!((cfg.pages, cfg.page, cfg.dense_layers), (6, 16, 2));
+    let p2 = tokens(n - 37, m.cfg.vocab_size, 0x1234);
+    let mut a = load_decoder(ctx.clone(), &m, 2, cap, 128).unwrap();
+    let mut b = load_decoder(ctx.clone(), &m, 2, cap, 128).unwrap();
+    for d in [&mut a, &mut b] {
+        d.set_policy(quest(budget)).unwrap();
+        d.prefill(0, &prompt, false).unwrap();
+        d.prefill(1, &p2, false).unwrap();
+        d.begin_decode().unwrap();
+    }
+    replay_equals_plain(&mut a, &mut b, steps);
+    let len = n + steps;
+    let full_pages = (len - 1) / 16;
+    let sparse = 5 * 16 + len - full_pages * 16;
+    assert_eq!(
+        a.attended(0),
+        (2 * len + (layers - 2) * sparse) / layers,
+        "keys a step reads, averaged over the layers"
+    );
+    // A sequence within the budget is read whole.
+    let mut d = load_decoder(ctx.clone(), &m, 1, cap, 128).unwrap();
+    d.set_policy(quest(n + 16)).unwrap();
     d.prefill(0, &prompt, false).unwrap();
     assert_eq!(d.attended(0), n, "a prompt within the budget is read whole");
 }
@@ -541,9 +614,7 @@ fn sfi_slow_steps_past_the_score_rows_wait_a_step() {
         return;
     };
     use slowfast_cuda::{GpuKvPolicy, GpuSfiConfig};
-    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
-        .unwrap()
-        .model;
+    let m = qwen3_06b();
     let (ns, steps, ask) = (6, 6, 2);
     assert!(ns > slowfast_cuda::sparse::CAPTURE_ROWS);
     let rows = slowfast_cuda::sparse::CAPTURE_ROWS;
@@ -612,9 +683,7 @@ fn async_refresh_publishes_the_in_order_memory() {
         return;
     };
     use slowfast_cuda::{GpuKvPolicy, GpuSfiConfig};
-    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
-        .unwrap()
-        .model;
+    let m = qwen3_06b();
     let n = 600;
     let prompt = tokens(n, m.cfg.vocab_size, 0xA5A5);
     let (steps, slow, lag) = (10, 4, 3);
@@ -696,9 +765,7 @@ fn streaming_matches_cpu_streaming() {
         return;
     };
     use slowfast_engine::session::{KvDtype, PolicySpec, Session};
-    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
-        .unwrap()
-        .model;
+    let m = qwen3_06b();
     let r = bf16_reference(&m);
     let v = m.cfg.vocab_size;
     // qkv_post before sparse flash-decoding, then inside it
@@ -742,9 +809,7 @@ fn streaming_batch_of_three_post_inside_equals_before() {
     let Some(ctx) = gpu("streaming_batch_of_three_post") else {
         return;
     };
-    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
-        .unwrap()
-        .model;
+    let m = qwen3_06b();
     let v = m.cfg.vocab_size;
     let lens = [300usize, 180, 60];
     let steps = 10;
@@ -830,9 +895,7 @@ fn paged_kv_equals_contiguous() {
         return;
     };
     use slowfast_engine::cuda::load_paged_decoder;
-    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
-        .unwrap()
-        .model;
+    let m = qwen3_06b();
     let v = m.cfg.vocab_size;
     let cap = 16384; // whole pages: the same layout both ways
     let lens = [300usize, 8300, 40];
@@ -899,9 +962,7 @@ fn prefix_pages_equal_prefill() {
         return;
     };
     use slowfast_engine::cuda::load_paged_decoder;
-    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
-        .unwrap()
-        .model;
+    let m = qwen3_06b();
     let v = m.cfg.vocab_size;
     let cap = 16384;
     let shared = tokens(8192, v, 0x5A5A);
@@ -985,12 +1046,7 @@ fn fp8_kv_tracks_bf16_kv() {
         ("hf/gemma3", load_fixture("hf/gemma3")),
         // q/k/v biases, scaled with their weight rows
         ("hf/qwen2", load_fixture("hf/qwen2")),
-        (
-            "random qwen3-0.6b",
-            slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
-                .unwrap()
-                .model,
-        ),
+        ("random qwen3-0.6b", qwen3_06b()),
     ];
     for (name, m) in &models {
         let (n, steps) = (200, 16);
@@ -1035,9 +1091,7 @@ fn fp8_paged_equals_contiguous() {
     };
     use slowfast_cuda::KvOptions;
     use slowfast_engine::cuda::load_decoder_with;
-    let m = slowfast_engine::load("random:qwen3-0.6b", &mut |_| {})
-        .unwrap()
-        .model;
+    let m = qwen3_06b();
     let cap = 32768; // whole 16384-token pages (2 MiB of 128-byte e4m3 rows)
     let opts = |paged| KvOptions { paged, fp8: true };
     let mut whole = load_decoder_with(ctx.clone(), &m, (2, cap, 2048), opts(false)).unwrap();

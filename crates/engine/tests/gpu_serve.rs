@@ -127,6 +127,8 @@ fn policies(m: &Loaded) -> Vec<PolicySpec> {
     // test's 8K ones) is compacted, the shorter ones are read whole.
     let snapkv =
         slowfast_engine::session::policy_spec("snapkv", Some(36.0), 4, MAX_CONTEXT).unwrap();
+    // Quest reads 3 pages of 16: longer sequences choose pages at every step.
+    let quest = slowfast_engine::session::policy_spec("quest", Some(48.0), 4, MAX_CONTEXT).unwrap();
     vec![
         PolicySpec::Full,
         PolicySpec::Streaming {
@@ -135,6 +137,7 @@ fn policies(m: &Loaded) -> Vec<PolicySpec> {
         },
         sfi,
         snapkv,
+        quest,
     ]
 }
 

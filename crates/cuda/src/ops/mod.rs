@@ -5,6 +5,7 @@ pub mod elementwise;
 pub mod fused;
 pub mod gemm;
 pub mod norm;
+pub mod quest;
 pub mod sampling;
 pub mod sfi;
 pub mod snapkv;

@@ -343,6 +343,11 @@ pub struct SparseDecode {
     /// The q/k/v post-processing inside the kernel (`attn_sparse_decode_post_*`): q comes from
     /// the projection row instead of `q`, and the new key and value go into the cache.
     pub post: Option<SparsePost>,
+    /// A page list instead of compact buffers (Quest; 0 = none): `[batch, kv_heads, ccap]`
+    /// entries, `clen[b]` of them in use, entry e naming cache rows `[e cgran, (e + 1) cgran)`;
+    /// the recent part then starts at the newest key's page. Not with `post`.
+    pub cidx: u64,
+    pub cgran: usize,
 }
 
 /// What `qkv_post` would do before a sparse decode launch, done inside it: `qkv [batch,
@@ -422,6 +427,15 @@ impl CudaContext {
                 return Err(CudaError::bad(OP, format!("{what} is null")));
             }
         }
+        if p.cidx != 0 && (p.post.is_some() || p.cgran == 0) {
+            return Err(CudaError::bad(
+                OP,
+                format!(
+                    "a page list needs pages of >= 1 row (got {}) and no post-processing",
+                    p.cgran
+                ),
+            ));
+        }
         if p.logits != 0 && (p.capture == 0 || p.lstride < kv.capacity) {
             return Err(CudaError::bad(
                 OP,
@@ -485,6 +499,9 @@ impl CudaContext {
             KArg::P(p.capture),
             KArg::U(u32_of(OP, "lstride", p.lstride)?),
         ];
+        if p.post.is_none() {
+            args.extend_from_slice(&[KArg::P(p.cidx), KArg::U(u32_of(OP, "cgran", p.cgran)?)]);
+        }
         if let Some(pp) = p.post {
             args.extend_from_slice(&[
                 KArg::U(u32_of(OP, "qkv row", pp.qkv_stride)?),
