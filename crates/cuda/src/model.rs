@@ -1667,7 +1667,8 @@ impl GpuDecoder {
             }
         }
         self.slot_len[slot] = start + tokens.len();
-        if let Some(sp) = self.sparse.as_mut() {
+        // (a free slot's dummy tokens get no memory: they are never read for anything kept)
+        if let Some(sp) = self.sparse.as_mut().filter(|_| !dummy) {
             sp.prefilled(&self.ctx, slot, start + tokens.len())?;
         }
         Ok(all)
