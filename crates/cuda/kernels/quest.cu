@@ -3,7 +3,7 @@
 // head, page) the channel-wise key minimum and maximum are kept, `bounds [num_slots, kv_heads,
 // maxp, 2, D]` bf16 (exact: they are cache values, and e4m3 values are bf16 values). At each
 // decode step a page's score is the bound sum_g sum_i max(q_gi min_i, q_gi max_i) over the GQA
-// group's query heads; sfi_topk keeps the best k full pages, and the sparse decode kernel reads
+// group's query heads; quest_topk keeps the best k full pages, and the sparse decode kernel reads
 // them in place (its page list) plus the newest, partial page (always read).
 //   quest_bounds  bounds of pages [p0, p1) of one slot, for several layers (after a prefill)
 //   quest_score   per (sequence, kv head, full page before the newest): the bound; the `fresh`

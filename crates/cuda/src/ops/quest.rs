@@ -1,8 +1,9 @@
 //! Quest's page selection on the GPU (kernels/quest.cu): per-page key bounds kept on the
 //! device, each decode step's page scores, and the top `k` full pages a kv head
-//! (`quest_topk`, a radix select over the page scores in shared memory). The rules (page size, pages read, the bound, the newest page always read) are
-//! the CPU policy's (`slowfast_kv::quest`); only the arithmetic runs here. The sparse decode
-//! kernel reads the chosen pages in place through its page list.
+//! (`quest_topk`, a radix select over the page scores in shared memory). The rules (page
+//! size, pages read, the bound, the newest page always read) are the CPU policy's
+//! (`slowfast_kv::quest`); only the arithmetic runs here. The sparse decode kernel reads the
+//! chosen pages in place through its page list.
 
 use super::{u32_of, KvLayout};
 use crate::buffer::GpuBuffer;
@@ -67,34 +68,36 @@ impl QuestScratch {
     /// The last selection: per row, per kv head, the chosen pages, ascending (downloads; for
     /// tests).
     pub fn download(&self, ctx: &CudaContext) -> Result<Vec<Vec<Vec<u32>>>, CudaError> {
-        let sel = ctx.download(&self.sel)?;
         let m = ctx.download(&self.mcount)?;
-        Ok((0..self.rows)
-            .map(|r| {
-                (0..self.kv_heads)
-                    .map(|h| {
-                        let at = (r * self.kv_heads + h) * self.k;
-                        sel[at..at + m[r] as usize].to_vec()
-                    })
-                    .collect()
-            })
-            .collect())
+        let sel = ctx.download(&self.sel)?;
+        Ok(self.per_row_head(&sel, self.k, |r| m[r] as usize))
     }
 
     /// The last selection's page scores `[rows][kv_heads][maxp]` (downloads; for tests; only
     /// the full pages before each sequence's newest are written).
     pub fn scores(&self, ctx: &CudaContext) -> Result<Vec<Vec<Vec<f32>>>, CudaError> {
         let s = ctx.download(&self.scores)?;
-        Ok((0..self.rows)
+        Ok(self.per_row_head(&s, self.maxp, |_| self.maxp))
+    }
+
+    /// `v` (`[rows, kv_heads, stride]`) as per-row, per-head vectors of the first `len(row)`
+    /// entries.
+    fn per_row_head<T: Copy>(
+        &self,
+        v: &[T],
+        stride: usize,
+        len: impl Fn(usize) -> usize,
+    ) -> Vec<Vec<Vec<T>>> {
+        (0..self.rows)
             .map(|r| {
                 (0..self.kv_heads)
                     .map(|h| {
-                        let at = (r * self.kv_heads + h) * self.maxp;
-                        s[at..at + self.maxp].to_vec()
+                        let at = (r * self.kv_heads + h) * stride;
+                        v[at..at + len(r)].to_vec()
                     })
                     .collect()
             })
-            .collect())
+            .collect()
     }
 }
 
