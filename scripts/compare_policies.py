@@ -5,6 +5,7 @@ single-threaded `slowfast eval` processes run side by side.
 
     scripts/compare_policies.py jobs [SCALE]             # print the commands, in priority order
     scripts/compare_policies.py run  [SCALE] --out DIR [--workers 16] [--end-in SECONDS]
+        [--done DIR...] [--cuda-policies full,sfi,streaming,snapkv,pyramidkv,quest --gpu-workers 2]
 
 Every job is one `slowfast eval --threads 1 ... --json DIR/<name>.json` command. Policies that
 continue a shared dense prefill (full, streaming, oracle, oracle-sfi fork from SFI's prefill)
@@ -13,7 +14,10 @@ Jobs are ordered by tier (--max-tier drops the later ones), the longest first wi
 `run` starts the next job whose model file exists whenever a worker is free (`--model NAME=PATH`
 lets the files arrive while it runs), starts none that its cost estimate says would end after
 --end-in, kills what still runs then, and skips jobs whose JSON is already in DIR (so a run can
-be resumed). scripts/compare_report.py turns DIR into the tables and the plot.
+be resumed; --done names more folders of finished JSON). With --cuda-policies those policies run
+with `--device cuda` instead, every one of a cell (task kind, model, context, text, budget) in one
+process (split_cuda), beside the CPU jobs of the others. scripts/compare_report.py turns DIR
+into the tables and the plot.
 
 SCALE (defaults: the scale of the run in docs/results.md):
   --contexts gemma3-270m=8192,16384 smollm2-135m=4096,8192
@@ -24,10 +28,9 @@ SCALE (defaults: the scale of the run in docs/results.md):
 Texts: scripts/get_texts.sh (prose), scripts/get_code_text.sh (code).
 """
 import argparse
-import json
 import os
+import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -43,6 +46,10 @@ DEFAULT_TASKS = {
     "gemma3-270m": "niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2",
     "smollm2-135m": "niah_single_1,niah_single_2,niah_multikey_1,niah_multikey_2",
 }
+# Models whose trained context is the higher context: passkey's prompt leaves room there for its
+# answer (PASSKEY_ANSWER tokens), so its cell `8192` runs a prompt of 8184.
+MAX_CONTEXT = {"smollm2-135m": 8192}
+PASSKEY_ANSWER = 8
 # Single-thread prefill seconds of a 4K prompt (2026-12 VM) and decode seconds per token, for
 # ordering and for the deadline only.
 PREFILL_4K = {"gemma3-270m": 29.0, "smollm2-135m": 29.0}
@@ -68,13 +75,81 @@ def groups(budget, oracle_budget):
 
 
 class Job:
-    def __init__(self, tier, name, model, argv, cost):
+    def __init__(self, tier, name, model, argv, cost, device="cpu"):
         self.tier, self.name, self.model, self.argv, self.cost = tier, name, model, argv, cost
+        self.device = device
 
     def cmd(self, binary, out, model_path):
         a = [binary, "eval", "-m", model_path.get(self.model, self.model), "--threads", "1"]
+        if self.device == "cuda":
+            a += ["--device", "cuda"]
         a += self.argv + ["--json", os.path.join(out, self.name + ".json")]
         return a
+
+    def policies(self):
+        return self.argv[self.argv.index("--policies") + 1].split(",")
+
+    def with_policies(self, pols):
+        argv = list(self.argv)
+        argv[argv.index("--policies") + 1] = ",".join(pols)
+        return argv
+
+
+def split_cuda(jobs, cuda, done):
+    """Moves the policies in `cuda` off the CPU jobs not yet `done` (names whose JSON exists) onto
+    GPU jobs, one per task kind, model, context, text and budget: every moved policy of that
+    cell (and full KV, the GPU's own reference for Δnll and agreement) and, for RULER, every
+    moved task, in one `--device cuda` process named cuda-<the CPU job's name without its task
+    and group>. The CPU jobs keep their names and lose those policies (a job left with none
+    goes); an agreement job splits into agree-<...>-<first policy> ones. Done jobs stay as they
+    are, so the runner skips them."""
+    cpu, cells = [], {}
+    for j in jobs:
+        if j.name in done:
+            cpu.append(j)
+            continue
+        pols = j.policies()
+        moved = [p for p in pols if p in cuda]
+        kept = [p for p in pols if p not in cuda]
+        if moved:
+            kind = j.name.split("-")[0]
+            a = j.argv
+            b = a[a.index("--kv-budget") + 1]
+            # names go on <kind>-<model>-<ctx>-<text>-... (passkey's without the text; its
+            # --context can be shorter than the cell's, see MAX_CONTEXT)
+            ctx, text = (j.name[len(f"{kind}-{j.model}-"):].split("-") + [""])[:2]
+            text = "" if kind == "passkey" else "-" + text
+            key = f"cuda-{kind}-{j.model}-{ctx}{text}-{b}"
+            c = cells.setdefault(key, {"job": j, "pols": [], "tasks": [], "tier": j.tier, "cost": 0.0})
+            c["pols"] += [p for p in moved if p not in c["pols"]]
+            if kind == "ruler":
+                t = a[a.index("--ruler-tasks") + 1]
+                if t not in c["tasks"]:
+                    c["tasks"].append(t)
+            c["tier"] = min(c["tier"], j.tier)
+            c["cost"] += j.cost / 20  # the GPU's prefill is seconds, not minutes
+        if kept and j.name.startswith("agree-"):
+            # one process per policy with a prefill of its own (each prefills twice, for the
+            # greedy and the teacher-forced pass, beside full KV's one), so that no single job
+            # holds five long prefills; the prefill-free ones share full KV's
+            P = j.cost / 8
+            own = [p for p in kept if p in OWN_PREFILL]
+            free = [p for p in kept if p not in OWN_PREFILL]
+            for part in [[p] for p in own] + ([free] if free else []):
+                cpu.append(Job(j.tier, f"{j.name}-{part[0]}", j.model, j.with_policies(part),
+                               P * (1 + 2 * len([p for p in part if p in OWN_PREFILL]))))
+        elif kept:
+            cpu.append(Job(j.tier, j.name, j.model, j.with_policies(kept),
+                           j.cost * max(len(kept), 1) / len(pols)))
+    gpu = []
+    for key, c in cells.items():
+        j = c["job"]
+        pols = ["full"] + [p for p in c["pols"] if p != "full"]
+        argv = j.with_policies(pols)
+        if c["tasks"]:
+            argv[argv.index("--ruler-tasks") + 1] = ",".join(c["tasks"])
+        gpu.append(Job(c["tier"], key, j.model, argv, c["cost"], device="cuda"))
+    return cpu + gpu
 
 
 def make_jobs(a):
@@ -151,15 +226,26 @@ def make_jobs(a):
                 if m in CHAT:  # completion-style prompts; the instruct model is weak at them
                     tier = 6
                 for g in groups(b, ob):
+                    pk_ctx = min(ctx, MAX_CONTEXT.get(m, ctx + PASSKEY_ANSWER) - PASSKEY_ANSWER)
                     argv = ["--task", "passkey", "-i", list(texts.values())[0], "--context",
-                            str(ctx), "--passkey-trials", str(a.passkey_trials),
+                            str(pk_ctx), "--passkey-trials", str(a.passkey_trials),
                             "--passkey-depths", "0.1,0.5,0.9", "--seed", "1",
                             "--policies", ",".join(g), "--kv-budget", str(b)]
                     cost = a.passkey_trials * (P + len(g) * 8 * D)
                     add(tier, f"passkey-{m}-{ctx}-{b}-{g[0]}", m, argv, cost)
     jobs = [j for j in jobs if j.tier <= a.max_tier]
+    if a.cuda_policies:
+        jobs = split_cuda(jobs, set(a.cuda_policies.split(",")), done_names(a))
+    if a.only:
+        jobs = [j for j in jobs if re.search(a.only, j.name)]
     jobs.sort(key=lambda j: (j.tier, -j.cost))
     return jobs
+
+
+def done_names(a):
+    """Jobs whose JSON is in --out or a --done folder."""
+    return {f[:-5] for d in [a.out] + a.done if os.path.isdir(d) for f in os.listdir(d)
+            if f.endswith(".json")}
 
 
 def run(a, jobs):
@@ -169,9 +255,11 @@ def run(a, jobs):
     model_path = dict(x.split("=", 1) for x in a.model)
     t0 = time.time()
     end = t0 + a.end_in if a.end_in else None
-    pending = [j for j in jobs if not os.path.exists(os.path.join(a.out, j.name + ".json"))]
+    done = done_names(a)
+    pending = [j for j in jobs if j.name not in done]
     running = {}  # pid -> (job, Popen, start)
-    ratios = []  # measured / estimated seconds of finished jobs
+    ratios = {"cpu": [], "cuda": []}  # measured / estimated seconds of finished jobs
+    slots = {"cpu": a.workers, "cuda": a.gpu_workers}
     state = open(os.path.join(a.out, "runner.log"), "a")
 
     def log(msg):
@@ -182,7 +270,15 @@ def run(a, jobs):
         p = model_path.get(j.model)
         return p is None or os.path.exists(p)
 
-    log(f"start: {len(pending)} jobs, {a.workers} workers, end in {a.end_in}")
+    def ratio(dev):
+        r = sorted(ratios[dev])
+        return r[len(r) // 2] if r else 1.0
+
+    def fits(j, now):
+        return not end or now + j.cost * ratio(j.device) * 1.15 < end
+
+    log(f"start: {len(pending)} jobs, {a.workers} CPU and {a.gpu_workers} GPU workers, "
+        f"end in {a.end_in}")
     stop_file = os.path.join(a.out, "STOP")
     while pending or running:
         for pid, (j, pr, st) in list(running.items()):
@@ -190,7 +286,8 @@ def run(a, jobs):
             if rc is not None:
                 del running[pid]
                 secs = time.time() - st
-                ratios.append(secs / j.cost)
+                if rc == 0:
+                    ratios[j.device].append(secs / j.cost)
                 log(f"done rc={rc} {secs:.0f}s (est {j.cost:.0f}) {j.name}")
         now = time.time()
         if end and now > end:
@@ -198,28 +295,27 @@ def run(a, jobs):
                 pr.kill()
                 log(f"killed at the end: {j.name}")
             break
-        ratio = sorted(ratios)[len(ratios) // 2] if ratios else 1.0
-        while len(running) < a.workers and pending and not os.path.exists(stop_file):
-            cand = [j for j in pending if ready(j)]
-            if end:
-                cand = [j for j in cand if now + j.cost * ratio * 1.15 < end]
-            if not cand:
-                break
-            j = cand[0]
-            pending.remove(j)
-            err = open(os.path.join(logs, j.name + ".err"), "w")
-            pr = subprocess.Popen(j.cmd(a.bin, a.out, model_path), stdout=subprocess.DEVNULL,
-                                  stderr=err, env=dict(os.environ, RAYON_NUM_THREADS="1"))
-            running[pr.pid] = (j, pr, time.time())
-            log(f"start (tier {j.tier}, est {j.cost * ratio:.0f}s) {j.name}")
+        for dev, n in slots.items():
+            while sum(1 for j, _, _ in running.values() if j.device == dev) < n \
+                    and not os.path.exists(stop_file):
+                cand = [j for j in pending if j.device == dev and ready(j) and fits(j, now)]
+                if not cand:
+                    break
+                j = cand[0]
+                pending.remove(j)
+                err = open(os.path.join(logs, j.name + ".err"), "w")
+                pr = subprocess.Popen(j.cmd(a.bin, a.out, model_path), stdout=subprocess.DEVNULL,
+                                      stderr=err, env=dict(os.environ, RAYON_NUM_THREADS="1"))
+                running[pr.pid] = (j, pr, time.time())
+                log(f"start ({dev}, tier {j.tier}, est {j.cost * ratio(dev):.0f}s) {j.name}")
         if not running and pending:
             if not any(ready(j) for j in pending):
                 time.sleep(2)
                 continue
-            if end and not [j for j in pending if ready(j) and time.time() + j.cost * ratio * 1.15 < end]:
-                log(f"nothing more fits: {len(pending)} jobs left")
-                break
             if os.path.exists(stop_file):
+                break
+            if not [j for j in pending if ready(j) and fits(j, time.time())]:
+                log(f"nothing more fits: {len(pending)} jobs left")
                 break
         time.sleep(1)
     log(f"finished: {len(pending)} jobs not run")
@@ -245,7 +341,14 @@ def main():
     ap.add_argument("--bin", default="target/release/slowfast")
     ap.add_argument("--model", nargs="*", default=[], help="NAME=PATH of a model file")
     ap.add_argument("--out", default="out/compare")
-    ap.add_argument("--workers", type=int, default=os.cpu_count())
+    ap.add_argument("--done", nargs="*", default=[],
+                    help="folders of earlier results: a job whose JSON is there counts as run")
+    ap.add_argument("--cuda-policies", default="",
+                    help="policies to run with --device cuda, grouped per cell (e.g. full,sfi,"
+                    "streaming,snapkv,pyramidkv,quest); the rest stay single-thread CPU jobs")
+    ap.add_argument("--only", help="a regular expression: the jobs whose names it matches (re.search)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count(), help="CPU jobs at a time")
+    ap.add_argument("--gpu-workers", type=int, default=2, help="--device cuda jobs at a time")
     ap.add_argument("--end-in", type=float, default=0, help="seconds; 0: no deadline")
     a = ap.parse_args()
     jobs = make_jobs(a)

@@ -5,13 +5,18 @@
 
 Reads every `slowfast eval --json` file in the DIRs, named as compare_policies.py names them
 (ruler-<model>-<ctx>-<text>-<task>-<budget>-<group>.json, nll-<model>-<ctx>-<text>-<budget>-
-<policy>.json, agree-<model>-<ctx>-<text>-<budget>.json, passkey-<model>-<ctx>-<budget>-
+<policy>.json, agree-<model>-<ctx>-<text>-<budget>[-<group>].json, passkey-<model>-<ctx>-<budget>-
 <group>.json) plus diagnostic RULER runs diag-ruler-<model>-<ctx>-<text>-<budget>-every<N>.json
 (oracle-sfi with --oracle-every N, shown as the policy `oracle-sfi/N`). Prints, per model and
 context, a RULER table (each task's score and the prompts behind it, the average over the
 tasks that ran for every policy of the row's model and context) and a table of NLL, teacher-
 forced agreement and passkey accuracy; cells not run are `–`. --plot draws, per model, the
-RULER average and Δnll of each policy at budget 0.2 (needs matplotlib).
+RULER average and Δnll of each policy at budget 0.2, --plot-budgets both against the budget at
+each model's lower context (need matplotlib).
+
+Files cuda-<kind>-<model>-<ctx>[-<text>]-<budget>.json (compare_policies.py --cuda-policies) hold
+several policies run with --device cuda; their rows are the policy's name with a `†`, and their
+Δnll is against full KV on the GPU (`full†`).
 """
 import argparse
 import glob
@@ -26,8 +31,11 @@ MODELS = ["gemma3-270m", "smollm2-135m"]
 M = r"(gemma3-270m|smollm2-135m)"
 
 
+GPU = "†"  # marks a policy's results from a --device cuda job (cuda-<...>.json)
+
+
 def porder(p):
-    base = p.split("/")[0]
+    base = p.split("/")[0].rstrip(GPU)
     return (ORDER.index(base) if base in ORDER else 99, p)
 
 
@@ -44,7 +52,9 @@ def load(dirs):
                 continue
             seen.add(name)
             recs = json.load(open(path))
-            if mt := re.fullmatch(rf"ruler-{M}-(\d+)-(\w+)-(niah_\w+|vt|cwe|fwe)-([0-9.]+)-.*", name):
+            if name.startswith("cuda-"):
+                load_cuda(name[5:], recs, ruler, nll, agree, passkey)
+            elif mt := re.fullmatch(rf"ruler-{M}-(\d+)-(\w+)-(niah_\w+|vt|cwe|fwe)-([0-9.]+)-.*", name):
                 m, ctx, text, _, b = mt.groups()
                 for r in recs:
                     bb = None if r["policy"] == "full" else float(b)
@@ -59,8 +69,8 @@ def load(dirs):
                 m, ctx, text, b, p = mt.groups()
                 for r in recs:
                     nll[(m, int(ctx), text, None if p == "full" else float(b), r["policy"])] = r
-            elif mt := re.fullmatch(rf"agree-{M}-(\d+)-(\w+)-([0-9.]+)", name):
-                m, ctx, text, b = mt.groups()
+            elif mt := re.fullmatch(rf"agree-{M}-(\d+)-(\w+)-([0-9.]+)(-[\w-]+)?", name):
+                m, ctx, text, b, _ = mt.groups()
                 for r in recs:
                     bb = None if r["policy"] == "full" else float(b)
                     agree[(m, int(ctx), text, bb, r["policy"])] = r
@@ -70,6 +80,28 @@ def load(dirs):
                     bb = None if r["policy"] == "full" else float(b)
                     passkey[(m, int(ctx), bb, r["policy"])] = r
     return ruler, nll, agree, passkey
+
+
+def load_cuda(name, recs, ruler, nll, agree, passkey):
+    """A --device cuda job's records (compare_policies.py --cuda-policies: every policy of one
+    cell and full KV in one file), each policy stored as `<policy>†`."""
+    cell = rf"{M}-(\d+)-(\w+)-([0-9.]+)"
+    for r in recs:
+        p = r["policy"] + GPU
+        if mt := re.fullmatch(rf"ruler-{cell}", name):
+            m, ctx, text, b = mt.groups()
+            bb = None if r["policy"] == "full" else float(b)
+            for t in r["tasks"]:
+                ruler[(m, int(ctx), text, bb)][p][t["task"]] = (t, r)
+        elif mt := re.fullmatch(rf"(nll|agree)-{cell}", name):
+            kind, m, ctx, text, b = mt.groups()
+            bb = None if r["policy"] == "full" else float(b)
+            (nll if kind == "nll" else agree)[(m, int(ctx), text, bb, p)] = r
+        elif mt := re.fullmatch(rf"passkey-{M}-(\d+)-([0-9.]+)", name):
+            m, ctx, b = mt.groups()
+            passkey[(m, int(ctx), None if r["policy"] == "full" else float(b), p)] = r
+        else:
+            raise SystemExit(f"cuda-{name}.json: not a name compare_policies.py writes")
 
 
 def ruler_rows(ruler, m, ctx, text="prose"):
@@ -134,7 +166,8 @@ def other_table(nll, agree, passkey, m, ctx):
         cells = []
         for text in ("prose", "code"):
             r = nll.get((m, ctx, text, b, p))
-            f = nll.get((m, ctx, text, None, "full"))
+            # Δnll against full KV on the same device
+            f = nll.get((m, ctx, text, None, "full" + (GPU if p.endswith(GPU) else "")))
             cells.append("–" if r is None else f"{r['nll']:.4f}")
             cells.append("–" if r is None or f is None else f"{r['nll'] - f['nll']:+.4f}")
         for text in ("prose", "code"):
@@ -209,10 +242,107 @@ def plot(ruler, nll, contexts, out, budget=0.2):
     print(f"wrote {out}")
 
 
+def targets(ruler, nll, contexts):
+    """SFI against full KV and the best other non-oracle policy, per model, context and budget:
+    the RULER average (prose haystack, rows with every task) and Δnll on prose and code. A
+    policy's CPU row is used where it exists, else its GPU row (marked †)."""
+    others = [p for p in ORDER if p not in ("full", "sfi", "oracle", "oracle-sfi")]
+    lines = ["| model, context | budget | RULER full | RULER sfi | best other RULER | "
+             "Δnll prose sfi | best other Δnll prose | Δnll code sfi | best other Δnll code |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def pick(table, p):  # (value, name) from the CPU row, else the GPU row
+        for name in (p, p + GPU):
+            if table.get(name) is not None:
+                return table[name], name
+        return None, None
+
+    for m in MODELS:
+        for ctx in contexts.get(m, []):
+            avgs = ruler_table(ruler, m, ctx)[1]
+            for b in (0.1, 0.2, 0.5):
+                r = {p: avgs.get((p, None if p.startswith("full") else b))
+                     for p in ["full", "full" + GPU] + [q + g for q in ORDER[1:] for g in ("", GPU)]}
+                full, _ = pick(r, "full")
+                sfi, sn = pick(r, "sfi")
+                best = [pick(r, p) for p in others]
+                best = [x for x in best if x[0] is not None]
+                top = max(v for v, _ in best) if best else None
+                tops = ", ".join(n for v, n in best if v == top)
+                cells = [f"{m} {ctx // 1024}K", str(b), "–" if full is None else f"{full:.1f}",
+                         "–" if sfi is None else f"{sfi:.1f}" + (GPU if sn.endswith(GPU) else ""),
+                         "–" if top is None else f"{top:.1f} ({tops})"]
+                for text in ("prose", "code"):
+                    d = {}
+                    for p in ORDER[1:]:
+                        for name in (p, p + GPU):
+                            rr = nll.get((m, ctx, text, b, name))
+                            f = nll.get((m, ctx, text, None, "full" + (GPU if name.endswith(GPU) else "")))
+                            if rr is not None and f is not None:
+                                d[p] = (rr["nll"] - f["nll"], name)
+                                break
+                    sv = d.get("sfi")
+                    ob = sorted((v, n) for p, (v, n) in d.items() if p in others)
+                    cells.append("–" if sv is None else f"{sv[0]:+.4f}" + (GPU if sv[1].endswith(GPU) else ""))
+                    cells.append("–" if not ob else f"{ob[0][0]:+.4f} ({ob[0][1]})")
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_budgets(ruler, nll, contexts, out):
+    """Per model at its lower context (all CPU runs): the RULER average (prose haystack) and
+    Δnll on prose and on code against the budget, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(MODELS), 3, figsize=(15, 4.2 * len(MODELS)))
+    colors = {p: plt.cm.tab10(i) for i, p in enumerate(ORDER)}
+    for row, m in enumerate(MODELS):
+        cs = contexts.get(m, [])
+        if not cs:
+            continue
+        ctx = cs[0]
+        avgs = ruler_table(ruler, m, ctx)[1]
+        full = avgs.get(("full", None))
+        ax = axes[row][0]
+        for p in ORDER[1:]:
+            pts = sorted((b, v) for (pp, b), v in avgs.items() if pp == p and b is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=colors[p], label=p)
+        if full is not None:
+            ax.axhline(full, color=colors["full"], ls="--", lw=1, label="full")
+        ax.set(xlabel="KV budget (fraction of the context)", ylabel="RULER average (0–100)",
+               title=f"{m} {ctx // 1024}K: RULER (prose haystack)", ylim=(-4, 104))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        for col, text in ((1, "prose"), (2, "code")):
+            ax = axes[row][col]
+            f = nll.get((m, ctx, text, None, "full"))
+            if f is None:
+                continue
+            for p in ORDER[1:]:
+                pts = sorted((k[3], r["nll"] - f["nll"]) for k, r in nll.items()
+                             if k[:3] == (m, ctx, text) and k[4] == p and k[3] is not None)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", color=colors[p], label=p)
+            ax.axhline(0.0, color="k", lw=0.8)
+            ax.set(xlabel="KV budget (fraction of the context)", ylabel="Δnll vs full KV (nats/token)",
+                   title=f"{m} {ctx // 1024}K: Δnll on {text}")
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    fig.savefig(out, format=out.rsplit(".", 1)[-1],
+                metadata={"Date": None} if out.endswith("svg") else None)
+    print(f"wrote {out}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+")
-    ap.add_argument("--plot")
+    ap.add_argument("--plot", help="SVG/PNG: every policy at budget 0.2")
+    ap.add_argument("--plot-budgets", help="SVG/PNG: every policy against the budget, lower contexts")
     a = ap.parse_args()
     ruler, nll, agree, passkey = load(a.dirs)
     contexts = defaultdict(set)
@@ -228,8 +358,11 @@ def main():
             t = other_table(nll, agree, passkey, m, ctx)
             if t:
                 print(f"\n#### {m}, {ctx} tokens: NLL, teacher-forced agreement, passkey\n\n{t}")
+    print("\n#### SFI against the best other policy, every budget\n\n" + targets(ruler, nll, contexts))
     if a.plot:
         plot(ruler, nll, contexts, a.plot)
+    if a.plot_budgets:
+        plot_budgets(ruler, nll, contexts, a.plot_budgets)
 
 
 if __name__ == "__main__":

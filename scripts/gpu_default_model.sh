@@ -13,7 +13,15 @@
 #   bash .gpu/gpu_default_model.sh run fp8   # there: fp8 KV against bf16 KV (greedy, nll, passkey)
 #   bash .gpu/gpu_default_model.sh run tasks # there: eval agree and ruler with --device cuda
 #   bash .gpu/gpu_default_model.sh run policies # there: snapkv, pyramidkv and quest with --device cuda
+#   bash .gpu/gpu_default_model.sh run compare  # there, from the repository root, after SmolLM2's
+#                                        # parts (.m7 ... .m9) too: the rest of issue 21's policy
+#                                        # comparison (scripts/compare_policies.py), GPU policies
+#                                        # on the GPU, the others on the CPU cores beside it;
+#                                        # detached, so a later call with the same arguments waits
+#                                        # for it again; the JSON and logs come back
+#                                        # in $OUT/compare.tgz
 set -uo pipefail
+START="$PWD"  # `run compare` reads the repository there
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   stage)
@@ -23,34 +31,73 @@ case "${1:-}" in
     [ -f data/texts/austen_prideprejudice.txt ] || scripts/get_texts.sh
     [ -f data/texts/rust_serde_json.txt ] || scripts/get_code_text.sh
     cargo build --release -p slowfast --features cuda
-    for d in .gpu .m1 .m2 .m3 .m4 .m5 .m6; do
+    S="${SLOWFAST_HOME:-$HOME/.cache/slowfast}/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    for d in .gpu .m1 .m2 .m3 .m4 .m5 .m6 .m7 .m8 .m9; do
       grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
     done
-    rm -rf .gpu .m1 .m2 .m3 .m4 .m5 .m6 && mkdir -p .gpu
+    rm -rf .gpu .m1 .m2 .m3 .m4 .m5 .m6 .m7 .m8 .m9 && mkdir -p .gpu
     cp target/release/slowfast .gpu/ && strip --strip-debug .gpu/slowfast
     cp data/texts/austen_prideprejudice.txt data/texts/rust_serde_json.txt scripts/gpu_default_model.sh .gpu/
     sha256sum "$M" | cut -c1-64 > .gpu/model.sha256
     split -b 42200000 -d -a 1 "$M" /tmp/slowfast-part.
     for i in 0 1 2 3 4 5; do mkdir -p ".m$((i + 1))" && mv "/tmp/slowfast-part.$i" ".m$((i + 1))/p"; done
+    if [ -f "$S" ]; then  # SmolLM2 for `run compare`, in three parts (.m7 ... .m9)
+      sha256sum "$S" | cut -c1-64 > .gpu/smollm2.sha256
+      split -b 33000000 -d -a 1 "$S" /tmp/slowfast-part.
+      for i in 0 1 2; do mkdir -p ".m$((i + 7))" && mv "/tmp/slowfast-part.$i" ".m$((i + 7))/p"; done
+    fi
     cat <<'CALLS'
 # run tool, one call after the other (each within 30 s of the last):
 #   carry [".gpu"]: mkdir -p /tmp/carry && cp -r .gpu /tmp/carry/
-#   carry [".m1"]:  cp .m1/p /tmp/carry/m1        (and so on for .m2 ... .m6)
+#   carry [".m1"]:  cp .m1/p /tmp/carry/m1        (and so on for .m2 ... .m6, and .m7 ... .m9
+#                                                  for `run compare`)
 #   then:           bash /tmp/carry/.gpu/gpu_default_model.sh run
 CALLS
     ;;
   run)
+    [ "${2:-}" != compare ] || [ -f "$START/scripts/compare_policies.py" ] || { echo "run compare: start it in the repository root" >&2; exit 2; }
     export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export SLOWFAST_HOME=/tmp/slowfast-home
     OUT="${OUT:-/tmp/out}"
     mkdir -p "$OUT"
     C=/tmp/carry
     M=/tmp/gemma-3-270m-q4_k_m.gguf
-    cat $C/m1 $C/m2 $C/m3 $C/m4 $C/m5 $C/m6 > $M
-    echo "$(cat $C/.gpu/model.sha256)  $M" | sha256sum -c - || exit 3
+    # joined once: a later call must not rewrite the file under running processes, which map
+    # it (a truncated mapping kills them with SIGBUS); a new file replaces it by rename
+    if ! echo "$(cat $C/.gpu/model.sha256)  $M" | sha256sum -c --quiet - 2> /dev/null; then
+      cat $C/m1 $C/m2 $C/m3 $C/m4 $C/m5 $C/m6 > $M.part && mv $M.part $M
+      echo "$(cat $C/.gpu/model.sha256)  $M" | sha256sum -c - || exit 3
+    fi
     B=$C/.gpu/slowfast
     T=$C/.gpu/austen_prideprejudice.txt
     P="It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a"
+    if [ "${2:-}" = compare ]; then
+      S=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+      if ! echo "$(cat $C/.gpu/smollm2.sha256)  $S" | sha256sum -c --quiet - 2> /dev/null; then
+        cat $C/m7 $C/m8 $C/m9 > $S.part && mv $S.part $S
+        echo "$(cat $C/.gpu/smollm2.sha256)  $S" | sha256sum -c - || exit 3
+      fi
+      W=/tmp/compare
+      mkdir -p $W
+      if ! pgrep -f "$START/scripts/compare_policies.py run" > /dev/null; then
+        # started once, in its own session, so that it outlives this call; later calls wait
+        setsid nohup python3 "$START/scripts/compare_policies.py" run --done "$START/docs/results/compare" --out $W \
+          --bin $B --model gemma3-270m=$M smollm2-135m=$S \
+          --texts prose=$T code=$C/.gpu/rust_serde_json.txt \
+          --cuda-policies full,sfi,streaming,snapkv,pyramidkv,quest --only "${ONLY:-.}" \
+          --workers "${CPU_WORKERS:-14}" --gpu-workers "${GPU_WORKERS:-2}" > $W/nohup.log 2>&1 < /dev/null &
+        sleep 2
+      fi
+      for _ in $(seq "${WAIT_S:-560}"); do
+        pgrep -f "$START/scripts/compare_policies.py run" > /dev/null || break
+        sleep 1
+      done
+      # one file back: the run tool returns only a few files a call
+      tar czf "$OUT/compare.tgz" -C $W --exclude nohup.log . 2>/dev/null
+      tail -n 4 $W/runner.log; ls $W/*.json 2>/dev/null | wc -l
+      grep -h "^error" $W/logs/*.err 2>/dev/null | head
+      exit 0
+    fi
     if [ "${2:-}" = tasks ]; then
       # eval's other tasks on the GPU (issue 23, item 5): agree and ruler at 8K, full, sfi and
       # streaming at a 20 % budget, for the side-by-side table with the CPU's
