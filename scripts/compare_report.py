@@ -186,6 +186,7 @@ def plot(ruler, nll, contexts, out, budget=0.2):
     import matplotlib
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "slowfast"  # the same SVG from the same data
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), gridspec_kw={"width_ratios": [1.3, 1]})
@@ -295,6 +296,7 @@ def plot_budgets(ruler, nll, contexts, out):
     import matplotlib
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "slowfast"  # the same SVG from the same data
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(MODELS), 3, figsize=(15, 4.2 * len(MODELS)))
