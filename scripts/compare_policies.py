@@ -102,7 +102,9 @@ def split_cuda(jobs, cuda, done):
     moved task, in one `--device cuda` process named cuda-<the CPU job's name without its task
     and group>. The CPU jobs keep their names and lose those policies (a job left with none
     goes); an agreement job splits into agree-<...>-<first policy> ones. Done jobs stay as they
-    are, so the runner skips them."""
+    are, so the runner skips them. A cell's GPU process runs every moved policy on every moved
+    task, so in a cell that is partly done it repeats some pairs (the report shows them as `†`
+    rows beside the CPU's)."""
     cpu, cells = [], {}
     for j in jobs:
         if j.name in done:

