@@ -51,7 +51,8 @@ def load(dirs):
             if name in seen:
                 continue
             seen.add(name)
-            recs = json.load(open(path))
+            with open(path) as f:
+                recs = json.load(f)
             if name.startswith("cuda-"):
                 load_cuda(name[5:], recs, ruler, nll, agree, passkey)
             elif mt := re.fullmatch(rf"ruler-{M}-(\d+)-(\w+)-(niah_\w+|vt|cwe|fwe)-([0-9.]+)-.*", name):

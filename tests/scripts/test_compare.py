@@ -102,7 +102,8 @@ class SplitCuda(unittest.TestCase):
 
     def test_done_jobs_stay_whole_and_move_nothing(self):
         done = self.cpu_plan[0]
-        open(os.path.join(self.out, done.name + ".json"), "w").write("[]")
+        with open(os.path.join(self.out, done.name + ".json"), "w") as f:
+            f.write("[]")
         split = plan(["--out", self.out, "--cuda-policies", GPU_POLICIES])
         kept = [j for j in split if j.name == done.name]
         self.assertEqual(len(kept), 1)
