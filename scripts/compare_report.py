@@ -105,6 +105,14 @@ def load_cuda(name, recs, ruler, nll, agree, passkey):
             raise SystemExit(f"cuda-{name}.json: not a name compare_policies.py writes")
 
 
+def delta(nll, m, ctx, text, b, p):
+    """Δnll of policy row `p` at budget `b` against full KV on the same device (`full†` for a
+    `†` row), or None where either was not run."""
+    r = nll.get((m, ctx, text, b, p))
+    f = nll.get((m, ctx, text, None, "full" + (GPU if p.endswith(GPU) else "")))
+    return None if r is None or f is None else r["nll"] - f["nll"]
+
+
 def ruler_rows(ruler, m, ctx, text="prose"):
     """[(policy, budget, {task: (score, n, per-prompt scores)}, retained)]"""
     out = []
@@ -167,10 +175,9 @@ def other_table(nll, agree, passkey, m, ctx):
         cells = []
         for text in ("prose", "code"):
             r = nll.get((m, ctx, text, b, p))
-            # Δnll against full KV on the same device
-            f = nll.get((m, ctx, text, None, "full" + (GPU if p.endswith(GPU) else "")))
+            d = delta(nll, m, ctx, text, b, p)
             cells.append("–" if r is None else f"{r['nll']:.4f}")
-            cells.append("–" if r is None or f is None else f"{r['nll'] - f['nll']:+.4f}")
+            cells.append("–" if d is None else f"{d:+.4f}")
         for text in ("prose", "code"):
             r = agree.get((m, ctx, text, b, p))
             cells.append("–" if r is None else
@@ -183,12 +190,27 @@ def other_table(nll, agree, passkey, m, ctx):
     return "\n".join(lines)
 
 
-def plot(ruler, nll, contexts, out, budget=0.2):
+def pyplot():
+    """matplotlib's pyplot without a display, drawing the same SVG from the same data."""
     import matplotlib
 
     matplotlib.use("Agg")
-    matplotlib.rcParams["svg.hashsalt"] = "slowfast"  # the same SVG from the same data
+    matplotlib.rcParams["svg.hashsalt"] = "slowfast"
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig, out):
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    fig.savefig(out, format=out.rsplit(".", 1)[-1],
+                metadata={"Date": None} if out.endswith("svg") else None)
+    print(f"wrote {out}")
+
+
+def plot(ruler, nll, contexts, out, budget=0.2):
+    plt = pyplot()
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), gridspec_kw={"width_ratios": [1.3, 1]})
     colors = {p: plt.cm.tab10(i) for i, p in enumerate(ORDER)}
@@ -237,11 +259,7 @@ def plot(ruler, nll, contexts, out, budget=0.2):
                title=f"{m} {ctx // 1024 if ctx else 0}K: Δnll at {budget} "
                "(solid prose, hatched code)")
         ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    fig.savefig(out, format=out.rsplit(".", 1)[-1],
-                metadata={"Date": None} if out.endswith("svg") else None)
-    print(f"wrote {out}")
+    save(fig, out)
 
 
 def targets(ruler, nll, contexts):
@@ -277,12 +295,9 @@ def targets(ruler, nll, contexts):
                 for text in ("prose", "code"):
                     d = {}
                     for p in ORDER[1:]:
-                        for name in (p, p + GPU):
-                            rr = nll.get((m, ctx, text, b, name))
-                            f = nll.get((m, ctx, text, None, "full" + (GPU if name.endswith(GPU) else "")))
-                            if rr is not None and f is not None:
-                                d[p] = (rr["nll"] - f["nll"], name)
-                                break
+                        v, name = pick({n: delta(nll, m, ctx, text, b, n) for n in (p, p + GPU)}, p)
+                        if v is not None:
+                            d[p] = (v, name)
                     sv = d.get("sfi")
                     ob = sorted((v, n) for p, (v, n) in d.items() if p in others)
                     cells.append("–" if sv is None else f"{sv[0]:+.4f}" + (GPU if sv[1].endswith(GPU) else ""))
@@ -294,11 +309,7 @@ def targets(ruler, nll, contexts):
 def plot_budgets(ruler, nll, contexts, out):
     """Per model at its lower context (all CPU runs): the RULER average (prose haystack) and
     Δnll on prose and on code against the budget, one line per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    matplotlib.rcParams["svg.hashsalt"] = "slowfast"  # the same SVG from the same data
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(len(MODELS), 3, figsize=(15, 4.2 * len(MODELS)))
     colors = {p: plt.cm.tab10(i) for i, p in enumerate(ORDER)}
@@ -334,11 +345,7 @@ def plot_budgets(ruler, nll, contexts, out):
             ax.set(xlabel="KV budget (fraction of the context)", ylabel="Δnll vs full KV (nats/token)",
                    title=f"{m} {ctx // 1024}K: Δnll on {text}")
             ax.grid(alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    fig.savefig(out, format=out.rsplit(".", 1)[-1],
-                metadata={"Date": None} if out.endswith("svg") else None)
-    print(f"wrote {out}")
+    save(fig, out)
 
 
 def main():
