@@ -276,8 +276,8 @@ def run(a, jobs):
         r = sorted(ratios[dev])
         return r[len(r) // 2] if r else 1.0
 
-    def fits(j, now):
-        return not end or now + j.cost * ratio(j.device) * 1.15 < end
+    def fits(j, now):  # a worker of its device exists and, with a deadline, it ends before it
+        return slots[j.device] > 0 and (not end or now + j.cost * ratio(j.device) * 1.15 < end)
 
     log(f"start: {len(pending)} jobs, {a.workers} CPU and {a.gpu_workers} GPU workers, "
         f"end in {a.end_in}")
