@@ -62,21 +62,22 @@ CALLS
     mkdir -p "$OUT"
     C=/tmp/carry
     M=/tmp/gemma-3-270m-q4_k_m.gguf
-    # joined once: a later call must not rewrite the file under running processes, which map
-    # it (a truncated mapping kills them with SIGBUS); a new file replaces it by rename
-    if ! echo "$(cat $C/.gpu/model.sha256)  $M" | sha256sum -c --quiet - 2> /dev/null; then
-      cat $C/m1 $C/m2 $C/m3 $C/m4 $C/m5 $C/m6 > $M.part && mv $M.part $M
-      echo "$(cat $C/.gpu/model.sha256)  $M" | sha256sum -c - || exit 3
-    fi
+    # join FILE SHA256FILE PART...: the parts joined into FILE and checked, once. A later call
+    # must not rewrite the file under running processes, which map it (a truncated mapping
+    # kills them with SIGBUS), so a file that checks out stays and a new one replaces it by rename.
+    join() {
+      local f=$1 sum=$2; shift 2
+      echo "$(cat "$sum")  $f" | sha256sum -c --quiet - 2> /dev/null && return 0
+      cat "$@" > "$f.part" && mv "$f.part" "$f"
+      echo "$(cat "$sum")  $f" | sha256sum -c - || exit 3
+    }
+    join $M $C/.gpu/model.sha256 $C/m1 $C/m2 $C/m3 $C/m4 $C/m5 $C/m6
     B=$C/.gpu/slowfast
     T=$C/.gpu/austen_prideprejudice.txt
     P="It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a"
     if [ "${2:-}" = compare ]; then
       S=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-      if ! echo "$(cat $C/.gpu/smollm2.sha256)  $S" | sha256sum -c --quiet - 2> /dev/null; then
-        cat $C/m7 $C/m8 $C/m9 > $S.part && mv $S.part $S
-        echo "$(cat $C/.gpu/smollm2.sha256)  $S" | sha256sum -c - || exit 3
-      fi
+      join $S $C/.gpu/smollm2.sha256 $C/m7 $C/m8 $C/m9
       W=/tmp/compare
       mkdir -p $W
       if ! pgrep -f "$START/scripts/compare_policies.py run" > /dev/null; then
