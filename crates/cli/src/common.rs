@@ -117,6 +117,14 @@ pub struct PolicyArgs {
     /// docs/results.md for its cost and gain.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub sfi_drift: f64,
+    /// SFI: the cheaper slow step (CPU only; 0, the default, turns it off: a slow step reads
+    /// every key). A slow step reads the sinks' page, the recent window and this many times the
+    /// selected tokens in pages of 16, those whose bound on q·k (Quest's key min/max, a key
+    /// read a page) is highest for some query head; the Selector picks the memory among them.
+    /// Pair it with more slow steps (e.g. --sfi-trigger periodic --sfi-refresh-interval 6);
+    /// see docs/results.md.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub sfi_candidates: f64,
     /// SFI: prefill query rows (the last ones) whose dense attention bootstraps the first
     /// selection.
     #[arg(long, default_value_t = 16)]
@@ -208,6 +216,7 @@ impl PolicyArgs {
             async_lag: self.sfi_async_lag,
             pool: self.sfi_pool,
             drift: self.sfi_drift,
+            candidates: self.sfi_candidates,
             selector: slowfast_engine::session::SelectorConfig {
                 alpha: self.sfi_alpha,
                 gamma: self.sfi_gamma,

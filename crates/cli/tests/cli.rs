@@ -272,7 +272,7 @@ fn invalid_sampling_values_are_clear_errors() {
 }
 
 #[test]
-fn sfi_async_lag_on_the_cpu_a_bad_pool_and_a_bad_drift_are_clear_errors() {
+fn sfi_async_lag_on_the_cpu_and_bad_pool_drift_and_candidates_are_clear_errors() {
     let dir = fixture("qwen3");
     let m = dir.to_str().unwrap();
     // `cmd` (generate or serve) on the fixture with SFI at 300 tokens and the flags `extra`.
@@ -327,6 +327,10 @@ fn sfi_async_lag_on_the_cpu_a_bad_pool_and_a_bad_drift_are_clear_errors() {
         sfi("generate", &["--sfi-drift", "0.5", "--sfi-pool", "3"]),
         "--sfi-drift 0.5 and --sfi-pool 3 do not combine",
     );
+    for bad in ["0.5", "-1", "65", "NaN"] {
+        let msg = format!("--sfi-candidates {bad} is invalid");
+        fails_with(sfi("generate", &["--sfi-candidates", bad]), &msg);
+    }
 }
 
 #[test]

@@ -757,6 +757,9 @@ pub struct SfiKnobs {
     pub pool: f64,
     /// The drift trigger's threshold (0: off; `SfiConfig::drift`).
     pub drift: f64,
+    /// The cheaper slow step's candidate pages, a multiple of the selected tokens (0: off;
+    /// `SfiConfig::candidates`).
+    pub candidates: f64,
 }
 
 impl Default for SfiKnobs {
@@ -771,6 +774,7 @@ impl Default for SfiKnobs {
             async_lag: 0,
             pool: 1.0,
             drift: 0.0,
+            candidates: 0.0,
             selector: SelectorConfig {
                 // slowfast's default: span pooling instead of the paper's soft-NMS (window
                 // 32, strength 1), which drops the neighbours of a peak (docs/results.md).
@@ -840,6 +844,14 @@ fn sfi_spec(b: usize, sinks: usize, k: &SfiKnobs) -> Result<PolicySpec, EngineEr
         )));
     }
     cfg.drift = k.drift as f32;
+    if !(k.candidates.is_finite() && (k.candidates == 0.0 || (1.0..=64.0).contains(&k.candidates)))
+    {
+        return Err(EngineError::BadInput(format!(
+            "--sfi-candidates {} is invalid (expected 0 to turn it off, or 1 to 64: the pages a slow step reads, as a multiple of the selected tokens)",
+            k.candidates
+        )));
+    }
+    cfg.candidates = k.candidates as f32;
     k.selector.validate().map_err(|e| match e {
         SelectorError::Config {
             field,

@@ -126,6 +126,42 @@ fn drift_measurement_changes_no_fast_step_and_fires_slow_steps_when_the_share_fa
     assert_ne!(fired[3], plain[3]);
 }
 
+/// The cheaper slow step on a real model: the same slow steps at the same moments, each
+/// reading its candidate pages instead of every key (fewer keys attended), and the steps
+/// before the first one unchanged. With candidate pages that cover every page before the
+/// window it is plain SFI, bit for bit.
+#[test]
+fn cheaper_slow_steps_keep_the_schedule_and_read_fewer_keys() {
+    let m = model();
+    let t = tokens(200);
+    let mut cfg = SfiConfig::new(2, 8, 6);
+    cfg.trigger.kind = TriggerKind::Periodic;
+    cfg.trigger.period = 5;
+    cfg.trigger.min_gap = 1;
+    let (plain, plain_stats) = run(&m, &sfi(cfg.clone()), &t[..120], &t[120..]);
+    cfg.candidates = 2.0; // one 16-key page besides the sinks' and the window's neighbour
+    let (cheap, stats) = run(&m, &sfi(cfg.clone()), &t[..120], &t[120..]);
+    assert_eq!(
+        (stats.slow_steps, stats.fast_steps),
+        (plain_stats.slow_steps, plain_stats.fast_steps)
+    );
+    assert!(stats.slow_steps >= 10, "{stats:?}");
+    assert!(
+        stats.attended_tokens < plain_stats.attended_tokens,
+        "{stats:?} against {plain_stats:?}"
+    );
+    let first_slow = cheap.iter().zip(&plain).position(|(a, b)| a != b).unwrap();
+    assert!(
+        first_slow >= 4,
+        "step {first_slow} changed before the first slow step"
+    );
+    assert!(cheap.iter().flatten().all(|x| x.is_finite()));
+    cfg.candidates = 64.0;
+    let (all, all_stats) = run(&m, &sfi(cfg), &t[..120], &t[120..]);
+    assert_eq!(all, plain);
+    assert_eq!(all_stats, plain_stats);
+}
+
 /// SFI's decode after FastKV's token-selective prefill (`sfi+fastkv`): half the prompt goes
 /// past the TSP layer (layer 1 of 3), so layer 2 holds only the propagated tokens, in a
 /// compacted layer whose slots carry their positions.

@@ -49,14 +49,27 @@ impl PageBounds {
         self.tokens = hi;
     }
 
-    /// Upper bound of `q·k` over the keys of page `p`.
+    /// Upper bound of `q·k` over the keys of page `p`: `Σ_i max(q_i·min_i, q_i·max_i)`, summed
+    /// in eight independent lanes (so it vectorises: SFI's cheaper slow step scores every page
+    /// of the context with it).
     pub fn upper_bound(&self, p: usize, q: &[f32]) -> f32 {
         let d = q.len();
         let (mn, mx) = (&self.min[p * d..(p + 1) * d], &self.max[p * d..(p + 1) * d]);
-        q.iter()
-            .zip(mn.iter().zip(mx))
+        let mut acc = [0.0f32; 8];
+        let (qc, nc, xc) = (q.chunks_exact(8), mn.chunks_exact(8), mx.chunks_exact(8));
+        let tail: f32 = qc
+            .remainder()
+            .iter()
+            .zip(nc.remainder().iter().zip(xc.remainder()))
             .map(|(&q, (&a, &b))| (q * a).max(q * b))
-            .sum()
+            .sum();
+        for (q8, (n8, x8)) in qc.zip(nc.zip(xc)) {
+            for i in 0..8 {
+                let (a, b) = (q8[i] * n8[i], q8[i] * x8[i]);
+                acc[i] += if a > b { a } else { b };
+            }
+        }
+        acc.iter().sum::<f32>() + tail
     }
 }
 

@@ -5,6 +5,7 @@ use slowfast_backend::cpu::attention::{
     attention_with_logits, AttnShape, KvPositions, KvSegment, Mask, QueryPositions,
 };
 
+use super::candidates::{candidate_pages, view_ranges};
 use super::selector::{select_into, Selection, SelectorConfig, SelectorInput, SelectorScratch};
 use super::trigger::{Trigger, TriggerConfig, TriggerError, TriggerStats};
 use crate::inspect::{runs_of, Held, SlowLog, SlowReason};
@@ -47,6 +48,13 @@ pub struct SfiConfig {
     /// the global layers, fall below `drift` times the refresh's, the next step is slow
     /// (within the trigger's `min_gap`). Not with the re-rank (`pool` > 1).
     pub drift: f32,
+    /// The cheaper slow step (0: off, a slow step reads every key; an extension, issue 27
+    /// direction 3; at least 1 when on). A slow decode step reads the pages holding the sinks,
+    /// the recent window and the `candidates * selected` tokens' worth of pages (of `page` keys)
+    /// whose Quest bound on `q·k` is highest, shared by the layer's kv heads
+    /// (`candidates::candidate_pages`), and pays a key read for each page's bound; the
+    /// Selector chooses the memory among the keys the step read.
+    pub candidates: f32,
 }
 
 impl SfiConfig {
@@ -76,6 +84,7 @@ impl SfiConfig {
             async_lag: 0,
             pool: 1.0,
             drift: 0.0,
+            candidates: 0.0,
         }
     }
 }
@@ -155,6 +164,12 @@ pub struct SfiPolicy<T> {
     drift_now: (f64, f64),
     /// Per layer: keys per kv head its last fast step read (memory, then the recent window).
     read: Vec<usize>,
+    /// The cheaper slow step (`SfiConfig::candidates`): this decode step's query, per layer
+    /// and kv head the page bounds of the cached keys before the recent window, and per layer
+    /// the key slots this slow step read (set in `segments`, selected from in `observe`).
+    q: Vec<f32>,
+    page_bounds: Vec<Vec<PageBounds>>,
+    view: Vec<Option<Vec<u32>>>,
 }
 
 /// Which trigger counter moved between two readings: the reason of the step that fired.
@@ -204,6 +219,9 @@ impl<T: CacheElem> SfiPolicy<T> {
             log: SlowLog::default(),
             drift_now: (0.0, 0.0),
             read: Vec::new(),
+            q: Vec::new(),
+            page_bounds: Vec::new(),
+            view: Vec::new(),
         })
     }
 
@@ -259,8 +277,86 @@ impl<T: CacheElem> SfiPolicy<T> {
         self.cfg.drift > 0.0 && self.cfg.pool <= 1.0 && !self.drafting && !self.reads_dense(call)
     }
 
+    /// The pages a cheaper slow step of this call reads besides the sinks' and the recent
+    /// window (`SfiConfig::candidates`), or None: the call reads as it would without it (a
+    /// slow step then reads every key). Only decode slow steps of plain global layers with a
+    /// memory, and only when some page would be left out.
+    fn candidate_step(&self, call: &AttnCall, store: &KvStore<T>) -> Option<usize> {
+        if self.cfg.candidates <= 0.0
+            || !call.is_decode()
+            || call.sliding
+            || call.lo != 0
+            || !self.slow_now
+            || self.verifying.is_some()
+            || self.mem(call.layer).is_none()
+            || store.layer(call.layer).is_compact()
+            || self.q.is_empty()
+            || !self
+                .q
+                .len()
+                .is_multiple_of(store.n_kv_heads * store.head_dim)
+        {
+            return None;
+        }
+        let (first, pages) = self.candidate_domain(call.hi());
+        let want = (self.cfg.candidates as f64 * self.kept() as f64 / self.cfg.page.max(1) as f64)
+            .ceil() as usize;
+        (first + want < pages).then_some(want)
+    }
+
+    /// The candidate pages of a cheaper slow step at `hi`: from the first page after the
+    /// sinks' to the recent window's page-aligned start.
+    fn candidate_domain(&self, hi: usize) -> (usize, usize) {
+        let p = self.cfg.page.max(1);
+        let recent_start = (hi - self.cfg.recent.min(hi)) / p * p;
+        (self.cfg.sinks.div_ceil(p), recent_start / p)
+    }
+
+    /// A cheaper slow step's reads (`candidate_step` said `want` pages): bring the page bounds
+    /// up to the recent window, pick the pages, push the view's ranges for every kv head and
+    /// keep its slots for `observe`.
+    fn read_candidates<'s>(
+        &mut self,
+        call: &AttnCall,
+        store: &'s KvStore<T>,
+        want: usize,
+        out: &mut [Vec<KvSegment<'s, T>>],
+    ) {
+        let (l, hi, p) = (call.layer, call.hi(), self.cfg.page.max(1));
+        let (nkv, d) = (store.n_kv_heads, store.head_dim);
+        let (first, pages) = self.candidate_domain(hi);
+        if self.page_bounds.len() <= l {
+            self.page_bounds.resize_with(l + 1, Vec::new);
+        }
+        let bounds = &mut self.page_bounds[l];
+        bounds.resize_with(nkv, PageBounds::default);
+        for (h, b) in bounds.iter_mut().enumerate() {
+            b.update(store.head_slab(l, h).0, pages * p, p, d);
+        }
+        // The pages of the Selector's first and last candidate positions.
+        let forced = [self.cfg.sinks / p, pages - 1];
+        let picked = candidate_pages(bounds, &self.q, d, (first, pages), &forced, want);
+        let ranges = view_ranges(first, &picked, p, pages * p, hi);
+        for (h, o) in out.iter_mut().enumerate() {
+            for r in &ranges {
+                push_range(store, l, h, r.clone(), o);
+            }
+        }
+        let view: Vec<u32> = ranges
+            .iter()
+            .flat_map(|r| r.start as u32..r.end as u32)
+            .collect();
+        // A page bound (min and max rows) costs about one key read; still a slow step.
+        self.step.record((view.len() + pages - first) as f64, hi);
+        if self.view.len() <= l {
+            self.view.resize_with(l + 1, || None);
+        }
+        self.view[l] = Some(view);
+    }
+
     /// Select and gather the memory of `layer` from captured logits over the `keys` slots the
-    /// capture saw (`[0, keys)`), the newest at position `hi - 1`. On a plain global layer
+    /// capture saw (`[0, keys)`, or the slots `view` lists: a cheaper slow step's), the newest
+    /// at position `hi - 1`. On a plain global layer
     /// slot j holds position j (`keys == hi`); on a compacted one (FastKV's token-selective
     /// prefill writes only the propagated tokens after its TSP layer) the slots carry explicit
     /// positions, which the sinks, the recent window, the Selector's position prior and the
@@ -275,6 +371,7 @@ impl<T: CacheElem> SfiPolicy<T> {
         n_heads: usize,
         keys: usize,
         hi: usize,
+        view: Option<&[u32]>,
     ) {
         if self.layers.len() <= layer {
             self.layers.resize_with(layer + 1, || None);
@@ -286,7 +383,10 @@ impl<T: CacheElem> SfiPolicy<T> {
         let (nkv, d) = (store.n_kv_heads, store.head_dim);
         // Slot positions of a compacted layer: every kv head must hold the same ascending
         // positions (FastKV's propagation writes all heads alike); anything else stays dense.
-        let slot_pos: Option<Vec<u32>> = if store.layer(layer).is_compact() {
+        let slot_pos: Option<Vec<u32>> = if let Some(v) = view {
+            // A cheaper slow step's view of a plain layer: slot j' = view[j] at position j'.
+            Some(v.to_vec())
+        } else if store.layer(layer).is_compact() {
             let p = store.slot_positions(layer, 0);
             let same = (1..nkv).all(|h| store.slot_positions(layer, h) == p);
             if !same
@@ -302,6 +402,8 @@ impl<T: CacheElem> SfiPolicy<T> {
             None
         };
         let at = |j: usize| slot_pos.as_ref().map_or(j, |p| p[j] as usize);
+        // The cache slot of captured key j (j itself but for a view).
+        let slot = |j: usize| view.map_or(j, |v| v[j] as usize);
         let g = n_heads / nkv;
         let p = self.cfg.page.max(1);
         // Positions: the recent window starts at a page boundary; the sinks are positions
@@ -328,14 +430,18 @@ impl<T: CacheElem> SfiPolicy<T> {
         cached.resize_with(nkv, Vec::new);
         self.norms.clear();
         let mut row = vec![0.0f32; d];
+        let slots = view.map_or(keys, |v| v.last().map_or(0, |&j| j as usize + 1));
         for (h, kn) in cached.iter_mut().enumerate() {
             let (kslab, _) = store.head_slab(layer, h);
-            kn.truncate(keys);
-            for j in kn.len()..keys {
+            kn.truncate(slots);
+            for j in kn.len()..slots {
                 T::load(&kslab[j * d..(j + 1) * d], &mut row);
                 kn.push(l2_norm(&row));
             }
-            self.norms.extend_from_slice(kn);
+            match view {
+                Some(v) => self.norms.extend(v.iter().map(|&j| kn[j as usize])),
+                None => self.norms.extend_from_slice(kn),
+            }
         }
         let inp = SelectorInput {
             n_kv_heads: nkv,
@@ -385,10 +491,10 @@ impl<T: CacheElem> SfiPolicy<T> {
             let (kslab, vslab) = store.head_slab(layer, h);
             let sel = &self.selection.per_head[h];
             for j in (0..sink_slots as u32).chain(sel.iter().copied()) {
-                let j = j as usize;
+                let (j, s) = (j as usize, slot(j as usize));
                 mem.pos.push(at(j) as u32);
-                mem.k.extend_from_slice(&kslab[j * d..(j + 1) * d]);
-                mem.v.extend_from_slice(&vslab[j * d..(j + 1) * d]);
+                mem.k.extend_from_slice(&kslab[s * d..(s + 1) * d]);
+                mem.v.extend_from_slice(&vslab[s * d..(s + 1) * d]);
             }
         }
         if self.cfg.pool > 1.0 {
@@ -447,6 +553,10 @@ impl<T> SfiPolicy<T> {
         }
         for p in &mut self.pending {
             *p = None;
+        }
+        let page = self.cfg.page.max(1);
+        for b in self.page_bounds.iter_mut().flatten() {
+            b.tokens = b.tokens.min(len / page * page);
         }
     }
 }
@@ -540,6 +650,10 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
     ) {
         let nkv = store.n_kv_heads;
         reset_out(out, nkv);
+        if let Some(want) = self.candidate_step(call, store) {
+            self.read_candidates(call, store, want, out);
+            return;
+        }
         let (lo, hi) = (call.lo, call.hi());
         let dense = self.reads_dense(call);
         let mut bound_reads = 0;
@@ -603,7 +717,11 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
         let hi = call.hi();
         // The capture covers every held key: positions [0, hi) of a plain layer, the slots a
         // compacted one holds (all below hi: nothing newer has been written yet).
-        let keys = if store.layer(call.layer).is_compact() {
+        // A cheaper slow step captured the keys of its view only.
+        let view = self.view.get_mut(call.layer).and_then(Option::take);
+        let keys = if let Some(v) = &view {
+            v.len()
+        } else if store.layer(call.layer).is_compact() {
             store.held(call.layer, 0)
         } else {
             hi - call.lo
@@ -613,7 +731,8 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
             if self.measures_drift(call) {
                 self.measure_drift(call.layer, logits);
             } else {
-                self.refresh(call.layer, rows, logits, store, n_heads, keys, hi);
+                let v = view.as_deref();
+                self.refresh(call.layer, rows, logits, store, n_heads, keys, hi, v);
             }
             return;
         }
@@ -637,7 +756,8 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
             if let Some(p) = p.take() {
                 // Only positions the capture saw: a later forward may have grown the store.
                 if p.hi <= store.len() {
-                    self.refresh(layer, p.rows, &p.logits, store, p.n_heads, p.keys, p.hi);
+                    let (rows, n_heads) = (p.rows, p.n_heads);
+                    self.refresh(layer, rows, &p.logits, store, n_heads, p.keys, p.hi, None);
                 }
             }
         }
@@ -673,6 +793,7 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
         }
         self.refreshed = false;
         self.slow_now = false;
+        self.view.iter_mut().for_each(|v| *v = None);
     }
 
     fn on_token(&mut self, token: u32) {
@@ -697,6 +818,10 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
     }
 
     fn query(&mut self, call: &AttnCall, q: &[f32]) {
+        if self.cfg.candidates > 0.0 && self.slow_now && call.is_decode() && !call.sliding {
+            self.q.clear();
+            self.q.extend_from_slice(q);
+        }
         if self.cfg.pool > 1.0 && !self.reads_dense(call) {
             let page = self.cfg.page.max(1);
             let m = self.layers[call.layer]
@@ -781,7 +906,7 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
             );
             drop(segs);
             if ok.is_ok() {
-                self.refresh(layer, 1, &logits, store, n_heads, hi, hi);
+                self.refresh(layer, 1, &logits, store, n_heads, hi, hi, None);
             }
         }
         self.vq = vq;
@@ -1047,6 +1172,163 @@ mod tests {
             assert_eq!(n, 4 + 3 * 16 + recent, "kv head {h}");
             assert!(n + 8 <= 4 + 64 + recent);
         }
+    }
+
+    /// A store of `len` random keys (values equal to keys) in one global layer.
+    fn random_store(
+        rng: &mut super::super::selector_tests::Rng,
+        nkv: usize,
+        d: usize,
+        len: usize,
+    ) -> KvStore<f32> {
+        let mut s = KvStore::<f32>::new(
+            nkv,
+            d,
+            &[LayerSpec {
+                capacity: len + 8,
+                ring: false,
+            }],
+        );
+        let k: Vec<f32> = (0..len * nkv * d).map(|_| rng.normal() as f32).collect();
+        s.write(0, 0, &k, &k).unwrap();
+        s.set_len(len);
+        s
+    }
+
+    /// The cheaper slow step against its plain reference, on fresh random keys, queries and
+    /// logits: the step reads the sinks' page, the recent window and exactly the top pages
+    /// of `candidates::candidate_pages` (shared by the kv heads), charged a key read a page
+    /// bound; the memory it selects equals a dense slow step's whose logits on the keys it
+    /// did not read are -inf (the Selector's "cannot see"), gathered from the right slots.
+    #[test]
+    fn cheaper_slow_step_selects_as_a_dense_step_that_sees_only_its_pages() {
+        use super::super::selector_tests::Rng;
+        use crate::quest::PageBounds;
+        let mut rng = Rng(41);
+        for case in 0..12 {
+            let (nkv, g, d) = (1 + rng.below(3), 1 + rng.below(3), 4 + rng.below(8));
+            let len = 300 + rng.below(200);
+            let st = random_store(&mut rng, nkv, d, len);
+            let mut cfg = SfiConfig::new(1 + rng.below(20), 32, 24 + rng.below(24));
+            cfg.trigger.kind = super::super::trigger::TriggerKind::Off;
+            // Span pooling looks at neighbouring indices, which differ between the two
+            // layouts next to a page left out; the rest of the Selector must agree.
+            cfg.selector.soft_alpha = 0.0;
+            let mut dense = SfiPolicy::<f32>::new(cfg.clone(), &[], &[], 10).unwrap();
+            cfg.candidates = 1.0 + rng.below(3) as f32;
+            let mut cheap = SfiPolicy::<f32>::new(cfg.clone(), &[], &[], 10).unwrap();
+            // A bootstrap memory for both, then a slow step at `hi - 1`.
+            let boot = AttnCall::decode(0, len - 40);
+            let logits: Vec<f32> = (0..nkv * g * (len - 39))
+                .map(|_| rng.normal() as f32)
+                .collect();
+            for p in [&mut dense, &mut cheap] {
+                p.observe(&boot, 1, &logits, &st);
+                p.end_forward(len - 40, 1);
+                p.slow_now = true;
+            }
+            let call = AttnCall::decode(0, len - 1);
+            let q: Vec<f32> = (0..nkv * g * d).map(|_| rng.normal() as f32).collect();
+            KvPolicy::<f32>::query(&mut cheap, &call, &q);
+            let mut out = Vec::new();
+            cheap.segments(&call, &st, &mut out);
+            // The reference view: bounds from the keys, then the top pages.
+            let page = 16;
+            let rs = (len - 32) / page * page;
+            let (first, pages) = (cfg.sinks.div_ceil(page), rs / page);
+            let want = (cfg.candidates as usize * cfg.selected).div_ceil(page);
+            let bounds: Vec<PageBounds> = (0..nkv)
+                .map(|h| {
+                    let mut b = PageBounds::default();
+                    b.update(st.head_slab(0, h).0, rs, page, d);
+                    b
+                })
+                .collect();
+            let forced = [cfg.sinks / page, pages - 1];
+            let picked = candidate_pages(&bounds, &q, d, (first, pages), &forced, want);
+            assert_eq!(picked.len(), want, "case {case}");
+            let mut view: Vec<u32> = (0..(first * page) as u32).collect();
+            for &c in &picked {
+                view.extend((c * page) as u32..((c + 1) * page) as u32);
+            }
+            view.extend(rs as u32..len as u32);
+            for (h, o) in out.iter().enumerate() {
+                let read: Vec<u32> = o
+                    .iter()
+                    .flat_map(|sg| match sg.pos {
+                        KvPositions::Range { start } => start..start + sg.len(d) as u32,
+                        KvPositions::List(_) => panic!("a slow step reads the cache in place"),
+                    })
+                    .collect();
+                assert_eq!(read, view, "case {case}, kv head {h}");
+            }
+            drop(out);
+            // Logits over the view for the cheap step; the same values, -inf elsewhere, dense.
+            let row: Vec<f32> = (0..nkv * g * len)
+                .map(|_| rng.normal() as f32 * 3.0)
+                .collect();
+            let mut masked = vec![f32::NEG_INFINITY; nkv * g * len];
+            let mut over_view = Vec::new();
+            for hq in 0..nkv * g {
+                for &j in &view {
+                    masked[hq * len + j as usize] = row[hq * len + j as usize];
+                    over_view.push(row[hq * len + j as usize]);
+                }
+            }
+            cheap.observe(&call, 1, &over_view, &st);
+            KvPolicy::<f32>::segments(&mut dense, &call, &st, &mut Vec::new());
+            dense.observe(&call, 1, &masked, &st);
+            let (a, b) = (cheap.mem(0).unwrap(), dense.mem(0).unwrap());
+            assert_eq!(a.pos, b.pos, "case {case}");
+            assert_eq!((&a.k, &a.v), (&b.k, &b.v), "case {case}");
+            assert!(a.pos.iter().all(|p| view.binary_search(p).is_ok()));
+            for (p, kind) in [(&mut cheap, "cheap"), (&mut dense, "dense")] {
+                p.end_forward(len - 1, 1);
+                let s = KvPolicy::<f32>::stats(p);
+                // The bootstrap read nothing through `segments`: one slow step counted.
+                assert_eq!((s.slow_steps, s.fast_steps), (1, 0), "{kind}");
+                let read = s.attended_tokens;
+                let want_read = if kind == "cheap" {
+                    (view.len() + pages - first) as f64
+                } else {
+                    len as f64
+                };
+                assert_eq!(read, want_read, "case {case}: {kind}");
+            }
+        }
+    }
+
+    /// The cheaper slow step applies only where it reads less: a sequence whose candidate
+    /// pages cover everything before the window, a fast step, a layer without a memory and
+    /// the flag off read as before.
+    #[test]
+    fn cheaper_slow_step_only_where_it_leaves_pages_out() {
+        let (nkv, d, len) = (1, 4, 200);
+        let st = store(nkv, d, len);
+        let mut cfg = SfiConfig::new(4, 32, 48);
+        cfg.trigger.kind = super::super::trigger::TriggerKind::Off;
+        cfg.candidates = 2.0; // 6 pages of the 9 after page 0 and before the window (160)
+        let mut p = SfiPolicy::<f32>::new(cfg.clone(), &[], &[], 10).unwrap();
+        let call = AttnCall::decode(0, len - 1);
+        let q = vec![1.0f32; d];
+        // No memory yet: dense.
+        p.slow_now = true;
+        KvPolicy::<f32>::query(&mut p, &call, &q);
+        assert_eq!(p.candidate_step(&call, &st), None);
+        let logits = peaked_logits(1, len, &[&[50, 60]]);
+        p.observe(&call, 1, &logits, &st);
+        p.end_forward(len - 1, 1);
+        let call = AttnCall::decode(0, len);
+        // A fast step: the memory, not the view.
+        assert_eq!(p.candidate_step(&call, &st), None);
+        p.slow_now = true;
+        KvPolicy::<f32>::query(&mut p, &call, &q);
+        assert_eq!(p.candidate_step(&call, &st), Some(6));
+        // Seven pages wanted of nine: still one left out... nine of nine: dense.
+        p.cfg.candidates = 3.0;
+        assert_eq!(p.candidate_step(&call, &st), None);
+        p.cfg.candidates = 0.0;
+        assert_eq!(p.candidate_step(&call, &st), None);
     }
 
     #[test]

@@ -43,6 +43,7 @@ macro_rules! dispatch {
     };
 }
 
+pub mod candidates;
 pub mod memory;
 pub mod selector;
 #[cfg(test)]
