@@ -6,6 +6,7 @@ single-threaded `slowfast eval` processes run side by side.
     scripts/compare_policies.py jobs [SCALE]             # print the commands, in priority order
     scripts/compare_policies.py run  [SCALE] --out DIR [--workers 16] [--end-in SECONDS]
         [--done DIR...] [--cuda-policies full,sfi,streaming,snapkv,pyramidkv,quest --gpu-workers 2]
+        [--sfi-variant 'EXTRA EVAL FLAGS' --only REGEX]   # another SFI beside the plan's
 
 Every job is one `slowfast eval --threads 1 ... --json DIR/<name>.json` command. Policies that
 continue a shared dense prefill (full, streaming, oracle, oracle-sfi fork from SFI's prefill)
@@ -236,12 +237,23 @@ def make_jobs(a):
                     cost = a.passkey_trials * (P + len(g) * 8 * D)
                     add(tier, f"passkey-{m}-{ctx}-{b}-{g[0]}", m, argv, cost)
     jobs = [j for j in jobs if j.tier <= a.max_tier]
+    if a.sfi_variant is not None:
+        jobs = sfi_variant(jobs, shlex.split(a.sfi_variant))
     if a.cuda_policies:
         jobs = split_cuda(jobs, set(a.cuda_policies.split(",")), done_names(a))
     if a.only:
         jobs = [j for j in jobs if re.search(a.only, j.name)]
     jobs.sort(key=lambda j: (j.tier, -j.cost))
     return jobs
+
+
+def sfi_variant(jobs, extra):
+    """The plan's SFI alone, with `extra` flags (another SFI to compare beside the plan's): each
+    job that runs sfi keeps its name and runs sfi only (agreement brings full KV, its reference,
+    by itself); the others go. Its results go to their own --out, which compare_report.py reads
+    with --variant LABEL=DIR."""
+    return [Job(j.tier, j.name, j.model, j.with_policies(["sfi"]) + extra, j.cost)
+            for j in jobs if "sfi" in j.policies()]
 
 
 def done_names(a):
@@ -349,6 +361,10 @@ def main():
                     help="policies to run with --device cuda, grouped per cell (e.g. full,sfi,"
                     "streaming,snapkv,pyramidkv,quest); the rest stay single-thread CPU jobs")
     ap.add_argument("--only", help="a regular expression: the jobs whose names it matches (re.search)")
+    ap.add_argument("--sfi-variant", metavar="ARGS",
+                    help="run only the plan's SFI jobs, each with these extra eval flags (e.g. "
+                         "'--sfi-candidates 2 --sfi-trigger periodic --sfi-refresh-interval 6'), "
+                         "into their own --out")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="CPU jobs at a time")
     ap.add_argument("--gpu-workers", type=int, default=2, help="--device cuda jobs at a time")
     ap.add_argument("--end-in", type=float, default=0, help="seconds; 0: no deadline")

@@ -17,6 +17,11 @@ each model's lower context (need matplotlib).
 Files cuda-<kind>-<model>-<ctx>[-<text>]-<budget>.json (compare_policies.py --cuda-policies) hold
 several policies run with --device cuda; their rows are the policy's name with a `†`, and their
 Δnll is against full KV on the GPU (`full†`).
+
+--variant LABEL=DIR (repeatable) adds the SFI records of DIR (compare_policies.py --sfi-variant:
+the plan's SFI jobs with other flags) as the policy LABEL, and prints the targets table for it too.
+Full-KV NLL records in DIR (run on the variant's machine) become `full[LABEL]`, the reference of
+LABEL's Δnll: the same setting run on two machines differs by up to 0.02 nats on code.
 """
 import argparse
 import glob
@@ -25,8 +30,9 @@ import os
 import re
 from collections import defaultdict
 
-ORDER = ["full", "sfi", "streaming", "h2o", "snapkv", "pyramidkv", "quest", "fastkv",
-         "oracle", "oracle-sfi"]
+BASE = ["full", "sfi", "streaming", "h2o", "snapkv", "pyramidkv", "quest", "fastkv",
+        "oracle", "oracle-sfi"]
+ORDER = list(BASE)  # BASE with the --variant labels after sfi
 MODELS = ["gemma3-270m", "smollm2-135m"]
 M = r"(gemma3-270m|smollm2-135m)"
 
@@ -39,7 +45,9 @@ def porder(p):
     return (ORDER.index(base) if base in ORDER else 99, p)
 
 
-def load(dirs):
+def load(dirs, label=None):
+    """Every record of the DIRs; with `label`, only their SFI records, as the policy `label`, and
+    their full-KV records as `full[label]`."""
     ruler = defaultdict(lambda: defaultdict(dict))  # (m, ctx, text, b) -> policy -> task -> rec
     nll = {}  # (m, ctx, text, b, policy) -> rec
     agree = {}  # (m, ctx, text, b, policy) -> rec
@@ -53,6 +61,9 @@ def load(dirs):
             seen.add(name)
             with open(path) as f:
                 recs = json.load(f)
+            if label:
+                names = {"sfi": label, "full": f"full[{label}]"}
+                recs = [dict(r, policy=names[r["policy"]]) for r in recs if r["policy"] in names]
             if name.startswith("cuda-"):
                 load_cuda(name[5:], recs, ruler, nll, agree, passkey)
             elif mt := re.fullmatch(rf"ruler-{M}-(\d+)-(\w+)-(niah_\w+|vt|cwe|fwe)-([0-9.]+)-.*", name):
@@ -69,7 +80,8 @@ def load(dirs):
             elif mt := re.fullmatch(rf"nll-{M}-(\d+)-(\w+)-([0-9.]+)-(.*)", name):
                 m, ctx, text, b, p = mt.groups()
                 for r in recs:
-                    nll[(m, int(ctx), text, None if p == "full" else float(b), r["policy"])] = r
+                    full = r["policy"].startswith("full")
+                    nll[(m, int(ctx), text, None if full else float(b), r["policy"])] = r
             elif mt := re.fullmatch(rf"agree-{M}-(\d+)-(\w+)-([0-9.]+)(-[\w-]+)?", name):
                 m, ctx, text, b, _ = mt.groups()
                 for r in recs:
@@ -109,7 +121,8 @@ def delta(nll, m, ctx, text, b, p):
     """Δnll of policy row `p` at budget `b` against full KV on the same device (`full†` for a
     `†` row), or None where either was not run."""
     r = nll.get((m, ctx, text, b, p))
-    f = nll.get((m, ctx, text, None, "full" + (GPU if p.endswith(GPU) else "")))
+    f = nll.get((m, ctx, text, None, f"full[{p}]")) or \
+        nll.get((m, ctx, text, None, "full" + (GPU if p.endswith(GPU) else "")))
     return None if r is None or f is None else r["nll"] - f["nll"]
 
 
@@ -201,6 +214,14 @@ def pyplot():
     return plt
 
 
+def palette(plt):
+    """A colour per policy: tab10 for BASE, then dark shades for the --variant labels."""
+    colors = {p: plt.cm.tab10(i) for i, p in enumerate(BASE)}
+    extra = [p for p in ORDER if p not in colors]
+    colors.update({p: plt.cm.Dark2(i % 8) for i, p in enumerate(extra)})
+    return colors
+
+
 def save(fig, out):
     fig.tight_layout()
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -213,7 +234,7 @@ def plot(ruler, nll, contexts, out, budget=0.2):
     plt = pyplot()
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), gridspec_kw={"width_ratios": [1.3, 1]})
-    colors = {p: plt.cm.tab10(i) for i, p in enumerate(ORDER)}
+    colors = palette(plt)
     for row, m in enumerate(MODELS):
         cs = contexts.get(m, [])
         # RULER average at `budget` (bars), one bar per context: rows with every task only.
@@ -262,13 +283,15 @@ def plot(ruler, nll, contexts, out, budget=0.2):
     save(fig, out)
 
 
-def targets(ruler, nll, contexts):
-    """SFI against full KV and the best other non-oracle policy, per model, context and budget:
-    the RULER average (prose haystack, rows with every task) and Δnll on prose and code. A
-    policy's CPU row is used where it exists, else its GPU row (marked †)."""
-    others = [p for p in ORDER if p not in ("full", "sfi", "oracle", "oracle-sfi")]
-    lines = ["| model, context | budget | RULER full | RULER sfi | best other RULER | "
-             "Δnll prose sfi | best other Δnll prose | Δnll code sfi | best other Δnll code |",
+def targets(ruler, nll, contexts, sfi_name="sfi"):
+    """SFI (or the variant `sfi_name`) against full KV and the best other non-oracle policy
+    (today's SFI and the variants excluded), per model, context and budget: the RULER average
+    (prose haystack, rows with every task) and Δnll on prose and code. A policy's CPU row is
+    used where it exists, else its GPU row (marked †)."""
+    others = [p for p in BASE if p not in ("full", "sfi", "oracle", "oracle-sfi")]
+    lines = [f"| model, context | budget | RULER full | RULER {sfi_name} | best other RULER | "
+             f"Δnll prose {sfi_name} | best other Δnll prose | Δnll code {sfi_name} | "
+             "best other Δnll code |",
              "|---|---|---|---|---|---|---|---|---|"]
 
     def pick(table, p):  # (value, name) from the CPU row, else the GPU row
@@ -284,7 +307,7 @@ def targets(ruler, nll, contexts):
                 r = {p: avgs.get((p, None if p.startswith("full") else b))
                      for p in ["full", "full" + GPU] + [q + g for q in ORDER[1:] for g in ("", GPU)]}
                 full, _ = pick(r, "full")
-                sfi, sn = pick(r, "sfi")
+                sfi, sn = pick(r, sfi_name)
                 best = [pick(r, p) for p in others]
                 best = [x for x in best if x[0] is not None]
                 top = max(v for v, _ in best) if best else None
@@ -298,7 +321,7 @@ def targets(ruler, nll, contexts):
                         v, name = pick({n: delta(nll, m, ctx, text, b, n) for n in (p, p + GPU)}, p)
                         if v is not None:
                             d[p] = (v, name)
-                    sv = d.get("sfi")
+                    sv = d.get(sfi_name)
                     ob = sorted((v, n) for p, (v, n) in d.items() if p in others)
                     cells.append("–" if sv is None else f"{sv[0]:+.4f}" + (GPU if sv[1].endswith(GPU) else ""))
                     cells.append("–" if not ob else f"{ob[0][0]:+.4f} ({ob[0][1]})")
@@ -312,7 +335,7 @@ def plot_budgets(ruler, nll, contexts, out):
     plt = pyplot()
 
     fig, axes = plt.subplots(len(MODELS), 3, figsize=(15, 4.2 * len(MODELS)))
-    colors = {p: plt.cm.tab10(i) for i, p in enumerate(ORDER)}
+    colors = palette(plt)
     for row, m in enumerate(MODELS):
         cs = contexts.get(m, [])
         if not cs:
@@ -348,13 +371,33 @@ def plot_budgets(ruler, nll, contexts, out):
     save(fig, out)
 
 
+def add_variant(spec, ruler, nll, agree, passkey):
+    """--variant LABEL=DIR: DIR's SFI (and full-KV) records into the tables, LABEL after sfi in
+    ORDER; returns LABEL."""
+    label, _, d = spec.partition("=")
+    if not label or not d or label in ORDER or not os.path.isdir(d):
+        raise SystemExit(f"--variant {spec}: expected LABEL=DIR with a new LABEL and a folder")
+    ORDER.insert(ORDER.index("sfi") + 1 + sum(p not in BASE for p in ORDER), label)
+    r2, n2, a2, p2 = load([d], label)
+    for k, pols in r2.items():
+        for p, tasks in pols.items():
+            ruler[k][p].update(tasks)
+    nll.update(n2)
+    agree.update(a2)
+    passkey.update(p2)
+    return label
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+")
     ap.add_argument("--plot", help="SVG/PNG: every policy at budget 0.2")
     ap.add_argument("--plot-budgets", help="SVG/PNG: every policy against the budget, lower contexts")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=DIR",
+                    help="DIR's SFI records as the policy LABEL (compare_policies.py --sfi-variant)")
     a = ap.parse_args()
     ruler, nll, agree, passkey = load(a.dirs)
+    labels = [add_variant(v, ruler, nll, agree, passkey) for v in a.variant]
     contexts = defaultdict(set)
     for k in list(ruler) + list(nll) + list(agree):
         contexts[k[0]].add(k[1])
@@ -369,6 +412,9 @@ def main():
             if t:
                 print(f"\n#### {m}, {ctx} tokens: NLL, teacher-forced agreement, passkey\n\n{t}")
     print("\n#### SFI against the best other policy, every budget\n\n" + targets(ruler, nll, contexts))
+    for label in labels:
+        print(f"\n#### {label} against the best other policy, every budget\n\n"
+              + targets(ruler, nll, contexts, label))
     if a.plot:
         plot(ruler, nll, contexts, a.plot)
     if a.plot_budgets:

@@ -122,6 +122,19 @@ class SplitCuda(unittest.TestCase):
         self.assertTrue(all(arg(j, "--context") == "16384" for j in gemma))
 
 
+class SfiVariant(unittest.TestCase):
+    def test_every_sfi_job_of_the_plan_runs_sfi_alone_with_the_flags(self):
+        out = tempfile.mkdtemp()
+        full = plan(["--out", out])
+        extra = "--sfi-candidates 2 --sfi-trigger periodic"
+        got = plan(["--out", out, "--sfi-variant", extra])
+        want = sorted(j.name for j in full if "sfi" in j.policies())
+        self.assertEqual(sorted(j.name for j in got), want)
+        for j in got:
+            self.assertEqual(j.policies(), ["sfi"], j.name)
+            self.assertEqual(j.argv[-4:], extra.split(), j.name)
+
+
 class Report(unittest.TestCase):
     def write(self, d, name, recs):
         with open(os.path.join(d, name + ".json"), "w") as f:
@@ -153,6 +166,31 @@ class Report(unittest.TestCase):
         _, avgs = cr.ruler_table(ruler, "smollm2-135m", 4096, "code")
         self.assertEqual(avgs[("full" + cr.GPU, None)], 100.0)
         self.assertEqual(avgs[("sfi" + cr.GPU, 0.1)], 50.0)
+
+    def test_a_variant_takes_its_delta_from_its_own_full_kv(self):
+        base, var = tempfile.mkdtemp(), tempfile.mkdtemp()
+        rec = {"retained_fraction": 0.2}
+        self.write(base, "nll-gemma3-270m-8192-code-0.2-full", [dict(rec, policy="full", nll=1.0)])
+        self.write(base, "nll-gemma3-270m-8192-code-0.2-sfi", [dict(rec, policy="sfi", nll=1.25)])
+        self.write(base, "nll-gemma3-270m-8192-code-0.2-quest", [dict(rec, policy="quest", nll=1.2)])
+        self.write(var, "nll-gemma3-270m-8192-code-0.2-sfi", [dict(rec, policy="sfi", nll=1.05)])
+        self.write(var, "nll-gemma3-270m-8192-code-0.2-full", [dict(rec, policy="full", nll=0.99)])
+        order = list(cr.ORDER)
+        try:
+            ruler, nll, agree, passkey = cr.load([base])
+            self.assertEqual(cr.add_variant(f"new={var}", ruler, nll, agree, passkey), "new")
+            self.assertEqual(cr.ORDER[:3], ["full", "sfi", "new"])
+            # Against the variant machine's full KV (0.99), not the plan's (1.0).
+            self.assertAlmostEqual(cr.delta(nll, "gemma3-270m", 8192, "code", 0.2, "new"), 0.06)
+            self.assertAlmostEqual(cr.delta(nll, "gemma3-270m", 8192, "code", 0.2, "sfi"), 0.25)
+            t = cr.targets(ruler, nll, {"gemma3-270m": [8192]}, "new")
+            row = [r for r in t.splitlines() if "| 0.2 |" in r][0]
+            self.assertIn("+0.0600", row)
+            self.assertIn("+0.2000 (quest)", row)  # today's SFI is not among the others
+            with self.assertRaises(SystemExit):
+                cr.add_variant(f"new={var}", ruler, nll, agree, passkey)
+        finally:
+            cr.ORDER[:] = order
 
     def test_an_unknown_cuda_file_is_refused(self):
         d = tempfile.mkdtemp()
