@@ -115,9 +115,15 @@ impl<T: CacheElem> KvPolicy<T> for StreamingPolicy {
 mod tests {
     use super::*;
     use crate::store::LayerSpec;
+    use slowfast_backend::cpu::attention::KvPositions;
 
     fn starts(segs: &[KvSegment<'_, f32>], d: usize) -> Vec<(u32, usize)> {
-        crate::policy::range_runs(segs, d)
+        segs.iter()
+            .map(|s| match s.pos {
+                KvPositions::Range { start } => (start, s.k.len() / d),
+                KvPositions::List(_) => panic!("ranges expected"),
+            })
+            .collect()
     }
 
     /// One layer of capacity 64 holding 40 zero rows of width `d`.

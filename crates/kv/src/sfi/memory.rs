@@ -331,8 +331,7 @@ impl<T: CacheElem> SfiPolicy<T> {
         let bounds = &mut self.page_bounds[l];
         bounds.resize_with(nkv, PageBounds::default);
         for (h, b) in bounds.iter_mut().enumerate() {
-            let rows = store.head(l, h);
-            b.update(|t| rows.k(t), pages * p, p, d);
+            b.update(store.head_slab(l, h).0, pages * p, p, d);
         }
         // The pages of the Selector's first and last candidate positions.
         let forced = [self.cfg.sinks / p, pages - 1];
@@ -433,10 +432,10 @@ impl<T: CacheElem> SfiPolicy<T> {
         let mut row = vec![0.0f32; d];
         let slots = view.map_or(keys, |v| v.last().map_or(0, |&j| j as usize + 1));
         for (h, kn) in cached.iter_mut().enumerate() {
-            let rows = store.head(layer, h);
+            let (kslab, _) = store.head_slab(layer, h);
             kn.truncate(slots);
             for j in kn.len()..slots {
-                T::load(rows.k(j), &mut row);
+                T::load(&kslab[j * d..(j + 1) * d], &mut row);
                 kn.push(l2_norm(&row));
             }
             match view {
@@ -489,13 +488,13 @@ impl<T: CacheElem> SfiPolicy<T> {
         mem.k.clear();
         mem.v.clear();
         for h in 0..nkv {
-            let rows = store.head(layer, h);
+            let (kslab, vslab) = store.head_slab(layer, h);
             let sel = &self.selection.per_head[h];
             for j in (0..sink_slots as u32).chain(sel.iter().copied()) {
                 let (j, s) = (j as usize, slot(j as usize));
                 mem.pos.push(at(j) as u32);
-                mem.k.extend_from_slice(rows.k(s));
-                mem.v.extend_from_slice(rows.v(s));
+                mem.k.extend_from_slice(&kslab[s * d..(s + 1) * d]);
+                mem.v.extend_from_slice(&vslab[s * d..(s + 1) * d]);
             }
         }
         if self.cfg.pool > 1.0 {
@@ -570,8 +569,7 @@ fn page_bounds<T: CacheElem>(mem: &mut LayerMem<T>, nkv: usize, d: usize, page: 
     mem.bounds.resize_with(nkv, PageBounds::default);
     for (h, b) in mem.bounds.iter_mut().enumerate() {
         let first = h * mem.len + mem.sinks;
-        let keys = &mem.k[first * d..(first + sel) * d];
-        b.update(|t| &keys[t * d..(t + 1) * d], sel, page, d);
+        b.update(&mem.k[first * d..(first + sel) * d], sel, page, d);
     }
 }
 
@@ -1031,8 +1029,8 @@ mod tests {
         let mut out = Vec::new();
         KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
         for h in 0..nkv {
-            let [compact, recent @ ..] = out[h].as_slice() else {
-                panic!("segments expected")
+            let [compact, recent] = out[h].as_slice() else {
+                panic!("two segments expected")
             };
             let KvPositions::List(pos) = compact.pos else {
                 panic!("compact segment has a list")
@@ -1041,12 +1039,19 @@ mod tests {
             want.extend(peaks[h].iter().map(|&j| j as u32));
             assert_eq!(pos, &want[..], "head {h}");
             for (i, &j) in pos.iter().enumerate() {
-                let rows = st.head(0, h);
-                assert_eq!(&compact.k[i * d..(i + 1) * d], rows.k(j as usize));
-                assert_eq!(&compact.v[i * d..(i + 1) * d], rows.v(j as usize));
+                let (ks, vs) = st.head_slab(0, h);
+                assert_eq!(
+                    &compact.k[i * d..(i + 1) * d],
+                    &ks[j as usize * d..(j as usize + 1) * d]
+                );
+                assert_eq!(
+                    &compact.v[i * d..(i + 1) * d],
+                    &vs[j as usize * d..(j as usize + 1) * d]
+                );
             }
             // Recent window: page-aligned start (200 - 32 = 168, floor to 16 -> 160) to the end.
-            assert_eq!(crate::policy::range_runs(recent, d), vec![(160, len - 160)]);
+            assert!(matches!(recent.pos, KvPositions::Range { start: 160 }));
+            assert_eq!(recent.k.len(), (len - 160) * d);
         }
     }
 
@@ -1141,8 +1146,7 @@ mod tests {
     #[test]
     fn rerank_fast_step_reads_the_budget() {
         let (nkv, d, len) = (2, 8, 400);
-        // The store holds the decoded token at `len` too (the fast step below reads it).
-        let st = store(nkv, d, len + 1);
+        let st = store(nkv, d, len);
         let mut cfg = SfiConfig::new(4, 32, 64);
         cfg.pool = 2.0;
         cfg.trigger.kind = super::super::trigger::TriggerKind::Off;
@@ -1236,8 +1240,7 @@ mod tests {
             let bounds: Vec<PageBounds> = (0..nkv)
                 .map(|h| {
                     let mut b = PageBounds::default();
-                    let rows = st.head(0, h);
-                    b.update(|t| rows.k(t), rs, page, d);
+                    b.update(st.head_slab(0, h).0, rs, page, d);
                     b
                 })
                 .collect();
@@ -1610,9 +1613,9 @@ mod tests {
             p.observe(&call, 1, &logits, &st);
             assert_eq!(p.norms.len(), nkv * len);
             for h in 0..nkv {
-                let rows = st.head(0, h);
+                let (ks, _) = st.head_slab(0, h);
                 for j in 0..len {
-                    let row = rows.k(j);
+                    let row = &ks[j * d..(j + 1) * d];
                     let want = row.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
                     let got = p.norms[h * len + j] as f64;
                     assert!(
@@ -1670,6 +1673,7 @@ mod tests {
         assert_eq!(KvPolicy::<f32>::capture_rows(&p, &call), 0);
         let mut out = Vec::new();
         KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
-        assert_eq!(crate::policy::range_runs(&out[0], 4), vec![(0, 50)]);
+        assert!(matches!(out[0][0].pos, KvPositions::Range { start: 0 }));
+        assert_eq!(out[0][0].k.len(), 50 * 4);
     }
 }
