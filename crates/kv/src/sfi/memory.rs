@@ -308,8 +308,14 @@ impl<T: CacheElem> SfiPolicy<T> {
     /// sinks' to the recent window's page-aligned start.
     fn candidate_domain(&self, hi: usize) -> (usize, usize) {
         let p = self.cfg.page.max(1);
-        let recent_start = (hi - self.cfg.recent.min(hi)) / p * p;
-        (self.cfg.sinks.div_ceil(p), recent_start / p)
+        (self.cfg.sinks.div_ceil(p), self.recent_start(hi) / p)
+    }
+
+    /// The position where a slow step at `hi` starts the recent window: `recent` keys back,
+    /// rounded down to a page boundary.
+    fn recent_start(&self, hi: usize) -> usize {
+        let p = self.cfg.page.max(1);
+        (hi - self.cfg.recent.min(hi)) / p * p
     }
 
     /// A cheaper slow step's reads (`candidate_step` said `want` pages): bring the page bounds
@@ -408,7 +414,7 @@ impl<T: CacheElem> SfiPolicy<T> {
         let p = self.cfg.page.max(1);
         // Positions: the recent window starts at a page boundary; the sinks are positions
         // [0, sinks). Slots: the first slot at or after each.
-        let recent_start = (hi - self.cfg.recent.min(hi)) / p * p;
+        let recent_start = self.recent_start(hi);
         let (sink_slots, recent_slot) = match &slot_pos {
             None => (self.cfg.sinks.min(recent_start), recent_start),
             Some(sp) => {
