@@ -5,7 +5,7 @@
 # warm, 30 s after a call), then joined and checked against its sha256.
 #
 #   scripts/gpu_default_model.sh stage   # here: .gpu/ (CLI built with --features cuda, the text,
-#                                        # the checksum, this script) and .m1/ ... .m6/ (the parts);
+#                                        # the checksum, this script) and .m1/ ... .m8/ (the parts);
 #                                        # prints the run-tool calls to make, back to back
 #   bash .gpu/gpu_default_model.sh run   # there, after the parts arrived: greedy tokens on the
 #                                        # GPU and the CPU, eval nll and passkey with --device cuda,
@@ -13,8 +13,9 @@
 #   bash .gpu/gpu_default_model.sh run fp8   # there: fp8 KV against bf16 KV (greedy, nll, passkey)
 #   bash .gpu/gpu_default_model.sh run tasks # there: eval agree and ruler with --device cuda
 #   bash .gpu/gpu_default_model.sh run policies # there: snapkv, pyramidkv and quest with --device cuda
+#   bash .gpu/gpu_default_model.sh run cand  # there: SFI's cheaper slow step (nll, passkey, ruler)
 #   bash .gpu/gpu_default_model.sh run compare  # there, from the repository root, after SmolLM2's
-#                                        # parts (.m7 ... .m9) too: the rest of issue 21's policy
+#                                        # parts (.m9 ... .m11) too: the rest of issue 21's policy
 #                                        # comparison (scripts/compare_policies.py), GPU policies
 #                                        # on the GPU, the others on the CPU cores beside it;
 #                                        # detached, so a later call with the same arguments waits
@@ -32,24 +33,25 @@ case "${1:-}" in
     [ -f data/texts/rust_serde_json.txt ] || scripts/get_code_text.sh
     cargo build --release -p slowfast --features cuda
     S="${SLOWFAST_HOME:-$HOME/.cache/slowfast}/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-    for d in .gpu .m1 .m2 .m3 .m4 .m5 .m6 .m7 .m8 .m9; do
+    for d in .gpu .m1 .m2 .m3 .m4 .m5 .m6 .m7 .m8 .m9 .m10 .m11; do
       grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
     done
-    rm -rf .gpu .m1 .m2 .m3 .m4 .m5 .m6 .m7 .m8 .m9 && mkdir -p .gpu
+    rm -rf .gpu .m1 .m2 .m3 .m4 .m5 .m6 .m7 .m8 .m9 .m10 .m11 && mkdir -p .gpu
     cp target/release/slowfast .gpu/ && strip --strip-debug .gpu/slowfast
     cp data/texts/austen_prideprejudice.txt data/texts/rust_serde_json.txt scripts/gpu_default_model.sh .gpu/
     sha256sum "$M" | cut -c1-64 > .gpu/model.sha256
-    split -b 42200000 -d -a 1 "$M" /tmp/slowfast-part.
-    for i in 0 1 2 3 4 5; do mkdir -p ".m$((i + 1))" && mv "/tmp/slowfast-part.$i" ".m$((i + 1))/p"; done
-    if [ -f "$S" ]; then  # SmolLM2 for `run compare`, in three parts (.m7 ... .m9)
+    # parts of 34 MB: with the repository's tree (27 MB in December 2026) under a call's 64 MiB
+    split -b 34000000 -d -a 1 "$M" /tmp/slowfast-part.
+    for i in 0 1 2 3 4 5 6 7; do mkdir -p ".m$((i + 1))" && mv "/tmp/slowfast-part.$i" ".m$((i + 1))/p"; done
+    if [ -f "$S" ]; then  # SmolLM2 for `run compare`, in three parts (.m9 ... .m11)
       sha256sum "$S" | cut -c1-64 > .gpu/smollm2.sha256
       split -b 33000000 -d -a 1 "$S" /tmp/slowfast-part.
-      for i in 0 1 2; do mkdir -p ".m$((i + 7))" && mv "/tmp/slowfast-part.$i" ".m$((i + 7))/p"; done
+      for i in 0 1 2; do mkdir -p ".m$((i + 9))" && mv "/tmp/slowfast-part.$i" ".m$((i + 9))/p"; done
     fi
     cat <<'CALLS'
 # run tool, one call after the other (each within 30 s of the last):
 #   carry [".gpu"]: mkdir -p /tmp/carry && cp -r .gpu /tmp/carry/
-#   carry [".m1"]:  cp .m1/p /tmp/carry/m1        (and so on for .m2 ... .m6, and .m7 ... .m9
+#   carry [".m1"]:  cp .m1/p /tmp/carry/m1        (and so on for .m2 ... .m8, and .m9 ... .m11
 #                                                  for `run compare`)
 #   then:           bash /tmp/carry/.gpu/gpu_default_model.sh run
 CALLS
@@ -71,13 +73,13 @@ CALLS
       cat "$@" > "$f.part" && mv "$f.part" "$f"
       echo "$(cat "$sum")  $f" | sha256sum -c - || exit 3
     }
-    join $M $C/.gpu/model.sha256 $C/m1 $C/m2 $C/m3 $C/m4 $C/m5 $C/m6
+    join $M $C/.gpu/model.sha256 $C/m1 $C/m2 $C/m3 $C/m4 $C/m5 $C/m6 $C/m7 $C/m8
     B=$C/.gpu/slowfast
     T=$C/.gpu/austen_prideprejudice.txt
     P="It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a"
     if [ "${2:-}" = compare ]; then
       S=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-      join $S $C/.gpu/smollm2.sha256 $C/m7 $C/m8 $C/m9
+      join $S $C/.gpu/smollm2.sha256 $C/m9 $C/m10 $C/m11
       W=/tmp/compare
       mkdir -p $W
       if ! pgrep -f "$START/scripts/compare_policies.py run" > /dev/null; then
@@ -121,6 +123,26 @@ CALLS
       $B eval --device cuda -m $M --task passkey -i $T --context 8192 --passkey-trials 3 --passkey-depths 0.1,0.5,0.9 \
         --seed 1 --policies full,snapkv,pyramidkv,quest --kv-budget 0.2 --json "$OUT/pk-snap.json" > "$OUT/pk-snap.md" 2> "$OUT/pk-snap.err"
       cat "$OUT"/nll-*-snap.md "$OUT/pk-snap.md"
+      tail -n 3 "$OUT"/*.err
+      exit 0
+    fi
+    if [ "${2:-}" = cand ]; then
+      # SFI's cheaper slow step on the GPU (issue 27) against the CPU's numbers in docs/results.md
+      # ("A cheaper slow step"): nll on prose and code at 8K and 20 %, today's SFI and the new
+      # one (--sfi-candidates 2, a slow step every 6), then passkey and RULER with the new one
+      NEW="--sfi-candidates 2 --sfi-trigger periodic --sfi-refresh-interval 6"
+      for t in $T $C/.gpu/rust_serde_json.txt; do
+        n=$(basename $t .txt)
+        $B eval --device cuda -m $M --task nll -i $t --context 8192 --policies full,sfi --kv-budget 0.2 \
+          --json "$OUT/nll-$n-sfi.json" > "$OUT/nll-$n-sfi.md" 2> "$OUT/nll-$n-sfi.err"
+        $B eval --device cuda -m $M --task nll -i $t --context 8192 --policies sfi --kv-budget 0.2 $NEW \
+          --json "$OUT/nll-$n-c2p6.json" > "$OUT/nll-$n-c2p6.md" 2> "$OUT/nll-$n-c2p6.err"
+      done
+      $B eval --device cuda -m $M --task passkey -i $T --context 8192 --passkey-trials 10 --seed 1 \
+        --policies sfi --kv-budget 0.2 $NEW --json "$OUT/pk-c2p6.json" > "$OUT/pk-c2p6.md" 2> "$OUT/pk-c2p6.err"
+      $B eval --device cuda -m $M --task ruler -i $T --context 8192 --ruler-samples 4 --seed 1 \
+        --policies sfi --kv-budget 0.2 $NEW --json "$OUT/ruler-c2p6.json" > "$OUT/ruler-c2p6.md" 2> "$OUT/ruler-c2p6.err"
+      cat "$OUT"/nll-*-sfi.md "$OUT"/nll-*-c2p6.md "$OUT/pk-c2p6.md" "$OUT/ruler-c2p6.md"
       tail -n 3 "$OUT"/*.err
       exit 0
     fi

@@ -154,6 +154,23 @@ PY
         --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b1.json" 2>&1 | tee "$OUT/sfi.log"
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
         --batch "${SB:-6}" --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b${SB:-6}.json" 2>&1 | tee -a "$OUT/sfi.log" ;;
+    cand)
+      # SFI's cheaper slow step (issue 27): today's SFI (dense slow steps every 32 steps a
+      # sequence) against --sfi-candidates 2 with a slow step every 6 ("the new SFI") and
+      # dense slow steps every 6, batches CAND_B (1 6) at CAND_CTX (32k,128k), alternated
+      # CAND_REPS (1) times; CAND_PREFILL: more flags (e.g. --real-prefill 8192 at batch 6)
+      for rep in ${CAND_REPS:-1}; do
+        for b in ${CAND_B:-1 6}; do
+          for v in "dense32:--sfi-refresh-interval 32" "cand6:--sfi-candidates 2 --sfi-trigger periodic --sfi-refresh-interval 6" \
+                   "dense6:--sfi-trigger periodic --sfi-refresh-interval 6"; do
+            name="${v%%:*}"
+            echo "== rep $rep batch $b $name" | tee -a "$OUT/cand.log"
+            .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CAND_CTX:-32k,128k}" \
+              --batch "$b" --new-tokens "$N" --policies sfi --kv-budget "${BUDGET:-2048}" ${v#*:} \
+              ${CAND_PREFILL:-} --json "$OUT/cand-$name-b$b-r$rep.json" 2>&1 | tee -a "$OUT/cand.log" || rc=1
+          done
+        done
+      done ;;
     policies)
       # Every GPU policy in one run (issue 23): full, streaming, sfi, snapkv, pyramidkv, quest
       # (POLS) at batch 1 (PCTX: 8k,32k,128k) and batch PB (6) at the same contexts; budget and

@@ -117,7 +117,7 @@ pub struct PolicyArgs {
     /// docs/results.md for its cost and gain.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub sfi_drift: f64,
-    /// SFI: the cheaper slow step (CPU only; 0, the default, turns it off: a slow step reads
+    /// SFI: the cheaper slow step (CPU and GPU; 0, the default, turns it off: a slow step reads
     /// every key). A slow step reads the sinks' page, the recent window and this many times the
     /// selected tokens in pages of 16, those whose bound on q·k (Quest's key min/max, a key
     /// read a page) is highest for some query head; the Selector picks the memory among them.

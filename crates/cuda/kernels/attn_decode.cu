@@ -27,6 +27,11 @@
 // are clen[b] * cgran of them (clen counts list entries), and the recent part starts no lower
 // than the newest key's page, (len - 1) / cgran * cgran. The list is written by the kernels just
 // before this one, so such a launch waits for them (pdl_wait) before reading anything.
+// VIEW (vmeta != null, SFI's cheaper slow step): a capturing row r = capture[b] - 1 whose
+// vmeta[r * 8] is set reads, instead of every key, the cache pages of its own list
+// vpages[r * vcap ..] (vmeta[r * 8 + 2] entries of vmeta[r * 8 + 1] rows, shared by the kv heads)
+// and then [vmeta[r * 8 + 3], len) in place; its scores go to the row's virtual indices, so the
+// score row holds the view in order (sfi_cand_* write the list just before: pdl_wait first).
 struct SparseArgs {
     const bf16* ck;
     const bf16* cv;
@@ -38,6 +43,9 @@ struct SparseArgs {
     u32 lstride;
     const u32* cidx;
     u32 cgran;
+    const u32* vpages = nullptr;
+    const u32* vmeta = nullptr;
+    u32 vcap = 0;
 };
 
 // POST (attn_decode_post_*, dense): the step's q/k/v projection row goes straight in, and
@@ -140,12 +148,22 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     // newest position, the only one the kernel before this one (qkv_post) writes.
     int vend = len;
     float* lrow = nullptr;
-    const u32* cpg = nullptr;  // PAGE LIST: this (sequence, kv head)'s list
+    const u32* cpg = nullptr;  // PAGE LIST: this (sequence, kv head)'s list; VIEW: the row's
+    int cg = (int)sp.cgran;    // rows a list entry
     if constexpr (SPARSE) {
         if (sp.cidx != nullptr) pdl_wait();
         if (sp.logits != nullptr && sp.capture[b] != 0) {
             // A capturing row attends densely (a slow step): its scores index positions.
             lrow = sp.logits + ((u64)(sp.capture[b] - 1) * n_heads + kvh * G + rg * 16) * sp.lstride;
+            if (sp.vmeta != nullptr && sp.vmeta[(u64)(sp.capture[b] - 1) * 8] != 0) {
+                // VIEW: the row's page list, then its recent part.
+                pdl_wait();
+                const u32* m = sp.vmeta + (u64)(sp.capture[b] - 1) * 8;
+                cg = (int)m[1];
+                cpg = sp.vpages + (u64)(sp.capture[b] - 1) * sp.vcap;
+                rlo = (int)min(m[3], (u32)len);
+                n_c = min((int)m[2] * cg, rlo);
+            }
         } else {
             n_c = slot < num_slots ? (int)min(sp.clen[b], sp.ccap) : 0;
             rlo = (int)min(sp.rstart[b], (u32)len);
@@ -205,7 +223,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     }
     // The cache row of compact row jj (< n_c): its index, or its place in the page list.
     auto crow = [&](int jj) -> u64 {
-        return cpg ? (u64)cpg[jj / (int)sp.cgran] * sp.cgran + jj % (int)sp.cgran : (u64)jj;
+        return cpg ? (u64)cpg[jj / cg] * cg + jj % cg : (u64)jj;
     };
     // F8: the caches (and the compact buffers) hold e4m3 bytes, a row D bytes.
     typedef const unsigned char* b8;
@@ -554,8 +572,9 @@ POST_DECODE_ENTRY(attn_decode_post_d256, 256, 2)
              const u32* slots, float* part_o, float* part_ml, u32 n_heads, u32 kv_heads, u32 capacity,    \
              u32 num_slots, float scale_log2, const bf16* ck, const bf16* cv, const u32* clen,            \
              const u32* rstart, u32 ccap, u32 rwin, float* logits, const u32* capture, u32 lstride,       \
-             const u32* cidx, u32 cgran) {                                                              \
-        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride, cidx, cgran};       \
+             const u32* cidx, u32 cgran, const u32* vpages, const u32* vmeta, u32 vcap) {               \
+        SparseArgs sp = {ck, cv, clen, rstart, ccap, rwin, logits, capture, lstride, cidx, cgran,        \
+                         vpages, vmeta, vcap};                                                           \
         attn_decode_impl<D, STAGES, true, false, false, 1, F8>(q, k_cache, v_cache, seq_lens, slots,     \
                                           part_o, part_ml, n_heads,                                      \
                                           kv_heads, capacity, num_slots, 0, 0, scale_log2, sp);          \

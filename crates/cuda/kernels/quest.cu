@@ -182,8 +182,15 @@ extern "C" __global__ void __launch_bounds__(1024)
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (u32 i = threadIdx.x; i < 256; i += T) hist[i] = 0;
         __syncthreads();
-        for (u32 i = threadIdx.x; i < n; i += T)
-            if ((key_at(i) & mask) == prefix) atomicAdd(&hist[(key_at(i) >> shift) & 255], 1u);
+        // warp-aggregated: the keys of a pass share a few bins (the top digit of nearby scores),
+        // so one atomic a bin and warp instead of one a key
+        for (u32 t0 = 0; t0 < n; t0 += T) {
+            const u32 i = t0 + threadIdx.x;
+            const bool ok = i < n && (key_at(i) & mask) == prefix;
+            const u32 bin = ok ? (key_at(i) >> shift) & 255 : 256 + lane;
+            const u32 peers = __match_any_sync(0xffffffffu, bin);
+            if (ok && lane == (u32)(__ffs(peers) - 1)) atomicAdd(&hist[bin], (u32)__popc(peers));
+        }
         __syncthreads();
         if (warp == 0) {
             // lane l holds bins 255 - 8 l .. 248 - 8 l (from the top)

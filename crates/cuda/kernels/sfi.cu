@@ -612,7 +612,9 @@ __device__ __forceinline__ bool sfi_range(const u64* mm, double& mn, double& mx)
     return mx > mn;
 }
 
-// pp[i] = sfi_pos(i, n) for the domain (every layer and head shares it). grid ceil(n / 256), block 256.
+// pp[i] = sfi_pos(i, n) for the domain (every layer and head shares it: the score kernels' pstride
+// 0; a cheaper slow step's view has a prior per layer, sfi_pos_prior_view, pstride n).
+// grid ceil(n / 256), block 256.
 extern "C" __global__ void sfi_pos_prior(double* __restrict__ pp, u32 n, const double* __restrict__ cfgp) {
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) pp[i] = sfi_pos(sfi_cfg(cfgp), i, n);
@@ -623,10 +625,11 @@ extern "C" __global__ void sfi_pos_prior(double* __restrict__ pp, u32 n, const d
 extern "C" __global__ void __launch_bounds__(256)
     sfi_score_part(const double* __restrict__ ev, const float2* __restrict__ stats, const float* __restrict__ norms,
                    const double* __restrict__ pp, double* __restrict__ part, u32 rows, u32 capacity, u32 lo, u32 hi,
-                   const double* __restrict__ cfgp, u32 geo, u32 ns) {
+                   const double* __restrict__ cfgp, u32 geo, u32 ns, u32 pstride) {
     __shared__ double ds[32];
     const SelCfg cfg = sfi_cfg(cfgp);
     const u32 c = blockIdx.x, nch = gridDim.x, h = blockIdx.y, z = blockIdx.z, n = hi - lo;
+    pp += (u64)z * pstride;
     const u64 zh = (u64)z * gridDim.y + h;
     const u32 valid = sfi_valid_rows(stats + zh * rows, rows);
     if (valid == 0) return;  // sfi_score_lambda marks the head; its chunks are not read
@@ -738,10 +741,12 @@ extern "C" __global__ void __launch_bounds__(256)
     sfi_score_fin(const double* __restrict__ ev, const float* __restrict__ norms, const double* __restrict__ pp,
                   const double* __restrict__ hc,
                   double* __restrict__ out, u32* __restrict__ cnt, u64* __restrict__ mm, u32 kv_heads,
-                  u32 capacity, u32 lo, u32 hi, u32 span, const double* __restrict__ cfgp, u32 geo, u32 ns) {
+                  u32 capacity, u32 lo, u32 hi, u32 span, const double* __restrict__ cfgp, u32 geo, u32 ns,
+                  u32 pstride) {
     extern __shared__ double fsm[];
     const SelCfg cfg = sfi_cfg(cfgp);
     const u32 z = blockIdx.y, n = hi - lo, half = cfg.half, lane = threadIdx.x & 31;
+    pp += (u64)z * pstride;
     const u32 c0 = blockIdx.x * span, cn = min(span, n - c0);
     const bool sq = !geo && cfg.alpha == 0.5, nms = half > 0 && cfg.soft_alpha != 0.0;
     const u32 a0 = nms && c0 > half ? c0 - half : (nms ? 0 : c0);

@@ -435,6 +435,16 @@ impl CudaContext {
 
     /// The raw stream `launch` queues on now (the side stream between `side_begin` and
     /// `side_end`), for driver calls that go with those launches.
+    /// Zeroes every byte of `b` on the current stream.
+    pub fn memset_zero<T: GpuElem>(&self, b: &GpuBuffer<T>) -> Result<(), CudaError> {
+        let bytes = b.len() * std::mem::size_of::<T>();
+        // SAFETY: the buffer's own extent, on the stream its users run on.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(b.device_ptr(), 0, bytes, self.current_stream())
+        }
+        .map_err(drv("cuMemsetD8Async"))
+    }
+
     pub(crate) fn current_stream(&self) -> cudarc::driver::sys::CUstream {
         if self.on_side.load(std::sync::atomic::Ordering::Relaxed) {
             self.side.cu_stream()

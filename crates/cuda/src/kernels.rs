@@ -21,6 +21,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("sfi.cu", include_str!("../kernels/sfi.cu")),
     ("snapkv.cu", include_str!("../kernels/snapkv.cu")),
     ("quest.cu", include_str!("../kernels/quest.cu")),
+    ("sfi_cand.cu", include_str!("../kernels/sfi_cand.cu")),
     ("gemv.cu", include_str!("../kernels/gemv.cu")),
     (
         "decode_fused.cu",
@@ -83,6 +84,11 @@ pub const KERNEL_NAMES: &[&str] = &[
     "quest_bounds",
     "quest_score",
     "quest_topk",
+    "sfi_cand_ub",
+    "sfi_cand_score",
+    "sfi_view_norms",
+    "sfi_pos_prior_view",
+    "sfi_view_unmap",
     "sfi_pos_prior",
     "sfi_score_part",
     "sfi_score_lambda",
@@ -140,6 +146,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "sfi_key_norms_f8",
     "quest_bounds_f8",
     "quest_score_f8",
+    "sfi_cand_ub_f8",
 ];
 
 /// The entry point reading the KV caches as `name` does, over e4m3 caches when `fp8` (the

@@ -1789,6 +1789,8 @@ impl GpuDecoder {
             refresh.iter().for_each(|r| flags[r.slot] = true);
             if let Some(sp) = self.sparse.as_mut() {
                 sp.set_capture(&self.ctx, &flags)?;
+                let lens: Vec<usize> = self.slot_len.iter().map(|l| l + 1).collect();
+                sp.plan_views(&self.ctx, &lens)?;
             }
             match self.queue_step(&refresh, staged)? {
                 Some(done) => self.pending.push(PendingRefresh {
@@ -1987,7 +1989,9 @@ impl GpuDecoder {
                 && ctx.decode_post_kernel(&dp, &kv).is_some();
             // Sparse decode steps may run it inside sparse flash-decoding (SLOWFAST_SPARSE_POST).
             let sparse_post = if matches!(mode, Attn::Decode)
-                && sp.as_ref().is_some_and(|s| s.policy.post_in_attention())
+                && sp
+                    .as_ref()
+                    .is_some_and(|s| s.policy.post_in_attention() && !s.reads_views())
                 && ctx.sparse_post_in(fused)
             {
                 let [q_norm, k_norm, inv_freq] = p.check("sparse decode", kv.head_dim)?;

@@ -41,8 +41,9 @@ use crate::error::CudaError;
 use crate::ops::attention::AttnWorkspace;
 use crate::ops::quest::{QuestArgs, QuestPages, QuestScratch, QUEST_FRESH};
 use crate::ops::sfi::{
-    GatherArgs, SelectArgs, SelectorConfig, SelectorScratch, SparseDecode, SparsePost,
+    GatherArgs, SelectArgs, SelectView, SelectorConfig, SelectorScratch, SparseDecode, SparsePost,
 };
+use crate::ops::sfi_cand::{CandPick, ViewPlan, VMETA};
 use crate::ops::snapkv::{SnapArgs, SnapScratch};
 use crate::ops::KvLayout;
 use slowfast_kv::pyramid::pyramid_budgets;
@@ -61,6 +62,10 @@ pub struct GpuSfiConfig {
     /// Selector runs on a second stream, overlapped with that many fast steps that keep the
     /// previous memory; 0 refreshes in order, within the slow step (the CPU's SFI).
     pub refresh_lag: usize,
+    /// The cheaper slow step (`SfiConfig::candidates`, 0 = off): a slow step reads the sinks'
+    /// pages, the recent window and `candidates x selected` tokens' worth of the pages with
+    /// the highest Quest bound, and the Selector chooses among them (kernels/sfi_cand.cu).
+    pub candidates: f32,
 }
 
 /// SnapKV (PyramidKV with `pyramid_beta`) on the GPU: the CPU policy's knobs
@@ -151,8 +156,17 @@ impl GpuKvPolicy {
             GpuKvPolicy::Full => "full KV".into(),
             GpuKvPolicy::Streaming { sinks, recent } => format!("{sinks} sinks + {recent} recent"),
             GpuKvPolicy::Sfi(c) => format!(
-                "{} sinks + {} selected + {} recent (page {}, {} bootstrap rows)",
-                c.sinks, c.selected, c.recent, c.page, c.bootstrap_rows
+                "{} sinks + {} selected + {} recent (page {}, {} bootstrap rows{})",
+                c.sinks,
+                c.selected,
+                c.recent,
+                c.page,
+                c.bootstrap_rows,
+                if c.candidates > 0.0 {
+                    format!(", slow steps over {}x candidates", c.candidates)
+                } else {
+                    String::new()
+                }
             ),
             GpuKvPolicy::Snap(c) => format!(
                 "{} kept a layer{} with a {}-token window (pooling {})",
@@ -300,6 +314,40 @@ pub(crate) struct SparseState {
     step_splits: usize,
     /// Memory refreshes so far (one per slot and forward, all layers together).
     pub refreshes: usize,
+    /// SFI's cheaper slow step (`GpuSfiConfig::candidates` > 0).
+    cand: Option<Cand>,
+}
+
+/// SFI's cheaper slow step (kernels/sfi_cand.cu, the CPU rule in `slowfast_kv::sfi::candidates`).
+struct Cand {
+    /// Page geometry and every global layer's page bounds `[ng, layer_elems]` (Quest's layout).
+    pg: QuestPages,
+    bounds: GpuBuffer<bf16>,
+    /// Per slot: the pages whose bounds hold (all global layers alike).
+    bounds_len: Vec<usize>,
+    /// Candidate pages picked a slow step, the sinks' pages, and a row's page-list room.
+    want: usize,
+    first: usize,
+    vcap: usize,
+    /// Scratch of the pick: `[cap_rows, n_heads, maxp]`, `[ng, cap_rows, n_heads]` (every
+    /// layer's, zeroed once a slow step), `[cap_rows, maxp]`, `[cap_rows]` x 2.
+    ub: GpuBuffer<f32>,
+    best: GpuBuffer<u32>,
+    scores: GpuBuffer<f32>,
+    cnt: GpuBuffer<u32>,
+    mcount: GpuBuffer<u32>,
+    /// The page lists `[ng, cap_rows, vcap]` and the rows' plans `[cap_rows, VMETA]`.
+    vpages: GpuBuffer<u32>,
+    vmeta: GpuBuffer<u32>,
+    /// The current capture's plans, by capture row (None: that row reads densely).
+    plans: Vec<Option<ViewPlan>>,
+    /// Key norms in view order for the Selector `[ng, kv_heads, vmax]`.
+    norms_v: GpuBuffer<f32>,
+    vmax: usize,
+    /// The split count of a step whose capturing rows all read views: the fast step's rule
+    /// for the longest view (a dense capturing row's count would cut every row's few keys
+    /// into blocks of a tile or less).
+    splits: usize,
 }
 
 /// One slot's compact memory (SFI's, SnapKV's) on every global layer, as the fast step reads it (see
@@ -494,6 +542,41 @@ impl SparseState {
             _ => None,
         };
         let cap_rows = ns.min(CAPTURE_ROWS);
+        let mut sel = sel;
+        let cand = match sfi {
+            Some(c) if c.candidates > 0.0 => {
+                let pg = QuestPages::new(kv, c.page)?;
+                let first = c.sinks.div_ceil(c.page);
+                // the CPU's count (`SfiPolicy::candidate_step`)
+                let want =
+                    (c.candidates as f64 * c.selected as f64 / c.page as f64).ceil() as usize;
+                let vcap = first + want.max(1);
+                let vmax = (vcap * c.page + c.recent + c.page).min(kv.capacity);
+                if let Some(sel) = sel.as_mut() {
+                    sel.reserve_view(ctx, vmax)?;
+                }
+                Some(Cand {
+                    pg,
+                    bounds: ctx.alloc(ng * pg.layer_elems(kv))?,
+                    bounds_len: vec![0; ns],
+                    want: want.max(1),
+                    first,
+                    vcap,
+                    ub: ctx.alloc(cap_rows * n_heads * pg.maxp)?,
+                    best: ctx.alloc(ng * cap_rows * n_heads)?,
+                    scores: ctx.alloc(cap_rows * pg.maxp)?,
+                    cnt: ctx.alloc(cap_rows)?,
+                    mcount: ctx.alloc(cap_rows)?,
+                    vpages: ctx.alloc(ng * cap_rows * vcap)?,
+                    vmeta: ctx.alloc(cap_rows * VMETA)?,
+                    plans: Vec::new(),
+                    norms_v: ctx.alloc(ng * kv.kv_heads * vmax)?,
+                    vmax,
+                    splits: fast_step_splits(ctx.sparse_splits(ns, n_heads, &kv), vmax),
+                })
+            }
+            _ => None,
+        };
         let logits_rows = match policy {
             GpuKvPolicy::Sfi(_) => (ng * cap_rows).max(boot),
             GpuKvPolicy::Snap(_) => boot,
@@ -542,6 +625,7 @@ impl SparseState {
                 .collect(),
             step_splits: fast_splits,
             refreshes: 0,
+            cand,
         }))
     }
 
@@ -607,7 +691,69 @@ impl SparseState {
         }
         self.step_splits = self.cap_splits[slots.len().min(self.num_slots)];
         self.cap_slots = slots;
+        if let Some(c) = self.cand.as_mut() {
+            c.plans.clear();
+        }
         ctx.upload_into(&v, &mut self.capture)
+    }
+
+    /// SFI's cheaper slow step: plans the views of this decode step's capturing slots (after
+    /// `set_capture`; `lens[s]` = slot s's length with this step's token). A slot reads a view
+    /// when it has a memory and some candidate page would be left out (the CPU's
+    /// `SfiPolicy::candidate_step`), else densely. Returns whether any slot reads a view.
+    pub fn plan_views(&mut self, ctx: &CudaContext, lens: &[usize]) -> Result<bool, CudaError> {
+        let Some(c) = self.sfi() else {
+            return Ok(false);
+        };
+        let rs: Vec<usize> = self
+            .cap_slots
+            .iter()
+            .map(|&s| self.recent_start(lens[s]))
+            .collect();
+        let Some(cd) = self.cand.as_mut() else {
+            return Ok(false);
+        };
+        let p = c.page;
+        cd.plans = self
+            .cap_slots
+            .iter()
+            .zip(rs)
+            .map(|(&s, recent_start)| {
+                let pages = recent_start / p;
+                (self.has_mem[s] && cd.first + cd.want < pages).then_some(ViewPlan {
+                    batch_row: s,
+                    page: p,
+                    first: cd.first,
+                    pages,
+                    want: cd.want,
+                    recent_start,
+                    fresh: cd.bounds_len[s].min(pages),
+                })
+            })
+            .collect();
+        let meta: Vec<u32> = (0..self.cap_rows)
+            .flat_map(|r| ViewPlan::vmeta(cd.plans.get(r).and_then(|p| p.as_ref())))
+            .collect();
+        ctx.upload_into(&meta, &mut cd.vmeta)?;
+        let any = cd.plans.iter().any(Option::is_some);
+        if any {
+            ctx.memset_zero(&cd.best)?;
+            if cd.plans.iter().all(Option::is_some) {
+                self.step_splits = cd.splits;
+            }
+        }
+        for p in cd.plans.iter().flatten() {
+            cd.bounds_len[p.batch_row] = p.pages;
+        }
+        Ok(any)
+    }
+
+    /// Whether this decode step's capturing rows read views: the step's query is then needed
+    /// before attention (the page pick), so q/k post-processing runs first.
+    pub fn reads_views(&self) -> bool {
+        self.cand
+            .as_ref()
+            .is_some_and(|c| c.plans.iter().any(Option::is_some))
     }
 
     /// The score row of capturing slot `slot` (its place among the capturing slots).
@@ -628,6 +774,9 @@ impl SparseState {
     /// Forgets slot `s`'s memory (a new sequence): dense until its next refresh.
     pub fn reset_slot(&mut self, ctx: &CudaContext, s: usize) -> Result<(), CudaError> {
         self.norm_len[s] = 0;
+        if let Some(c) = self.cand.as_mut() {
+            c.bounds_len[s] = 0;
+        }
         self.has_mem[s] = false;
         self.refreshed_len[s] = 0;
         self.snap_off[s] = 0.0;
@@ -656,6 +805,9 @@ impl SparseState {
             return self.reset_slot(ctx, s);
         }
         self.norm_len[s] = self.norm_len[s].min(len);
+        if let Some(c) = self.cand.as_mut() {
+            c.bounds_len[s] = c.bounds_len[s].min(len / c.pg.page);
+        }
         Ok(())
     }
 
@@ -734,6 +886,9 @@ impl SparseState {
             }
         }
         self.norm_len[to] = self.norm_len[from];
+        if let Some(c) = self.cand.as_mut() {
+            c.bounds_len[to] = 0; // recomputed at its first cheaper slow step
+        }
         self.has_mem[to] = self.has_mem[from];
         self.refreshed_len[to] = self.refreshed_len[from];
         self.snap_off[to] = self.snap_off[from];
@@ -808,6 +963,39 @@ impl SparseState {
             }
             _ => (kc.device_ptr(), vc.device_ptr(), kv.capacity, 0),
         };
+        // SFI's cheaper slow step: the capturing rows' page lists of this layer first.
+        let (mut vpages, mut vmeta, mut vcap) = (0, 0, 0);
+        if let (true, Some(cd), Some(c)) = (capture, self.cand.as_ref(), self.sfi()) {
+            if cd.plans.iter().any(Option::is_some) {
+                if post.is_some() {
+                    return Err(CudaError::bad(
+                        "sparse decode",
+                        "a cheaper slow step picks pages with the step's query: qkv_post runs first",
+                    ));
+                }
+                let vp = cd.vpages.device_ptr() + (gi * self.cap_rows * cd.vcap * 4) as u64;
+                let a = CandPick {
+                    q,
+                    k_cache: kc.device_ptr(),
+                    bounds: cd.bounds.device_ptr() + (gi * cd.pg.layer_elems(kv) * 2) as u64,
+                    slots,
+                    vmeta: cd.vmeta.device_ptr(),
+                    n_heads,
+                    cap_rows: self.cap_rows,
+                    maxp: cd.pg.maxp,
+                    forced0: c.sinks / c.page,
+                    ub: cd.ub.device_ptr(),
+                    best: cd.best.device_ptr() + (gi * self.cap_rows * n_heads * 4) as u64,
+                    scores: cd.scores.device_ptr(),
+                    cnt: cd.cnt.device_ptr(),
+                    mcount: cd.mcount.device_ptr(),
+                    vpages: vp,
+                    vcap: cd.vcap,
+                };
+                ctx.sfi_cand_pick(kv, &a)?;
+                (vpages, vmeta, vcap) = (vp, cd.vmeta.device_ptr(), cd.vcap);
+            }
+        }
         let ls = self.cap_rows * n_heads * kv.capacity * 4;
         let p = SparseDecode {
             batch,
@@ -838,6 +1026,9 @@ impl SparseState {
             post,
             cidx,
             cgran,
+            vpages,
+            vmeta,
+            vcap,
         };
         // The partials at the most splits any step uses, from the first step on: a later
         // capturing step must not reallocate what a captured fast-step graph points at.
@@ -899,6 +1090,9 @@ impl SparseState {
             post: None,
             cidx: 0,
             cgran: 1,
+            vpages: 0,
+            vmeta: 0,
+            vcap: 0,
         };
         ctx.attn_sparse_decode(kc, vc, kv, ws, &p)?;
         if self.snap().is_some() {
@@ -988,6 +1182,10 @@ impl SparseState {
                 break;
             }
         }
+        // The views were this step's: the next steps run q/k post-processing where they would.
+        if let Some(c) = self.cand.as_mut() {
+            c.plans.clear();
+        }
         if !staged {
             return res.map(|_| None);
         }
@@ -1044,6 +1242,15 @@ impl SparseState {
     ) -> Result<(), CudaError> {
         let recent_start = self.recent_start(r.len);
         let geom = self.gather_geom();
+        // A decode slow step that read a view (SFI's cheaper slow step): its plan.
+        let plan = match (&self.cand, r.boot_row0) {
+            (Some(cd), None) => self
+                .cap_slots
+                .iter()
+                .position(|&s| s == r.slot)
+                .and_then(|row| cd.plans.get(row).copied().flatten().map(|p| (row, p))),
+            _ => None,
+        };
         let (Some(c), Some((ck, cv)), Some(norms), Some(sel)) =
             (self.sfi(), &self.compact, &self.norms, self.sel.as_mut())
         else {
@@ -1058,7 +1265,7 @@ impl SparseState {
         ctx.sfi_stage(sel, 0, || {
             ctx.sfi_key_norms(kptrs, layers, kv, r.slot, p0, r.len, slot_norms, nls)
         })?;
-        let a = SelectArgs {
+        let mut a = SelectArgs {
             layers,
             logits,
             lstride: kv.capacity,
@@ -1071,8 +1278,43 @@ impl SparseState {
             norms: slot_norms,
             norm_stride: kv.capacity,
             norm_layer_stride: nls,
+            view: None,
+        };
+        // A view: the captured scores are in view order; the Selector's domain, key norms and
+        // position prior follow it, and its picks go back to positions before the gather.
+        let view = match (plan, &self.cand) {
+            (Some((row, p)), Some(cd)) => {
+                let v = SelectView {
+                    vpages: cd.vpages.device_ptr() + (gi0 * self.cap_rows * cd.vcap * 4) as u64,
+                    row,
+                    cap_rows: self.cap_rows,
+                    vcap: cd.vcap,
+                    entries: p.entries(),
+                    page: p.page,
+                    recent_start: p.recent_start,
+                };
+                let vlen = p.view_len(r.len);
+                let out = &cd.norms_v;
+                ctx.sfi_stage(sel, 0, || {
+                    ctx.sfi_view_norms(kv, layers, &v, vlen, slot_norms, nls, out, cd.vmax)
+                })?;
+                a.recent_start = p.entries() * p.page;
+                a.norms = out.device_ptr();
+                a.norm_stride = cd.vmax;
+                a.norm_layer_stride = kv.kv_heads * cd.vmax;
+                a.view = Some(v);
+                Some(v)
+            }
+            _ => None,
         };
         ctx.sfi_select(&a, sel)?;
+        if let Some(v) = view {
+            let [_, _, picks, mcount] = sel.topk_picks();
+            let k = c.selected;
+            ctx.sfi_stage(sel, 5, || {
+                ctx.sfi_view_unmap(kv.kv_heads, layers, &v, picks, mcount, k)
+            })?;
+        }
         let dst = match (&self.stage, staged) {
             (Some(st), true) => (&st.ck, &st.cv, &st.clen, &st.rstart),
             (None, true) => {

@@ -173,6 +173,9 @@ fn quest_pages_match_cpu_and_decode_reads_them() {
                 post: None,
                 cidx: list,
                 cgran: page,
+                vpages: 0,
+                vmeta: 0,
+                vcap: 0,
             };
             ctx.attn_sparse_decode(&dk, &dv, kv, &mut ws, &p).unwrap();
             let got = to_f64(&ctx.download(&out).unwrap());

@@ -121,6 +121,9 @@ fn sparse_decode_matches_reference() {
                 post: None,
                 cidx: 0,
                 cgran: 1,
+                vpages: 0,
+                vmeta: 0,
+                vcap: 0,
             };
             ctx.attn_sparse_decode(&dk, &dv, kv, &mut ws, &p).unwrap();
             let got = to_f64(&ctx.download(&out).unwrap());
@@ -319,6 +322,9 @@ fn sparse_decode_post_equals_qkv_post_then_sparse_decode() {
                     post: post.then_some(sp),
                     cidx: 0,
                     cgran: 1,
+                    vpages: 0,
+                    vmeta: 0,
+                    vcap: 0,
                 };
                 ctx.attn_sparse_decode(&kc, &vc, kv, &mut ws, &p).unwrap();
                 let b16 = |v: Vec<bf16>| -> Vec<u16> { v.iter().map(|x| x.to_bits()).collect() };
@@ -478,6 +484,7 @@ fn selector_matches_cpu() {
             norms: dn.device_ptr(),
             norm_stride: len,
             norm_layer_stride: nkv * len,
+            view: None,
         };
         // The one-block-per-head kernels, then the split Selector (left on for the gather).
         let (mut sel, mut ms) = (Vec::new(), Vec::new());

@@ -237,11 +237,10 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
             if cfg.selector.nms_shift != 0
                 || cfg.selector.evidence_mass
                 || cfg.pool > 1.0
-                || cfg.drift > 0.0
-                || cfg.candidates > 0.0 =>
+                || cfg.drift > 0.0 =>
         {
             return Err(EngineError::BadInput(
-                "--device cuda: --sfi-nms-shift, --sfi-evidence-mass, --sfi-pool, --sfi-drift and --sfi-candidates are not on the GPU yet (CPU only)".into(),
+                "--device cuda: --sfi-nms-shift, --sfi-evidence-mass, --sfi-pool and --sfi-drift are not on the GPU yet (CPU only)".into(),
             ))
         }
         PolicySpec::Sfi { cfg, .. } => GpuKvPolicy::Sfi(GpuSfiConfig {
@@ -252,6 +251,7 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
             bootstrap_rows: cfg.bootstrap_rows,
             selector: cfg.selector,
             refresh_lag: cfg.async_lag,
+            candidates: cfg.candidates,
         }),
         // SnapKV and PyramidKV: the CPU policy's knobs (FastKV's retention is SnapKV's too, but
         // its prefill propagation is not on the GPU)

@@ -454,6 +454,7 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
             bootstrap_rows: 16,
             selector,
             refresh_lag: 0,
+            candidates: 0.0,
         };
         sfi.set_policy(GpuKvPolicy::Sfi(cfg)).unwrap();
         let worst = decode_pair(&mut full, &mut sfi, &prompt, steps, &[1, 2]);
@@ -467,6 +468,107 @@ fn sfi_with_the_whole_domain_equals_full_kv() {
         assert!(
             worst < 0.15,
             "SFI holding every key (qkv_post inside: {post}) differs from full KV by {worst}"
+        );
+    });
+}
+
+/// SFI's cheaper slow step in the decoder (three slots, one too short for a view): with a
+/// factor that covers every candidate page the slow steps stay dense and the logits equal
+/// plain SFI's bit for bit; with factor 2 the slow steps come as asked, read views (the logits
+/// leave plain SFI's after the first cheap slow step), stay finite, and the fast steps after
+/// them replay a captured graph bit for bit like plain launches; both ways of the sparse step's
+/// q/k/v post-processing.
+#[test]
+fn sfi_cheaper_slow_steps_read_views_and_keep_their_schedule() {
+    let Some(ctx) = gpu("sfi_cheaper_slow_steps_read_views_and_keep_their_schedule") else {
+        return;
+    };
+    use slowfast_cuda::{GpuKvPolicy, GpuSfiConfig};
+    let m = qwen3_06b();
+    let v = m.cfg.vocab_size;
+    let lens = [1500, 900, 260];
+    let (steps, ask) = (14, [3, 8]);
+    let cap = 1500 + steps + 2;
+    let sfi = |candidates: f32| {
+        GpuKvPolicy::Sfi(GpuSfiConfig {
+            sinks: 4,
+            recent: 64,
+            selected: 96,
+            page: 16,
+            bootstrap_rows: 16,
+            selector: default_selector(),
+            refresh_lag: 0,
+            candidates,
+        })
+    };
+    each_sparse_post(&ctx, |post| {
+        let dec = |candidates: f32| {
+            let mut d = load_decoder(ctx.clone(), &m, lens.len(), cap, 128).unwrap();
+            d.set_policy(sfi(candidates)).unwrap();
+            for (s, &n) in lens.iter().enumerate() {
+                d.prefill(s, &tokens(n, v, 0xC0DE + s as u64), false)
+                    .unwrap();
+            }
+            d.begin_decode().unwrap();
+            d
+        };
+        // plain SFI, every page a candidate (dense slow steps), views, views replayed
+        let mut runs = [dec(0.0), dec(1000.0), dec(2.0), dec(2.0)];
+        let mut left_plain = false;
+        for (i, &t) in tokens(steps, v, 0x5EED).iter().enumerate() {
+            let next: Vec<u32> = (0..lens.len() as u32).map(|k| t ^ k).collect();
+            for (r, d) in runs.iter_mut().enumerate() {
+                d.set_next(&next).unwrap();
+                if ask.contains(&i) {
+                    (0..lens.len()).for_each(|s| d.request_refresh(s).unwrap());
+                }
+                d.decode_step().unwrap();
+                if r == 3 && i == 1 {
+                    d.capture_decode().unwrap();
+                }
+            }
+            let l: Vec<Vec<f32>> = runs.iter().map(|d| d.logits().unwrap()).collect();
+            let what = format!("post inside {post}, step {i}");
+            assert!(
+                l[2].iter().all(|x| x.is_finite()),
+                "{what}: views gave non-finite logits"
+            );
+            assert_eq!(
+                l[0], l[1],
+                "{what}: slow steps over every page differ from dense ones"
+            );
+            assert_eq!(
+                l[2], l[3],
+                "{what}: replayed fast steps after views differ from plain ones"
+            );
+            let refreshed = if ask.contains(&i) {
+                vec![0, 1, 2]
+            } else {
+                Vec::new()
+            };
+            assert_eq!(
+                runs[2].last_refreshed(),
+                &refreshed[..],
+                "{what}: slots refreshed"
+            );
+            if i >= ask[0] {
+                left_plain |= l[2] != l[0];
+                eprintln!(
+                    "{what}: views vs dense slow steps, logits error {:.4}",
+                    row_err(&l[2], &l[0])
+                );
+            } else {
+                assert_eq!(
+                    l[2], l[0],
+                    "{what}: before any slow step the memories are the bootstrap's"
+                );
+            }
+        }
+        assert!(left_plain, "post inside {post}: no slow step read a view");
+        assert_eq!(
+            runs[2].step_counts().0,
+            runs[0].step_counts().0,
+            "slow steps"
         );
     });
 }
@@ -626,6 +728,7 @@ fn sfi_slow_steps_past_the_score_rows_wait_a_step() {
         bootstrap_rows: 16,
         selector: default_selector(),
         refresh_lag: 0,
+        candidates: 0.0,
     };
     let prompts: Vec<Vec<u32>> = (0..ns)
         .map(|s| tokens(400 + 37 * s, m.cfg.vocab_size, 0x600 + s as u64))
@@ -697,11 +800,13 @@ fn async_refresh_publishes_the_in_order_memory() {
         bootstrap_rows: 16,
         selector,
         refresh_lag: 0,
+        candidates: 0.0,
     };
     let dec = |lag: usize| {
         let mut d = load_decoder(ctx.clone(), &m, 1, cap, 128).unwrap();
         d.set_policy(GpuKvPolicy::Sfi(GpuSfiConfig {
             refresh_lag: lag,
+            candidates: 0.0,
             ..cfg
         }))
         .unwrap();
@@ -1124,6 +1229,7 @@ fn decode_alike(
         bootstrap_rows: 8,
         selector: default_selector(),
         refresh_lag: 0,
+        candidates: 0.0,
     });
     for (round, policy) in [slowfast_cuda::GpuKvPolicy::Full, sfi]
         .into_iter()

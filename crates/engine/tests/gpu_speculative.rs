@@ -51,6 +51,7 @@ fn small_sfi() -> GpuKvPolicy {
         bootstrap_rows: 16,
         selector: slowfast_cuda::ops::sfi::SelectorConfig::default(),
         refresh_lag: 0,
+        candidates: 0.0,
     })
 }
 

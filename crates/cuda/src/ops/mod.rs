@@ -8,6 +8,7 @@ pub mod norm;
 pub mod quest;
 pub mod sampling;
 pub mod sfi;
+pub mod sfi_cand;
 pub mod snapkv;
 
 use crate::error::CudaError;

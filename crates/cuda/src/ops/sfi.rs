@@ -200,8 +200,9 @@ impl SelectorScratch {
         })
     }
 
-    /// (scores, finite counts, chosen positions, counts m) for `sfi_topk`.
-    fn topk_picks(&self) -> [u64; 4] {
+    /// Device addresses of the top-k's scores, finite counts, picks `[layers, kv_heads, k]`
+    /// and per-layer counts.
+    pub fn topk_picks(&self) -> [u64; 4] {
         [
             self.scores.device_ptr(),
             self.cnt.device_ptr(),
@@ -230,6 +231,23 @@ impl SelectorScratch {
     /// Switches between the split Selector and the one-block-per-head kernels (A/B, tests);
     /// allocates what the chosen one needs. Err when the split one cannot hold the
     /// configuration.
+    /// Room for a cheaper slow step's position prior (one row of `n` keys a layer, the split
+    /// Selector's `pos`); the views need the split Selector.
+    pub fn reserve_view(&mut self, ctx: &CudaContext, n: usize) -> Result<(), CudaError> {
+        let need = self.layers * n.max(1);
+        match self.split.as_mut() {
+            Some(sp) if sp.pos.len() < need => {
+                sp.pos = ctx.alloc(need)?;
+                Ok(())
+            }
+            Some(_) => Ok(()),
+            None => Err(CudaError::bad(
+                "sfi selector",
+                "a cheaper slow step's view needs the split Selector",
+            )),
+        }
+    }
+
     pub fn set_split(&mut self, ctx: &CudaContext, on: bool) -> Result<(), CudaError> {
         let lh = self.layers * self.kv_heads;
         if on && self.split.is_none() {
@@ -288,6 +306,40 @@ pub struct SelectArgs {
     pub norms: u64,
     pub norm_stride: usize,
     pub norm_layer_stride: usize,
+    /// A cheaper slow step's view (SFI's `candidates`): the domain's indices are view indices,
+    /// and the position prior takes their positions. None: index = position.
+    pub view: Option<SelectView>,
+}
+
+/// The view a capturing row of a cheaper slow step read (kernels/sfi_cand.cu): its page list
+/// (`vpages [layers, cap_rows, vcap]`, row `row`, `entries` pages of `page` keys), then its keys
+/// from `recent_start` on. View index j is position `vpages[j / page] * page + j % page` below
+/// `entries * page`, else `recent_start + j - entries * page`.
+#[derive(Clone, Copy, Debug)]
+pub struct SelectView {
+    pub vpages: u64,
+    pub row: usize,
+    pub cap_rows: usize,
+    pub vcap: usize,
+    pub entries: usize,
+    pub page: usize,
+    pub recent_start: usize,
+}
+
+impl SelectView {
+    /// The kernel arguments naming the view: (vpages, row, cap rows, vcap, entries, page,
+    /// recent start).
+    pub(crate) fn args(&self) -> [KArg; 7] {
+        [
+            KArg::P(self.vpages),
+            KArg::U(self.row as u32),
+            KArg::U(self.cap_rows as u32),
+            KArg::U(self.vcap as u32),
+            KArg::U(self.entries as u32),
+            KArg::U(self.page as u32),
+            KArg::U(self.recent_start as u32),
+        ]
+    }
 }
 
 /// The compact-memory gather of `layers` layers of one slot.
@@ -348,6 +400,12 @@ pub struct SparseDecode {
     /// the recent part then starts at the newest key's page. Not with `post`.
     pub cidx: u64,
     pub cgran: usize,
+    /// SFI's cheaper slow step (kernels/sfi_cand.cu): capturing row r reads its view when
+    /// `vmeta [cap_rows, 8]` says so, the page list `vpages + r * vcap` (0 = no views). Not with
+    /// `post`.
+    pub vpages: u64,
+    pub vmeta: u64,
+    pub vcap: usize,
 }
 
 /// What `qkv_post` would do before a sparse decode launch, done inside it: `qkv [batch,
@@ -499,8 +557,20 @@ impl CudaContext {
             KArg::P(p.capture),
             KArg::U(u32_of(OP, "lstride", p.lstride)?),
         ];
+        if p.vmeta != 0 && (p.post.is_some() || p.vpages == 0 || p.logits == 0) {
+            return Err(CudaError::bad(
+                OP,
+                "views need page lists, captured scores and no post-processing",
+            ));
+        }
         if p.post.is_none() {
-            args.extend_from_slice(&[KArg::P(p.cidx), KArg::U(u32_of(OP, "cgran", p.cgran)?)]);
+            args.extend_from_slice(&[
+                KArg::P(p.cidx),
+                KArg::U(u32_of(OP, "cgran", p.cgran)?),
+                KArg::P(p.vpages),
+                KArg::P(p.vmeta),
+                KArg::U(u32_of(OP, "vcap", p.vcap)?),
+            ]);
         }
         if let Some(pp) = p.post {
             args.extend_from_slice(&[
@@ -662,6 +732,12 @@ impl CudaContext {
         if let Some(sp) = &sc.split {
             return self.sfi_select_split(a, sc, sp, n, rows, geo);
         }
+        if a.view.is_some() {
+            return Err(CudaError::bad(
+                OP,
+                "a cheaper slow step's view needs the split Selector",
+            ));
+        }
         let (fa, fb) = match (&sc.fa, &sc.fb) {
             (Some(fa), Some(fb)) => (fa.device_ptr(), fb.device_ptr()),
             _ => {
@@ -773,6 +849,18 @@ impl CudaContext {
         let ns = u32_of(OP, "norm layer stride", a.norm_layer_stride)?;
         let norm_stride = u32_of(OP, "norm_stride", a.norm_stride)?;
         let stream = self.current_stream();
+        // A view's position prior is per layer ([layers, n]); else one row all layers share.
+        let pstride = if a.view.is_some() { n32 } else { 0 };
+        if a.view.is_some() && a.layers * n > sp.pos.len() {
+            return Err(CudaError::bad(
+                OP,
+                format!(
+                    "a view's position prior of {} layers x {n} keys (room for {}; reserve_view)",
+                    a.layers,
+                    sp.pos.len()
+                ),
+            ));
+        }
         // The per-chunk kernels: grid (chunks, kv heads, layers), 256 threads.
         let per_chunk = |name: &'static str, args: &[KArg]| {
             self.launch(name, (nch32, kvh, nl), (256, 1, 1), 0, args)
@@ -782,13 +870,27 @@ impl CudaContext {
             // and chunks), on the stream the kernels below run on.
             unsafe { cudarc::driver::result::memset_d8_async(zero, 0, zero_bytes, stream) }
                 .map_err(crate::context::drv("cuMemsetD8Async (sfi selector)"))?;
-            self.launch(
-                "sfi_pos_prior",
-                (n.div_ceil(256) as u32, 1, 1),
-                (256, 1, 1),
-                0,
-                &[KArg::P(sp.pos.device_ptr()), KArg::U(n32), KArg::P(cfg)],
-            )?;
+            match &a.view {
+                None => self.launch(
+                    "sfi_pos_prior",
+                    (n.div_ceil(256) as u32, 1, 1),
+                    (256, 1, 1),
+                    0,
+                    &[KArg::P(sp.pos.device_ptr()), KArg::U(n32), KArg::P(cfg)],
+                )?,
+                Some(v) => {
+                    let mut args = vec![KArg::P(sp.pos.device_ptr())];
+                    args.extend_from_slice(&v.args());
+                    args.extend_from_slice(&[KArg::U(lo), KArg::U(hi), KArg::P(cfg)]);
+                    self.launch(
+                        "sfi_pos_prior_view",
+                        (n.div_ceil(256) as u32, 1, nl),
+                        (256, 1, 1),
+                        0,
+                        &args,
+                    )?
+                }
+            }
             per_chunk(
                 "sfi_score_part",
                 &[
@@ -804,6 +906,7 @@ impl CudaContext {
                     KArg::P(cfg),
                     KArg::U(geo),
                     KArg::U(ns),
+                    KArg::U(pstride),
                 ],
             )?;
             self.launch(
@@ -843,6 +946,7 @@ impl CudaContext {
                     KArg::P(cfg),
                     KArg::U(geo),
                     KArg::U(ns),
+                    KArg::U(pstride),
                 ],
             )
         })?;
