@@ -4,7 +4,7 @@
 
 use super::elem::KvElem;
 pub(crate) use super::isa::Isa;
-use super::kernels::{pv, qk_cols, qk_rows, scale, softmax_cols, softmax_row, widen};
+use super::kernels::{pv, qk_cols, qk_rows, scale, softmax_cols, softmax_row, widen, NextTile};
 use super::scratch::POOL_TILE;
 pub(crate) use super::scratch::{Scratch, SyncPtr, POOL_PARTIALS, POOL_TASK_OUT};
 use super::simd::{Scalar, Simd};
@@ -282,13 +282,23 @@ unsafe fn run_rows<T: KvElem, S: Simd>(t: &Task<'_, T>, out: &mut [f32], lse: &m
         t.each_q(|r, c, v| qr[r * d + c] = v);
         let q_range = t.q_range();
         let g = t.geo.group;
-        for (seg, a, b, g0) in t.tiles(BK_ROWS) {
+        let mut tiles = t.tiles(BK_ROWS).peekable();
+        while let Some((seg, a, b, g0)) = tiles.next() {
             let nk = b - a;
             let k_range = seg.pos.min_max(a, b);
             if t.mask.all_hidden(q_range, k_range) {
                 t.store_logits(g0, nk, |_, _| f32::NEG_INFINITY);
                 continue;
             }
+            // The next tile's keys, for the prefetches at this tile's end (with a paged cache,
+            // the next KV block rather than the memory after this one).
+            let next = tiles
+                .peek()
+                .map_or(NextTile::NONE, |&(s2, a2, b2, _)| NextTile {
+                    k: s2.k.as_ptr().add(a2 * d),
+                    v: s2.v.as_ptr().add(a2 * d),
+                    n: b2 - a2,
+                });
             qk_rows::<T, S>(
                 qr.as_ptr(),
                 rows,
@@ -298,6 +308,7 @@ unsafe fn run_rows<T: KvElem, S: Simd>(t: &Task<'_, T>, out: &mut [f32], lse: &m
                 s.as_mut_ptr(),
                 BK_ROWS,
                 seg.v.as_ptr().add(a * d),
+                next,
             );
             let nk_pad = nk.div_ceil(S::LANES) * S::LANES;
             for r in 0..rows {
