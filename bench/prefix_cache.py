@@ -2,7 +2,8 @@
 """Prefix-cache benchmark for `slowfast serve`: N requests that share one long system prompt.
 
 Starts the server twice on the same model and flags, once with the prefix cache off
-(--prefix-cache-memory 0) and once with it on (the default), sends the N requests at once
+(--prefix-cache-memory 0) and once with it on (the default), or with --baseline BIN once with
+BIN and once with --slowfast, the cache on in both (two builds compared), sends the N requests at once
 (streaming /v1/completions, greedy, --max-tokens each), and reports per run: time to first token
 (mean, p50, max), the wall time of the burst, prompt tokens prefilled and restored from the cache,
 and the KV bytes (running sequences, at the end of the burst, and the prefix cache) from /metrics.
@@ -51,9 +52,9 @@ def one(port: int, model: str, prompt: str, max_tokens: int, t0: float, out: dic
     out["end"] = time.perf_counter() - t0
 
 
-def run(args, system: str, cache_on: bool) -> dict:
+def run(args, system: str, cache_on: bool, binary: str | None = None) -> dict:
     port = free_port()
-    cmd = [args.slowfast, "serve", "--model", args.model, "--port", str(port),
+    cmd = [binary or args.slowfast, "serve", "--model", args.model, "--port", str(port),
            "--max-batch", str(args.max_batch), "--max-context", str(args.max_context),
            "--max-queue", str(args.requests + 8)]
     if not cache_on:
@@ -104,6 +105,7 @@ def run(args, system: str, cache_on: bool) -> dict:
         ttft = [o["ttft"] for o in outs]
         d = lambda k: after.get(k, 0) - before.get(k, 0)
         return {
+            "label": binary or ("on" if cache_on else "off"),
             "prefix_cache": cache_on,
             "requests": args.requests,
             "ttft_mean_s": statistics.mean(ttft),
@@ -133,21 +135,27 @@ def main() -> int:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-context", type=int, default=9216)
     p.add_argument("--serve-arg", action="append", default=[], help="one more argument for serve (repeatable)")
+    p.add_argument("--baseline", metavar="BIN",
+                   help="compare this slowfast binary against --slowfast, the cache on in both "
+                        "(instead of the cache off against on)")
     p.add_argument("--json", dest="json_out", help="write both runs as JSON here")
     args = p.parse_args()
     words = open(args.system_file, encoding="utf-8", errors="replace").read().split()
     # About 1.3 tokens a word for English prose; trimmed below against the real count.
     system = " ".join(words[: int(args.system_tokens / 1.3)])
-    runs = [run(args, system, False), run(args, system, True)]
+    if args.baseline:
+        runs = [run(args, system, True, args.baseline), run(args, system, True, args.slowfast)]
+    else:
+        runs = [run(args, system, False), run(args, system, True)]
     same = runs[0]["texts"] == runs[1]["texts"]
-    print(f"{'cache':<6} {'TTFT mean':>10} {'p50':>8} {'max':>8} {'wall':>8} {'prefilled':>10} "
+    print(f"{'run':<6} {'TTFT mean':>10} {'p50':>8} {'max':>8} {'wall':>8} {'prefilled':>10} "
           f"{'restored':>9} {'KV peak MB':>11} {'cache MB':>9}")
     for r in runs:
-        print(f"{'on' if r['prefix_cache'] else 'off':<6} {r['ttft_mean_s']:>9.2f}s {r['ttft_p50_s']:>7.2f}s "
+        print(f"{r['label']:<6} {r['ttft_mean_s']:>9.2f}s {r['ttft_p50_s']:>7.2f}s "
               f"{r['ttft_max_s']:>7.2f}s {r['wall_s']:>7.1f}s {r['prefill_tokens']:>10.0f} "
               f"{r['prefix_hit_tokens']:>9.0f} {r['kv_bytes_in_use_peak'] / 1e6:>11.1f} "
               f"{r['prefix_cache_bytes'] / 1e6:>9.1f}")
-    print(f"greedy texts identical with and without the cache: {same}")
+    print(f"greedy texts identical in both runs: {same}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "identical": same, "runs": runs}, f, indent=1)

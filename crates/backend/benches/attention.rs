@@ -1,7 +1,9 @@
 //! Attention kernel benchmark (Instant-based, median of runs): decode of one query row over a
 //! long KV cache (GB/s of KV read) and causal / sliding-window prefill (GFLOP/s), for Qwen3-0.6B
-//! and Gemma 3 270M head shapes, f32 and f16 KV. Run:
-//! `cargo bench -p slowfast-backend --bench attention [-- [decode] [prefill] [bw] [qwen|gemma]]`.
+//! and Gemma 3 270M head shapes, f32 and f16 KV; `paged`: f16 decode over the same cache held
+//! in separately allocated blocks of 16-128 tokens (`[kv_heads, block, head_dim]` each, as
+//! `KvStore` keeps a global layer), one segment a block, beside the contiguous layout. Run:
+//! `cargo bench -p slowfast-backend --bench attention [-- [decode] [paged] [prefill] [bw] [qwen|gemma]]`.
 
 use half::f16;
 use rayon::prelude::*;
@@ -116,6 +118,72 @@ fn decode<T: KvElem>(m: &Model, ctx: usize, dtype: &str, conv: fn(f32) -> T) {
     );
 }
 
+/// f16 decode over `ctx` keys kept contiguous (block 0) or in blocks of `block` tokens, each
+/// block its own allocation; the same values either way.
+fn decode_paged(m: &Model, ctx: usize, block: usize) {
+    let (nkv, d) = (m.n_kv_heads, m.head_dim);
+    let c = cache(m, ctx, f16::from_f32);
+    let blocks: Vec<(Vec<f16>, Vec<f16>)> = (0..ctx.div_ceil(block.max(1)))
+        .filter(|_| block > 0)
+        .map(|b| {
+            let n = block.min(ctx - b * block);
+            let (mut k, mut v) = (
+                vec![f16::ZERO; nkv * block * d],
+                vec![f16::ZERO; nkv * block * d],
+            );
+            for h in 0..nkv {
+                let (src, dst) = ((h * ctx + b * block) * d, h * block * d);
+                k[dst..dst + n * d].copy_from_slice(&c.k[src..src + n * d]);
+                v[dst..dst + n * d].copy_from_slice(&c.v[src..src + n * d]);
+            }
+            (k, v)
+        })
+        .collect();
+    let segs: Vec<Vec<KvSegment<'_, f16>>> = if block == 0 {
+        segments(&c, m, ctx)
+    } else {
+        (0..nkv)
+            .map(|h| {
+                blocks
+                    .iter()
+                    .enumerate()
+                    .map(|(b, (k, v))| {
+                        let n = block.min(ctx - b * block);
+                        let o = h * block * d;
+                        KvSegment {
+                            k: &k[o..o + n * d],
+                            v: &v[o..o + n * d],
+                            pos: KvPositions::Range {
+                                start: (b * block) as u32,
+                            },
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    let q = fill(m.n_heads * d, 3);
+    let mut out = vec![0.0; q.len()];
+    let qp = QueryPositions::Start(ctx as u32 - 1);
+    let t = median_secs(21, || {
+        attention(&shape(m), &q, qp, &segs, Mask::CAUSAL, &mut out, None).unwrap();
+    });
+    let bytes = 2 * nkv * ctx * d * 2;
+    let layout = if block == 0 {
+        "contiguous".to_string()
+    } else {
+        format!("blocks of {block}")
+    };
+    println!(
+        "| paged decode | {} | f16, {layout} | {}K | {:.1} us | {:.1} GB/s | {:.1} GB/s |",
+        m.name,
+        ctx / 1024,
+        t.0 * 1e6,
+        bytes as f64 / t.0 / 1e9,
+        bytes as f64 / t.1 / 1e9
+    );
+}
+
 fn prefill(m: &Model, n: usize, window: Option<u32>) {
     let c = cache(m, n, |x| x);
     let segs = segments(&c, m, n);
@@ -192,7 +260,7 @@ fn main() {
         .filter(|a| !a.starts_with("--"))
         .collect();
     // Positional filters: kinds (bw, decode, prefill) and model names; none given = all.
-    let kinds = ["bw", "decode", "prefill"];
+    let kinds = ["bw", "decode", "paged", "prefill"];
     let (kind_args, model_args): (Vec<&String>, Vec<&String>) =
         args.iter().partition(|a| kinds.contains(&a.as_str()));
     let want = |s: &str| kind_args.is_empty() || kind_args.iter().any(|a| *a == s);
@@ -213,6 +281,16 @@ fn main() {
             for ctx in [8192, 32768] {
                 decode::<f32>(m, ctx, "f32", |x| x);
                 decode::<f16>(m, ctx, "f16", f16::from_f32);
+            }
+        }
+    }
+    if want("paged") {
+        for &m in &models {
+            // 128K keys of Qwen3-0.6B shapes are 512 MiB: more than a large L3 holds.
+            for ctx in [32768, 131072] {
+                for block in [0, 16, 32, 64, 128, 0] {
+                    decode_paged(m, ctx, block);
+                }
             }
         }
     }

@@ -39,9 +39,9 @@ pub struct Args {
     /// CPU's --speculate rounds are batch 1 too).
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
-    /// `--device cuda`: the KV cache in pages mapped as the sequences grow (as `serve --device
-    /// cuda` runs it) instead of allocated whole; same kernels. The CPU's KV always grows on
-    /// demand.
+    /// The KV cache paged as `serve` keeps it instead of allocated whole: with `--device cuda`
+    /// in pages mapped as the sequences grow (same kernels); on the CPU in blocks of 128 tokens
+    /// (`serve --kv-block`'s default) read through block tables.
     #[arg(long)]
     pub paged_kv: bool,
     /// Write the records as a JSON array to this file (with --speculate: an object, `runs`
@@ -96,6 +96,9 @@ pub fn run(a: Args) -> Result<()> {
         repeats: a.repeats,
         policies: a.policies.split(',').map(|p| p.trim().to_owned()).collect(),
         real_prefill: a.real_prefill,
+        kv_block: a
+            .paged_kv
+            .then_some(slowfast_engine::prefix::default_block(a.model.chunk)),
     };
     if a.real_prefill == Some(0) {
         bail!("--real-prefill must be at least 1 (the last prompt tokens run through the model)");
@@ -120,9 +123,6 @@ pub fn run(a: Args) -> Result<()> {
     }
     if a.batch != 1 {
         bail!("--batch: batched decode runs on --device cuda only");
-    }
-    if a.paged_kv {
-        bail!("--paged-kv is for --device cuda (the CPU's KV always grows on demand)");
     }
     let m = a.model.load()?;
     let spec_for = |name: &str, ctx: usize| policy_for(&a, &m, name, ctx);

@@ -62,14 +62,16 @@ pub struct Args {
     pub kv_reserve: bool,
     /// Prefix cache: KV bytes it may hold for reuse by later prompts that start with the same
     /// whole prefill chunks (a shared system prompt is then prefilled once; output is
-    /// unchanged); 0 turns it off. Default: as much as --kv-memory. On the CPU its blocks are
-    /// copies; on the GPU whole 8192-token prefill parts whose KV pages the sequences map and
-    /// share.
+    /// unchanged); 0 turns it off. Default: as much as --kv-memory. On the CPU the sequences
+    /// that start with a cached prefix share its KV blocks (one copy in memory); on the GPU
+    /// whole 8192-token prefill parts whose KV pages the sequences map and share.
     #[arg(long)]
     pub prefix_cache_memory: Option<usize>,
-    /// Tokens a prefix-cache block holds (must divide --chunk).
-    #[arg(long, default_value_t = slowfast_engine::prefix::DEFAULT_PREFIX_BLOCK)]
-    pub prefix_block: usize,
+    /// Tokens a KV block holds on the CPU: the unit in which a sequence's KV grows and in
+    /// which the prefix cache shares it (must divide --chunk). Default: 128, or the largest
+    /// power of two that divides --chunk when 128 does not.
+    #[arg(long, visible_alias = "prefix-block")]
+    pub kv_block: Option<usize>,
     /// Prompt tokens prefilled per scheduler step, between decode steps (at least one
     /// --chunk a step), so running streams keep flowing while a long prompt is read.
     #[arg(long, default_value_t = 512)]
@@ -185,12 +187,21 @@ pub fn run(a: Args) -> Result<()> {
     };
     let device = a.model.device();
     let kv_dtype: KvDtype = a.model.kv();
+    let kv_block = a
+        .kv_block
+        .unwrap_or_else(|| slowfast_engine::prefix::default_block(a.model.chunk));
     // On the GPU, 0: the device sizes its page pool from --gpu-memory-utilization.
     let kv_memory = a.kv_memory.unwrap_or_else(|| match gpu {
         true => 0,
         false => {
             a.max_batch
-                * scheduler::kv_bytes_for(&loaded.model, max_context, a.model.chunk, kv_dtype)
+                * scheduler::kv_bytes_for(
+                    &loaded.model,
+                    max_context,
+                    a.model.chunk,
+                    kv_block,
+                    kv_dtype,
+                )
         }
     });
 
@@ -213,7 +224,7 @@ pub fn run(a: Args) -> Result<()> {
         default_policy,
         draft,
         prefix_cache_bytes,
-        prefix_block: a.prefix_block,
+        prefix_block: kv_block,
     };
     let (handle, _thread) = scheduler::spawn(loaded.clone(), sched_cfg)?;
     let cfg = ServerConfig {

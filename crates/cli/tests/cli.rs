@@ -545,10 +545,6 @@ fn bench_speculate_on_the_cpu_replays_the_acceptance() {
             "--spec-graphs off: verification graphs exist on --device cuda only",
         ),
         (
-            &["--paged-kv"],
-            "--paged-kv is for --device cuda (the CPU's KV always grows on demand)",
-        ),
-        (
             &["--kv-dtype", "fp8"],
             "--kv-dtype fp8 runs on the GPU only (--device cuda)",
         ),
@@ -560,7 +556,7 @@ fn bench_speculate_on_the_cpu_replays_the_acceptance() {
 }
 
 #[test]
-fn serve_refuses_a_prefix_block_that_does_not_divide_the_chunk_and_a_bad_memory_fraction() {
+fn serve_refuses_a_kv_block_that_does_not_divide_the_chunk_and_a_bad_memory_fraction() {
     let dir = fixture("qwen3");
     let m = dir.to_str().unwrap();
     let serve = ["serve", "--model", m, "--port", "0"];
@@ -571,10 +567,13 @@ fn serve_refuses_a_prefix_block_that_does_not_divide_the_chunk_and_a_bad_memory_
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         fails(&args, msg);
     };
-    run(
-        with(&["--prefix-block", "24"]),
-        "block of 24 tokens must divide the prefill chunk of 512 tokens",
-    );
+    // --prefix-block is the old name of --kv-block.
+    for flag in ["--kv-block", "--prefix-block"] {
+        run(
+            with(&[flag, "24"]),
+            "block of 24 tokens must divide the prefill chunk of 512 tokens",
+        );
+    }
     for bad in ["0", "1.5", "NaN"] {
         run(
             with(&["--gpu-memory-utilization", bad]),

@@ -98,7 +98,7 @@ fn quest_pages_match_cpu_and_decode_reads_them() {
                     .map(|x| x.to_f32())
                     .collect();
                 let mut pb = PageBounds::default();
-                pb.update(&keys, len, page, d);
+                pb.update(|t| &keys[t * d..(t + 1) * d], len, page, d);
                 let cpu_s: Vec<f32> = (0..nfull)
                     .map(|p| {
                         (0..g)

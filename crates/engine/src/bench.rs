@@ -23,6 +23,9 @@ pub struct BenchOptions {
     /// Prefill only the last this-many prompt tokens for real (None: all); the KV of the
     /// positions before them is pseudo-random (`Session::fill_synthetic`).
     pub real_prefill: Option<usize>,
+    /// Keep the global layers' KV in blocks of this many tokens, as a CPU server does (None:
+    /// one block of the whole context).
+    pub kv_block: Option<usize>,
 }
 
 /// Makes the policy `name` for a context length.
@@ -201,6 +204,9 @@ fn prefilled<'m>(
 ) -> Result<(Session<'m>, usize, f64), EngineError> {
     let (ctx, name) = (prompt.len(), policy.name());
     let mut sess = Session::try_with_policy(&m.model, cap, o.kv_dtype, o.chunk, policy)?;
+    if let Some(b) = o.kv_block {
+        sess.set_kv_block(b)?;
+    }
     let real = o.real_prefill.unwrap_or(ctx).clamp(1, ctx);
     if real < ctx {
         progress(&format!(

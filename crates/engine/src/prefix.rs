@@ -22,8 +22,16 @@ pub enum PrefixCacheCpu {
     F16(PrefixKv<f16>),
 }
 
-/// Tokens a block of the prefix cache holds, by default.
-pub const DEFAULT_PREFIX_BLOCK: usize = 16;
+/// Tokens a KV block (of a CPU server's sequences and of its prefix cache) holds by default
+/// with prefill chunks of `chunk` tokens: their greatest common divisor
+/// ([`slowfast_kv::KV_BLOCK`], 128, when it divides the chunk).
+pub fn default_block(chunk: usize) -> usize {
+    let (mut a, mut b) = (slowfast_kv::KV_BLOCK, chunk.max(1));
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
 
 impl PrefixCacheCpu {
     /// A cache of at most `bytes` for sessions of `model` with KV in `kv` and prefill chunks
@@ -107,8 +115,8 @@ impl PrefixCacheCpu {
 pub fn check_block(block: usize, chunk: usize) -> Result<(), EngineError> {
     if block == 0 || !chunk.is_multiple_of(block) {
         return Err(EngineError::BadInput(format!(
-            "the prefix cache's block of {block} tokens must divide the prefill chunk of \
-             {chunk} tokens (--prefix-block, --chunk)"
+            "the KV block of {block} tokens must divide the prefill chunk of \
+             {chunk} tokens (--kv-block, --chunk)"
         )));
     }
     Ok(())

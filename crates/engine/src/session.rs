@@ -366,6 +366,16 @@ impl<'m> Session<'m> {
         }
     }
 
+    /// Keep the global layers' KV in blocks of `block` tokens (a server's, to share its prefix
+    /// cache's blocks): only before anything is written.
+    pub fn set_kv_block(&mut self, block: usize) -> Result<(), EngineError> {
+        match &mut self.cache {
+            Cache::F32(c, _) => c.set_block(block),
+            Cache::F16(c, _) => c.set_block(block),
+        }
+        .map_err(|e| EngineError::BadInput(e.to_string()))
+    }
+
     /// KV bytes once positions `[0, len)` are written (the global layers grow on demand).
     pub fn kv_bytes_at(&self, len: usize) -> usize {
         match &self.cache {

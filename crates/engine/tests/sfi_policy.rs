@@ -199,8 +199,8 @@ fn sfi_fastkv_with_budget_at_least_the_context_equals_fastkv_prefill_and_full_de
     let per_slot = 2 * m.cfg.num_key_value_heads * m.cfg.head_dim * 4;
     assert_eq!(
         bytes(&sfi_fastkv(PolicySpec::Full, 0.5)),
-        // Layers 0 and 1 grow on demand: 128 slots hold the 96 prompt tokens.
-        (2 * 128 + 48 + (131 - 96)) * per_slot
+        // Layers 0 and 1 are one block of the session's 131 slots.
+        (2 * 131 + 48 + (131 - 96)) * per_slot
     );
     // FastKV with a retention budget covering everything decodes the same way.
     let fastkv = PolicySpec::FastKv {

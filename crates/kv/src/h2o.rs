@@ -234,13 +234,14 @@ mod tests {
     #[test]
     fn keeps_heavy_hitters_and_recent_then_evicts_each_step() {
         let (nkv, d, cap) = (1, 2, 64);
-        let mut st = KvStore::<f32>::new(
+        let mut st = KvStore::<f32>::with_block(
             nkv,
             d,
             &[LayerSpec {
                 capacity: cap,
                 ring: false,
             }],
+            16,
         );
         let kv: Vec<f32> = (0..10 * d).map(|i| (i / d) as f32).collect();
         st.write(0, 0, &kv, &kv).unwrap();
@@ -256,7 +257,12 @@ mod tests {
         assert_eq!(st.slot_positions(0, 0), vec![3, 6, 8, 9]);
         assert_eq!(p.evicted(), 6);
         // 4 kept + 16 headroom slots instead of 64.
-        assert_eq!(st.nbytes(), full_bytes * 20 / 64);
+        assert_eq!(st.nbytes(), 2 * 20 * nkv * d * 4);
+        assert_eq!(
+            full_bytes,
+            2 * 16 * nkv * d * 4,
+            "10 tokens hold one block of 16"
+        );
         // Decode position 10: it attends strongly to 8, which leaves the recent window now.
         let kv = vec![10.0f32; d];
         st.write(0, 10, &kv, &kv).unwrap();

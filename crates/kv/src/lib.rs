@@ -20,5 +20,8 @@ pub use oracle::{OracleConfig, OraclePolicy};
 pub use policy::{AttnCall, FullPolicy, KvPolicy, PolicyStats, StepCounter};
 pub use quest::QuestPolicy;
 pub use snapkv::{SnapKvConfig, SnapKvPolicy};
-pub use store::{grown_slots, CacheElem, KvError, KvStore, LayerKv, LayerSpec, KV_GROW};
+pub use store::{
+    block_slots, CacheElem, HeadRows, KvBlock, KvError, KvStore, LayerKv, LayerSpec, KV_BLOCK,
+    KV_GROW,
+};
 pub use streaming::StreamingPolicy;

@@ -82,11 +82,11 @@ impl<T: CacheElem> OraclePolicy<T> {
     fn score(&mut self, store: &KvStore<T>, layer: usize, h: usize, hi: usize, lo: usize) {
         let d = store.head_dim;
         let g = self.q.len() / d / store.n_kv_heads;
-        let (keys, _) = store.head_slab(layer, h);
+        let rows = store.head(layer, h);
         self.logits.resize(g * hi, 0.0);
         self.row.resize(d, 0.0);
         for j in 0..hi {
-            T::load(&keys[j * d..(j + 1) * d], &mut self.row);
+            T::load(rows.k(j), &mut self.row);
             for gi in 0..g {
                 let hq = h * g + gi;
                 let q = &self.q[hq * d..(hq + 1) * d];

@@ -245,12 +245,24 @@ pub fn push_range<'s, T: CacheElem>(
     r: Range<usize>,
     out: &mut Vec<KvSegment<'s, T>>,
 ) {
-    out.extend(
-        store
-            .segments(layer, h, r.start, r.end)
-            .into_iter()
-            .flatten(),
-    );
+    store.segments_into(layer, h, r.start, r.end, out);
+}
+
+/// Segments as `(first position, keys)` runs, adjacent position ranges merged (a dense read
+/// of a paged layer is one segment a block); panics on a position list. For tests.
+#[cfg(test)]
+pub(crate) fn range_runs<T>(segs: &[KvSegment<'_, T>], d: usize) -> Vec<(u32, usize)> {
+    let mut out: Vec<(u32, usize)> = Vec::new();
+    for s in segs {
+        let slowfast_backend::cpu::attention::KvPositions::Range { start } = s.pos else {
+            panic!("ranges expected")
+        };
+        match out.last_mut() {
+            Some((a, n)) if *a as usize + *n == start as usize => *n += s.len(d),
+            _ => out.push((start, s.len(d))),
+        }
+    }
+    out
 }
 
 /// The maximal runs of consecutive values of `sorted` (ascending, distinct) as ranges, so that

@@ -24,9 +24,15 @@ pub struct PageBounds {
 }
 
 impl PageBounds {
-    /// Bring the bounds up to date with positions `0 .. hi` of `keys` (`[>= hi, head_dim]`,
-    /// slot = position). The last, partial page is recomputed on every call.
-    pub fn update<T: KvElem>(&mut self, keys: &[T], hi: usize, page: usize, d: usize) {
+    /// Bring the bounds up to date with positions `0 .. hi`, `key(t)` the key at position `t`
+    /// (slot = position). The last, partial page is recomputed on every call.
+    pub fn update<'a, T: KvElem + 'a>(
+        &mut self,
+        key: impl Fn(usize) -> &'a [T],
+        hi: usize,
+        page: usize,
+        d: usize,
+    ) {
         let first_page = self.tokens / page; // possibly partial before
         let pages = hi.div_ceil(page);
         self.min.resize(pages * d, f32::INFINITY);
@@ -39,7 +45,7 @@ impl PageBounds {
             mn.fill(f32::INFINITY);
             mx.fill(f32::NEG_INFINITY);
             for t in p * page..((p + 1) * page).min(hi) {
-                for (i, k) in keys[t * d..(t + 1) * d].iter().enumerate() {
+                for (i, k) in key(t)[..d].iter().enumerate() {
                     let k = k.to_f32();
                     mn[i] = mn[i].min(k);
                     mx[i] = mx[i].max(k);
@@ -149,9 +155,9 @@ impl<T: CacheElem> KvPolicy<T> for QuestPolicy {
         let k_pages = self.pages();
         let mut attended = 0usize;
         for (h, o) in out.iter_mut().enumerate() {
-            let (keys, _) = store.head_slab(l, h);
             let b = &mut self.bounds[l][h];
-            b.update(keys, hi, page, d);
+            let rows = store.head(l, h);
+            b.update(|t| rows.k(t), hi, page, d);
             self.scores.clear();
             for p in 0..n_pages {
                 let s: f32 = (0..group)
@@ -197,7 +203,6 @@ impl<T: CacheElem> KvPolicy<T> for QuestPolicy {
 mod tests {
     use super::*;
     use crate::store::LayerSpec;
-    use slowfast_backend::cpu::attention::KvPositions;
 
     #[test]
     fn page_bounds_bound_every_key_and_are_tight_for_one_key_pages() {
@@ -212,10 +217,10 @@ mod tests {
         let keys: Vec<f32> = (0..50 * d).map(|_| rnd()).collect();
         let q: Vec<f32> = (0..d).map(|_| rnd()).collect();
         let mut b = PageBounds::default();
-        b.update(&keys, 37, 16, d);
-        b.update(&keys, 50, 16, d); // incremental: page 2 recomputed, page 3 new
+        b.update(|t| &keys[t * d..(t + 1) * d], 37, 16, d);
+        b.update(|t| &keys[t * d..(t + 1) * d], 50, 16, d); // incremental: page 2 recomputed, page 3 new
         let mut fresh = PageBounds::default();
-        fresh.update(&keys, 50, 16, d);
+        fresh.update(|t| &keys[t * d..(t + 1) * d], 50, 16, d);
         assert_eq!((&b.min, &b.max), (&fresh.min, &fresh.max));
         for t in 0..50 {
             let dot: f32 = q
@@ -226,7 +231,7 @@ mod tests {
             assert!(b.upper_bound(t / 16, &q) >= dot - 1e-5);
         }
         let mut one = PageBounds::default();
-        one.update(&keys, 3, 1, d);
+        one.update(|t| &keys[t * d..(t + 1) * d], 3, 1, d);
         let dot: f32 = q.iter().zip(&keys[2 * d..3 * d]).map(|(a, b)| a * b).sum();
         assert!((one.upper_bound(2, &q) - dot).abs() < 1e-5);
     }
@@ -255,13 +260,7 @@ mod tests {
         KvPolicy::<f32>::query(&mut p, &call, &[1.0, 0.0, 0.5, 0.0]);
         let mut out = Vec::new();
         KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
-        let got: Vec<(u32, usize)> = out[0]
-            .iter()
-            .map(|s| match s.pos {
-                KvPositions::Range { start } => (start, s.len(d)),
-                KvPositions::List(_) => panic!("pages are ranges"),
-            })
-            .collect();
+        let got = crate::policy::range_runs(&out[0], d);
         // Page 3 (the bound), page 0 (first of the zero-bound ties), page 4 (newest).
         assert_eq!(got, vec![(0, 16), (48, 17)]);
         drop(out);
@@ -277,7 +276,6 @@ mod tests {
         let mut out = Vec::new();
         KvPolicy::<f32>::query(&mut p, &call, &[1.0, 0.0, 0.5, 0.0]);
         KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
-        assert_eq!(out[0].len(), 1);
-        assert_eq!(out[0][0].len(d), 65);
+        assert_eq!(crate::policy::range_runs(&out[0], d), vec![(0, 65)]);
     }
 }

@@ -12,7 +12,6 @@ pub fn keys_per_head<T: CacheElem>(call: &AttnCall, store: &KvStore<T>) -> Vec<u
             store
                 .segments(call.layer, h, call.lo, call.hi())
                 .iter()
-                .flatten()
                 .map(|s| s.len(store.head_dim))
                 .sum()
         })

@@ -206,7 +206,7 @@ mod tests {
             capacity: cap,
             ring: false,
         };
-        let mut st = KvStore::<f32>::new(1, 2, &vec![spec; layers]);
+        let mut st = KvStore::<f32>::with_block(1, 2, &vec![spec; layers], 16);
         let kv: Vec<f32> = (0..len * 2).map(|i| (i / 2) as f32).collect();
         for l in 0..layers {
             st.write(l, 0, &kv, &kv).unwrap();
@@ -264,8 +264,9 @@ mod tests {
             st.slot_positions(0, 0),
             vec![7, 8, 9, 10, 11, 12, 36, 37, 38, 39]
         );
-        // 10 kept + 60 decode headroom; before, the 40 prompt tokens held one growth step.
-        assert_eq!(st.nbytes(), full * 70 / crate::store::KV_GROW);
+        // 10 kept + 60 decode headroom; before, the 40 prompt tokens held three 16-token blocks.
+        assert_eq!(full, 2 * 48 * 2 * 4);
+        assert_eq!(st.nbytes(), 2 * 70 * 2 * 4);
         // Decode reads exactly what is kept plus the new token.
         let kv = vec![0.5f32; 2];
         st.write(0, 40, &kv, &kv).unwrap();

@@ -1,10 +1,16 @@
-//! `KvStore`: per-layer K/V buffers `[kv_heads, capacity, head_dim]`, written in place at each
-//! token's position. Global layers hold every position (slot = position) and allocate on demand
-//! (see [`grown_slots`]), up to the capacity asked for; sliding-window layers hold
-//! a ring of `window + chunk` slots (slot = position mod capacity), allocated up front.
+//! `KvStore`: per-layer K/V, written in place at each token's position. Global layers hold
+//! every position (slot = position) in *blocks* of `block` tokens (`[kv_heads, block,
+//! head_dim]` each, K and V), allocated as positions are written, up to the capacity asked for:
+//! a layer's block table maps slot `s` to row `s % block` of block `s / block`. Blocks are
+//! reference-counted, so a block can be shared between stores (the prefix cache hands the same
+//! prompt blocks to every sequence that starts with them); writing into a shared block copies
+//! it first. Sliding-window layers hold a ring of `window + chunk` slots (slot = position mod
+//! capacity), allocated up front as one contiguous buffer.
 //! Evicting policies *compact* a layer (`compact`): each kv head keeps a chosen set of slots,
-//! moved to the front of a smaller allocation, with an explicit position per slot (keys keep
-//! their RoPE positions, masks stay exact); later tokens are appended after them.
+//! moved to the front of a smaller contiguous allocation, with an explicit position per slot
+//! (keys keep their RoPE positions, masks stay exact); later tokens are appended after them.
+use std::sync::Arc;
+
 use half::slice::HalfFloatSliceExt;
 use slowfast_backend::cpu::attention::{KvElem, KvPositions, KvSegment};
 
@@ -33,23 +39,73 @@ impl CacheElem for half::f16 {
     }
 }
 
-/// A global layer's allocation grows in steps of at least this many slots a head, and of at
-/// least an eighth of what it has (so copying on growth costs O(1) a token, and at most an
-/// eighth of the memory is allocated ahead).
+/// Tokens a KV block of a CPU server's sequences holds by default (`serve --kv-block`). A
+/// head's rows of a block are one run of memory, and decode streams them from DRAM: runs of 16
+/// tokens (4 KiB at head dim 128, f16) read at 0.75x the contiguous rate on the development VM,
+/// 128 tokens at 0.91-0.97x (`cargo bench -p slowfast-backend --bench attention -- paged`,
+/// docs/serving.md). 128 is also the attention kernel's key tile.
+pub const KV_BLOCK: usize = 128;
+
+/// Tokens of room for growth the serving scheduler keeps for each running sequence (and adds
+/// to a prompt at admission): admitting into memory the running sequences are about to need
+/// would buy a preemption at once.
 pub const KV_GROW: usize = 64;
 
-/// Slots a head a global layer of `limit` slots has allocated once it holds `need` positions,
-/// having `alloc` before: unchanged while they fit, else the larger of `need` and
-/// `alloc + alloc / 8`, rounded up to [`KV_GROW`], at most `limit`.
-pub fn grown_slots(need: usize, alloc: usize, limit: usize) -> usize {
-    if need <= alloc {
-        alloc
-    } else {
-        need.max(alloc + alloc / 8)
-            .div_ceil(KV_GROW)
-            .saturating_mul(KV_GROW)
-            .min(limit)
-            .max(alloc)
+/// Slots a head a global layer allocates to hold positions `[0, len)`: whole blocks.
+pub fn block_slots(len: usize, block: usize) -> usize {
+    len.div_ceil(block.max(1)) * block.max(1)
+}
+
+/// One block of a global layer: `block` consecutive positions of every kv head, K and V
+/// `[kv_heads, block, head_dim]`.
+#[derive(Clone)]
+pub struct KvBlock<T> {
+    k: Vec<T>,
+    v: Vec<T>,
+}
+
+impl<T> KvBlock<T> {
+    /// Bytes of its keys and values.
+    pub fn nbytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * std::mem::size_of::<T>()
+    }
+}
+
+impl<T: Copy + Default> KvBlock<T> {
+    /// A block of the rows `k`, `v` (`[tokens, kv_heads, head_dim]`, as [`KvStore::read`]
+    /// gives them).
+    pub fn from_rows(k: &[T], v: &[T], n_kv_heads: usize, head_dim: usize) -> Self {
+        let (nkv, d) = (n_kv_heads, head_dim);
+        let n = k.len() / (nkv * d).max(1);
+        let mut blk = KvBlock {
+            k: vec![T::default(); k.len()],
+            v: vec![T::default(); v.len()],
+        };
+        for t in 0..n {
+            for h in 0..nkv {
+                let (src, dst) = ((t * nkv + h) * d, (h * n + t) * d);
+                blk.k[dst..dst + d].copy_from_slice(&k[src..src + d]);
+                blk.v[dst..dst + d].copy_from_slice(&v[src..src + d]);
+            }
+        }
+        blk
+    }
+    /// Its rows as `[tokens, kv_heads, head_dim]` K and V (for [`KvStore::write_elems`]).
+    pub fn rows(&self, n_kv_heads: usize, head_dim: usize) -> (Vec<T>, Vec<T>) {
+        let (nkv, d) = (n_kv_heads, head_dim);
+        let n = self.k.len() / (nkv * d).max(1);
+        let (mut k, mut v) = (
+            vec![T::default(); self.k.len()],
+            vec![T::default(); self.v.len()],
+        );
+        for t in 0..n {
+            for h in 0..nkv {
+                let (dst, src) = ((t * nkv + h) * d, (h * n + t) * d);
+                k[dst..dst + d].copy_from_slice(&self.k[src..src + d]);
+                v[dst..dst + d].copy_from_slice(&self.v[src..src + d]);
+            }
+        }
+        (k, v)
     }
 }
 
@@ -57,7 +113,7 @@ pub fn grown_slots(need: usize, alloc: usize, limit: usize) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerSpec {
     /// Slots per kv head. Given to [`KvStore::new`]: the most the layer may hold. In a store's
-    /// [`LayerKv::spec`]: the slots allocated now (a global layer grows them on demand up to
+    /// [`LayerKv::spec`]: the slots allocated now (a global layer adds blocks on demand up to
     /// [`LayerKv::limit`]).
     pub capacity: usize,
     /// Ring buffer (sliding-window layer) instead of slot = position.
@@ -71,6 +127,13 @@ pub struct LayerKv<T> {
     /// Most slots per kv head this layer may allocate (the capacity asked for; a compacted
     /// layer's allocation).
     limit: usize,
+    /// A global layer that is not compacted: its block table (`spec.capacity` is the blocks'
+    /// slots). Empty otherwise.
+    blocks: Vec<Arc<KvBlock<T>>>,
+    /// Tokens a block.
+    block: usize,
+    head_dim: usize,
+    /// A ring or a compacted layer: one contiguous buffer each. Empty for a paged layer.
     k: Vec<T>, // [kv_heads, capacity, head_dim]
     v: Vec<T>, // [kv_heads, capacity, head_dim]
     /// Set once the layer is compacted: per kv head, the position of each used slot
@@ -89,7 +152,7 @@ struct Compact {
     sorted: Vec<bool>,
 }
 
-impl<T> LayerKv<T> {
+impl<T: Clone> LayerKv<T> {
     /// True once an evicting policy compacted this layer.
     pub fn is_compact(&self) -> bool {
         self.compact.is_some()
@@ -98,9 +161,73 @@ impl<T> LayerKv<T> {
     pub fn limit(&self) -> usize {
         self.limit
     }
-    /// Whether the allocation follows the positions written (a global layer, not compacted).
+    /// Whether the layer is kept in blocks (a global layer, not compacted).
     fn grows(&self) -> bool {
         !self.spec.ring && self.compact.is_none()
+    }
+    /// Offset of kv head `h`'s row at `slot` in its buffer, and that buffer's index in the
+    /// block table (0 for a contiguous layer).
+    #[inline]
+    fn at(&self, h: usize, slot: usize) -> (usize, usize) {
+        if self.grows() {
+            let b = self.block;
+            (slot / b, (h * b + slot % b) * self.head_dim)
+        } else {
+            (0, (h * self.spec.capacity + slot) * self.head_dim)
+        }
+    }
+    /// Kv head `h`'s key and value rows at `slot`.
+    #[inline]
+    fn row(&self, h: usize, slot: usize) -> (&[T], &[T]) {
+        let (b, o) = self.at(h, slot);
+        let d = self.head_dim;
+        if self.grows() {
+            let blk = &self.blocks[b];
+            (&blk.k[o..o + d], &blk.v[o..o + d])
+        } else {
+            (&self.k[o..o + d], &self.v[o..o + d])
+        }
+    }
+    /// Kv head `h`'s key and value rows at `slot`, writable (a shared block is copied first).
+    #[inline]
+    fn row_mut(&mut self, h: usize, slot: usize) -> (&mut [T], &mut [T]) {
+        let (b, o) = self.at(h, slot);
+        let d = self.head_dim;
+        if self.grows() {
+            let blk = Arc::make_mut(&mut self.blocks[b]);
+            (&mut blk.k[o..o + d], &mut blk.v[o..o + d])
+        } else {
+            (&mut self.k[o..o + d], &mut self.v[o..o + d])
+        }
+    }
+    /// Bytes of this layer's buffers, a block shared by `n` holders counted `1/n`.
+    fn nbytes(&self) -> usize {
+        let own = (self.k.capacity() + self.v.capacity()) * std::mem::size_of::<T>();
+        own + self
+            .blocks
+            .iter()
+            .map(|b| b.nbytes() / Arc::strong_count(b))
+            .sum::<usize>()
+    }
+}
+
+/// The key and value rows of one kv head of one layer, by slot (whatever the layout: blocks,
+/// a ring, a compacted buffer).
+pub struct HeadRows<'a, T> {
+    layer: &'a LayerKv<T>,
+    h: usize,
+}
+
+impl<'a, T: Clone> HeadRows<'a, T> {
+    /// The key at `slot`.
+    #[inline]
+    pub fn k(&self, slot: usize) -> &'a [T] {
+        self.layer.row(self.h, slot).0
+    }
+    /// The value at `slot`.
+    #[inline]
+    pub fn v(&self, slot: usize) -> &'a [T] {
+        self.layer.row(self.h, slot).1
     }
 }
 
@@ -112,6 +239,8 @@ pub struct KvStore<T> {
     layers: Vec<LayerKv<T>>,
     /// Positions `[0, len)` have been written (in every layer).
     len: usize,
+    /// Tokens a block of a global layer.
+    block: usize,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -156,6 +285,10 @@ pub enum KvError {
     },
     #[error("layer {layer} is compacted: its slots no longer follow positions")]
     Compacted { layer: usize },
+    #[error("layer {layer} is not kept in blocks (a window ring, or compacted)")]
+    NotPaged { layer: usize },
+    #[error("layer {layer} already holds {len} positions: blocks are adopted by an empty layer")]
+    NotEmpty { layer: usize, len: usize },
     #[error("layer {layer} does not hold positions {pos0}..{} (it holds {}..{})", pos0 + n, held.0, held.1)]
     NotHeld {
         layer: usize,
@@ -172,9 +305,27 @@ pub enum KvError {
 }
 
 impl<T: CacheElem> KvStore<T> {
-    /// A store of `specs` layers: window rings are allocated (zeroed) here, global layers as
-    /// positions are written ([`grown_slots`], up to their capacity).
+    /// A store of `specs` layers: window rings are allocated (zeroed) here, each global layer
+    /// as one block of its whole capacity when its first position is written (the contiguous
+    /// layout a lone sequence decodes fastest from; [`Self::with_block`] for smaller blocks).
     pub fn new(n_kv_heads: usize, head_dim: usize, specs: &[LayerSpec]) -> Self {
+        let whole = specs
+            .iter()
+            .filter(|s| !s.ring)
+            .map(|s| s.capacity)
+            .max()
+            .unwrap_or(1);
+        Self::with_block(n_kv_heads, head_dim, specs, whole)
+    }
+
+    /// [`Self::new`] with blocks of `block` tokens (at least 1).
+    pub fn with_block(
+        n_kv_heads: usize,
+        head_dim: usize,
+        specs: &[LayerSpec],
+        block: usize,
+    ) -> Self {
+        let block = block.max(1);
         let layers = specs
             .iter()
             .map(|&spec| {
@@ -186,6 +337,9 @@ impl<T: CacheElem> KvStore<T> {
                         ring: spec.ring,
                     },
                     limit: spec.capacity,
+                    blocks: Vec::new(),
+                    block,
+                    head_dim,
                     k: vec![T::default(); n],
                     v: vec![T::default(); n],
                     compact: None,
@@ -198,6 +352,7 @@ impl<T: CacheElem> KvStore<T> {
             head_dim,
             layers,
             len: 0,
+            block,
         }
     }
 }
@@ -264,12 +419,34 @@ impl<T: CacheElem> KvStore<T> {
             .min()
             .unwrap_or(usize::MAX)
     }
-    /// Bytes held by the K/V buffers (allocations, so compaction shows up here).
+    /// Tokens a block of a global layer.
+    pub fn block_size(&self) -> usize {
+        self.block
+    }
+    /// Keep global layers in blocks of `block` tokens from now on: only while the store is
+    /// empty (their blocks, if any, are dropped).
+    pub fn set_block(&mut self, block: usize) -> Result<(), KvError> {
+        if let Some(l) = self.layers.iter().position(|l| l.written > 0) {
+            return Err(KvError::NotEmpty {
+                layer: l,
+                len: self.layers[l].written,
+            });
+        }
+        self.block = block.max(1);
+        for l in &mut self.layers {
+            l.block = self.block;
+            if l.grows() {
+                l.blocks = Vec::new();
+                l.spec.capacity = 0;
+            }
+        }
+        Ok(())
+    }
+    /// Bytes held by the K/V buffers (allocations, so compaction shows up here); a block
+    /// shared with `n - 1` other holders (stores, the prefix cache) counts `1/n`, so the
+    /// holders' bytes add up to the memory in use.
     pub fn nbytes(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| (l.k.capacity() + l.v.capacity()) * std::mem::size_of::<T>())
-            .sum()
+        self.layers.iter().map(LayerKv::nbytes).sum()
     }
     /// Bytes the K/V buffers will hold once positions `[0, len)` are written (what
     /// [`Self::nbytes`] says then, if no policy compacts a layer meanwhile).
@@ -279,34 +456,26 @@ impl<T: CacheElem> KvStore<T> {
             .iter()
             .map(|l| {
                 let alloc = l.spec.capacity;
-                let slots = if l.grows() {
-                    grown_slots(len, alloc, l.limit)
+                let more = if l.grows() {
+                    block_slots(len.min(l.limit), l.block).saturating_sub(alloc)
                 } else {
-                    alloc
+                    0
                 };
-                slots * row
+                l.nbytes() + more * row
             })
             .sum()
     }
-    /// Grows a global layer's allocation to hold positions `[0, need)` (`need <= limit`).
+    /// Adds blocks to a global layer until it holds positions `[0, need)` (`need <= limit`).
     fn grow(&mut self, layer: usize, need: usize) {
-        let (nkv, d) = (self.n_kv_heads, self.head_dim);
+        let n = self.n_kv_heads * self.block * self.head_dim;
         let l = &mut self.layers[layer];
-        let old = l.spec.capacity;
-        let cap = grown_slots(need, old, l.limit);
-        if cap == old {
-            return;
+        while l.spec.capacity < need {
+            l.blocks.push(Arc::new(KvBlock {
+                k: vec![T::default(); n],
+                v: vec![T::default(); n],
+            }));
+            l.spec.capacity += l.block;
         }
-        let mut k = vec![T::default(); nkv * cap * d];
-        let mut v = vec![T::default(); nkv * cap * d];
-        for h in 0..nkv {
-            let (src, dst) = (h * old * d, h * cap * d);
-            k[dst..dst + old * d].copy_from_slice(&l.k[src..src + old * d]);
-            v[dst..dst + old * d].copy_from_slice(&l.v[src..src + old * d]);
-        }
-        l.k = k;
-        l.v = v;
-        l.spec.capacity = cap;
     }
     /// Slots of kv head `h` of `layer` holding a token.
     pub fn held(&self, layer: usize, h: usize) -> usize {
@@ -372,17 +541,18 @@ impl<T: CacheElem> KvStore<T> {
             kept.push(v);
         }
         let l = &mut self.layers[layer];
-        let old_cap = l.spec.capacity;
         let cap = kept.iter().map(Vec::len).max().unwrap_or(0) + headroom;
         let mut k = vec![T::default(); nkv * cap * d];
         let mut v = vec![T::default(); nkv * cap * d];
         for (h, slots) in kept.iter().enumerate() {
             for (i, &(_, s)) in slots.iter().enumerate() {
-                let (src, dst) = ((h * old_cap + s) * d, (h * cap + i) * d);
-                k[dst..dst + d].copy_from_slice(&l.k[src..src + d]);
-                v[dst..dst + d].copy_from_slice(&l.v[src..src + d]);
+                let dst = (h * cap + i) * d;
+                let (ks, vs) = l.row(h, s);
+                k[dst..dst + d].copy_from_slice(ks);
+                v[dst..dst + d].copy_from_slice(vs);
             }
         }
+        l.blocks = Vec::new();
         l.k = k;
         l.v = v;
         l.spec.capacity = cap;
@@ -515,9 +685,10 @@ impl<T: CacheElem> KvStore<T> {
                 pos0 + t
             };
             for h in 0..nkv {
-                let (dst, src) = ((t * nkv + h) * d, (h * cap + slot) * d);
-                k[dst..dst + d].copy_from_slice(&l.k[src..src + d]);
-                v[dst..dst + d].copy_from_slice(&l.v[src..src + d]);
+                let dst = (t * nkv + h) * d;
+                let (ks, vs) = l.row(h, slot);
+                k[dst..dst + d].copy_from_slice(ks);
+                v[dst..dst + d].copy_from_slice(vs);
             }
         }
         Ok(())
@@ -577,12 +748,8 @@ impl<T: CacheElem> KvStore<T> {
                 pos0 + t
             };
             for h in 0..nkv {
-                let dst = (h * cap + slot) * d;
-                put(
-                    (t * nkv + h) * d,
-                    &mut l.k[dst..dst + d],
-                    &mut l.v[dst..dst + d],
-                );
+                let (dk, dv) = l.row_mut(h, slot);
+                put((t * nkv + h) * d, dk, dv);
             }
         }
         Ok(())
@@ -697,20 +864,22 @@ impl<T: CacheElem> KvStore<T> {
         Ok(())
     }
 
-    /// The keys of kv head `h` at positions `[lo, hi)` as one or two contiguous segments
-    /// (two when a ring wraps; one with a position list for a compacted layer, holding only
-    /// the kept positions of the range). `lo` must be within what the layer still holds.
-    pub fn segments(
-        &self,
+    /// The keys of kv head `h` at positions `[lo, hi)` as contiguous segments pushed onto
+    /// `out`: one a block of a global layer, one or two of a ring (two when it wraps), one with
+    /// a position list for a compacted layer (holding only the kept positions of the range).
+    /// `lo` must be within what the layer still holds.
+    pub fn segments_into<'s>(
+        &'s self,
         layer: usize,
         h: usize,
         lo: usize,
         hi: usize,
-    ) -> [Option<KvSegment<'_, T>>; 2] {
+        out: &mut Vec<KvSegment<'s, T>>,
+    ) {
         let l = &self.layers[layer];
         let (cap, d) = (l.spec.capacity, self.head_dim);
         if hi <= lo {
-            return [None, None];
+            return;
         }
         let base = h * cap * d;
         if let Some(c) = &l.compact {
@@ -727,41 +896,129 @@ impl<T: CacheElem> KvStore<T> {
                 debug_assert!(pos.iter().all(|&p| (lo..hi).contains(&(p as usize))));
                 (0, pos.len())
             };
-            if a == b {
-                return [None, None];
-            }
-            return [
-                Some(KvSegment {
+            if a < b {
+                out.push(KvSegment {
                     k: &l.k[base + a * d..base + b * d],
                     v: &l.v[base + a * d..base + b * d],
                     pos: KvPositions::List(&pos[a..b]),
-                }),
-                None,
-            ];
+                });
+            }
+            return;
+        }
+        if !l.spec.ring {
+            debug_assert!(hi <= cap);
+            let bs = l.block;
+            let mut p = lo;
+            while p < hi {
+                let (blk, r) = (&l.blocks[p / bs], p % bs);
+                let n = (bs - r).min(hi - p);
+                let o = (h * bs + r) * d;
+                out.push(KvSegment {
+                    k: &blk.k[o..o + n * d],
+                    v: &blk.v[o..o + n * d],
+                    pos: KvPositions::Range { start: p as u32 },
+                });
+                p += n;
+            }
+            return;
         }
         let seg = |slot: usize, pos: usize, len: usize| KvSegment {
             k: &l.k[base + slot * d..base + (slot + len) * d],
             v: &l.v[base + slot * d..base + (slot + len) * d],
             pos: KvPositions::Range { start: pos as u32 },
         };
-        if !l.spec.ring {
-            debug_assert!(hi <= cap);
-            return [Some(seg(lo, lo, hi - lo)), None];
-        }
         debug_assert!(hi - lo <= cap, "ring of {cap} cannot hold [{lo}, {hi})");
         let s = lo % cap;
         let first = (cap - s).min(hi - lo);
-        let a = Some(seg(s, lo, first));
-        let b = (first < hi - lo).then(|| seg(0, lo + first, hi - lo - first));
-        [a, b]
+        out.push(seg(s, lo, first));
+        if first < hi - lo {
+            out.push(seg(0, lo + first, hi - lo - first));
+        }
     }
 
-    /// Raw K and V of one kv head over all slots (`[capacity, head_dim]`), for policies that
-    /// gather tokens (compact buffers, key norms).
-    pub fn head_slab(&self, layer: usize, h: usize) -> (&[T], &[T]) {
+    /// Blocks `blocks` of global `layer` (positions `[start * block_size, end * block_size)`),
+    /// shared with the caller: the same memory, one more reference each. A later write into a
+    /// shared block (by this store or one adopting it) copies the block first.
+    pub fn share_blocks(
+        &self,
+        layer: usize,
+        blocks: std::ops::Range<usize>,
+    ) -> Result<Vec<Arc<KvBlock<T>>>, KvError> {
         let l = &self.layers[layer];
-        let n = l.spec.capacity * self.head_dim;
-        (&l.k[h * n..(h + 1) * n], &l.v[h * n..(h + 1) * n])
+        if !l.grows() {
+            return Err(KvError::NotPaged { layer });
+        }
+        if blocks.end * l.block > l.written {
+            return Err(KvError::NotHeld {
+                layer,
+                pos0: blocks.start * l.block,
+                n: blocks.len() * l.block,
+                held: (0, l.written),
+            });
+        }
+        Ok(l.blocks[blocks].to_vec())
+    }
+
+    /// Makes `blocks` (from [`Self::share_blocks`] of a store of the same shape and block
+    /// size) the first blocks of global `layer`, which must hold nothing yet: positions
+    /// `[0, blocks.len() * block_size)` are then written, without a copy.
+    pub fn adopt_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[Arc<KvBlock<T>>],
+    ) -> Result<(), KvError> {
+        let want = self.n_kv_heads * self.block * self.head_dim;
+        let l = &mut self.layers[layer];
+        let n = blocks.len() * l.block;
+        if !l.grows() {
+            return Err(KvError::NotPaged { layer });
+        }
+        if l.written > 0 {
+            return Err(KvError::NotEmpty {
+                layer,
+                len: l.written,
+            });
+        }
+        if n > l.limit {
+            return Err(KvError::Full {
+                layer,
+                pos: n - 1,
+                capacity: l.limit,
+            });
+        }
+        if let Some(b) = blocks
+            .iter()
+            .find(|b| b.k.len() != want || b.v.len() != want)
+        {
+            return Err(KvError::Shape {
+                got: b.k.len(),
+                n: l.block,
+                n_kv_heads: self.n_kv_heads,
+                head_dim: self.head_dim,
+            });
+        }
+        let keep = l.blocks.len().saturating_sub(blocks.len());
+        let rest: Vec<_> = l.blocks.drain(..).skip(blocks.len()).take(keep).collect();
+        l.blocks = blocks.iter().cloned().chain(rest).collect();
+        l.spec.capacity = l.blocks.len() * l.block;
+        l.written = n;
+        Ok(())
+    }
+
+    /// [`Self::segments_into`] into a new vector.
+    pub fn segments(&self, layer: usize, h: usize, lo: usize, hi: usize) -> Vec<KvSegment<'_, T>> {
+        let mut out = Vec::new();
+        self.segments_into(layer, h, lo, hi, &mut out);
+        out
+    }
+
+    /// Kv head `h`'s key and value rows of `layer`, by slot (policies that gather tokens:
+    /// compact buffers, key norms, page bounds).
+    pub fn head(&self, layer: usize, h: usize) -> HeadRows<'_, T> {
+        HeadRows {
+            layer: &self.layers[layer],
+            h,
+        }
     }
 }
 
@@ -787,6 +1044,14 @@ fn retain_slots<T: Copy>(
     pos.truncate(w);
 }
 
+/// A read of at most two segments as two options (tests of rings and compacted layers).
+#[cfg(test)]
+fn two<S>(v: Vec<S>) -> [Option<S>; 2] {
+    assert!(v.len() <= 2, "{} segments", v.len());
+    let mut it = v.into_iter();
+    [it.next(), it.next()]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -800,13 +1065,15 @@ mod tests {
             .collect()
     }
 
-    /// Global layers allocate as positions arrive: against a plain model of every position
-    /// written (random chunk sizes, f16 and a ring beside), reads return what was written, the
-    /// allocation is what `nbytes_at` predicted before each write, and the limit holds.
+    /// Global layers allocate whole blocks as positions arrive: against a plain model of every
+    /// position written (random chunk sizes, block sizes 1, 3, 16 and 32, f16, a ring beside),
+    /// reads and dense segment reads of random ranges return what was written, each segment
+    /// lies in one block, the allocation is what `nbytes_at` predicted before each write, and
+    /// the limit holds.
     #[test]
-    fn global_layers_grow_on_demand_and_keep_what_they_hold() {
+    fn global_layers_grow_by_blocks_and_keep_what_they_hold() {
         let (nkv, d, limit) = (3, 8, 700);
-        for seed in 0..8u64 {
+        for (seed, bs) in (0..8u64).zip([1usize, 3, 16, 32].into_iter().cycle()) {
             let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
             let mut next = |m: usize| {
                 rng ^= rng << 13;
@@ -824,7 +1091,7 @@ mod tests {
                     ring: true,
                 },
             ];
-            let mut s = KvStore::<half::f16>::new(nkv, d, &specs);
+            let mut s = KvStore::<half::f16>::with_block(nkv, d, &specs, bs);
             let ring_bytes = 2 * nkv * d * 96 * 2;
             assert_eq!(
                 s.nbytes(),
@@ -847,8 +1114,7 @@ mod tests {
                 len += n;
                 s.set_len(len);
                 assert_eq!(s.nbytes(), predicted, "seed {seed} at {len}");
-                let slots = s.layer(0).spec.capacity;
-                assert!(slots >= len && slots <= (len + len / 8 + KV_GROW).min(limit));
+                assert_eq!(s.layer(0).spec.capacity, block_slots(len, bs));
                 let a = next(len);
                 let m = 1 + next(len - a);
                 let (mut k, mut v) = (
@@ -862,14 +1128,126 @@ mod tests {
                     "seed {seed}"
                 );
                 assert_eq!(k, v);
+                let h = next(nkv);
+                let segs = s.segments(0, h, a, a + m);
+                let mut at = a;
+                for g in &segs {
+                    let KvPositions::Range { start } = g.pos else {
+                        panic!("a global layer reads ranges")
+                    };
+                    let n = g.len(d);
+                    assert_eq!(start as usize, at);
+                    assert!(
+                        n >= 1 && at / bs == (at + n - 1) / bs,
+                        "one block a segment"
+                    );
+                    for (i, row) in g.k.chunks(d).enumerate() {
+                        let w = &model[((at + i) * nkv + h) * d..][..d];
+                        assert!(row.iter().zip(w).all(|(x, y)| x.to_f32() == *y));
+                        assert_eq!(s.head(0, h).k(at + i), row);
+                    }
+                    at += n;
+                }
+                assert_eq!(at, a + m, "the segments cover the range");
             }
-            assert_eq!(s.layer(0).spec.capacity, limit);
+            assert_eq!(s.layer(0).spec.capacity, block_slots(limit, bs));
             let one = vec![0.0f32; nkv * d];
             assert!(matches!(
                 s.write(0, limit, &one, &one),
                 Err(KvError::Full { capacity, .. }) if capacity == limit
             ));
         }
+    }
+
+    /// Blocks shared between stores are one copy: the adopting store reads the same memory,
+    /// each holder counts a shared block half, a write into a shared block copies it (the other
+    /// holder keeps its values), and misuse is refused with nothing changed.
+    #[test]
+    fn shared_blocks_are_one_copy_until_written() {
+        let (nkv, d, bs) = (2, 4, 16);
+        let specs = [
+            LayerSpec {
+                capacity: 128,
+                ring: false,
+            },
+            LayerSpec {
+                capacity: 24,
+                ring: true,
+            },
+        ];
+        let kv =
+            |n: usize, x: f32| -> Vec<f32> { (0..n * nkv * d).map(|i| x + i as f32).collect() };
+        let mut a = KvStore::<f32>::with_block(nkv, d, &specs, 16);
+        a.write(0, 0, &kv(40, 0.0), &kv(40, 0.5)).unwrap();
+        a.set_len(40);
+        let alone = a.nbytes();
+        assert_eq!(alone, 2 * 48 * nkv * d * 4 + 2 * 24 * nkv * d * 4);
+        let shared = a.share_blocks(0, 0..2).unwrap();
+        assert!(matches!(
+            a.share_blocks(0, 0..3),
+            Err(KvError::NotHeld { .. })
+        ));
+        assert!(matches!(
+            a.share_blocks(1, 0..1),
+            Err(KvError::NotPaged { layer: 1 })
+        ));
+        let mut b = KvStore::<f32>::with_block(nkv, d, &specs, 16);
+        b.adopt_blocks(0, &shared).unwrap();
+        drop(shared);
+        assert!(matches!(
+            b.adopt_blocks(0, &a.share_blocks(0, 0..1).unwrap()),
+            Err(KvError::NotEmpty { layer: 0, len: 32 })
+        ));
+        // B holds positions 0..32 without a copy: the same rows, the same addresses.
+        for h in 0..nkv {
+            for p in [0, 15, 16, 31] {
+                assert_eq!(b.head(0, h).k(p), a.head(0, h).k(p));
+                assert!(std::ptr::eq(b.head(0, h).k(p), a.head(0, h).k(p)));
+            }
+        }
+        let block = 2 * bs * nkv * d * 4;
+        assert_eq!(a.nbytes(), alone - block, "two blocks counted half");
+        assert_eq!(b.nbytes() - 2 * 24 * nkv * d * 4, block);
+        // B continues after the shared blocks: no copy.
+        b.write(0, 32, &kv(4, 900.0), &kv(4, 900.0)).unwrap();
+        assert!(std::ptr::eq(b.head(0, 1).k(20), a.head(0, 1).k(20)));
+        // B rewrites position 20 (in shared block 1): the block is copied first.
+        b.truncate(20);
+        b.write(0, 20, &kv(1, -7.0), &kv(1, -7.0)).unwrap();
+        assert!(!std::ptr::eq(b.head(0, 1).k(20), a.head(0, 1).k(20)));
+        assert_eq!(b.head(0, 0).k(20)[0], -7.0);
+        assert_eq!(a.head(0, 0).k(20)[0], (20 * nkv * d) as f32);
+        assert_eq!(
+            b.head(0, 0).k(21),
+            a.head(0, 0).k(21),
+            "the copy keeps the rest"
+        );
+        assert!(
+            std::ptr::eq(b.head(0, 0).k(3), a.head(0, 0).k(3)),
+            "block 0 still shared"
+        );
+        // A block of another shape is refused.
+        let mut c = KvStore::<f32>::with_block(nkv, d, &specs, 8);
+        let e = c
+            .adopt_blocks(0, &a.share_blocks(0, 0..1).unwrap())
+            .unwrap_err();
+        assert!(matches!(e, KvError::Shape { .. }), "{e}");
+        assert_eq!(c.layer(0).spec.capacity, 0);
+    }
+
+    /// `KvBlock::from_rows` and `rows` are inverse transposes.
+    #[test]
+    fn block_rows_round_trip() {
+        let (nkv, d, n) = (3, 4, 5);
+        let k: Vec<f32> = (0..n * nkv * d).map(|i| i as f32).collect();
+        let v: Vec<f32> = k.iter().map(|x| -x).collect();
+        let b = KvBlock::from_rows(&k, &v, nkv, d);
+        // Kv head 1 of token 2 sits at row (1 * n + 2) of the block.
+        assert_eq!(
+            &b.k[(n + 2) * d..(n + 3) * d],
+            &k[(2 * nkv + 1) * d..(2 * nkv + 2) * d]
+        );
+        assert_eq!(b.rows(nkv, d), (k, v));
     }
 
     #[test]
@@ -885,7 +1263,7 @@ mod tests {
         );
         let k = kv_for(5, nkv, d, 3);
         s.write(0, 3, &k, &k).unwrap();
-        let [a, b] = s.segments(0, 1, 3, 8);
+        let [a, b] = two(s.segments(0, 1, 3, 8));
         let a = a.unwrap();
         assert!(b.is_none());
         assert_eq!(a.k.len(), 5 * d);
@@ -911,7 +1289,7 @@ mod tests {
             s.write(0, p, &k, &k).unwrap();
         }
         // the ring holds positions 4..10; slots: 4->4, 5->5, 6->0, ..., 9->3
-        let [a, b] = s.segments(0, 0, 4, 10);
+        let [a, b] = two(s.segments(0, 0, 4, 10));
         let (a, b) = (a.unwrap(), b.unwrap());
         assert_eq!(a.k, &[4000.0, 4001.0, 5000.0, 5001.0]);
         assert!(matches!(a.pos, KvPositions::Range { start: 4 }));
@@ -936,7 +1314,7 @@ mod tests {
             }],
         );
         s.write(0, 0, &[1.0, 0.1], &[2.0, -0.5]).unwrap();
-        let [a, _] = s.segments(0, 0, 0, 1);
+        let [a, _] = two(s.segments(0, 0, 0, 1));
         let a = a.unwrap();
         assert_eq!(a.k[0].to_f32(), 1.0);
         assert!((a.k[1].to_f32() - 0.1).abs() < 1e-3);
@@ -950,13 +1328,14 @@ mod compact_tests {
 
     /// A global layer of `len` tokens whose key rows are `[pos*10 + h, ...]`.
     fn filled(nkv: usize, d: usize, cap: usize, len: usize) -> KvStore<f32> {
-        let mut s = KvStore::<f32>::new(
+        let mut s = KvStore::<f32>::with_block(
             nkv,
             d,
             &[LayerSpec {
                 capacity: cap,
                 ring: false,
             }],
+            16,
         );
         let kv: Vec<f32> = (0..len * nkv * d)
             .map(|i| ((i / (nkv * d)) * 10 + (i / d) % nkv) as f32)
@@ -974,14 +1353,14 @@ mod compact_tests {
     fn compaction_keeps_chosen_slots_with_positions_and_frees_memory() {
         let (nkv, d) = (2, 4);
         let mut s = filled(nkv, d, 100, 20);
-        // 20 written tokens hold the first growth step (64 slots), not the capacity of 100.
-        assert_eq!(s.nbytes(), 2 * nkv * KV_GROW * d * 4);
+        // 20 written tokens hold two blocks of 16 slots, not the capacity of 100.
+        assert_eq!(s.nbytes(), 2 * nkv * 32 * d * 4);
         s.compact(0, &[vec![7, 2, 19], vec![0, 5, 6]], 3).unwrap();
         // 3 kept + 3 headroom slots per head, K and V, f32
         assert_eq!(s.nbytes(), 2 * nkv * 6 * d * 4);
         assert_eq!(s.held(0, 0), 3);
         assert_eq!(s.slot_positions(0, 0), vec![2, 7, 19]);
-        let [a, b] = s.segments(0, 1, 0, 20);
+        let [a, b] = two(s.segments(0, 1, 0, 20));
         assert!(b.is_none());
         let a = a.unwrap();
         assert_eq!(rows(&a, d), vec![1.0, 51.0, 61.0]);
@@ -1001,12 +1380,12 @@ mod compact_tests {
         s.set_len(21);
         assert_eq!(s.slot_positions(0, 0), vec![2, 7, 19, 20]);
         // A sub-range reads only the kept positions inside it.
-        let [a, _] = s.segments(0, 0, 5, 20);
+        let [a, _] = two(s.segments(0, 0, 5, 20));
         assert!(matches!(a.unwrap().pos, KvPositions::List(&[7, 19])));
         // Eviction reuses the slot (the last one moves in).
         s.evict_slot(0, 0, 0).unwrap();
         assert_eq!(s.slot_positions(0, 0), vec![20, 7, 19]);
-        let [a, _] = s.segments(0, 0, 0, 21);
+        let [a, _] = two(s.segments(0, 0, 0, 21));
         assert_eq!(rows(&a.unwrap(), d), vec![200.0, 70.0, 190.0]);
         assert!(matches!(
             s.evict_slot(0, 0, 3),
@@ -1065,7 +1444,7 @@ mod compact_tests {
             .unwrap();
         // Room for 2: keep positions >= 10 - (6 - 2) = 6.
         assert_eq!(s.slot_positions(0, 0), vec![7, 8, 9, 10, 11]);
-        let [a, _] = s.segments(0, 0, 8, 12);
+        let [a, _] = two(s.segments(0, 0, 8, 12));
         let a = a.unwrap();
         assert_eq!(rows(&a, d), vec![8.0, 9.0, 10.0, 11.0]);
     }

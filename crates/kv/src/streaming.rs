@@ -115,15 +115,9 @@ impl<T: CacheElem> KvPolicy<T> for StreamingPolicy {
 mod tests {
     use super::*;
     use crate::store::LayerSpec;
-    use slowfast_backend::cpu::attention::KvPositions;
 
     fn starts(segs: &[KvSegment<'_, f32>], d: usize) -> Vec<(u32, usize)> {
-        segs.iter()
-            .map(|s| match s.pos {
-                KvPositions::Range { start } => (start, s.k.len() / d),
-                KvPositions::List(_) => panic!("ranges expected"),
-            })
-            .collect()
+        crate::policy::range_runs(segs, d)
     }
 
     /// One layer of capacity 64 holding 40 zero rows of width `d`.

@@ -265,7 +265,6 @@ mod tests {
                     let seg = |c: &KvStore<f32>| {
                         c.segments(l, h, lo, p0 + k)
                             .into_iter()
-                            .flatten()
                             .flat_map(|g| {
                                 g.k.iter()
                                     .chain(g.v)

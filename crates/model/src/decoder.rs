@@ -658,13 +658,7 @@ impl Model {
         };
         let rows = q_last.len() / (c.num_attention_heads * c.head_dim);
         let segs: Vec<Vec<KvSegment<'_, T>>> = (0..c.num_key_value_heads)
-            .map(|kh| {
-                cache
-                    .segments(tsp.layer, kh, 0, n)
-                    .into_iter()
-                    .flatten()
-                    .collect()
-            })
+            .map(|kh| cache.segments(tsp.layer, kh, 0, n))
             .collect();
         let mut lg = vec![0.0f32; logits_len(&shape, rows, &segs)];
         let mut o = vec![0.0f32; q_last.len()];

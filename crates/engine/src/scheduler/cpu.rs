@@ -18,6 +18,8 @@ pub(super) struct CpuDevice<'m> {
     draft: Option<&'m Model>,
     kv: KvDtype,
     chunk: usize,
+    /// Tokens a KV block of a sequence holds (the prefix cache's block, so they are shared).
+    block: usize,
     scratch: Scratch,
     /// Whole prefill chunks of earlier prompts (`--prefix-cache-memory`).
     prefix: Option<PrefixCacheCpu>,
@@ -32,7 +34,7 @@ impl<'m> CpuDevice<'m> {
         chunk: usize,
         prefix: (usize, usize),
     ) -> Result<Self, EngineError> {
-        let prefix = match prefix {
+        let cache = match prefix {
             (0, _) => None,
             (bytes, block) => Some(PrefixCacheCpu::new(model, kv, chunk, block, bytes)?),
         };
@@ -41,8 +43,9 @@ impl<'m> CpuDevice<'m> {
             draft,
             kv,
             chunk,
+            block: prefix.1,
             scratch: Scratch::default(),
-            prefix,
+            prefix: cache,
         })
     }
 }
@@ -54,14 +57,27 @@ pub(super) struct CpuSeq<'m> {
 }
 
 /// KV bytes a `Session` of `capacity` tokens holds when full (before an evicting policy
-/// shrinks it).
-pub fn kv_bytes_for(model: &Model, capacity: usize, chunk: usize, kv: KvDtype) -> usize {
-    kv_bytes_at(model, capacity, capacity, chunk, kv)
+/// shrinks it), its global layers in blocks of `block` tokens.
+pub fn kv_bytes_for(
+    model: &Model,
+    capacity: usize,
+    chunk: usize,
+    block: usize,
+    kv: KvDtype,
+) -> usize {
+    kv_bytes_at(model, capacity, capacity, chunk, block, kv)
 }
 
 /// KV bytes a `Session` of `capacity` tokens holds once `len` tokens are written: its window
-/// rings, and its global layers as they grow on demand (`KvStore::nbytes_at`).
-pub fn kv_bytes_at(model: &Model, capacity: usize, len: usize, chunk: usize, kv: KvDtype) -> usize {
+/// rings, and its global layers in whole blocks of `block` tokens (`KvStore::nbytes_at`).
+pub fn kv_bytes_at(
+    model: &Model,
+    capacity: usize,
+    len: usize,
+    chunk: usize,
+    block: usize,
+    kv: KvDtype,
+) -> usize {
     let chunk = chunk.clamp(1, capacity.max(1));
     let slots: usize = model
         .kv_layout(capacity, chunk)
@@ -70,7 +86,7 @@ pub fn kv_bytes_at(model: &Model, capacity: usize, len: usize, chunk: usize, kv:
             if l.ring {
                 l.capacity
             } else {
-                slowfast_kv::grown_slots(len, 0, l.capacity)
+                slowfast_kv::block_slots(len.min(l.capacity), block)
             }
         })
         .sum();
@@ -86,7 +102,7 @@ impl<'m> BatchDevice for CpuDevice<'m> {
     type Seq = CpuSeq<'m>;
 
     fn kv_estimate(&self, _policy: &PolicySpec, capacity: usize, len: usize) -> usize {
-        kv_bytes_at(self.model, capacity, len, self.chunk, self.kv)
+        kv_bytes_at(self.model, capacity, len, self.chunk, self.block, self.kv)
     }
 
     fn kv_grown(&self, seq: &CpuSeq<'m>, extra: usize) -> usize {
@@ -94,7 +110,8 @@ impl<'m> BatchDevice for CpuDevice<'m> {
     }
 
     fn open(&mut self, policy: &PolicySpec, capacity: usize) -> Result<CpuSeq<'m>, EngineError> {
-        let sess = Session::try_with_policy(self.model, capacity, self.kv, self.chunk, policy)?;
+        let mut sess = Session::try_with_policy(self.model, capacity, self.kv, self.chunk, policy)?;
+        sess.set_kv_block(self.block)?;
         Ok(CpuSeq { sess, spec: None })
     }
 

@@ -1,28 +1,29 @@
 //! `PrefixKv`: the CPU's prefix cache. A [`PrefixCache`] names the blocks; this keeps their
-//! keys and values (every layer, `[block][token][kv head][dim]`, grown as blocks are first
-//! used) and copies them between the cache and a sequence's [`KvStore`].
+//! keys and values, one [`KvBlock`] a layer, and hands them to a sequence's [`KvStore`].
 //!
-//! On the CPU a sequence's store stays contiguous: a hit copies the cached blocks into it
-//! (a memcpy per block and layer, instead of the prefill that made them), and the blocks a
-//! prefill writes are copied into the cache. The copy is bit-exact, so a prompt served from the
-//! cache continues exactly as it would have without it, provided the blocks were computed the
-//! way this sequence would have computed them: the caller keeps that promise by caching and
-//! restoring whole prefill chunks, and the namespace ([`PrefixKv::namespace`]) keeps stores
-//! whose window rings differ apart.
+//! A global layer whose blocks are the cache's size shares them: caching a block takes one more
+//! reference to the store's own block, and a hit puts the cached blocks at the start of the new
+//! sequence's block table (`KvStore::adopt_blocks`), so every sequence that starts with a
+//! cached prefix reads the same memory, with no copy. Window rings (and a global layer with
+//! blocks of another size) copy the rows instead. Either way the KV is bit-exact, so a prompt
+//! served from the cache continues exactly as it would have without it, provided the blocks
+//! were computed the way this sequence would have computed them: the caller keeps that promise
+//! by caching and restoring whole prefill chunks, and the namespace ([`PrefixKv::namespace`])
+//! keeps stores whose window rings differ apart.
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
 use super::pool::BlockId;
 use super::prefix::{Found, PrefixCache, PrefixStats};
-use crate::store::{CacheElem, KvError, KvStore};
+use crate::store::{CacheElem, KvBlock, KvError, KvStore};
 
 /// Cached keys and values of prompt prefixes, in blocks of `block_size` tokens.
 pub struct PrefixKv<T> {
     cache: PrefixCache,
-    /// Elements of one token in one layer (kv heads x head dim).
-    width: usize,
-    /// Per layer, the keys and values of the blocks allocated so far (`[block][token][kv][dim]`).
-    k: Vec<Vec<T>>,
-    v: Vec<Vec<T>>,
+    n_kv_heads: usize,
+    head_dim: usize,
+    /// Per layer, per block id: the block's keys and values (None until first used).
+    blocks: Vec<Vec<Option<Arc<KvBlock<T>>>>>,
 }
 
 impl<T: CacheElem> PrefixKv<T> {
@@ -43,9 +44,9 @@ impl<T: CacheElem> PrefixKv<T> {
         let per = Self::block_bytes(n_layers, n_kv_heads, head_dim, block_size).max(1);
         PrefixKv {
             cache: PrefixCache::new(max_bytes / per, block_size),
-            width: n_kv_heads * head_dim,
-            k: vec![Vec::new(); n_layers],
-            v: vec![Vec::new(); n_layers],
+            n_kv_heads,
+            head_dim,
+            blocks: vec![Vec::new(); n_layers],
         }
     }
 
@@ -67,9 +68,18 @@ impl<T: CacheElem> PrefixKv<T> {
         self.cache.stats()
     }
 
-    /// Bytes allocated for cached blocks (they grow on demand, up to the limit).
+    /// Bytes of the cached blocks, a block shared with `n - 1` sequences counted `1/n` (as
+    /// [`KvStore::nbytes`] counts it), so the cache's bytes and the sequences' add up to the
+    /// memory in use.
     pub fn nbytes(&self) -> usize {
-        (self.k.iter().chain(&self.v).map(Vec::len).sum::<usize>()) * std::mem::size_of::<T>()
+        let pool = self.cache.pool();
+        self.blocks
+            .iter()
+            .flat_map(|l| l.iter().enumerate())
+            .filter(|(id, _)| pool.refs(*id as BlockId) > 0)
+            .filter_map(|(_, b)| b.as_ref())
+            .map(|b| b.nbytes() / Arc::strong_count(b))
+            .sum()
     }
 
     /// What besides the tokens decides a store's KV: its shape and its window rings (a ring's
@@ -102,9 +112,10 @@ impl<T: CacheElem> PrefixKv<T> {
         self.cache.unpin(found);
     }
 
-    /// Copies the first `n` tokens of `found` (`n` a multiple of the block size, within the
-    /// blocks found) into the empty, uncompacted `store` and makes them its length; unpins.
-    /// A window ring gets only the positions it can hold.
+    /// Gives the first `n` tokens of `found` (`n` a multiple of the block size, within the
+    /// blocks found) to the empty, uncompacted `store` and makes them its length; unpins.
+    /// Global layers of the cache's block size share the cached blocks; a window ring gets a
+    /// copy of the positions it can hold.
     pub fn restore(
         &mut self,
         found: Found,
@@ -116,6 +127,12 @@ impl<T: CacheElem> PrefixKv<T> {
         r
     }
 
+    /// Whether `store`'s `layer` keeps its blocks at the cache's size (so they are shared).
+    fn shares(&self, store: &KvStore<T>, layer: usize) -> bool {
+        let l = store.layer(layer);
+        !l.spec.ring && !l.is_compact() && store.block_size() == self.block_size()
+    }
+
     fn copy_in(&self, blocks: &[BlockId], n: usize, store: &mut KvStore<T>) -> Result<(), KvError> {
         let b = self.block_size();
         assert!(
@@ -123,9 +140,21 @@ impl<T: CacheElem> PrefixKv<T> {
             "restoring {n} tokens from {} blocks of {b}",
             blocks.len()
         );
-        assert!(store.is_empty() && store.n_layers() == self.k.len());
-        let stride = b * self.width;
-        for l in 0..self.k.len() {
+        assert!(store.is_empty() && store.n_layers() == self.blocks.len());
+        let cached = |l: usize, id: BlockId| -> &Arc<KvBlock<T>> {
+            self.blocks[l][id as usize]
+                .as_ref()
+                .expect("a cached block holds its KV")
+        };
+        for l in 0..self.blocks.len() {
+            if self.shares(store, l) {
+                let shared: Vec<_> = blocks[..n / b]
+                    .iter()
+                    .map(|&id| cached(l, id).clone())
+                    .collect();
+                store.adopt_blocks(l, &shared)?;
+                continue;
+            }
             let spec = store.layer(l).spec;
             let first = if spec.ring {
                 n.saturating_sub(spec.capacity)
@@ -136,9 +165,8 @@ impl<T: CacheElem> PrefixKv<T> {
                 if (j + 1) * b <= first {
                     continue; // fully behind the ring's reach
                 }
-                let at = id as usize * stride;
-                let (k, v) = (&self.k[l][at..at + stride], &self.v[l][at..at + stride]);
-                store.write_elems(l, j * b, k, v)?;
+                let (k, v) = cached(l, id).rows(self.n_kv_heads, self.head_dim);
+                store.write_elems(l, j * b, &k, &v)?;
             }
         }
         store.set_len(n);
@@ -169,7 +197,7 @@ impl<T: CacheElem> PrefixKv<T> {
             else {
                 continue;
             };
-            if let Err(e) = self.copy_out(id, j * bs, store) {
+            if let Err(e) = self.copy_out(id, j, store) {
                 self.cache.discard(id);
                 return Err(e);
             }
@@ -179,23 +207,26 @@ impl<T: CacheElem> PrefixKv<T> {
         Ok(added)
     }
 
-    fn copy_out(&mut self, id: BlockId, pos0: usize, store: &KvStore<T>) -> Result<(), KvError> {
-        let stride = self.block_size() * self.width;
-        let grown = self.k.first().map_or(0, Vec::len) / stride; // blocks allocated, in every layer
-        if id as usize >= grown {
-            // Grow every layer's storage to cover `id`, doubling (within the limit).
-            let want = (id as usize + 1).max(grown * 2).min(self.n_blocks());
-            for kv in self.k.iter_mut().chain(&mut self.v) {
-                kv.resize(want * stride, T::default());
-            }
+    /// Block `j` of `store` (positions `[j * bs, (j + 1) * bs)`) into cache block `id`.
+    fn copy_out(&mut self, id: BlockId, j: usize, store: &KvStore<T>) -> Result<(), KvError> {
+        let (bs, w) = (self.block_size(), self.n_kv_heads * self.head_dim);
+        let mut got = Vec::with_capacity(self.blocks.len());
+        for l in 0..self.blocks.len() {
+            let blk = if self.shares(store, l) {
+                store.share_blocks(l, j..j + 1)?.pop().expect("one block")
+            } else {
+                let (mut k, mut v) = (vec![T::default(); bs * w], vec![T::default(); bs * w]);
+                store.read(l, j * bs, &mut k, &mut v)?;
+                Arc::new(KvBlock::from_rows(&k, &v, self.n_kv_heads, self.head_dim))
+            };
+            got.push(blk);
         }
-        let at = id as usize * stride;
-        for l in 0..self.k.len() {
-            let (k, v) = (
-                &mut self.k[l][at..at + stride],
-                &mut self.v[l][at..at + stride],
-            );
-            store.read(l, pos0, k, v)?;
+        for (l, blk) in got.into_iter().enumerate() {
+            let slots = &mut self.blocks[l];
+            if slots.len() <= id as usize {
+                slots.resize(id as usize + 1, None);
+            }
+            slots[id as usize] = Some(blk);
         }
         Ok(())
     }
@@ -221,7 +252,7 @@ mod tests {
                 ring: true,
             },
         ];
-        let mut s = KvStore::new(NKV, D, &specs);
+        let mut s = KvStore::with_block(NKV, D, &specs, 16);
         for l in 0..2 {
             for p0 in (0..n).step_by(8) {
                 let m = 8.min(n - p0);
@@ -279,10 +310,22 @@ mod tests {
         assert!(pc.nbytes() > 0);
         let found = pc.lookup(ns, &tokens, 69);
         assert_eq!(found.blocks.len(), 4);
-        let mut dst = KvStore::new(NKV, D, &[src.layer(0).spec, src.layer(1).spec]);
+        let mut dst = KvStore::with_block(NKV, D, &[src.layer(0).spec, src.layer(1).spec], 16);
         pc.restore(found, 48, &mut dst).unwrap();
         assert_eq!(dst.len(), 48);
         same_held(&src_upto(48), &dst, 48);
+        // The global layer adopted the cached blocks: the memory `src` wrote for positions
+        // 32..48, with no copy; the ring got a copy.
+        for h in 0..NKV {
+            assert!(std::ptr::eq(dst.head(0, h).k(40), src.head(0, h).k(40)));
+            assert!(!std::ptr::eq(dst.head(1, h).k(0), src.head(1, h).k(0))); // slot of 40
+        }
+        // Once src is gone, dst and the cache share the global layer's blocks 0-2 (each counts
+        // them half); the cache alone holds its block 3 and its copies of the ring's 4 blocks.
+        drop(src);
+        let blk = PrefixKv::<half::f16>::block_bytes(1, NKV, D, 16);
+        assert_eq!(dst.nbytes(), 2 * 40 * NKV * D * 2 + 3 * blk / 2);
+        assert_eq!(pc.nbytes(), 3 * blk / 2 + blk + 4 * blk);
         // Everything unpinned: every cached block can be evicted again.
         assert_eq!(pc.cache.pool().n_used(), 4);
         while pc.cache.evict_one().is_some() {}

@@ -120,7 +120,7 @@ mod tests {
                 .iter()
                 .map(|k| {
                     let mut b = PageBounds::default();
-                    b.update(k, len, page, d);
+                    b.update(|t| &k[t * d..(t + 1) * d], len, page, d);
                     b
                 })
                 .collect();

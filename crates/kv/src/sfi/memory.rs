@@ -337,7 +337,8 @@ impl<T: CacheElem> SfiPolicy<T> {
         let bounds = &mut self.page_bounds[l];
         bounds.resize_with(nkv, PageBounds::default);
         for (h, b) in bounds.iter_mut().enumerate() {
-            b.update(store.head_slab(l, h).0, pages * p, p, d);
+            let rows = store.head(l, h);
+            b.update(|t| rows.k(t), pages * p, p, d);
         }
         // The pages of the Selector's first and last candidate positions.
         let forced = [self.cfg.sinks / p, pages - 1];
@@ -438,10 +439,10 @@ impl<T: CacheElem> SfiPolicy<T> {
         let mut row = vec![0.0f32; d];
         let slots = view.map_or(keys, |v| v.last().map_or(0, |&j| j as usize + 1));
         for (h, kn) in cached.iter_mut().enumerate() {
-            let (kslab, _) = store.head_slab(layer, h);
+            let rows = store.head(layer, h);
             kn.truncate(slots);
             for j in kn.len()..slots {
-                T::load(&kslab[j * d..(j + 1) * d], &mut row);
+                T::load(rows.k(j), &mut row);
                 kn.push(l2_norm(&row));
             }
             match view {
@@ -494,13 +495,13 @@ impl<T: CacheElem> SfiPolicy<T> {
         mem.k.clear();
         mem.v.clear();
         for h in 0..nkv {
-            let (kslab, vslab) = store.head_slab(layer, h);
+            let rows = store.head(layer, h);
             let sel = &self.selection.per_head[h];
             for j in (0..sink_slots as u32).chain(sel.iter().copied()) {
                 let (j, s) = (j as usize, slot(j as usize));
                 mem.pos.push(at(j) as u32);
-                mem.k.extend_from_slice(&kslab[s * d..(s + 1) * d]);
-                mem.v.extend_from_slice(&vslab[s * d..(s + 1) * d]);
+                mem.k.extend_from_slice(rows.k(s));
+                mem.v.extend_from_slice(rows.v(s));
             }
         }
         if self.cfg.pool > 1.0 {
@@ -575,7 +576,8 @@ fn page_bounds<T: CacheElem>(mem: &mut LayerMem<T>, nkv: usize, d: usize, page: 
     mem.bounds.resize_with(nkv, PageBounds::default);
     for (h, b) in mem.bounds.iter_mut().enumerate() {
         let first = h * mem.len + mem.sinks;
-        b.update(&mem.k[first * d..(first + sel) * d], sel, page, d);
+        let keys = &mem.k[first * d..(first + sel) * d];
+        b.update(|t| &keys[t * d..(t + 1) * d], sel, page, d);
     }
 }
 
@@ -1035,8 +1037,8 @@ mod tests {
         let mut out = Vec::new();
         KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
         for h in 0..nkv {
-            let [compact, recent] = out[h].as_slice() else {
-                panic!("two segments expected")
+            let [compact, recent @ ..] = out[h].as_slice() else {
+                panic!("segments expected")
             };
             let KvPositions::List(pos) = compact.pos else {
                 panic!("compact segment has a list")
@@ -1045,19 +1047,12 @@ mod tests {
             want.extend(peaks[h].iter().map(|&j| j as u32));
             assert_eq!(pos, &want[..], "head {h}");
             for (i, &j) in pos.iter().enumerate() {
-                let (ks, vs) = st.head_slab(0, h);
-                assert_eq!(
-                    &compact.k[i * d..(i + 1) * d],
-                    &ks[j as usize * d..(j as usize + 1) * d]
-                );
-                assert_eq!(
-                    &compact.v[i * d..(i + 1) * d],
-                    &vs[j as usize * d..(j as usize + 1) * d]
-                );
+                let rows = st.head(0, h);
+                assert_eq!(&compact.k[i * d..(i + 1) * d], rows.k(j as usize));
+                assert_eq!(&compact.v[i * d..(i + 1) * d], rows.v(j as usize));
             }
             // Recent window: page-aligned start (200 - 32 = 168, floor to 16 -> 160) to the end.
-            assert!(matches!(recent.pos, KvPositions::Range { start: 160 }));
-            assert_eq!(recent.k.len(), (len - 160) * d);
+            assert_eq!(crate::policy::range_runs(recent, d), vec![(160, len - 160)]);
         }
     }
 
@@ -1152,7 +1147,8 @@ mod tests {
     #[test]
     fn rerank_fast_step_reads_the_budget() {
         let (nkv, d, len) = (2, 8, 400);
-        let st = store(nkv, d, len);
+        // The store holds the decoded token at `len` too (the fast step below reads it).
+        let st = store(nkv, d, len + 1);
         let mut cfg = SfiConfig::new(4, 32, 64);
         cfg.pool = 2.0;
         cfg.trigger.kind = super::super::trigger::TriggerKind::Off;
@@ -1246,7 +1242,8 @@ mod tests {
             let bounds: Vec<PageBounds> = (0..nkv)
                 .map(|h| {
                     let mut b = PageBounds::default();
-                    b.update(st.head_slab(0, h).0, rs, page, d);
+                    let rows = st.head(0, h);
+                    b.update(|t| rows.k(t), rs, page, d);
                     b
                 })
                 .collect();
@@ -1619,9 +1616,9 @@ mod tests {
             p.observe(&call, 1, &logits, &st);
             assert_eq!(p.norms.len(), nkv * len);
             for h in 0..nkv {
-                let (ks, _) = st.head_slab(0, h);
+                let rows = st.head(0, h);
                 for j in 0..len {
-                    let row = &ks[j * d..(j + 1) * d];
+                    let row = rows.k(j);
                     let want = row.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
                     let got = p.norms[h * len + j] as f64;
                     assert!(
@@ -1679,7 +1676,6 @@ mod tests {
         assert_eq!(KvPolicy::<f32>::capture_rows(&p, &call), 0);
         let mut out = Vec::new();
         KvPolicy::<f32>::segments(&mut p, &call, &st, &mut out);
-        assert!(matches!(out[0][0].pos, KvPositions::Range { start: 0 }));
-        assert_eq!(out[0][0].k.len(), 50 * 4);
+        assert_eq!(crate::policy::range_runs(&out[0], 4), vec![(0, 50)]);
     }
 }

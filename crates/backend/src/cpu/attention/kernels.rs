@@ -89,16 +89,17 @@ pub(crate) unsafe fn qk_rows<T: KvElem, S: Simd>(
     s: *mut f32,
     ld: usize,
     v: *const T,
+    next: NextTile<T>,
 ) {
     let mut r = 0;
     while r < rows {
         let (q, s) = (q.add(r * d), s.add(r * ld));
         let pf = if r == 0 { v } else { std::ptr::null() };
         match rows - r {
-            1 => qk_rows_block::<T, S, 1>(q, d, k, nk, s, ld, pf),
-            2 => qk_rows_block::<T, S, 2>(q, d, k, nk, s, ld, pf),
-            3 => qk_rows_block::<T, S, 3>(q, d, k, nk, s, ld, pf),
-            _ => qk_rows_block::<T, S, 4>(q, d, k, nk, s, ld, pf),
+            1 => qk_rows_block::<T, S, 1>(q, d, k, nk, s, ld, pf, next),
+            2 => qk_rows_block::<T, S, 2>(q, d, k, nk, s, ld, pf, next),
+            3 => qk_rows_block::<T, S, 3>(q, d, k, nk, s, ld, pf, next),
+            _ => qk_rows_block::<T, S, 4>(q, d, k, nk, s, ld, pf, next),
         }
         r += 4;
     }
@@ -123,7 +124,46 @@ unsafe fn prefetch_row<T, S: Simd>(v: *const T, j: usize, d: usize) {
     }
 }
 
+/// The keys and values a decode tile reads after the current one (`n` rows; null and 0 at the
+/// end), so prefetches run across a KV block's end into the next block instead of the memory
+/// after it.
+#[derive(Clone, Copy)]
+pub(crate) struct NextTile<T> {
+    pub k: *const T,
+    pub v: *const T,
+    pub n: usize,
+}
+
+impl<T> NextTile<T> {
+    pub(crate) const NONE: NextTile<T> = NextTile {
+        k: std::ptr::null(),
+        v: std::ptr::null(),
+        n: 0,
+    };
+}
+
+/// Prefetches the key and value rows `j` of a tile of `nk` rows at `k`, `v`; past the tile, row
+/// `j - nk` of the next tile.
 #[inline(always)]
+unsafe fn prefetch_ahead<T, S: Simd>(
+    k: *const T,
+    v: *const T,
+    nk: usize,
+    next: NextTile<T>,
+    j: usize,
+    d: usize,
+) {
+    if j < nk {
+        prefetch_row::<T, S>(k, j, d);
+        prefetch_row::<T, S>(v, j, d);
+    } else if j - nk < next.n {
+        prefetch_row::<T, S>(next.k, j - nk, d);
+        prefetch_row::<T, S>(next.v, j - nk, d);
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn qk_rows_block<T: KvElem, S: Simd, const MR: usize>(
     q: *const f32,
     d: usize,
@@ -132,6 +172,7 @@ unsafe fn qk_rows_block<T: KvElem, S: Simd, const MR: usize>(
     s: *mut f32,
     ld: usize,
     pf: *const T,
+    next: NextTile<T>,
 ) {
     let z = S::splat(0.0);
     let mut j = 0;
@@ -140,8 +181,8 @@ unsafe fn qk_rows_block<T: KvElem, S: Simd, const MR: usize>(
         prefetch_row::<T, S>(pf, j, d);
         prefetch_row::<T, S>(pf, j + 1, d);
         if !pf.is_null() {
-            prefetch_row::<T, S>(k, j + K_PREFETCH, d);
-            prefetch_row::<T, S>(k, j + 1 + K_PREFETCH, d);
+            prefetch_ahead::<T, S>(k, pf, nk, next, j + K_PREFETCH, d);
+            prefetch_ahead::<T, S>(k, pf, nk, next, j + 1 + K_PREFETCH, d);
         }
         let (k0, k1) = (k.add(j * d), k.add((j + 1) * d));
         let mut a0 = [z; MR];

@@ -1,7 +1,7 @@
 //! Tests of the side paths: partial merging, logits capture, empty rows, extreme logits,
 //! argument errors, the vector `exp`.
 
-use super::tests::{assert_close, range, Case, Rng};
+use super::tests::{assert_close, range, Case, FromF32, Rng};
 use super::tile::Isa;
 use super::*;
 
@@ -420,5 +420,156 @@ fn nested_calls_from_rayon_workers_agree() {
         let qp = QueryPositions::List(&c.q_pos);
         attention_reference(&c.shape, &c.q, qp, &views, Mask::CAUSAL, &mut r, None, None).unwrap();
         assert_close("nested out", out, &r, TOL);
+    }
+}
+
+/// The views of `c` with every segment cut again at random lengths (some 1 key, some empty,
+/// most not a multiple of a tile): the same keys in the same order, segmented differently.
+fn resegmented<'c, T: FromF32>(c: &'c Case<T>, rng: &mut Rng) -> Vec<Vec<KvSegment<'c, T>>> {
+    let d = c.shape.head_dim;
+    c.heads
+        .iter()
+        .map(|head| {
+            let mut segs = Vec::new();
+            for s in head {
+                let mut a = 0;
+                while a < s.pos.len() {
+                    let n = match rng.below(8) {
+                        0 => 0,
+                        1 | 2 => 1,
+                        3 => 1 + rng.below(8) as usize,
+                        4 => [63, 64, 65, 127, 128, 129][rng.below(6) as usize],
+                        _ => 1 + rng.below(200) as usize,
+                    };
+                    let b = (a + n).min(s.pos.len());
+                    let pos = if s.as_range {
+                        KvPositions::Range { start: s.pos[a] }
+                    } else {
+                        KvPositions::List(&s.pos[a..b])
+                    };
+                    segs.push(KvSegment {
+                        k: &s.k[a * d..b * d],
+                        v: &s.v[a * d..b * d],
+                        pos,
+                    });
+                    a = b;
+                }
+            }
+            segs
+        })
+        .collect()
+}
+
+/// Output, lse and logits bits of one call.
+fn run_bits<'s, T: FromF32>(
+    c: &Case<T>,
+    views: &Vec<Vec<KvSegment<'s, T>>>,
+    isa: Isa,
+    chunks: Option<usize>,
+    mask: Mask,
+) -> [Vec<u32>; 3] {
+    let qp = QueryPositions::List(&c.q_pos);
+    let nl = c.n_q() * c.shape.n_heads;
+    let len = logits_len(&c.shape, c.n_q(), views);
+    let (mut out, mut lse, mut lg) = (
+        vec![f32::NAN; c.q.len()],
+        vec![f32::NAN; nl],
+        vec![f32::NAN; len],
+    );
+    attention_impl(
+        isa,
+        chunks,
+        &c.shape,
+        &c.q,
+        qp,
+        views,
+        mask,
+        &mut out,
+        Some(&mut lse),
+        Some(&mut lg),
+    )
+    .unwrap();
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    [bits(&out), bits(&lse), bits(&lg)]
+}
+
+/// Attention over the same keys cut into different segments is bit-identical (output, lse,
+/// logits): the kernel's tiles follow the global key order, not the segments. This is what
+/// keeps `serve` (a paged cache, one segment a block) equal to `generate` (one buffer).
+fn check_segmentation_invariant<T: FromF32>(c: &Case<T>, masks: &[Mask], seed: u64) {
+    let mut rng = Rng::new(seed);
+    let whole = c.views();
+    for &isa in Isa::available() {
+        for &chunks in &[None, Some(2), Some(3)] {
+            for &mask in masks {
+                let want = run_bits(c, &whole, isa, chunks, mask);
+                for _ in 0..3 {
+                    let split = resegmented(c, &mut rng);
+                    let got = run_bits(c, &split, isa, chunks, mask);
+                    for (what, (g, w)) in ["out", "lse", "logits"].iter().zip(got.iter().zip(&want))
+                    {
+                        let bad = g.iter().zip(w).position(|(a, b)| a != b);
+                        assert!(
+                            bad.is_none(),
+                            "{what}[{bad:?}] differs: {isa:?} chunks {chunks:?} {mask:?} n_q {} shape {:?} segments {:?}",
+                            c.n_q(),
+                            c.shape,
+                            split[0].iter().map(|s| s.len(c.shape.head_dim)).collect::<Vec<_>>()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn segmentation_does_not_change_results() {
+    use half::f16;
+    let masks = [
+        Mask::CAUSAL,
+        Mask {
+            causal: true,
+            window: Some(200),
+        },
+        Mask {
+            causal: true,
+            window: Some(37),
+        },
+        Mask::default(),
+    ];
+    // An SFI-like layout: sinks + a sorted selection (a position list) + a recent window.
+    let mut rng = Rng::new(99);
+    let mut sel: Vec<u32> = (0..4).collect();
+    sel.extend((0..180).map(|_| 4 + rng.below(2500) as u32));
+    sel.sort_unstable();
+    sel.dedup();
+    let sfi = [(sel, false), range(2500, 2700)];
+    for seed in 0..2u64 {
+        // Decode: one query row, groups 1..8 (rows <= 8: the row layout).
+        for g in 1..=8usize {
+            let d = if g % 2 == 0 { 128 } else { 64 };
+            let c = Case::<f32>::new(
+                seed * 10 + g as u64,
+                (2 * g, 2, d),
+                1,
+                699,
+                &[range(0, 700)],
+                4.0,
+            );
+            check_segmentation_invariant(&c, &masks, seed);
+            let c = Case::<f16>::new(seed * 10 + g as u64, (g, 1, d), 1, 2699, &sfi, 4.0);
+            check_segmentation_invariant(&c, &masks, seed + 1);
+        }
+        // Two rows of group 4: still the row layout.
+        let c = Case::<f16>::new(seed, (8, 2, 128), 2, 450, &[range(0, 452)], 4.0);
+        check_segmentation_invariant(&c, &masks, seed + 2);
+        // Prefill: many rows, the column layout; a chunk over cached keys and a whole prompt.
+        let c = Case::<f32>::new(seed, (8, 2, 64), 45, 300, &[range(0, 345)], 3.0);
+        check_segmentation_invariant(&c, &masks, seed + 3);
+        let c = Case::<f16>::new(seed, (4, 1, 128), 150, 0, &[range(0, 150)], 3.0);
+        check_segmentation_invariant(&c, &masks, seed + 4);
+        let c = Case::<f16>::new(seed, (8, 4, 64), 40, 2660, &sfi, 3.0);
+        check_segmentation_invariant(&c, &masks, seed + 5);
     }
 }

@@ -1,10 +1,18 @@
 //! One attention task: the query rows of one tile (all G heads of one kv head) against one
-//! contiguous range of that kv head's keys, by tiled online softmax. Two layouts: column-major
-//! scores for many rows (prefill), row-major for a few rows (decode). Also ISA dispatch.
+//! range of that kv head's keys (numbered in segment order), by tiled online softmax. Two
+//! layouts: column-major scores for many rows (prefill), row-major for a few rows (decode).
+//! Also ISA dispatch.
+//!
+//! Key tiles follow the global key order, not the segments: a tile may span several segments
+//! (read piece by piece) and a segment several tiles. Every key's score and every output's
+//! P·V chain are computed key by key, and the softmax steps see the same tiles, so the result
+//! is bit-identical however the same keys are segmented (one contiguous buffer for `generate`,
+//! blocks of a paged cache under `serve`). The split-KV chunks of `driver.rs` are global key
+//! ranges aligned to whole tiles, so that holds across chunks and their merge too.
 
 use super::elem::KvElem;
 pub(crate) use super::isa::Isa;
-use super::kernels::{pv, qk_cols, qk_rows, scale, softmax_cols, softmax_row, widen};
+use super::kernels::{pv, qk_cols, qk_rows, scale, softmax_cols, softmax_row, widen, NextTile};
 use super::scratch::POOL_TILE;
 pub(crate) use super::scratch::{Scratch, SyncPtr, POOL_PARTIALS, POOL_TASK_OUT};
 use super::simd::{Scalar, Simd};
@@ -26,7 +34,8 @@ pub(crate) struct LogitsSink {
     pub total: usize,
 }
 
-/// Query rows `i0..i0+nq` x keys `keys.0..keys.1` (in segment order) of one kv head.
+/// Query rows `i0..i0+nq` x keys `keys.0..keys.1` (global indices: keys numbered across
+/// `segs` in order; `keys.0` a multiple of the tile size) of one kv head.
 pub(crate) struct Task<'a, T> {
     pub geo: Geometry,
     pub mask: Mask,
@@ -51,17 +60,19 @@ impl<T> Task<'_, T> {
             .fold((u32::MAX, 0), |(lo, hi), p| (lo.min(p), hi.max(p)))
     }
 
-    /// Tiles of the task's key range: `(segment, a, b, global)` with `[a, b)` segment-local
-    /// (at most `bk` keys) and `global` the index of key `a` in segment order.
+    /// Tiles of the task's key range in the global key order (keys numbered across the
+    /// segments in order): tile `i` holds keys `[keys.0 + bk*i, min(keys.0 + bk*(i+1), keys.1))`,
+    /// wherever the segments end. So the online softmax sees the same tiles, and rounds the
+    /// same, however the same keys are cut into segments (one buffer, or blocks of a paged
+    /// cache); a tile that spans segments is read as several pieces (`Tile::pieces`).
     fn tiles(&self, bk: usize) -> Tiles<'_, T> {
         Tiles {
             segs: self.segs,
             d: self.geo.d,
             bk,
-            keys: self.keys,
-            seg: 0,
-            base: 0,
-            a: self.keys.0,
+            end: self.keys.1,
+            g0: self.keys.0,
+            at: Cursor { seg: 0, base: 0 },
         }
     }
 
@@ -97,33 +108,136 @@ impl<T> Task<'_, T> {
     }
 }
 
-/// Iterator of `Task::tiles`.
+/// A place in a task's segment list: segment `seg`, whose first key has global index `base`.
+#[derive(Clone, Copy)]
+struct Cursor {
+    seg: usize,
+    base: usize,
+}
+
+/// Iterator of `Task::tiles`: advances one cursor monotonically over the segments (no
+/// allocation; a tile is its first key's cursor and its global range).
 pub(crate) struct Tiles<'a, T> {
     segs: &'a [KvSegment<'a, T>],
     d: usize,
     bk: usize,
-    keys: (usize, usize),
-    seg: usize,
-    base: usize,
-    a: usize,
+    end: usize,
+    /// Global index of the next tile's first key.
+    g0: usize,
+    /// Cursor on the segment that holds key `g0` or one before it (moved up by `next`).
+    at: Cursor,
 }
 
 impl<'a, T> Iterator for Tiles<'a, T> {
-    type Item = (&'a KvSegment<'a, T>, usize, usize, usize);
+    type Item = Tile<'a, T>;
 
-    fn next(&mut self) -> Option<Self::Item> {
-        while self.seg < self.segs.len() {
-            let seg = &self.segs[self.seg];
-            let n = seg.len(self.d);
-            let a = self.a.max(self.base);
-            let end = self.keys.1.min(self.base + n);
-            if a < end {
-                let b = (a + self.bk).min(end);
-                self.a = b;
-                return Some((seg, a - self.base, b - self.base, a));
+    fn next(&mut self) -> Option<Tile<'a, T>> {
+        if self.g0 >= self.end {
+            return None;
+        }
+        // Skip the segments that end at or before g0 (empty ones included).
+        while self.at.base + self.segs[self.at.seg].len(self.d) <= self.g0 {
+            self.at.base += self.segs[self.at.seg].len(self.d);
+            self.at.seg += 1;
+        }
+        let nk = self.bk.min(self.end - self.g0);
+        let tile = Tile {
+            segs: self.segs,
+            d: self.d,
+            at: self.at,
+            g0: self.g0,
+            nk,
+        };
+        self.g0 += nk;
+        Some(tile)
+    }
+}
+
+/// Global keys `[g0, g0 + nk)` of a task, `at` the cursor on the segment holding key `g0`.
+#[derive(Clone, Copy)]
+pub(crate) struct Tile<'a, T> {
+    segs: &'a [KvSegment<'a, T>],
+    d: usize,
+    at: Cursor,
+    g0: usize,
+    nk: usize,
+}
+
+impl<'a, T> Tile<'a, T> {
+    /// The tile's keys as runs within one segment each, in order (one piece when the tile lies
+    /// in one segment); computed lazily from the tile's cursor, so cheap to repeat.
+    fn pieces(&self) -> Pieces<'a, T> {
+        Pieces {
+            segs: self.segs,
+            d: self.d,
+            at: self.at,
+            g: self.g0,
+            g0: self.g0,
+            end: self.g0 + self.nk,
+        }
+    }
+
+    /// (min, max) position over the tile's keys.
+    fn k_range(&self) -> (u32, u32) {
+        self.pieces().fold((u32::MAX, 0), |(lo, hi), p| {
+            let (a, b) = p.seg.pos.min_max(p.a, p.a + p.n);
+            (lo.min(a), hi.max(b))
+        })
+    }
+}
+
+/// Keys `[a, a + n)` of segment `seg`, at offset `off` in their tile.
+#[derive(Clone, Copy)]
+struct Piece<'a, T> {
+    seg: &'a KvSegment<'a, T>,
+    a: usize,
+    n: usize,
+    off: usize,
+}
+
+impl<T> Piece<'_, T> {
+    fn k(&self, d: usize) -> *const T {
+        self.seg.k[self.a * d..].as_ptr()
+    }
+
+    fn v(&self, d: usize) -> *const T {
+        self.seg.v[self.a * d..].as_ptr()
+    }
+}
+
+/// Iterator of `Tile::pieces`.
+struct Pieces<'a, T> {
+    segs: &'a [KvSegment<'a, T>],
+    d: usize,
+    at: Cursor,
+    /// Global index of the next piece's first key.
+    g: usize,
+    g0: usize,
+    end: usize,
+}
+
+impl<'a, T> Iterator for Pieces<'a, T> {
+    type Item = Piece<'a, T>;
+
+    fn next(&mut self) -> Option<Piece<'a, T>> {
+        while self.g < self.end {
+            let seg = &self.segs[self.at.seg];
+            let seg_end = self.at.base + seg.len(self.d);
+            if self.g < seg_end {
+                let n = seg_end.min(self.end) - self.g;
+                let p = Piece {
+                    seg,
+                    a: self.g - self.at.base,
+                    n,
+                    off: self.g - self.g0,
+                };
+                self.g += n;
+                return Some(p);
             }
-            self.seg += 1;
-            self.base += n;
+            self.at = Cursor {
+                seg: self.at.seg + 1,
+                base: seg_end,
+            };
         }
         None
     }
@@ -196,6 +310,9 @@ fn finish(
 }
 
 /// Column layout: scores `st` [keys, rows_pad], softmax statistics vectorised over rows.
+/// Q·Kᵀ, the mask and P·V run piece by piece at the piece's offset in the tile (each key's
+/// score and each output's FMA chain over the keys come out the same as for one piece), the
+/// softmax once over the whole tile.
 #[inline(always)]
 unsafe fn run_cols<T: KvElem, S: Simd>(t: &Task<'_, T>, out: &mut [f32], lse: &mut [f32]) {
     let (d, rows) = (t.geo.d, t.rows());
@@ -214,27 +331,32 @@ unsafe fn run_cols<T: KvElem, S: Simd>(t: &Task<'_, T>, out: &mut [f32], lse: &m
         t.each_q(|r, c, v| qt[c * rows_pad + r] = v);
         let q_range = t.q_range();
         let g = t.geo.group;
-        for (seg, a, b, g0) in t.tiles(BK_COLS) {
-            let nk = b - a;
-            let k_range = seg.pos.min_max(a, b);
+        for tile in t.tiles(BK_COLS) {
+            let (g0, nk) = (tile.g0, tile.nk);
+            let k_range = tile.k_range();
             if t.mask.all_hidden(q_range, k_range) {
                 t.store_logits(g0, nk, |_, _| f32::NEG_INFINITY);
                 continue;
             }
-            let kp = if T::IS_F16 {
-                widen::<T, S>(seg.k.as_ptr().add(a * d), kc.as_mut_ptr(), nk * d);
-                kc.as_ptr()
-            } else {
-                seg.k.as_ptr().add(a * d) as *const f32
-            };
-            qk_cols::<S>(qt.as_ptr(), rows_pad, d, kp, nk, st.as_mut_ptr());
-            if !t.mask.all_visible(q_range, k_range) {
-                for j in 0..nk {
-                    let kpos = seg.pos.at(a + j);
-                    let srow = &mut st[j * rows_pad..][..rows]; // [nq, G] of key j
-                    for (i, heads) in srow.chunks_exact_mut(g).enumerate() {
-                        if !t.mask.visible(t.q_pos.at(t.i0 + i), kpos) {
-                            heads.fill(f32::NEG_INFINITY);
+            let check = !t.mask.all_visible(q_range, k_range);
+            for p in tile.pieces() {
+                let kp = if T::IS_F16 {
+                    let kc = kc.as_mut_ptr().add(p.off * d);
+                    widen::<T, S>(p.k(d), kc, p.n * d);
+                    kc
+                } else {
+                    p.k(d) as *const f32
+                };
+                let sp = st.as_mut_ptr().add(p.off * rows_pad);
+                qk_cols::<S>(qt.as_ptr(), rows_pad, d, kp, p.n, sp);
+                if check {
+                    for j in 0..p.n {
+                        let kpos = p.seg.pos.at(p.a + j);
+                        let srow = &mut st[(p.off + j) * rows_pad..][..rows]; // [nq, G] of key
+                        for (i, heads) in srow.chunks_exact_mut(g).enumerate() {
+                            if !t.mask.visible(t.q_pos.at(t.i0 + i), kpos) {
+                                heads.fill(f32::NEG_INFINITY);
+                            }
                         }
                     }
                 }
@@ -253,22 +375,17 @@ unsafe fn run_cols<T: KvElem, S: Simd>(t: &Task<'_, T>, out: &mut [f32], lse: &m
                     scale::<S>(o.as_mut_ptr().add(r * d), d, a);
                 }
             }
-            pv::<T, S>(
-                st.as_ptr(),
-                1,
-                rows_pad,
-                rows,
-                nk,
-                seg.v.as_ptr().add(a * d),
-                d,
-                o.as_mut_ptr(),
-            );
+            for p in tile.pieces() {
+                let pp = st.as_ptr().add(p.off * rows_pad);
+                pv::<T, S>(pp, 1, rows_pad, rows, p.n, p.v(d), d, o.as_mut_ptr());
+            }
         }
         finish(rows, d, o, m, l, out, lse);
     }
 }
 
-/// Row layout: scores `s` [rows, BK_ROWS], one softmax row at a time (decode).
+/// Row layout: scores `s` [rows, BK_ROWS], one softmax row at a time (decode). Pieces as in
+/// `run_cols`.
 #[inline(always)]
 unsafe fn run_rows<T: KvElem, S: Simd>(t: &Task<'_, T>, out: &mut [f32], lse: &mut [f32]) {
     let (d, rows) = (t.geo.d, t.rows());
@@ -282,36 +399,45 @@ unsafe fn run_rows<T: KvElem, S: Simd>(t: &Task<'_, T>, out: &mut [f32], lse: &m
         t.each_q(|r, c, v| qr[r * d + c] = v);
         let q_range = t.q_range();
         let g = t.geo.group;
-        for (seg, a, b, g0) in t.tiles(BK_ROWS) {
-            let nk = b - a;
-            let k_range = seg.pos.min_max(a, b);
+        let mut tiles = t.tiles(BK_ROWS).peekable();
+        while let Some(tile) = tiles.next() {
+            let (g0, nk) = (tile.g0, tile.nk);
+            let k_range = tile.k_range();
             if t.mask.all_hidden(q_range, k_range) {
                 t.store_logits(g0, nk, |_, _| f32::NEG_INFINITY);
                 continue;
             }
-            qk_rows::<T, S>(
-                qr.as_ptr(),
-                rows,
-                d,
-                seg.k.as_ptr().add(a * d),
-                nk,
-                s.as_mut_ptr(),
-                BK_ROWS,
-                seg.v.as_ptr().add(a * d),
-            );
-            let nk_pad = nk.div_ceil(S::LANES) * S::LANES;
-            for r in 0..rows {
-                s[r * BK_ROWS + nk..r * BK_ROWS + nk_pad].fill(f32::NEG_INFINITY);
-            }
-            if !t.mask.all_visible(q_range, k_range) {
-                for r in 0..rows {
-                    let qp = t.q_pos.at(t.i0 + r / g);
-                    for j in 0..nk {
-                        if !t.mask.visible(qp, seg.pos.at(a + j)) {
-                            s[r * BK_ROWS + j] = f32::NEG_INFINITY;
+            let check = !t.mask.all_visible(q_range, k_range);
+            let mut pieces = tile.pieces().peekable();
+            while let Some(p) = pieces.next() {
+                // The keys read after this piece, for the prefetches at its end: the tile's
+                // next piece or the next tile's first (with a paged cache, the next KV block
+                // rather than the memory after this one).
+                let next = match pieces.peek() {
+                    Some(&n) => Some(n),
+                    None => tiles.peek().and_then(|t2| t2.pieces().next()),
+                };
+                let next = next.map_or(NextTile::NONE, |n| NextTile {
+                    k: n.k(d),
+                    v: n.v(d),
+                    n: n.n,
+                });
+                let sp = s.as_mut_ptr().add(p.off);
+                qk_rows::<T, S>(qr.as_ptr(), rows, d, p.k(d), p.n, sp, BK_ROWS, p.v(d), next);
+                if check {
+                    for r in 0..rows {
+                        let qp = t.q_pos.at(t.i0 + r / g);
+                        for j in 0..p.n {
+                            if !t.mask.visible(qp, p.seg.pos.at(p.a + j)) {
+                                s[r * BK_ROWS + p.off + j] = f32::NEG_INFINITY;
+                            }
                         }
                     }
                 }
+            }
+            let nk_pad = nk.div_ceil(S::LANES) * S::LANES;
+            for r in 0..rows {
+                s[r * BK_ROWS + nk..r * BK_ROWS + nk_pad].fill(f32::NEG_INFINITY);
             }
             t.store_logits(g0, nk, |r, j| s[r * BK_ROWS + j]);
             for r in 0..rows {
@@ -322,16 +448,10 @@ unsafe fn run_rows<T: KvElem, S: Simd>(t: &Task<'_, T>, out: &mut [f32], lse: &m
                     scale::<S>(o.as_mut_ptr().add(r * d), d, alpha);
                 }
             }
-            pv::<T, S>(
-                s.as_ptr(),
-                BK_ROWS,
-                1,
-                rows,
-                nk,
-                seg.v.as_ptr().add(a * d),
-                d,
-                o.as_mut_ptr(),
-            );
+            for p in tile.pieces() {
+                let sp = s.as_ptr().add(p.off);
+                pv::<T, S>(sp, BK_ROWS, 1, rows, p.n, p.v(d), d, o.as_mut_ptr());
+            }
         }
         finish(rows, d, o, &m, &l, out, lse);
     }
