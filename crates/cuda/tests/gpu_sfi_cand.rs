@@ -129,7 +129,7 @@ fn cand_pages_match_the_cpu_rule_and_the_view_reads_them() {
             .iter()
             .map(|k| {
                 let mut b = PageBounds::default();
-                b.update(k, pages * page, page, d);
+                b.update(|t| &k[t * d..(t + 1) * d], pages * page, page, d);
                 b
             })
             .collect();
