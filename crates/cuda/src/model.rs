@@ -1044,6 +1044,17 @@ impl GpuDecoder {
         self.sparse.as_ref().map_or(n, |s| s.attended(slot, n))
     }
 
+    /// Keys a layer the last decode slow step of `slot` read: every key, or with SFI's cheaper
+    /// slow step its view and the page bounds it scored (`len`, the step's length, when it
+    /// read densely or none happened).
+    pub fn slow_step_read(&self, slot: usize, len: usize) -> usize {
+        self.sparse
+            .as_ref()
+            .and_then(|s| s.slow_read(slot))
+            .unwrap_or(len)
+            .min(len)
+    }
+
     /// Shortens the cached sequence of `slot` to its first `len` tokens (later positions are
     /// overwritten by what comes next).
     pub fn truncate(&mut self, slot: usize, len: usize) -> Result<(), CudaError> {

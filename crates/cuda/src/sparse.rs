@@ -316,6 +316,9 @@ pub(crate) struct SparseState {
     pub refreshes: usize,
     /// SFI's cheaper slow step (`GpuSfiConfig::candidates` > 0).
     cand: Option<Cand>,
+    /// Per slot: keys its last decode slow step read a layer (`plan_views`: its length, or a
+    /// view's keys plus a key read a page bound, as the CPU counts them).
+    slow_read: Vec<usize>,
 }
 
 /// SFI's cheaper slow step (kernels/sfi_cand.cu, the CPU rule in `slowfast_kv::sfi::candidates`).
@@ -626,6 +629,7 @@ impl SparseState {
             step_splits: fast_splits,
             refreshes: 0,
             cand,
+            slow_read: vec![0; ns],
         }))
     }
 
@@ -705,6 +709,9 @@ impl SparseState {
         let Some(c) = self.sfi() else {
             return Ok(false);
         };
+        for &s in &self.cap_slots {
+            self.slow_read[s] = lens[s];
+        }
         let rs: Vec<usize> = self
             .cap_slots
             .iter()
@@ -744,6 +751,7 @@ impl SparseState {
         }
         for p in cd.plans.iter().flatten() {
             cd.bounds_len[p.batch_row] = p.pages;
+            self.slow_read[p.batch_row] = p.view_len(lens[p.batch_row]) + p.pages - p.first;
         }
         Ok(any)
     }
@@ -1391,6 +1399,12 @@ impl SparseState {
 
     /// Tokens a fast step of `slot` at length `len` attends per kv head on a global layer
     /// (SFI: sinks + chosen + the recent window from its start at the last refresh).
+    /// Keys slot `slot`'s last decode slow step read a layer (its length when dense, a view's
+    /// keys plus a key a page bound when cheap; None before any).
+    pub fn slow_read(&self, slot: usize) -> Option<usize> {
+        self.slow_read.get(slot).copied().filter(|&n| n > 0)
+    }
+
     pub fn attended(&self, slot: usize, len: usize) -> usize {
         match self.policy {
             GpuKvPolicy::Full => len,

@@ -385,7 +385,12 @@ impl Steps for GpuSession {
         if let Some(t) = self.trigger.as_mut().filter(|_| slow && !fired) {
             t.reset_after_refresh(); // a refresh the trigger did not ask for (the bridge)
         }
-        self.attended += if slow { len } else { self.dec.attended(0) } as f64;
+        // a slow step reads every key, or a cheaper slow step its view (and a key a page bound)
+        self.attended += if slow {
+            self.dec.slow_step_read(0, len)
+        } else {
+            self.dec.attended(0)
+        } as f64;
         self.dense += len as f64;
         if self.steps == 0 {
             // Later steps replay the step as one CUDA graph (plain launches if capture fails).
