@@ -194,12 +194,17 @@ __device__ __forceinline__ u32 sfi_valid_rows(const float2* stats, u32 rows) {
 }
 
 // The position part of the log prior of domain position i of n.
-__device__ __forceinline__ double sfi_pos(const SelCfg& cfg, u32 i, u32 n) {
-    const double span = n > 1 ? (double)(n - 1) : 1.0;
+// The position prior of a key at position pj in a domain whose first and last keys are at
+// positions first and last (the CPU's log_pos_prior); sfi_pos: the domain's own indices.
+__device__ __forceinline__ double sfi_pos_at(const SelCfg& cfg, u32 pj, u32 first, u32 last) {
+    const double span = last > first ? (double)(last - first) : 1.0;
     const double p = fmax(cfg.pos_power, 1.0);
-    const double u = fmin(fmax((double)i / span, 0.0), 1.0);
-    const double tail = fmax((double)(n - 1 - i) / span, cfg.eps);
+    const double u = fmin(fmax((double)(pj - first) / span, 0.0), 1.0);
+    const double tail = fmax((double)(last - pj) / span, cfg.eps);
     return -cfg.beta * exp(p * log(u)) + cfg.pos_eta * log(tail);
+}
+__device__ __forceinline__ double sfi_pos(const SelCfg& cfg, u32 i, u32 n) {
+    return sfi_pos_at(cfg, i, 0, n > 0 ? n - 1 : 0);
 }
 
 // Domain position i (evidence a, key norm kn, position prior pos = sfi_pos): the evidence term

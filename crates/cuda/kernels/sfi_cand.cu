@@ -164,12 +164,7 @@ extern "C" __global__ void sfi_pos_prior_view(double* __restrict__ pp, const u32
     const SelCfg cfg = sfi_cfg(cfgp);
     const u32* vp = vpages + ((u64)z * cap_rows + r) * vcap;
     const u32 first = sfi_view_pos(vp, np, P, rs, lo), last = sfi_view_pos(vp, np, P, rs, hi - 1);
-    const u32 pj = sfi_view_pos(vp, np, P, rs, lo + i);
-    const double span = last > first ? (double)(last - first) : 1.0;
-    const double p = fmax(cfg.pos_power, 1.0);
-    const double u = fmin(fmax((double)(pj - first) / span, 0.0), 1.0);
-    const double tail = fmax((double)(last - pj) / span, cfg.eps);
-    pp[(u64)z * n + i] = -cfg.beta * exp(p * log(u)) + cfg.pos_eta * log(tail);
+    pp[(u64)z * n + i] = sfi_pos_at(cfg, sfi_view_pos(vp, np, P, rs, lo + i), first, last);
 }
 
 // sel [layers, kv_heads, k_cap] (mcount[z] entries a head): view indices to positions.

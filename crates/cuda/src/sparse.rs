@@ -1253,9 +1253,8 @@ impl SparseState {
         // A decode slow step that read a view (SFI's cheaper slow step): its plan.
         let plan = match (&self.cand, r.boot_row0) {
             (Some(cd), None) => self
-                .cap_slots
-                .iter()
-                .position(|&s| s == r.slot)
+                .cap_row(r.slot)
+                .ok()
                 .and_then(|row| cd.plans.get(row).copied().flatten().map(|p| (row, p))),
             _ => None,
         };
