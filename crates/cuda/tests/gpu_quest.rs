@@ -200,16 +200,9 @@ fn quest_pages_match_cpu_and_decode_reads_them() {
                                 * scale
                         })
                         .collect();
-                    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let w: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
-                    let z: f64 = w.iter().sum();
-                    let mut o = vec![0.0; d];
-                    for (t, &r) in rows.iter().enumerate() {
-                        for i in 0..d {
-                            o[i] += w[t] / z * vc[base + r * d + i].to_f64();
-                        }
-                    }
-                    want.extend(o);
+                    want.extend(softmax_mix(&s, d, |t, i| {
+                        vc[base + rows[t] * d + i].to_f64()
+                    }));
                 }
             }
             assert_close(

@@ -296,16 +296,9 @@ fn cand_pages_match_the_cpu_rule_and_the_view_reads_them() {
                             .fold(0.0, f64::max);
                         assert!(worst < 2e-2, "{what} head {hq}: view scores off by {worst}");
                     }
-                    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let w: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
-                    let z: f64 = w.iter().sum();
-                    let mut o = vec![0.0; d];
-                    for (t, &r) in rows.iter().enumerate() {
-                        for i in 0..d {
-                            o[i] += w[t] / z * vc[base + r * d + i].to_f64();
-                        }
-                    }
-                    want_o.extend(o);
+                    want_o.extend(softmax_mix(&s, d, |t, i| {
+                        vc[base + rows[t] * d + i].to_f64()
+                    }));
                 }
             }
             assert_close(
@@ -462,22 +455,7 @@ fn selector_over_a_view_matches_the_cpu_with_positions() {
                 let o = (z * nkv + h) * k;
                 let gpu: &[u32] = &sel[o..o + ms[z]];
                 let cpu = &cpu_sel[z][h];
-                let a: BTreeSet<u32> = gpu.iter().copied().collect();
-                let b: BTreeSet<u32> = cpu.iter().copied().collect();
-                let diff = a.symmetric_difference(&b).count();
-                println!(
-                    "case {ci} layer {z} head {h}: {} chosen, {diff} differ",
-                    cpu.len()
-                );
-                assert!(
-                    diff <= 2 + cpu.len() / 200,
-                    "case {ci} layer {z} head {h}: {diff} of {} positions differ",
-                    cpu.len()
-                );
-                assert!(
-                    gpu.windows(2).all(|w| w[0] < w[1]),
-                    "case {ci} layer {z} head {h}: positions not ascending"
-                );
+                check_sets(&format!("case {ci} layer {z} head {h}"), gpu, cpu);
                 assert!(
                     gpu.iter().all(|&p| (p as usize) < recent_start
                         && lists[z].binary_search(&(p / page as u32)).is_ok()),

@@ -110,3 +110,40 @@ pub fn fill_cache(rng: &mut Rng, kv: &KvLayout, lens: &[(usize, usize)]) -> Vec<
     }
     c
 }
+
+/// GPU and CPU selections of one head agree up to near-ties: the symmetric difference is small.
+pub fn check_sets(what: &str, gpu: &[u32], cpu: &[u32]) {
+    let a: std::collections::BTreeSet<u32> = gpu.iter().copied().collect();
+    let b: std::collections::BTreeSet<u32> = cpu.iter().copied().collect();
+    assert_eq!(
+        a.len(),
+        gpu.len(),
+        "{what}: duplicate positions from the GPU"
+    );
+    let diff = a.symmetric_difference(&b).count();
+    println!("{what}: {} chosen, {} differ", cpu.len(), diff);
+    assert!(
+        diff <= 2 + cpu.len() / 200,
+        "{what}: {diff} of {} positions differ",
+        cpu.len()
+    );
+    assert!(
+        gpu.windows(2).all(|w| w[0] < w[1]),
+        "{what}: GPU positions not ascending"
+    );
+}
+
+/// Softmax of the scores `s` (f64) applied to value rows: `v(t, i)` is element `i < d` of the
+/// row of score `t`. The f64 reference of an attention output.
+pub fn softmax_mix(s: &[f64], d: usize, v: impl Fn(usize, usize) -> f64) -> Vec<f64> {
+    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let w: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+    let z: f64 = w.iter().sum();
+    let mut o = vec![0.0; d];
+    for (t, &wt) in w.iter().enumerate() {
+        for (i, x) in o.iter_mut().enumerate() {
+            *x += wt / z * v(t, i);
+        }
+    }
+    o
+}
