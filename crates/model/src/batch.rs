@@ -69,7 +69,7 @@ impl Model {
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         // Fits: `check_decode_batch` bounds every position by u32.
         let pos: Vec<u32> = rows.iter().map(|r| r.cache.len() as u32).collect();
-        self.embed(&tokens, s);
+        self.embed(&tokens, s)?;
         self.rope(RowPos::List(&pos), n, s);
         let qw = c.num_attention_heads * c.head_dim;
         let kw = c.num_key_value_heads * c.head_dim;

@@ -2,7 +2,12 @@
 //! `ModelConfig` flags (and Qwen2's q/k/v biases in the weights).
 //! `forward` runs a chunk of tokens (a prefill chunk, or one decode token) through every layer
 //! against a preallocated KV store; attention goes through `crate::attention`. `crate::batch`
-//! runs one decode token of several sequences through the same layer code.
+//! runs one decode token of several sequences through the same layer code. A rank of a
+//! tensor-parallel group (`Model::shard`) runs the same code on its slice of the weights, with
+//! the collectives of `crate::tp` after the embedding, the o and down projections and the head.
+use std::ops::Range;
+use std::sync::Arc;
+
 use slowfast_backend::cpu::ops;
 use slowfast_kv::{CacheElem, FullPolicy, KvPolicy, KvStore, LayerSpec};
 use slowfast_quant::{
@@ -11,6 +16,7 @@ use slowfast_quant::{
 
 use crate::attention::attend_layer;
 use crate::config::{Activation, ModelConfig, RopeScaling};
+use crate::tp::{Communicator, TpPlan};
 use crate::weights::{ModelWeights, Weight};
 use crate::ModelError;
 
@@ -82,6 +88,17 @@ pub struct Model {
     /// RoPE inverse frequencies of global and sliding layers (`[head_dim/2]`).
     inv_freq_global: Vec<f64>,
     inv_freq_local: Vec<f64>,
+    /// The model's place in a tensor-parallel group (`None`: the whole model, no collectives).
+    tp: Option<TpRank>,
+}
+
+/// A rank of a tensor-parallel group: its communicator and vocabulary rows.
+struct TpRank {
+    comm: Arc<dyn Communicator>,
+    /// The rows of the full vocabulary this rank's embedding and LM head hold.
+    vocab: Range<usize>,
+    /// Logits per rank as gathered (`TpPlan::vocab_per_rank`, the last rank's zero-padded).
+    vocab_per_rank: usize,
 }
 
 /// Buffers reused across forward calls (sized for the largest chunk seen).
@@ -100,6 +117,8 @@ pub struct Scratch {
     sin: Vec<f32>,  // [n, head_dim/2]
     cos_l: Vec<f32>,
     sin_l: Vec<f32>,
+    tp_local: Vec<f32>, // [rows, vocab_per_rank] a rank's logits (tensor parallel)
+    tp_all: Vec<f32>,   // [ranks, rows, vocab_per_rank] gathered logits (tensor parallel)
 }
 
 fn resize(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
@@ -173,7 +192,54 @@ impl Model {
             precision: MatmulPrecision::Fast,
             inv_freq_global,
             inv_freq_local,
+            tp: None,
         })
+    }
+
+    /// Rank `rank` of the tensor-parallel group `comm` under `plan`: its slice of the weights
+    /// (`crate::tp::shard`), the same precision, and the collectives the layers need. Its
+    /// `forward`s produce the full `[vocab]` logits on every rank of the group.
+    pub fn shard(
+        &self,
+        plan: &TpPlan,
+        rank: usize,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Model, ModelError> {
+        if self.tp.is_some() {
+            return Err(ModelError::TensorParallel(
+                "a rank's model cannot be sharded again (shard the whole model)".into(),
+            ));
+        }
+        if comm.size() != plan.tp || comm.rank() != rank {
+            return Err(ModelError::TensorParallel(format!(
+                "--tensor-parallel {}: rank {rank} was given the communicator of rank {} of {}",
+                plan.tp,
+                comm.rank(),
+                comm.size()
+            )));
+        }
+        let (cfg, weights) = crate::tp::shard(&self.cfg, &self.weights, plan, rank)?;
+        let mut m = Model::new(cfg, weights)?;
+        m.precision = self.precision;
+        m.tp = Some(TpRank {
+            comm,
+            vocab: plan.rank(rank)?.vocab.clone(),
+            vocab_per_rank: plan.vocab_per_rank,
+        });
+        Ok(m)
+    }
+
+    /// The communicator of a tensor-parallel rank (`None` for a whole model).
+    pub fn comm(&self) -> Option<&Arc<dyn Communicator>> {
+        self.tp.as_ref().map(|t| &t.comm)
+    }
+
+    /// Sum a row-parallel product's partial rows over the group (nothing for a whole model).
+    fn all_reduce(&self, x: &mut [f32]) -> Result<(), ModelError> {
+        match &self.tp {
+            Some(t) => t.comm.all_reduce_sum(x),
+            None => Ok(()),
+        }
     }
 
     /// Per-layer KV layout for sequences of up to `max_tokens` processed in chunks of at most
@@ -267,7 +333,7 @@ impl Model {
         let c = &self.cfg;
         let n = tokens.len();
         self.check_forward(tokens, pos0, cache)?;
-        self.embed(tokens, s);
+        self.embed(tokens, s)?;
         self.rope(RowPos::Range(pos0), n, s);
         self.run_layers(
             0..c.num_hidden_layers,
@@ -307,7 +373,7 @@ impl Model {
                 "a verification of {n} rows needs more window-ring slots than the cache holds (at most {most} rows; a larger prefill chunk makes room)"
             )));
         }
-        self.embed(tokens, s);
+        self.embed(tokens, s)?;
         self.rope(RowPos::Range(pos0), n, s);
         let qw = c.num_attention_heads * c.head_dim;
         for l in 0..c.num_hidden_layers {
@@ -456,6 +522,7 @@ impl Model {
         })?;
         let o = resize(&mut s.o, n * h);
         self.linear(&w.wo, att, n, o, rows)?;
+        self.all_reduce(o)?; // row-parallel: each rank holds a partial sum
         if let Some(pn) = &w.post_attn_norm {
             ops::rmsnorm_inplace(o, pn, c.rms_norm_eps);
         }
@@ -473,6 +540,7 @@ impl Model {
         }
         let o = resize(&mut s.o, n * h);
         self.linear(&w.w_down, gate, n, o, rows)?;
+        self.all_reduce(o)?; // row-parallel: each rank holds a partial sum
         if let Some(pn) = &w.post_ffw_norm {
             ops::rmsnorm_inplace(o, pn, c.rms_norm_eps);
         }
@@ -505,11 +573,35 @@ impl Model {
             xb,
         );
         logits.resize(m * c.vocab_size, 0.0);
-        self.linear(self.weights.lm_head(), xb, m, logits, rows)
+        let Some(t) = &self.tp else {
+            return self.linear(self.weights.lm_head(), xb, m, logits, rows);
+        };
+        // A rank's vocabulary slice, padded to the common width, gathered in rank order.
+        let (v, len, per) = (c.vocab_size, t.vocab.len(), t.vocab_per_rank);
+        let local = resize(&mut s.tp_local, m * per); // [m, per]
+        self.linear(self.weights.lm_head(), xb, m, &mut local[..m * len], rows)?;
+        if len < per {
+            // [m, len] -> [m, per], from the last row back (rows only move right).
+            for i in (0..m).rev() {
+                local.copy_within(i * len..(i + 1) * len, i * per);
+                local[i * per + len..(i + 1) * per].fill(0.0);
+            }
+        }
+        let all = resize(&mut s.tp_all, t.comm.size() * m * per); // [ranks, m, per]
+        t.comm.all_gather(local, all)?;
+        for (r, part) in all.chunks_exact(m * per).enumerate() {
+            let (lo, hi) = ((r * per).min(v), ((r + 1) * per).min(v));
+            for (i, row) in part.chunks_exact(per).enumerate() {
+                logits[i * v + lo..i * v + hi].copy_from_slice(&row[..hi - lo]);
+            }
+        }
+        Ok(())
     }
 
-    /// Embedding lookup of `tokens` into `s.x` (Gemma scales by sqrt(hidden)).
-    pub(crate) fn embed(&self, tokens: &[u32], s: &mut Scratch) {
+    /// Embedding lookup of `tokens` into `s.x` (Gemma scales by sqrt(hidden)). A
+    /// tensor-parallel rank writes the rows of the tokens in its vocabulary slice and zeros
+    /// elsewhere, then sums over the group (exact: one rank's row plus zeros).
+    pub(crate) fn embed(&self, tokens: &[u32], s: &mut Scratch) -> Result<(), ModelError> {
         let c = &self.cfg;
         let (n, h) = (tokens.len(), c.hidden_size);
         let x = resize(&mut s.x, n * h);
@@ -518,12 +610,22 @@ impl Model {
         } else {
             1.0
         };
-        for (t, row) in tokens.iter().zip(x.chunks_exact_mut(h)) {
-            self.weights.embed.row_f32(*t as usize, row);
+        let vocab = self
+            .tp
+            .as_ref()
+            .map_or(0..c.vocab_size, |t| t.vocab.clone());
+        for (&t, row) in tokens.iter().zip(x.chunks_exact_mut(h)) {
+            let t = t as usize;
+            if !vocab.contains(&t) {
+                row.fill(0.0);
+                continue;
+            }
+            self.weights.embed.row_f32(t - vocab.start, row);
             if scale != 1.0 {
                 row.iter_mut().for_each(|v| *v *= scale);
             }
         }
+        self.all_reduce(x)
     }
 
     /// FastKV prefill (token-selective propagation) of `tokens` at positions `0..n` into an
@@ -576,7 +678,7 @@ impl Model {
         let mut q_last = Vec::new(); // [rows, heads, head_dim] of the last rows at layer T
         for &(a, b) in chunks {
             let m = b - a;
-            self.embed(&tokens[a..b], s);
+            self.embed(&tokens[a..b], s)?;
             self.rope(RowPos::Range(a), m, s);
             self.run_layers(0..tsp.layer + 1, m, RowPos::Range(a), cache, policy, s)?;
             hidden[a * h..b * h].copy_from_slice(&s.x[..m * h]);
@@ -690,6 +792,9 @@ impl Model {
                 *t += x;
             }
         }
+        // Tensor parallel: each rank summed its own query heads; the sum over ranks is the
+        // whole model's total (in another order), the same on every rank.
+        self.all_reduce(&mut total)?;
         let mut keep: Vec<u32> = slowfast_kv::score::top_k(&total, tsp.len - w)
             .into_iter()
             .map(|i| i as u32)

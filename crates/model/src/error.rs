@@ -14,4 +14,7 @@ pub enum ModelError {
     ContextFull { needed: usize, capacity: usize },
     #[error("{0}")]
     Compute(String),
+    /// A tensor-parallel plan that does not fit the model, or a failed collective.
+    #[error("{0}")]
+    TensorParallel(String),
 }

@@ -8,10 +8,12 @@ pub mod error;
 pub mod load;
 pub mod presets;
 pub mod random;
+pub mod tp;
 pub mod weights;
 
 pub use batch::DecodeRow;
 pub use config::{Activation, Arch, ModelConfig, RopeScaling};
 pub use decoder::{LogitsRows, MatmulPrecision, Model, Scratch, TspConfig};
 pub use error::ModelError;
+pub use tp::{Communicator, SingleRank, ThreadGroup, TpPlan};
 pub use weights::{ModelWeights, Weight};

@@ -1,5 +1,6 @@
 //! Model weights by role: each linear layer is a `Weight` (a ggml-typed row-major matrix whose
 //! bytes live in a mapped file or an owned buffer), norms are plain f32 vectors.
+use std::ops::Range;
 use std::sync::Arc;
 
 use memmap2::Mmap;
@@ -117,6 +118,66 @@ impl Weight {
 
     pub fn nbytes(&self) -> usize {
         self.data.as_slice().len()
+    }
+
+    /// Rows `rows` of the matrix (`[rows.len(), cols]`): ggml rows are whole, so this is one
+    /// byte range, a view of the same mapping when the bytes are mapped.
+    pub fn slice_rows(&self, rows: Range<usize>) -> Result<Weight, ModelError> {
+        if rows.start > rows.end || rows.end > self.rows {
+            return Err(ModelError::Weights(format!(
+                "rows {rows:?} of a {self:?} matrix (expected a range within 0..{})",
+                self.rows
+            )));
+        }
+        let rb = self.row_bytes();
+        let (a, b) = (rows.start * rb, rows.end * rb);
+        let data = match &self.data {
+            Bytes::Mapped { map, start, .. } => Bytes::Mapped {
+                map: map.clone(),
+                start: start + a,
+                len: b - a,
+            },
+            Bytes::Owned(v) => Bytes::Owned(Arc::new(v[a..b].to_vec())),
+        };
+        Ok(Weight {
+            ty: self.ty,
+            rows: rows.len(),
+            cols: self.cols,
+            data,
+        })
+    }
+
+    /// Columns `cols` of every row (`[rows, cols.len()]`), re-packed: both ends must fall on
+    /// whole blocks of the weight's type (a ggml block is never split).
+    pub fn slice_cols(&self, cols: Range<usize>) -> Result<Weight, ModelError> {
+        let bs = self.ty.block_size();
+        if cols.start > cols.end || cols.end > self.cols {
+            return Err(ModelError::Weights(format!(
+                "columns {cols:?} of a {self:?} matrix (expected a range within 0..{})",
+                self.cols
+            )));
+        }
+        if !crate::tp::on_blocks(&cols, bs) {
+            return Err(ModelError::Weights(format!(
+                "columns {cols:?} of a {self:?} matrix split its {}-value {} blocks (both ends must be multiples of {bs})",
+                bs,
+                self.ty.name()
+            )));
+        }
+        let (rb, ts) = (self.row_bytes(), self.ty.type_size());
+        let (a, b) = (cols.start / bs * ts, cols.end / bs * ts);
+        let src = self.data.as_slice();
+        let mut out = Vec::with_capacity(self.rows * (b - a));
+        for r in 0..self.rows {
+            out.extend_from_slice(&src[r * rb + a..r * rb + b]);
+        }
+        Weight::new(
+            self.ty,
+            self.rows,
+            cols.len(),
+            Bytes::Owned(Arc::new(out)),
+            "column slice",
+        )
     }
 
     /// A copy with rows reordered: row `i` of the result is row `perm[i]` of `self`.
