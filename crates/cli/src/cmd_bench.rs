@@ -84,6 +84,7 @@ pub fn parse_contexts(s: &str) -> Result<Vec<usize>> {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    a.model.whole_model_only("bench")?;
     let contexts = parse_contexts(&a.contexts)?;
     if a.new_tokens == 0 {
         bail!("--new-tokens must be at least 1");

@@ -336,6 +336,12 @@ pub fn run(a: Args) -> Result<()> {
             .collect::<Result<Vec<_>, _>>()?,
     };
     let device = a.model.device();
+    if a.task == "stability" {
+        a.model.whole_model_only("eval --task stability")?;
+    }
+    if a.model.tensor_parallel > 1 && a.spec.speculate.is_some() {
+        a.model.whole_model_only("eval --speculate")?;
+    }
     if device == slowfast_engine::Device::Cuda && a.task == "stability" {
         bail!(
             "--device cuda: `eval --task stability` probes every head's attention on the CPU (use --device cpu; nll, agree, passkey and ruler run on cuda)"

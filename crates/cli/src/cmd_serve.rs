@@ -95,6 +95,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    a.model.whole_model_only("serve")?;
     if a.max_batch == 0 {
         bail!("--max-batch must be at least 1");
     }

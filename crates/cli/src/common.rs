@@ -22,6 +22,14 @@ pub struct ModelArgs {
     /// Prompt tokens per prefill forward pass.
     #[arg(long, default_value_t = 512)]
     pub chunk: usize,
+    /// Tensor parallelism: split the model over this many ranks (q/k/v and gate/up by
+    /// columns, o and down by rows with an all-reduce each, kv heads partitioned or replicated
+    /// when fewer than the ranks, embedding and LM head by vocabulary). Each rank keeps the KV
+    /// and runs the KV policy of its own kv heads. The CPU runs the ranks as threads: the
+    /// reference for the GPU's ranks, not a speed-up. generate and eval (nll, agree, passkey,
+    /// ruler) take it; --device cuda, bench and serve do not yet (docs/tensor-parallel.md)
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel: usize,
 }
 
 impl ModelArgs {
@@ -41,12 +49,19 @@ impl ModelArgs {
         if self.chunk == 0 {
             bail!("--chunk must be at least 1");
         }
+        if self.tensor_parallel == 0 {
+            bail!("--tensor-parallel must be at least 1 (1: the whole model)");
+        }
+        if self.tensor_parallel > 1 && self.device() == slowfast_engine::Device::Cuda {
+            return Err(slowfast_engine::device::tp_not_on_gpu().into());
+        }
         if self.kv() == KvDtype::Fp8 && self.device() != slowfast_engine::Device::Cuda {
             bail!("--kv-dtype fp8 runs on the GPU only (--device cuda); the CPU keeps f16 or f32");
         }
         let t = std::time::Instant::now();
-        let m = slowfast_engine::load(&self.model, &mut |s| eprintln!("{s}"))
+        let mut m = slowfast_engine::load(&self.model, &mut |s| eprintln!("{s}"))
             .with_context(|| format!("loading model `{}`", self.model))?;
+        m.set_tensor_parallel(self.tensor_parallel)?;
         eprintln!(
             "loaded {} ({}, {} layers) in {:.1}s",
             self.model,
@@ -55,6 +70,16 @@ impl ModelArgs {
             t.elapsed().as_secs_f64()
         );
         Ok(m)
+    }
+}
+
+impl ModelArgs {
+    /// Refuse `--tensor-parallel` above 1 in a command that runs the whole model (`what`).
+    pub fn whole_model_only(&self, what: &str) -> Result<()> {
+        if self.tensor_parallel > 1 {
+            bail!("--tensor-parallel {}: {what} runs the whole model so far; generate and eval take --tensor-parallel (docs/tensor-parallel.md)", self.tensor_parallel);
+        }
+        Ok(())
     }
 }
 

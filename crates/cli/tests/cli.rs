@@ -581,3 +581,62 @@ fn serve_refuses_a_kv_block_that_does_not_divide_the_chunk_and_a_bad_memory_frac
         );
     }
 }
+
+#[test]
+fn tensor_parallel_on_the_cpu_matches_one_rank_and_refuses_what_it_cannot_split() {
+    let text = tmp("tp").join("text.txt");
+    std::fs::write(
+        &text,
+        "The quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
+    let dir = fixture("llama"); // 8 query heads, 2 kv heads, f32 weights
+    let nll = |tp: &str, policies: &str| -> Vec<f64> {
+        let json = tmp("tp").join(format!("out-{tp}.json"));
+        let out = bin()
+            .args(["eval", "--task", "nll", "--model", dir.to_str().unwrap()])
+            .args(["--input", text.to_str().unwrap(), "--context", "160"])
+            .args(["--eval-tokens", "48", "--kv-dtype", "f32"])
+            .args(["--policies", policies, "--kv-budget", "40", "--sinks", "4"])
+            .args(["--sfi-recent", "16", "--tensor-parallel", tp])
+            .args(["--json", json.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "tp {tp}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["nll"].as_f64().unwrap())
+            .collect()
+    };
+    // Full KV and StreamingLLM are the same computation split over ranks (f32 weights).
+    let one = nll("1", "full,streaming");
+    for tp in ["2", "4"] {
+        let got = nll(tp, "full,streaming");
+        for (a, b) in got.iter().zip(&one) {
+            assert!((a - b).abs() < 1e-4, "tp {tp}: nll {a} against {b}");
+        }
+    }
+    // SFI per rank runs (its choice may differ: exclusivity among a rank's kv heads).
+    let sfi = nll("2", "sfi");
+    assert!(sfi[0].is_finite() && sfi[0] > 0.0);
+    let d = dir.to_str().unwrap();
+    fails(
+        &["generate", "-m", d, "-p", "hi", "--tensor-parallel", "3"],
+        "8 attention heads do not divide by 3",
+    );
+    fails(
+        &["bench", "-m", d, "--tensor-parallel", "2"],
+        "bench runs the whole model",
+    );
+    fails(
+        &["generate", "-m", d, "-p", "hi", "--tensor-parallel", "0"],
+        "--tensor-parallel must be at least 1",
+    );
+}

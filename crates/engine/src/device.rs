@@ -2,10 +2,9 @@
 //! generate loop uses on either. The CUDA side lives in `crate::cuda` (feature `cuda`); a
 //! build without it answers `--device cuda` with a clear error.
 use slowfast_kv::PolicyStats;
-use slowfast_model::Model;
 
 use crate::session::{KvDtype, PolicySpec, Session};
-use crate::EngineError;
+use crate::{EngineError, Loaded};
 
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -33,6 +32,13 @@ pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
 pub fn not_built() -> EngineError {
     EngineError::BadInput(
         "--device cuda: slowfast was built without CUDA support; rebuild with `cargo build --release --features cuda` (needs an NVIDIA driver at run time, no CUDA toolkit)".into(),
+    )
+}
+
+/// The error for `--tensor-parallel` above 1 with `--device cuda`.
+pub fn tp_not_on_gpu() -> EngineError {
+    EngineError::BadInput(
+        "--tensor-parallel above 1 runs on the CPU only so far (ranks in threads, the reference for the GPU); the GPU's ranks need an NCCL communicator and a multi-GPU machine (issue 26, docs/tensor-parallel.md)".into(),
     )
 }
 
@@ -77,15 +83,30 @@ impl Steps for Session<'_> {
     }
 }
 
-/// A session for one sequence of up to `max_tokens` tokens on `device`.
+/// A session for one sequence of up to `max_tokens` tokens on `device`, split over
+/// `m.tensor_parallel` ranks when that is above 1 (`crate::tp`; the CPU only so far).
 pub fn session<'m>(
     device: Device,
-    model: &'m Model,
+    m: &'m Loaded,
     max_tokens: usize,
     kv: KvDtype,
     chunk: usize,
     policy: &PolicySpec,
 ) -> Result<Box<dyn Steps + 'm>, EngineError> {
+    let model = &m.model;
+    if m.tensor_parallel > 1 {
+        if device != Device::Cpu {
+            return Err(tp_not_on_gpu());
+        }
+        return Ok(Box::new(crate::tp::TpSession::new(
+            model,
+            m.tensor_parallel,
+            max_tokens,
+            kv,
+            chunk,
+            policy,
+        )?));
+    }
     match device {
         Device::Cpu => Ok(Box::new(Session::try_with_policy(
             model, max_tokens, kv, chunk, policy,
@@ -122,7 +143,12 @@ mod tests {
         small.intermediate_size = 64;
         let w = slowfast_model::random::random_weights(&small, slowfast_quant::GgmlType::F32, 1)
             .unwrap();
-        let m = Model::new(small, w).unwrap();
+        let m = Loaded {
+            tokenizer: slowfast_tokenizer::Tokenizer::byte_level(small.vocab_size).unwrap(),
+            model: slowfast_model::Model::new(small, w).unwrap(),
+            name: "random".into(),
+            tensor_parallel: 1,
+        };
         let err = match session(Device::Cuda, &m, 16, KvDtype::F32, 8, &PolicySpec::Full) {
             Err(e) => e.to_string(),
             Ok(_) => panic!("a build without the cuda feature made a GPU session"),

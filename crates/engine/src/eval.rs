@@ -174,7 +174,7 @@ pub(crate) fn prefilled_steps<'m>(
     tokens: &[u32],
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<Prefilled<'m>>, EngineError> {
-    if share && device == crate::Device::Cpu {
+    if share && device == crate::Device::Cpu && m.tensor_parallel == 1 {
         let sessions = prefilled_sessions(m, cap, kv, chunk, policies, tokens, progress)?;
         return Ok(boxed(sessions));
     }
@@ -182,7 +182,7 @@ pub(crate) fn prefilled_steps<'m>(
         .iter()
         .map(|p| {
             progress(&format!("prefill under {}", p.name()));
-            let mut sess = crate::device::session(device, &m.model, cap, kv, chunk, p)?;
+            let mut sess = crate::device::session(device, m, cap, kv, chunk, p)?;
             let secs = prefill_reporting(&mut *sess, tokens, progress)?;
             Ok((sess, secs))
         })
@@ -265,7 +265,7 @@ pub fn eval_nll_on(
     check_input_len(tokens.len(), context + 1, context)?;
     check_model_context(m, context)?;
     let n_prefill = context - eval_tokens;
-    let mut sess = crate::device::session(device, &m.model, context, kv, chunk, policy)?;
+    let mut sess = crate::device::session(device, m, context, kv, chunk, policy)?;
     let prefill_seconds = prefill_reporting(&mut *sess, &tokens[..n_prefill], progress)?;
     let kv_bytes_after_prefill = sess.kv_bytes();
     let t1 = Instant::now();

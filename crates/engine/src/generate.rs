@@ -115,12 +115,17 @@ pub fn generate_with_draft(
     for &t in prompt_ids {
         sampler.accept(t);
     }
+    if opts.speculate.is_some() && m.tensor_parallel > 1 {
+        return Err(EngineError::BadInput(
+            "--speculate with --tensor-parallel above 1 is not supported yet (the drafter and the verification run on the whole model)".into(),
+        ));
+    }
     let t0 = Instant::now();
     let mut dec = match &opts.speculate {
         None => {
             let mut sess = crate::device::session(
                 opts.device,
-                &m.model,
+                m,
                 needed.min(ctx),
                 opts.kv_dtype,
                 opts.chunk,

@@ -17,6 +17,7 @@ pub mod scheduler;
 pub mod session;
 pub mod spec;
 pub mod stop;
+pub mod tp;
 
 pub use device::Device;
 pub use error::EngineError;

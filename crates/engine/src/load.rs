@@ -19,6 +19,26 @@ pub struct Loaded {
     pub tokenizer: Tokenizer,
     /// How the user named it (for reports).
     pub name: String,
+    /// Ranks a session splits the model over (`--tensor-parallel`; 1: the whole model). On
+    /// the CPU the ranks are threads (`crate::tp`); see [`Loaded::set_tensor_parallel`].
+    pub tensor_parallel: usize,
+}
+
+impl Loaded {
+    /// Split sessions of this model over `n` ranks, after checking that it splits (heads, kv
+    /// heads, MLP columns, quant blocks); 1 is the whole model.
+    pub fn set_tensor_parallel(&mut self, n: usize) -> Result<(), EngineError> {
+        if n == 0 {
+            return Err(EngineError::BadInput(
+                "--tensor-parallel must be at least 1".into(),
+            ));
+        }
+        if n > 1 {
+            crate::tp::check(&self.model, n)?;
+        }
+        self.tensor_parallel = n;
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for Loaded {
@@ -126,6 +146,7 @@ pub fn load(spec: &str, progress: &mut dyn FnMut(&str)) -> Result<Loaded, Engine
         model,
         tokenizer,
         name: spec.to_owned(),
+        tensor_parallel: 1,
     })
 }
 

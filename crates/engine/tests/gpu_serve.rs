@@ -52,6 +52,7 @@ fn model_with(context: usize, seed: u64) -> Arc<Loaded> {
         model: Model::new(cfg, w).unwrap(),
         tokenizer,
         name: "random qwen3 (4 layers)".into(),
+        tensor_parallel: 1,
     })
 }
 

@@ -103,7 +103,7 @@ pub fn eval_agree_on(
     // Copies for the teacher-forced pass, taken before any decoding (the policies with
     // their own prefill, and every policy off the CPU, get a fresh one after the greedy pass).
     let mut forced: Vec<Option<Box<dyn Steps + '_>>> = Vec::new();
-    let sessions = if share && device == crate::Device::Cpu {
+    let sessions = if share && device == crate::Device::Cpu && m.tensor_parallel == 1 {
         let sessions = prefilled_sessions(m, context, kv, chunk, policies, prompt, progress)?;
         if teacher_forced {
             for ((sess, _), p) in sessions.iter().zip(policies).skip(1) {
@@ -180,7 +180,7 @@ pub fn eval_agree_on(
                     "{}: prefill again for the teacher-forced pass",
                     policy.name()
                 ));
-                let mut s = crate::device::session(device, &m.model, context, kv, chunk, policy)?;
+                let mut s = crate::device::session(device, m, context, kv, chunk, policy)?;
                 prefill_reporting(&mut *s, prompt, progress)?;
                 s
             }

@@ -431,7 +431,7 @@ fn prefilled_on<'m>(
     tokens: &[u32],
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<Prefilled<'m>>, EngineError> {
-    if device == Device::Cpu {
+    if device == Device::Cpu && m.tensor_parallel == 1 {
         let s = prefilled_sessions(m, cap, o.kv, o.chunk, policies, tokens, progress)?;
         return Ok(s
             .into_iter()
@@ -441,7 +441,7 @@ fn prefilled_on<'m>(
     let mut out = Vec::with_capacity(policies.len());
     for p in policies {
         progress(&format!("prefill under {} on {device:?}", p.name()));
-        let mut sess = crate::device::session(device, &m.model, cap, o.kv, o.chunk, p)?;
+        let mut sess = crate::device::session(device, m, cap, o.kv, o.chunk, p)?;
         let secs = super::prefill_reporting(&mut *sess, tokens, progress)?;
         out.push((sess, secs));
     }
