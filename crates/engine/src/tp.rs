@@ -262,15 +262,20 @@ mod tests {
     use crate::session::{policy_spec_with, SfiKnobs};
     use slowfast_quant::GgmlType;
 
-    /// A 2-layer Qwen3-shaped model with 4 query and 4 kv heads and f32 weights (so the
+    /// A 4-layer Qwen3-shaped model with 4 query and 4 kv heads and f32 weights (so the
     /// activations stay f32 and ranks differ from the whole model only in summation order).
     fn small() -> Model {
+        small_kv(4)
+    }
+
+    /// [`small`] with `nkv` kv heads.
+    fn small_kv(nkv: usize) -> Model {
         let mut c = slowfast_model::presets::preset("qwen3-0.6b").unwrap();
-        c.num_hidden_layers = 2;
-        c.layer_sliding = vec![false; 2];
+        c.num_hidden_layers = 4;
+        c.layer_sliding = vec![false; 4];
         c.hidden_size = 64;
         c.num_attention_heads = 4;
-        c.num_key_value_heads = 4;
+        c.num_key_value_heads = nkv;
         c.head_dim = 16;
         c.intermediate_size = 128;
         c.vocab_size = 96;
@@ -373,6 +378,52 @@ mod tests {
         greedy(&mut s, &p, 24);
         for r in s.rank_stats() {
             assert_eq!((r.slow_steps, r.fast_steps), (w.slow_steps, w.fast_steps));
+        }
+    }
+
+    /// One kv head (as Gemma 3 270M) over 2 and 4 ranks: every rank holds it, and its
+    /// policy reads the query and captures of all four query heads (gathered), so SFI (dense
+    /// and cheaper slow steps) and Quest choose as the whole model does.
+    #[test]
+    fn a_replicated_kv_head_is_chosen_from_every_query_head() {
+        let m = small_kv(1);
+        let p = prompt(120);
+        let knobs = SfiKnobs {
+            recent: 16,
+            trigger: "periodic".into(),
+            refresh_interval: 4,
+            ..SfiKnobs::default()
+        };
+        let cheap = SfiKnobs {
+            candidates: 2.0,
+            ..knobs.clone()
+        };
+        let specs = [
+            policy_spec_with("sfi", Some(48.0), 4, 160, &knobs).unwrap(),
+            policy_spec_with("sfi", Some(48.0), 4, 160, &cheap).unwrap(),
+            policy_spec_with("quest", Some(48.0), 4, 160, &knobs).unwrap(),
+        ];
+        for spec in &specs {
+            let mut whole = Session::try_with_policy(&m, 160, KvDtype::F32, 16, spec).unwrap();
+            let (want, want_logits) = greedy(&mut whole, &p, 24);
+            let w = whole.policy_stats();
+            assert!(w.retained_fraction() < 0.9, "{}: {w:?}", spec.name());
+            for tp in [2, 4] {
+                let mut s = TpSession::new(&m, tp, 160, KvDtype::F32, 16, spec).unwrap();
+                let (got, got_logits) = greedy(&mut s, &p, 24);
+                assert_eq!(got, want, "{} at tp {tp}", spec.name());
+                let d = max_rel_diff(&got_logits, &want_logits);
+                assert!(d < 1e-5, "{} at tp {tp}: logits differ by {d}", spec.name());
+                for r in s.rank_stats() {
+                    assert_eq!((r.slow_steps, r.fast_steps), (w.slow_steps, w.fast_steps));
+                    let (a, b) = (r.retained_fraction(), w.retained_fraction());
+                    assert!(
+                        (a - b).abs() < 1e-9,
+                        "{} at tp {tp}: {a} against {b}",
+                        spec.name()
+                    );
+                }
+            }
         }
     }
 

@@ -6,11 +6,14 @@ use slowfast_backend::cpu::attention::{
 use slowfast_kv::{AttnCall, CacheElem, KvPolicy, KvStore};
 
 use crate::config::ModelConfig;
+use crate::tp::KvShare;
 use crate::ModelError;
 
 /// Attention of `n` query rows (`q`: `[n, heads, head_dim]`, positions `pos0..pos0 + n`, or
 /// the ascending `q_list` when given: FastKV's propagated rows) of `layer` over the cached keys
 /// the KV policy selects (within what the mask allows); writes `out` `[n, heads, head_dim]`.
+/// `share` (a tensor-parallel rank whose kv heads other ranks hold too): the policy reads the
+/// query and the captured logits of every query head of those kv heads, gathered.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_layer<T: CacheElem>(
     cfg: &ModelConfig,
@@ -23,6 +26,7 @@ pub fn attend_layer<T: CacheElem>(
     cache: &KvStore<T>,
     policy: &mut dyn KvPolicy<T>,
     out: &mut [f32],
+    share: Option<&KvShare>,
 ) -> Result<(), ModelError> {
     let shape = AttnShape {
         n_heads: cfg.num_attention_heads,
@@ -56,7 +60,16 @@ pub fn attend_layer<T: CacheElem>(
     debug_assert_eq!(hi, call.hi());
     let capture = policy.capture_rows(&call).min(n);
     let mut segs: Vec<Vec<KvSegment<'_, T>>> = Vec::with_capacity(cfg.num_key_value_heads);
-    policy.query(&call, q);
+    // Sliding layers hold no policy state; every rank skips them alike.
+    let share = share.filter(|_| window.is_none());
+    match share {
+        Some(sh) => {
+            let mut all_q = Vec::new(); // [n, sharers x heads, head_dim]
+            sh.gather_blocks(q, n, &mut all_q)?;
+            policy.query(&call, &all_q);
+        }
+        None => policy.query(&call, q),
+    }
     policy.segments(&call, cache, &mut segs);
     let mask = Mask {
         causal: true,
@@ -105,6 +118,11 @@ pub fn attend_layer<T: CacheElem>(
     )
     .map_err(err)?;
     drop(segs);
+    if let Some(sh) = share {
+        let mut all = Vec::new(); // [sharers x heads, capture, keys]
+        sh.gather_blocks(&logits, 1, &mut all)?;
+        logits = all;
+    }
     policy.observe(&call, capture, &logits, cache);
     Ok(())
 }

@@ -73,6 +73,7 @@ impl Model {
         self.rope(RowPos::List(&pos), n, s);
         let qw = c.num_attention_heads * c.head_dim;
         let kw = c.num_key_value_heads * c.head_dim;
+        let share = self.kv_share();
         for l in 0..c.num_hidden_layers {
             self.layer(l, n, Rows::Independent, s, |a| {
                 for (i, (r, &p)) in rows.iter_mut().zip(&pos).enumerate() {
@@ -81,7 +82,7 @@ impl Model {
                         .write(l, p, &a.k[kv.clone()], &a.v[kv])
                         .map_err(|e| ModelError::Compute(format!("row {i}, layer {l}: {e}")))?;
                     let (q, out) = (&a.q[i * qw..(i + 1) * qw], &mut a.out[i * qw..(i + 1) * qw]);
-                    attend_layer(c, l, q, p, 1, a.window, None, r.cache, r.policy, out)
+                    attend_layer(c, l, q, p, 1, a.window, None, r.cache, r.policy, out, share)
                         .map_err(|e| in_row(i, e))?;
                 }
                 Ok(())

@@ -16,7 +16,7 @@ use slowfast_quant::{
 
 use crate::attention::attend_layer;
 use crate::config::{Activation, ModelConfig, RopeScaling};
-use crate::tp::{Communicator, TpPlan};
+use crate::tp::{Communicator, KvShare, TpPlan};
 use crate::weights::{ModelWeights, Weight};
 use crate::ModelError;
 
@@ -99,6 +99,9 @@ struct TpRank {
     vocab: Range<usize>,
     /// Logits per rank as gathered (`TpPlan::vocab_per_rank`, the last rank's zero-padded).
     vocab_per_rank: usize,
+    /// The ranks holding the same (replicated) kv heads, whose KV policies gather each
+    /// other's queries and captures (`None`: this rank's kv heads are its own).
+    share: Option<KvShare>,
 }
 
 /// Buffers reused across forward calls (sized for the largest chunk seen).
@@ -222,9 +225,10 @@ impl Model {
         let mut m = Model::new(cfg, weights)?;
         m.precision = self.precision;
         m.tp = Some(TpRank {
-            comm,
+            comm: comm.clone(),
             vocab: plan.rank(rank)?.vocab.clone(),
             vocab_per_rank: plan.vocab_per_rank,
+            share: KvShare::new(plan, rank, comm.clone()),
         });
         Ok(m)
     }
@@ -232,6 +236,11 @@ impl Model {
     /// The communicator of a tensor-parallel rank (`None` for a whole model).
     pub fn comm(&self) -> Option<&Arc<dyn Communicator>> {
         self.tp.as_ref().map(|t| &t.comm)
+    }
+
+    /// The ranks sharing this rank's kv heads (`attend_layer`'s `share`).
+    pub(crate) fn kv_share(&self) -> Option<&KvShare> {
+        self.tp.as_ref().and_then(|t| t.share.as_ref())
     }
 
     /// Sum a row-parallel product's partial rows over the group (nothing for a whole model).
@@ -376,6 +385,7 @@ impl Model {
         self.embed(tokens, s)?;
         self.rope(RowPos::Range(pos0), n, s);
         let qw = c.num_attention_heads * c.head_dim;
+        let share = self.kv_share();
         for l in 0..c.num_hidden_layers {
             self.layer(l, n, Rows::Independent, s, |a| {
                 cache
@@ -383,7 +393,19 @@ impl Model {
                     .map_err(|e| ModelError::Compute(format!("layer {l}: {e}")))?;
                 for i in 0..n {
                     let (q, out) = (&a.q[i * qw..(i + 1) * qw], &mut a.out[i * qw..(i + 1) * qw]);
-                    attend_layer(c, l, q, pos0 + i, 1, a.window, None, cache, policy, out)?;
+                    attend_layer(
+                        c,
+                        l,
+                        q,
+                        pos0 + i,
+                        1,
+                        a.window,
+                        None,
+                        cache,
+                        policy,
+                        out,
+                        share,
+                    )?;
                 }
                 Ok(())
             })?;
@@ -451,6 +473,7 @@ impl Model {
         policy: &mut dyn KvPolicy<T>,
         s: &mut Scratch,
     ) -> Result<(), ModelError> {
+        let share = self.kv_share();
         for l in layers {
             self.layer(l, n, Rows::Chunk, s, |a| {
                 match pos {
@@ -463,7 +486,7 @@ impl Model {
                     RowPos::List(list) => (0, Some(list)),
                 };
                 attend_layer(
-                    &self.cfg, l, a.q, p0, n, a.window, list, cache, policy, a.out,
+                    &self.cfg, l, a.q, p0, n, a.window, list, cache, policy, a.out, share,
                 )
             })?;
         }

@@ -4,6 +4,7 @@
 mod comm;
 mod plan;
 mod shard;
+mod share;
 #[cfg(test)]
 mod tests;
 
@@ -11,3 +12,4 @@ pub use comm::{Communicator, SingleRank, ThreadGroup};
 pub(crate) use plan::on_blocks;
 pub use plan::{RankSlice, TpPlan};
 pub use shard::shard;
+pub use share::KvShare;

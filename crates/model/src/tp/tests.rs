@@ -233,6 +233,55 @@ fn thread_group_collectives() {
     assert_eq!(x, [3.0]);
 }
 
+/// TP 4 over 2 kv heads: ranks 0-1 share kv head 0, ranks 2-3 kv head 1. Each pair gathers
+/// its blocks interleaved in rank order, other pairs may gather other lengths, and a pair
+/// whose lengths differ is an error on both.
+#[test]
+fn ranks_sharing_a_kv_head_gather_each_others_blocks() {
+    let cfg = gemma3(64, 3, 4, 2, 32, 128, 80, 6, 3);
+    let plan = TpPlan::new(&cfg, 4).unwrap();
+    let out: Vec<_> = std::thread::scope(|sc| {
+        let hs: Vec<_> = ThreadGroup::new(4)
+            .into_iter()
+            .enumerate()
+            .map(|(r, c)| {
+                let plan = &plan;
+                sc.spawn(move || {
+                    let share = KvShare::new(plan, r, Arc::new(c)).expect("replicated");
+                    // Two rows of two values; the second pair's blocks are longer.
+                    let f = r as f32;
+                    let local: Vec<f32> = if r < 2 {
+                        vec![f, f + 0.5, 10.0 + f, 10.5 + f]
+                    } else {
+                        vec![f; 6]
+                    };
+                    let mut got = Vec::new();
+                    share.gather_blocks(&local, 2, &mut got).unwrap();
+                    // Rank 3 disagrees on the length: both of its pair fail, the others not.
+                    let bad = vec![0.0; if r == 3 { 5 } else { 4 }];
+                    let e = share.gather_blocks(&bad, 1, &mut Vec::new());
+                    (got, e.map_err(|e| e.to_string()))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(out[0].0, vec![0.0, 0.5, 1.0, 1.5, 10.0, 10.5, 11.0, 11.5]);
+    assert_eq!(out[0].0, out[1].0);
+    assert_eq!(
+        out[2].0,
+        [vec![2.0; 3], vec![3.0; 3], vec![2.0; 3], vec![3.0; 3]].concat()
+    );
+    assert!(out[0].1.is_ok() && out[1].1.is_ok());
+    for r in [2, 3] {
+        let e = out[r].1.as_ref().unwrap_err();
+        assert!(e.contains("share kv heads"), "{e}");
+    }
+    // Kv heads a rank holds alone: no sharing.
+    let solo = TpPlan::new(&cfg, 2).unwrap();
+    assert!(KvShare::new(&solo, 0, Arc::new(SingleRank)).is_none());
+}
+
 /// Logits of a prefill of `prompt` and of `steps` greedy decode steps, and the tokens taken.
 fn greedy(m: &Model, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
     let mut cache = m.new_cache::<f32>(prompt.len() + steps + 1, 16);
