@@ -2,8 +2,9 @@
 //! own thread with its own KV cache and its own copy of the KV policy over the kv heads it
 //! holds, meeting in the decoder's collectives (`ThreadGroup`). It is the reference the GPU's
 //! NCCL ranks are to agree with, and it measures what a per-rank policy costs in quality (SFI
-//! selects per rank: a replicated kv head from the rank's query heads only, cross-head
-//! exclusivity among the rank's kv heads). Not a speed path: the ranks share the CPU.
+//! selects per rank: cross-head exclusivity among the rank's own kv heads; a replicated kv
+//! head from every query head, gathered by `KvShare`). Not a speed path: the ranks share the
+//! CPU.
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
