@@ -30,6 +30,8 @@ enum Cmd {
 }
 
 enum Reply {
+    /// The rank built its session (its policy's name), or could not.
+    Ready(Result<&'static str, EngineError>),
     /// Rank 0's prefill progress (tokens done, total).
     Progress(usize, usize),
     /// A forward finished: rank 0 sends its logits, the others an empty vector.
@@ -73,16 +75,11 @@ impl TpSession {
         }
         let comms = ThreadGroup::new(tp);
         let mut ranks = Vec::with_capacity(tp);
-        let mut policy_name = "";
         for (r, comm) in comms.into_iter().enumerate() {
             let comm: Arc<dyn Communicator> = Arc::new(comm);
             let rank_model = model
                 .shard(&plan, r, comm)
                 .map_err(|e| EngineError::BadInput(e.to_string()))?;
-            // Build the session here first, so a bad policy fails before any thread starts.
-            let probe = Session::try_with_policy(&rank_model, max_tokens, kv, chunk, policy)?;
-            policy_name = probe.policy_name();
-            drop(probe);
             let (tx, cmd_rx) = channel::<Cmd>();
             let (reply_tx, rx) = channel::<Reply>();
             let state = Arc::new(std::sync::Mutex::new((0, PolicyStats::default())));
@@ -103,11 +100,25 @@ impl TpSession {
                 handle: Some(handle),
             });
         }
-        Ok(TpSession {
+        let mut s = TpSession {
             ranks,
             logits: Vec::new(),
-            policy_name,
-        })
+            policy_name: "",
+        };
+        // Every rank reports its session built (a bad policy fails here, not at the first
+        // step); on an error dropping `s` stops the ranks that did start.
+        for (r, rank) in s.ranks.iter().enumerate() {
+            match rank.rx.recv() {
+                Ok(Reply::Ready(Ok(name))) => s.policy_name = name,
+                Ok(Reply::Ready(Err(e))) => return Err(e),
+                _ => {
+                    return Err(EngineError::Model(ModelError::TensorParallel(format!(
+                        "rank {r} stopped while building its session"
+                    ))))
+                }
+            }
+        }
+        Ok(s)
     }
 
     /// Send `cmd` to every rank and wait for all of them; rank 0's logits become this
@@ -137,7 +148,7 @@ impl TpSession {
                         first_err.get_or_insert(format!("rank {r}: {e}"));
                         break;
                     }
-                    Err(_) => {
+                    Ok(Reply::Ready(_)) | Err(_) => {
                         first_err.get_or_insert(format!("rank {r} has stopped"));
                         break;
                     }
@@ -174,10 +185,13 @@ fn rank_loop(
     let mut sess = match Session::try_with_policy(&model, max_tokens, kv, chunk, &policy) {
         Ok(s) => s,
         Err(e) => {
-            let _ = reply.send(Reply::Failed(e.to_string()));
+            let _ = reply.send(Reply::Ready(Err(e)));
             return;
         }
     };
+    if reply.send(Reply::Ready(Ok(sess.policy_name()))).is_err() {
+        return;
+    }
     while let Ok(cmd) = cmds.recv() {
         let out = match cmd {
             Cmd::Prefill(tokens) => {
@@ -209,13 +223,14 @@ fn rank_loop(
 
 impl Drop for TpSession {
     fn drop(&mut self) {
-        for r in &mut self.ranks {
-            // Closing the command channel ends the rank's loop.
-            let (tx, _) = channel();
-            drop(std::mem::replace(&mut r.tx, tx));
-            if let Some(h) = r.handle.take() {
-                let _ = h.join();
-            }
+        // Dropping a rank's command sender ends its loop; then wait for every rank.
+        let handles: Vec<_> = self
+            .ranks
+            .drain(..)
+            .filter_map(|mut r| r.handle.take())
+            .collect();
+        for h in handles {
+            let _ = h.join();
         }
     }
 }
@@ -260,6 +275,7 @@ impl crate::device::Steps for TpSession {
 mod tests {
     use super::*;
     use crate::device::Steps;
+    use crate::eval::argmax;
     use crate::session::{policy_spec_with, SfiKnobs};
     use slowfast_quant::GgmlType;
 
@@ -282,16 +298,6 @@ mod tests {
         c.vocab_size = 96;
         let w = slowfast_model::random::random_weights(&c, GgmlType::F32, 7).unwrap();
         Model::new(c, w).unwrap()
-    }
-
-    fn argmax(x: &[f32]) -> u32 {
-        let mut best = 0;
-        for (i, v) in x.iter().enumerate() {
-            if *v > x[best] {
-                best = i;
-            }
-        }
-        best as u32
     }
 
     /// Prefill `prompt`, then `steps` greedy steps; the tokens and every step's logits.
