@@ -191,15 +191,13 @@ fn quest_pages_match_cpu_and_decode_reads_them() {
                         .collect();
                     let base = (b * nkv + h) * kv.capacity * d;
                     let qo = (b * nh + hq) * d;
-                    let s: Vec<f64> = rows
-                        .iter()
-                        .map(|&r| {
-                            (0..d)
-                                .map(|i| q[qo + i].to_f64() * kc[base + r * d + i].to_f64())
-                                .sum::<f64>()
-                                * scale
-                        })
-                        .collect();
+                    let s = scaled_dots(
+                        &rows,
+                        d,
+                        scale,
+                        |i| q[qo + i].to_f64(),
+                        |r, i| kc[base + r * d + i].to_f64(),
+                    );
                     want.extend(softmax_mix(&s, d, |t, i| {
                         vc[base + rows[t] * d + i].to_f64()
                     }));

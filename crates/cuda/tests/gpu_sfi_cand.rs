@@ -278,15 +278,13 @@ fn cand_pages_match_the_cpu_rule_and_the_view_reads_them() {
                     };
                     let base = (b * nkv + h) * kv.capacity * d;
                     let qo = (b * nh + hq) * d;
-                    let s: Vec<f64> = rows
-                        .iter()
-                        .map(|&r| {
-                            (0..d)
-                                .map(|i| q[qo + i].to_f64() * kc[base + r * d + i].to_f64())
-                                .sum::<f64>()
-                                * scale
-                        })
-                        .collect();
+                    let s = scaled_dots(
+                        &rows,
+                        d,
+                        scale,
+                        |i| q[qo + i].to_f64(),
+                        |r, i| kc[base + r * d + i].to_f64(),
+                    );
                     if b == 1 {
                         let row = &got_l[hq * lstride..hq * lstride + vlen];
                         let worst = row

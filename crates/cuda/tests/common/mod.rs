@@ -133,6 +133,20 @@ pub fn check_sets(what: &str, gpu: &[u32], cpu: &[u32]) {
     );
 }
 
+/// The f64 attention scores `scale · q·k` of the key rows `rows`: `q(i)` and `k(r, i)` give
+/// element `i < d` of the query and of key row `r`.
+pub fn scaled_dots(
+    rows: &[usize],
+    d: usize,
+    scale: f64,
+    q: impl Fn(usize) -> f64,
+    k: impl Fn(usize, usize) -> f64,
+) -> Vec<f64> {
+    rows.iter()
+        .map(|&r| (0..d).map(|i| q(i) * k(r, i)).sum::<f64>() * scale)
+        .collect()
+}
+
 /// Softmax of the scores `s` (f64) applied to value rows: `v(t, i)` is element `i < d` of the
 /// row of score `t`. The f64 reference of an attention output.
 pub fn softmax_mix(s: &[f64], d: usize, v: impl Fn(usize, usize) -> f64) -> Vec<f64> {
