@@ -115,10 +115,13 @@ pub trait PageBackend {
     fn release(&mut self, h: Self::Handle);
 }
 
-/// One slot's pages: `owned[p * runs + r]` is page `p` of run `r`.
+/// One slot's pages: `owned[(p - dropped) * runs + r]` is page `p` of run `r`.
 #[derive(Debug)]
 struct SlotPages<H> {
     owned: Vec<H>,
+    /// Leading page steps given back while the slot holds its sequence: no attention path
+    /// reads their rows again ([`PagePool::drop_below`]); nothing is mapped there.
+    dropped: usize,
     /// The scratch page is mapped at page 0 of every run (the slot holds no sequence).
     scratch: bool,
     /// Leading page steps mapped from the prefix cache (read only).
@@ -189,6 +192,7 @@ impl<B: PageBackend> PagePool<B> {
             slots: (0..num_slots)
                 .map(|_| SlotPages {
                     owned: Vec::new(),
+                    dropped: 0,
                     scratch: false,
                     shared: 0,
                 })
@@ -248,9 +252,15 @@ impl<B: PageBackend> PagePool<B> {
         self.slots[slot].scratch
     }
 
-    /// Pages each run of `slot` maps (its own).
+    /// Page steps each run of `slot` covers: those it maps and the leading ones it dropped.
     pub fn pages(&self, slot: usize) -> usize {
-        self.slots[slot].owned.len() / self.geo.runs_per_slot
+        let s = &self.slots[slot];
+        s.dropped + s.owned.len() / self.geo.runs_per_slot
+    }
+
+    /// Leading page steps of `slot` given back by [`PagePool::drop_below`].
+    pub fn dropped(&self, slot: usize) -> usize {
+        self.slots[slot].dropped
     }
 
     /// Tokens `slot` may write without another `ensure` (scratch: the dummy tokens of a
@@ -388,6 +398,9 @@ impl<B: PageBackend> PagePool<B> {
         let Some(px) = self.prefix.as_ref() else {
             return;
         };
+        if self.slots[slot].dropped > 0 {
+            return; // its first blocks are no longer mapped
+        }
         let (bt, bp) = (px.cache.block_size(), px.block_pages);
         let blocks = blocks.min(tokens.len() / bt).min(self.pages(slot) / bp);
         let mut parent = root_hash(0);
@@ -540,7 +553,7 @@ impl<B: PageBackend> PagePool<B> {
                 },
             }
         }
-        let first = have * runs;
+        let first = self.slots[slot].owned.len();
         for &h in &fresh {
             self.map_ref(h);
         }
@@ -566,13 +579,41 @@ impl<B: PageBackend> PagePool<B> {
         }
         let runs = self.geo.runs_per_slot;
         let owned = std::mem::take(&mut self.slots[slot].owned);
+        let dropped = std::mem::take(&mut self.slots[slot].dropped);
         self.slots[slot].shared = 0;
         for (i, &h) in owned.iter().enumerate() {
-            let va = self.va(slot, i % runs, i / runs);
+            let va = self.va(slot, i % runs, dropped + i / runs);
             self.backend.unmap(va)?;
             self.unmap_ref(h);
         }
         self.map_scratch(slot)
+    }
+
+    /// Gives back the pages of `slot` wholly below row `tokens` in every run (the attention
+    /// paths read nothing there again: SnapKV's prompt after its compaction, the rows a
+    /// sliding window left), always keeping the last page the slot maps. Returns the page
+    /// steps dropped now. A page the prefix cache or another slot holds stays with them. The
+    /// device must be idle (the caller synchronises); the addresses stay reserved, so a
+    /// CUDA graph over them stays valid.
+    pub fn drop_below(&mut self, slot: usize, tokens: usize) -> Result<usize, CudaError> {
+        if self.slots[slot].scratch {
+            return Ok(0);
+        }
+        let runs = self.geo.runs_per_slot;
+        let have = self.pages(slot);
+        let from = self.slots[slot].dropped;
+        let to = (tokens / self.geo.page_tokens).min(have.saturating_sub(1));
+        if to <= from {
+            return Ok(0);
+        }
+        let gone: Vec<B::Handle> = self.slots[slot].owned.drain(..(to - from) * runs).collect();
+        for (i, &h) in gone.iter().enumerate() {
+            let va = self.va(slot, i % runs, from + i / runs);
+            self.backend.unmap(va)?;
+            self.unmap_ref(h);
+        }
+        self.slots[slot].dropped = to;
+        Ok(to - from)
     }
 
     /// Gives the free pages back to the system (after preemptions emptied many slots, when
@@ -590,8 +631,9 @@ impl<B: PageBackend> Drop for PagePool<B> {
         let runs = self.geo.runs_per_slot;
         for s in 0..self.slots.len() {
             let owned = std::mem::take(&mut self.slots[s].owned);
+            let dropped = self.slots[s].dropped;
             for i in 0..owned.len() {
-                let va = self.va(s, i % runs, i / runs);
+                let va = self.va(s, i % runs, dropped + i / runs);
                 let _ = self.backend.unmap(va);
             }
             if self.slots[s].scratch {
@@ -706,9 +748,10 @@ mod tests {
         assert_eq!(h200.padded_capacity(131072), 131072);
     }
 
-    /// Random ensure / release / trim on 4 slots against a plain model of what each slot
-    /// should hold: no page is mapped twice, unmapped twice or lost; every address a slot
-    /// maps lies in its own runs; dropping the pool releases everything.
+    /// Random ensure / release / drop_below / trim on 4 slots against a plain model of what
+    /// each slot should hold: no page is mapped twice, unmapped twice or lost; every address a
+    /// slot maps lies in its own runs, from its first kept page on; dropping the pool
+    /// releases everything.
     #[test]
     fn random_traffic_never_leaks_double_maps_or_crosses_slots() {
         let book = Fake::default();
@@ -719,11 +762,12 @@ mod tests {
         let mut pool = PagePool::new(book.clone(), g, bases.clone(), slots, cap, limit).unwrap();
         let run_bytes = (pool.capacity() / g.page_tokens * PAGE) as u64;
         let mut model = vec![0usize; slots]; // tokens ensured per slot (0: scratch)
+        let mut kept = vec![0usize; slots]; // first page step each slot still maps
         let mut rnd = xorshift(0x9e37_79b9_7f4a_7c15u64);
-        let mut refused = 0;
+        let (mut refused, mut dropped) = (0, 0);
         for _ in 0..3000 {
             let s = rnd(slots);
-            match rnd(10) {
+            match rnd(11) {
                 0..=5 => {
                     let t = model[s] + 1 + rnd(200);
                     let want = g.pages_for(t, cap) * g.runs_per_slot;
@@ -744,14 +788,32 @@ mod tests {
                 6..=8 => {
                     pool.release(s).unwrap();
                     model[s] = 0;
+                    kept[s] = 0;
+                }
+                9 => {
+                    let below = rnd(model[s] + 1);
+                    let free_before = pool.free_pages();
+                    let n = pool.drop_below(s, below).unwrap();
+                    let want = if model[s] == 0 {
+                        0
+                    } else {
+                        (below / g.page_tokens)
+                            .min(g.pages_for(model[s], cap) - 1)
+                            .max(kept[s])
+                    };
+                    assert_eq!(n, want - kept[s], "drop_below({s}, {below})");
+                    assert_eq!(pool.free_pages(), free_before + n * g.runs_per_slot);
+                    kept[s] = want;
+                    assert_eq!(pool.dropped(s), want);
+                    dropped += n;
                 }
                 _ => pool.trim(),
             }
             // What each slot maps, from the book: its pages, in its runs only.
             let b = book.0.lock().unwrap();
             for (i, &m) in model.iter().enumerate() {
-                let want = g.pages_for(m, cap).max(1) * g.runs_per_slot;
-                let mine =
+                let want = (g.pages_for(m, cap).max(1) - kept[i]) * g.runs_per_slot;
+                let mine: Vec<u64> =
                     b.at.keys()
                         .filter(|&&va| {
                             bases.iter().any(|&base| {
@@ -760,8 +822,14 @@ mod tests {
                                     && va < base + run_bytes * (slots * g.heads) as u64
                             })
                         })
-                        .count();
-                assert_eq!(mine, want, "slot {i} holding {m} tokens");
+                        .copied()
+                        .collect();
+                assert_eq!(mine.len(), want, "slot {i} holding {m} tokens");
+                for va in mine {
+                    let base = bases.iter().rev().find(|&&b| va >= b).unwrap();
+                    let page = (va - base) % run_bytes / PAGE as u64;
+                    assert!(page >= kept[i] as u64, "slot {i} maps dropped page {page}");
+                }
                 assert_eq!(pool.on_scratch(i), m == 0);
                 assert!(m == 0 || pool.room(i) >= m);
             }
@@ -772,6 +840,7 @@ mod tests {
             assert_eq!(b.live.len(), owned / PAGE + pool.free_pages() + 1);
         }
         assert!(refused > 0, "the limit was never reached");
+        assert!(dropped > 0, "no page was ever dropped");
         drop(pool);
         let b = book.0.lock().unwrap();
         assert!(b.at.is_empty() && b.live.is_empty(), "pages leaked");
@@ -802,11 +871,30 @@ mod tests {
             t[..((p + 1) * g.page_tokens).min(t.len())].to_vec()
         };
         let mut content: HashMap<u32, Vec<u32>> = HashMap::new();
+        let mut dropped_cached = 0;
         for _ in 0..1500 {
             let s = rnd(slots);
             if held[s].is_some() && rnd(3) == 0 {
                 pool.release(s).unwrap();
                 held[s] = None;
+            } else if held[s].is_some() && rnd(4) == 0 {
+                // What SnapKV's compaction does: the prompt's first pages go, and cached ones
+                // stay cached (another prompt may adopt them).
+                let t = held[s].as_ref().unwrap().len();
+                let first = pool.slots[s].dropped;
+                let cached: usize = pool.slots[s]
+                    .owned
+                    .iter()
+                    .filter(|h| pool.held.contains_key(h))
+                    .count();
+                let n = pool.drop_below(s, rnd(t + 1)).unwrap();
+                let left: usize = pool.slots[s]
+                    .owned
+                    .iter()
+                    .filter(|h| pool.held.contains_key(h))
+                    .count();
+                dropped_cached += cached - left;
+                assert_eq!(pool.slots[s].dropped, first + n);
             } else if held[s].is_none() {
                 // A prompt of 1-5 blocks, each all-0 or all-1 tokens, and a tail of 0-40.
                 let mut t = Vec::new();
@@ -843,19 +931,22 @@ mod tests {
                 let want = h.as_ref().map_or(0, |t| g.pages_for(t.len(), cap));
                 assert_eq!(pool.pages(i), want, "slot {i}");
                 assert_eq!(pool.on_scratch(i), h.is_none());
+                let d = pool.slots[i].dropped;
                 for r in 0..runs {
                     for p in 0..want {
                         let va = pool.va(i, r, p);
-                        assert_eq!(b.at.get(&va), Some(&pool.slots[i].owned[p * runs + r]));
+                        let page = (p >= d).then(|| &pool.slots[i].owned[(p - d) * runs + r]);
+                        assert_eq!(b.at.get(&va), page, "slot {i} run {r} page {p}");
                     }
                 }
             }
             // What each page holds: every whole page of a slot holds its own tokens' KV.
             for (i, h) in held.iter().enumerate() {
                 let Some(t) = h else { continue };
-                for p in 0..t.len() / g.page_tokens {
+                let d = pool.slots[i].dropped;
+                for p in d..t.len() / g.page_tokens {
                     for r in 0..runs {
-                        let page = pool.slots[i].owned[p * runs + r];
+                        let page = pool.slots[i].owned[(p - d) * runs + r];
                         assert_eq!(content.get(&page), Some(&tag(t, p)), "slot {i} page {p}");
                     }
                 }
@@ -875,6 +966,10 @@ mod tests {
         let st = pool.prefix_stats().unwrap();
         assert!(hits > 100, "only {hits} prefix hits");
         assert!(st.evicted_blocks > 0, "the cache never filled");
+        assert!(
+            dropped_cached > 0,
+            "no cached page was ever dropped by a slot"
+        );
         drop(pool);
         let b = book.0.lock().unwrap();
         assert!(b.at.is_empty() && b.live.is_empty(), "pages leaked");
