@@ -186,6 +186,11 @@ pub struct GpuDecoder {
     sparse: Option<SparseState>,
     /// Per slot: a refresh (slow step) requested for the next decode step.
     want_refresh: Vec<bool>,
+    /// Paged KV, per slot: rows below which the slot gave its pages back
+    /// ([`GpuDecoder::give_back_unread_kv`]; 0: none), and whether it goes on giving back
+    /// the pages its sliding windows leave as it decodes.
+    kv_floor: Vec<usize>,
+    give_back: Vec<bool>,
     /// Decode steps that ran a refresh / that ran sparse only.
     slow_steps: usize,
     fast_steps: usize,
@@ -593,6 +598,8 @@ impl GpuDecoder {
             graph: None,
             sparse: None,
             want_refresh: vec![false; num_slots],
+            kv_floor: vec![0; num_slots],
+            give_back: vec![false; num_slots],
             slow_steps: 0,
             fast_steps: 0,
             refresh_lag: 0,
@@ -747,10 +754,98 @@ impl GpuDecoder {
         Ok(())
     }
 
+    /// Rows below the first one an attention path asks for that its tiles may still load
+    /// (the kernels' largest tile): kept mapped under a slot's lowest read row.
+    const READ_MARGIN: usize = 128;
+
+    /// The lowest row of `slot` an attention path may read again while the slot holds
+    /// `len` tokens and decodes: on a sliding-window layer its window's first row, on a
+    /// global layer the policy's (row 0, except after SnapKV / PyramidKV compacted a prompt
+    /// of at most `len` tokens); less [`Self::READ_MARGIN`].
+    fn lowest_read(&self, slot: usize, len: usize) -> usize {
+        let global = self
+            .sparse
+            .as_ref()
+            .and_then(|sp| sp.reads_from(slot))
+            .filter(|&(prompt, _)| len >= prompt)
+            .map_or(0, |(_, from)| from);
+        let lowest = self
+            .spec
+            .windows
+            .iter()
+            .map(|w| w.map_or(global, |w| (len + 1).saturating_sub(w)))
+            .min()
+            .unwrap_or(0);
+        lowest.saturating_sub(Self::READ_MARGIN)
+    }
+
+    /// Paged KV: gives back the pages of `slot` that no attention path reads again, now
+    /// and, as the slot decodes, each page its sliding windows leave behind: SnapKV's and
+    /// PyramidKV's prompt before its window once every global layer compacted it, and the
+    /// rows behind the windows of sliding-window layers (a model whose global layers read
+    /// everything gives back nothing). Call it once the slot's prompt is whole: until the
+    /// slot is reset, a prefill into it, a cut below what it still reads, `copy_slot` and
+    /// `set_policy` are refused. A page the prefix cache holds stays cached. Returns the
+    /// bytes of pages the slot stopped mapping (0 when not paged). Synchronises when it
+    /// gives pages back.
+    pub fn give_back_unread_kv(&mut self, slot: usize) -> Result<usize, CudaError> {
+        self.check_slot(slot)?;
+        let Some(p) = self.pages.as_ref() else {
+            return Ok(0);
+        };
+        if p.pool.on_scratch(slot) || self.slot_len[slot] == 0 {
+            return Ok(0);
+        }
+        self.give_back[slot] = true;
+        self.drop_unread(slot)
+    }
+
+    /// The pages of `slot` wholly below its lowest read row go back to the pool.
+    fn drop_unread(&mut self, slot: usize) -> Result<usize, CudaError> {
+        let lowest = self.lowest_read(slot, self.slot_len[slot]);
+        let Some(p) = self.pages.as_ref() else {
+            return Ok(0);
+        };
+        if lowest / p.pool.geometry().page_tokens <= p.pool.dropped(slot) {
+            return Ok(0);
+        }
+        self.flush_refreshes()?;
+        self.ctx.synchronize()?;
+        let p = self.pages.as_mut().expect("paged");
+        let before = p.pool.slot_bytes(slot);
+        p.pool.drop_below(slot, lowest)?;
+        self.kv_floor[slot] = p.pool.dropped(slot) * p.pool.geometry().page_tokens;
+        Ok(before - p.pool.slot_bytes(slot))
+    }
+
+    /// Rows below which `slot` gave its KV pages back (0: none).
+    pub fn kv_floor(&self, slot: usize) -> usize {
+        self.kv_floor[slot]
+    }
+
+    /// Refuses what would read the rows `slot` gave back (`what` names the call).
+    fn check_floor(&self, slot: usize, what: &str) -> Result<(), CudaError> {
+        match self.kv_floor[slot] {
+            0 => Ok(()),
+            f => Err(bad(format!(
+                "{what}: slot {slot} gave back its KV below row {f} (give_back_unread_kv); reset the slot first"
+            ))),
+        }
+    }
+
     /// Forgets the sequence in `slot` (length, refresh request, policy state), its KV
-    /// pages left as they are.
+    /// pages left as they are (all of them given back when it gave some back already).
     fn forget_slot(&mut self, slot: usize) -> Result<(), CudaError> {
         self.flush_refreshes()?;
+        if self.kv_floor[slot] > 0 {
+            // its first pages are gone: the slot starts again from the scratch page
+            if let Some(p) = self.pages.as_mut() {
+                self.ctx.synchronize()?;
+                p.pool.release(slot)?;
+            }
+            self.kv_floor[slot] = 0;
+        }
+        self.give_back[slot] = false;
         self.slot_len[slot] = 0;
         self.want_refresh[slot] = false;
         if let Some(sp) = self.sparse.as_mut() {
@@ -965,6 +1060,9 @@ impl GpuDecoder {
     /// Switches the global layers to `policy` (allocates its device state; forgets every
     /// slot's memory). Full KV drops the state.
     pub fn set_policy(&mut self, policy: GpuKvPolicy) -> Result<(), CudaError> {
+        if let Some(s) = self.kv_floor.iter().position(|&f| f > 0) {
+            self.check_floor(s, "set_policy")?;
+        }
         self.flush_refreshes()?;
         self.ctx.synchronize()?; // no side work may still use the buffers dropped here
         self.sparse = None;
@@ -1067,6 +1165,21 @@ impl GpuDecoder {
             )));
         }
         self.flush_refreshes()?;
+        if self.kv_floor[slot] > 0 {
+            if len == 0 {
+                return self.forget_slot(slot); // its pages go too
+            }
+            // SnapKV's selection depends on the prompt alone: the memory stays when the
+            // cut keeps the prompt (and every read stays above what was given back)
+            if self.lowest_read(slot, len) < self.kv_floor[slot] {
+                return Err(bad(format!(
+                    "truncate slot {slot} to {len}: it gave back its KV below row {}, which the cut sequence would read",
+                    self.kv_floor[slot]
+                )));
+            }
+            self.slot_len[slot] = len;
+            return Ok(());
+        }
         self.slot_len[slot] = len;
         if let Some(sp) = self.sparse.as_mut() {
             sp.reset_slot(&self.ctx, slot)?;
@@ -1088,6 +1201,12 @@ impl GpuDecoder {
         }
         if len == self.slot_len[slot] {
             return Ok(());
+        }
+        if self.kv_floor[slot] > 0 && self.lowest_read(slot, len) < self.kv_floor[slot] {
+            return Err(bad(format!(
+                "rewind slot {slot} to {len}: it gave back its KV below row {}, which the cut sequence would read",
+                self.kv_floor[slot]
+            )));
         }
         // A refresh still pending for this slot and built past `len` must not be published
         // later: publish it now, so the check below forgets it. One built within `len` stays
@@ -1466,6 +1585,8 @@ impl GpuDecoder {
         if from == to {
             return Ok(());
         }
+        self.check_floor(from, "copy_slot")?;
+        self.check_floor(to, "copy_slot")?;
         self.flush_refreshes()?;
         // Each head's run up to the length (with pages, the rest of `to` may not be mapped).
         let len = self.slot_len[from];
@@ -1596,6 +1717,7 @@ impl GpuDecoder {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= v) {
             return Err(bad(format!("token id {t} outside the vocabulary of {v}")));
         }
+        self.check_floor(slot, "prefill")?;
         let start = self.slot_len[slot];
         if start < self.shared_tokens(slot) {
             return Err(bad(format!(
@@ -1745,6 +1867,9 @@ impl GpuDecoder {
         }
         for s in 0..self.kv.num_slots {
             self.ensure_kv(s, self.slot_len[s] + 1, true)?;
+            if self.give_back[s] {
+                self.drop_unread(s)?; // a page its sliding windows left (rarely: synchronises)
+            }
         }
         // SFI: slots that asked for a refresh, or long enough for a memory but without one
         // (the bridge after a short prompt), run a slow step: dense + capture + refresh; past

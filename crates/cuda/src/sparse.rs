@@ -303,6 +303,9 @@ pub(crate) struct SparseState {
     /// Per slot: keys a fast step reads beyond the sequence length, averaged over the global
     /// layers (SnapKV: compact rows less the prompt before the window; 0 when dense).
     snap_off: Vec<f64>,
+    /// Per slot: SnapKV / PyramidKV's selection, when every global layer compacted its
+    /// prompt: (the prompt's length, the lowest row any global layer still reads in place).
+    snap_from: Vec<Option<(usize, usize)>>,
     /// SFI with asynchronous refresh: where the side stream's gather writes.
     stage: Option<Stage>,
     pub splits: usize,
@@ -620,6 +623,7 @@ impl SparseState {
             snap,
             quest,
             snap_off: vec![0.0; ns],
+            snap_from: vec![None; ns],
             stage,
             splits: fast_splits,
             // capturing rows get their own split count (run 50)
@@ -750,7 +754,7 @@ impl SparseState {
             }
         }
         for p in cd.plans.iter().flatten() {
-            cd.bounds_len[p.batch_row] = p.pages;
+            cd.bounds_len[p.batch_row] = cd.bounds_len[p.batch_row].max(p.pages);
             self.slow_read[p.batch_row] = p.view_len(lens[p.batch_row]) + p.pages - p.first;
         }
         Ok(any)
@@ -788,6 +792,7 @@ impl SparseState {
         self.has_mem[s] = false;
         self.refreshed_len[s] = 0;
         self.snap_off[s] = 0.0;
+        self.snap_from[s] = None;
         if self.compact.is_some() {
             for gi in 0..self.ng {
                 for buf in [&self.clen, &self.rstart] {
@@ -833,6 +838,25 @@ impl SparseState {
                 s,
                 (0, len.div_ceil(pg.page)),
             )?;
+        }
+        // SFI's cheaper slow step: the full pages' bounds now, so that no slow step pays for
+        // the prompt's pages (run 137: 265 us a layer at the first one, 32K); pages filled
+        // later get theirs at the slow step that first reads them.
+        if let Some(cd) = self.cand.as_mut() {
+            let full = (len / cd.pg.page).min(cd.pg.maxp);
+            let from = cd.bounds_len[s].min(full);
+            if full > from {
+                ctx.quest_bounds(
+                    self.kv,
+                    cd.pg,
+                    self.kptrs.device_ptr(),
+                    self.ng,
+                    cd.bounds.device_ptr(),
+                    s,
+                    (from, full),
+                )?;
+                cd.bounds_len[s] = full;
+            }
         }
         Ok(())
     }
@@ -900,6 +924,7 @@ impl SparseState {
         self.has_mem[to] = self.has_mem[from];
         self.refreshed_len[to] = self.refreshed_len[from];
         self.snap_off[to] = self.snap_off[from];
+        self.snap_from[to] = self.snap_from[from];
         Ok(())
     }
 
@@ -1125,15 +1150,20 @@ impl SparseState {
         let (clen, rstart) = (at(&self.clen), at(&self.rstart));
         if gi == 0 {
             self.snap_off[r.slot] = 0.0; // a new selection (a later prefill) replaces the last
+            self.snap_from[r.slot] = Some((n, n));
         }
         if n <= cap {
             for dst in [clen, rstart] {
                 Self::copy_raw(ctx, self.zeros.device_ptr(), dst, 4)?;
             }
+            self.snap_from[r.slot] = None; // this layer reads the whole prompt
             return Ok(());
         }
         let w = c.window.min(n);
         let (prefix, k) = (n - w, cap - w);
+        if let Some((_, from)) = self.snap_from[r.slot].as_mut() {
+            *from = (*from).min(prefix);
+        }
         let a = SnapArgs {
             logits: self.logits.device_ptr(),
             lstride: kv.capacity,
@@ -1402,6 +1432,18 @@ impl SparseState {
     /// keys plus a key a page bound when cheap; None before any).
     pub fn slow_read(&self, slot: usize) -> Option<usize> {
         self.slow_read.get(slot).copied().filter(|&n| n > 0)
+    }
+
+    /// The lowest row of slot `slot` the global layers may read again, and the shortest
+    /// length it holds while they do: SnapKV / PyramidKV after a selection that compacted
+    /// every global layer (the window before the prompt's end and what follows); None when a
+    /// global layer reads from row 0 (every other policy, or a prompt that fit).
+    pub fn reads_from(&self, slot: usize) -> Option<(usize, usize)> {
+        self.snap_from
+            .get(slot)
+            .copied()
+            .flatten()
+            .filter(|_| self.has_mem[slot])
     }
 
     pub fn attended(&self, slot: usize, len: usize) -> usize {

@@ -1055,6 +1055,95 @@ fn paged_kv_equals_contiguous() {
     assert_eq!(paged.slot_kv_bytes(2), per_step);
 }
 
+/// SnapKV over paged KV gives back the prompt's pages once its selection compacted them:
+/// slot 0 (18,000 tokens, window 32) keeps only its last page step mapped of three, while
+/// slot 1 (a prompt within the budget, read whole) gives back nothing. Decode through the
+/// remaining pages equals the decoder allocated whole bit for bit (the same kernels read the
+/// same rows), under graphs too; what would read the given-back rows is refused by name,
+/// a cut that keeps the prompt keeps SnapKV's memory, and a reset slot prefills again.
+#[test]
+fn snapkv_gives_back_its_prompt_pages() {
+    let Some(ctx) = gpu("snapkv_gives_back_its_prompt_pages") else {
+        return;
+    };
+    use slowfast_cuda::{GpuKvPolicy, GpuSnapConfig};
+    use slowfast_engine::cuda::load_paged_decoder;
+    let m = qwen3_06b();
+    let v = m.cfg.vocab_size;
+    let (n0, n1, w, steps) = (18_000usize, 600usize, 32usize, 10);
+    let cap = 24_576; // whole pages of 8192 tokens
+    let snap = GpuKvPolicy::Snap(GpuSnapConfig {
+        capacity: 1024,
+        window: w,
+        kernel: 7,
+        pyramid_beta: None,
+    });
+    let prompts = [tokens(n0, v, 0x9a6e), tokens(n1, v, 0x9a6f)];
+    let mut whole = load_decoder(ctx.clone(), &m, 2, cap, 2048).unwrap();
+    let mut paged = load_paged_decoder(ctx.clone(), &m, 2, cap, 2048).unwrap();
+    paged.set_kv_limit(16 << 30).unwrap();
+    for d in [&mut whole, &mut paged] {
+        d.set_policy(snap).unwrap();
+        for (s, p) in prompts.iter().enumerate() {
+            d.prefill(s, p, false).unwrap();
+        }
+    }
+    let runs = m.cfg.num_hidden_layers * 2 * m.cfg.num_key_value_heads;
+    let per_step = runs * (2usize << 20);
+    assert_eq!(paged.slot_kv_bytes(0), 3 * per_step);
+    // rows below 18,000 - 32 - 128 are never read again: two of the three page steps
+    assert_eq!(paged.give_back_unread_kv(0).unwrap(), 2 * per_step);
+    assert_eq!(
+        paged.give_back_unread_kv(1).unwrap(),
+        0,
+        "a prompt read whole"
+    );
+    assert_eq!(whole.give_back_unread_kv(0).unwrap(), 0, "not paged");
+    assert_eq!(paged.kv_floor(0), 16_384);
+    assert_eq!(paged.slot_kv_bytes(0), per_step);
+    assert_eq!(paged.kv_bytes(), 2 * per_step);
+    let mut replayed = false;
+    for d in [&mut whole, &mut paged] {
+        d.begin_decode().unwrap();
+    }
+    for i in 0..steps {
+        let next = [(i * 7 + 1) as u32, (i * 5 + 2) as u32];
+        for d in [&mut whole, &mut paged] {
+            d.set_next(&next).unwrap();
+            d.decode_step().unwrap();
+            if i == 1 {
+                replayed |= d.capture_decode().is_ok();
+            }
+        }
+        assert!(
+            whole.logits().unwrap() == paged.logits().unwrap(),
+            "step {i}: decode over the pages left differs from the whole cache"
+        );
+    }
+    assert!(replayed, "no graph was captured");
+    assert_eq!(paged.attended(0), whole.attended(0));
+    // What would read the rows given back is refused by name; nothing changes.
+    let len = paged.slot_len(0);
+    for err in [
+        paged.prefill(0, &[1, 2, 3], false).map(|_| ()),
+        paged.truncate(0, 5000),
+        paged.copy_slot(0, 1),
+        paged.set_policy(GpuKvPolicy::Full),
+    ] {
+        let e = err.unwrap_err().to_string();
+        assert!(e.contains("gave back its KV below row 16384"), "{e}");
+    }
+    assert_eq!(paged.slot_len(0), len);
+    // A cut that keeps the prompt keeps SnapKV's memory (the dummy tokens of serving).
+    paged.truncate(0, n0 + 2).unwrap();
+    assert_eq!(paged.attended(0), whole.attended(0) - (len - n0 - 2));
+    // Reset: the slot starts again on fresh pages.
+    paged.reset_slot(0).unwrap();
+    assert_eq!(paged.kv_floor(0), 0);
+    paged.prefill(0, &prompts[0], false).unwrap();
+    assert_eq!(paged.slot_kv_bytes(0), 3 * per_step);
+}
+
 /// The GPU prefix cache: slot 0 prefills an 8192-token shared prefix (one 2 MiB page a head,
 /// cached) and its own tail; slot 1 maps the cached pages instead of prefilling them and
 /// prefills only its tail. Against the decoder allocated whole prefilling both prompts in

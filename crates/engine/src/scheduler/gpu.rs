@@ -548,6 +548,9 @@ impl BatchDevice for GpuDevice {
         }
         seq.argmax = None;
         if i + 1 == plan.len() {
+            // The prompt is whole: pages no attention path reads again go back to the pool
+            // (SnapKV's compacted prompt, rows behind sliding windows; paged KV only).
+            self.dec.give_back_unread_kv(slot).map_err(gpu_err)?;
             // The prompt's last row is row `slot` (the decoder downloads every row).
             let all = self.dec.logits().map_err(gpu_err)?;
             let v = self.vocab;
