@@ -27,24 +27,27 @@ __device__ __forceinline__ u32 sfi_view_pos(const u32* __restrict__ vp, u32 np, 
 // ub [cap_rows, n_heads, maxp] f32 (page p's bound for query head hq); best [cap_rows, n_heads]
 // u32 (quest_key of the largest over the row's pages, atomicMax; zeroed before). q [batch, n_heads,
 // D] after qkv_post; k: this layer's K cache; bounds: this layer's [num_slots, kv_heads, maxp, 2,
-// D]. grid (ceil(maxp / 256), kv_heads, cap_rows), block 256: the block's pages from `fresh` on
-// get their bounds first (a warp a page), then a thread a page reads its bounds in 16-byte loads
-// and sums every query head of the group (no shuffles; the query from shared memory).
-// D <= 256 and a multiple of 8, G <= 16. (Run 133: 39 us a layer at 32K, 243 GB/s; a thread a
-// page leaves 64 blocks at 2048 pages, so the next step is several threads a page.)
+// D]. grid (ceil(maxp / SFI_CAND_PAGES), kv_heads, cap_rows), block 256: the block's pages from
+// `fresh` on get their bounds first (a warp a page), then SFI_CAND_TPP threads a page each read
+// every SFI_CAND_TPP-th 8-channel chunk of its bounds in 16-byte loads, sum every query head of
+// the group over them (the query from shared memory) and add the partial sums up with shuffles.
+// D <= 256 and a multiple of 8, G <= 16. (Run 133 had a thread a page: 39 us a layer at 32K,
+// 243 GB/s, 64 blocks at 2048 pages.)
+#define SFI_CAND_TPP 8
+#define SFI_CAND_PAGES (256 / SFI_CAND_TPP)
 template <bool F8>
 __device__ __forceinline__ void sfi_cand_ub_impl(const bf16* __restrict__ q, const void* __restrict__ k,
                                                  bf16* __restrict__ bounds, const u32* __restrict__ slots,
                                                  const u32* __restrict__ vmeta, float* __restrict__ ub,
                                                  u32* __restrict__ best, u32 n_heads, u32 kv_heads,
                                                  u32 capacity, u32 D, u32 maxp) {
-    __shared__ float qs[16 * 256];
+    __shared__ __align__(16) float qs[16 * 256];
     __shared__ float bmax[8][16];
     const u32 h = blockIdx.y, r = blockIdx.z, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32* m = vmeta + (u64)r * 8;
     if (m[0] == 0) return;
     const u32 G = n_heads / kv_heads, P = m[1], first = m[4], pages = min(m[5], maxp), fresh = m[6], b = m[7];
-    const u32 pa = first + blockIdx.x * 256, pz = min(pa + 256, pages);
+    const u32 pa = first + blockIdx.x * SFI_CAND_PAGES, pz = min(pa + SFI_CAND_PAGES, pages);
     if (pa >= pages) return;
     for (u32 i = threadIdx.x; i < G * D; i += blockDim.x) qs[i] = bf2f(q[((u64)b * n_heads + h * G) * D + i]);
     const u64 run = (u64)slots[b] * kv_heads + h;
@@ -57,35 +60,52 @@ __device__ __forceinline__ void sfi_cand_ub_impl(const bf16* __restrict__ q, con
         quest_page_bounds<F8, 8>(kr, p, P, D, br + (u64)p * 2 * D, mn, mx);
     }
     __syncthreads();
-    const u32 p = pa + threadIdx.x;
+    const u32 sub = threadIdx.x % SFI_CAND_TPP, p = pa + threadIdx.x / SFI_CAND_TPP;
+    const bool ok = p < pz;
     float acc[16];
 #pragma unroll
-    for (int g = 0; g < 16; ++g) acc[g] = NEG_INF;
-    if (p < pz) {
-#pragma unroll
-        for (int g = 0; g < 16; ++g) acc[g] = 0.0f;
+    for (int g = 0; g < 16; ++g) acc[g] = 0.0f;
+    if (ok) {
         const bf16* bp = br + (u64)p * 2 * D;
-        for (u32 c = 0; c < D; c += 8) {
+        for (u32 c = 8 * sub; c < D; c += 8 * SFI_CAND_TPP) {
             const uint4 lo = *reinterpret_cast<const uint4*>(bp + c);
             const uint4 hi = *reinterpret_cast<const uint4*>(bp + D + c);
             const bf16* l8 = reinterpret_cast<const bf16*>(&lo);
             const bf16* h8 = reinterpret_cast<const bf16*>(&hi);
+            float mn[8], mx[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                const float mn = bf2f(l8[e]), mx = bf2f(h8[e]);
+                mn[e] = bf2f(l8[e]);
+                mx[e] = bf2f(h8[e]);
+            }
 #pragma unroll
-                for (int g = 0; g < 16; ++g) {
-                    if (g < (int)G) {
-                        const float qv = qs[g * D + c + e];
-                        acc[g] += fmaxf(qv * mn, qv * mx);
-                    }
+            for (int g = 0; g < 16; ++g) {
+                if (g < (int)G) {
+                    const float4 q0 = *reinterpret_cast<const float4*>(qs + g * D + c);
+                    const float4 q1 = *reinterpret_cast<const float4*>(qs + g * D + c + 4);
+                    const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+                    float a = acc[g];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) a += fmaxf(qv[e] * mn[e], qv[e] * mx[e]);
+                    acc[g] = a;
                 }
             }
         }
+    }
+    // the page's SFI_CAND_TPP partial sums (every lane of the warp takes part in the shuffles)
+#pragma unroll
+    for (int g = 0; g < 16; ++g) {
+        if (g < (int)G) {
+#pragma unroll
+            for (int o = SFI_CAND_TPP / 2; o > 0; o >>= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
+            if (!ok) acc[g] = NEG_INF;
+        }
+    }
+    if (ok) {
         float* u = ub + ((u64)r * n_heads + h * G) * maxp + p;
 #pragma unroll
         for (int g = 0; g < 16; ++g)
-            if (g < (int)G) u[(u64)g * maxp] = acc[g];
+            if (g < (int)G && g % SFI_CAND_TPP == (int)sub) u[(u64)g * maxp] = acc[g];
     }
     // each query head's best over the block's pages, then over the blocks
 #pragma unroll
@@ -93,7 +113,7 @@ __device__ __forceinline__ void sfi_cand_ub_impl(const bf16* __restrict__ q, con
         if (g < (int)G) {
             float v = acc[g];
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+            for (int o = 16; o >= SFI_CAND_TPP; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
             if (lane == 0) bmax[warp][g] = v;
         }
     }

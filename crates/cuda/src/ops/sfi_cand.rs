@@ -16,6 +16,9 @@ use crate::error::CudaError;
 /// batch row.
 pub const VMETA: usize = 8;
 
+/// Pages one block of `sfi_cand_ub` scores (`SFI_CAND_PAGES`: 256 threads, 8 a page).
+const CAND_PAGES_A_BLOCK: u32 = 32;
+
 /// One capturing row's cheaper slow step, as the host plans it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ViewPlan {
@@ -119,7 +122,7 @@ impl CudaContext {
         let (rows, maxp) = (a.cap_rows as u32, u32_of(OP, "maxp", a.maxp)?);
         self.launch(
             crate::kernels::kv_kernel("sfi_cand_ub", kv.fp8),
-            (maxp.div_ceil(256), kv.kv_heads as u32, rows),
+            (maxp.div_ceil(CAND_PAGES_A_BLOCK), kv.kv_heads as u32, rows),
             (256, 1, 1),
             0,
             &[
