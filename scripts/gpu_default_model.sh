@@ -129,7 +129,8 @@ CALLS
     if [ "${2:-}" = cand ]; then
       # SFI's cheaper slow step on the GPU (issue 27) against the CPU's numbers in docs/results.md
       # ("A cheaper slow step"): nll on prose and code at 8K and 20 %, today's SFI and the new
-      # one (--sfi-candidates 2, a slow step every 6), then passkey and RULER with the new one
+      # one (--sfi-candidates 2, a slow step every 6) and the cheap slow step on today's schedule
+      # (--sfi-candidates 2), then passkey and RULER with the new one
       NEW="--sfi-candidates 2 --sfi-trigger periodic --sfi-refresh-interval 6"
       for t in $T $C/.gpu/rust_serde_json.txt; do
         n=$(basename $t .txt)
@@ -137,12 +138,14 @@ CALLS
           --json "$OUT/nll-$n-sfi.json" > "$OUT/nll-$n-sfi.md" 2> "$OUT/nll-$n-sfi.err"
         $B eval --device cuda -m $M --task nll -i $t --context 8192 --policies sfi --kv-budget 0.2 $NEW \
           --json "$OUT/nll-$n-c2p6.json" > "$OUT/nll-$n-c2p6.md" 2> "$OUT/nll-$n-c2p6.err"
+        $B eval --device cuda -m $M --task nll -i $t --context 8192 --policies sfi --kv-budget 0.2 --sfi-candidates 2 \
+          --json "$OUT/nll-$n-c2.json" > "$OUT/nll-$n-c2.md" 2> "$OUT/nll-$n-c2.err"
       done
       $B eval --device cuda -m $M --task passkey -i $T --context 8192 --passkey-trials 10 --seed 1 \
         --policies sfi --kv-budget 0.2 $NEW --json "$OUT/pk-c2p6.json" > "$OUT/pk-c2p6.md" 2> "$OUT/pk-c2p6.err"
       $B eval --device cuda -m $M --task ruler -i $T --context 8192 --ruler-samples 4 --seed 1 \
         --policies sfi --kv-budget 0.2 $NEW --json "$OUT/ruler-c2p6.json" > "$OUT/ruler-c2p6.md" 2> "$OUT/ruler-c2p6.err"
-      cat "$OUT"/nll-*-sfi.md "$OUT"/nll-*-c2p6.md "$OUT/pk-c2p6.md" "$OUT/ruler-c2p6.md"
+      cat "$OUT"/nll-*-sfi.md "$OUT"/nll-*-c2p6.md "$OUT"/nll-*-c2.md "$OUT/pk-c2p6.md" "$OUT/ruler-c2p6.md"
       tail -n 3 "$OUT"/*.err
       exit 0
     fi

@@ -156,14 +156,17 @@ PY
         --batch "${SB:-6}" --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b${SB:-6}.json" 2>&1 | tee -a "$OUT/sfi.log" ;;
     cand)
       # SFI's cheaper slow step (issue 27): today's SFI (dense slow steps every 32 steps a
-      # sequence) against --sfi-candidates 2 with a slow step every 6 ("the new SFI") and
-      # dense slow steps every 6, batches CAND_B (1 6) at CAND_CTX (32k,128k), alternated
-      # CAND_REPS (1) times; CAND_PREFILL: more flags (e.g. --real-prefill 8192 at batch 6)
+      # sequence) against --sfi-candidates 2 on the same schedule, with a slow step every 6
+      # ("sfi-c2p6") and dense slow steps every 6, batches CAND_B (1 6) at CAND_CTX
+      # (32k,128k), alternated CAND_REPS (1) times; CAND_VARIANTS picks variants by name;
+      # CAND_PREFILL: more flags (e.g. --real-prefill 8192 at batch 6)
       for rep in ${CAND_REPS:-1}; do
         for b in ${CAND_B:-1 6}; do
-          for v in "dense32:--sfi-refresh-interval 32" "cand6:--sfi-candidates 2 --sfi-trigger periodic --sfi-refresh-interval 6" \
+          for v in "dense32:--sfi-refresh-interval 32" "cand32:--sfi-candidates 2 --sfi-refresh-interval 32" \
+                   "cand6:--sfi-candidates 2 --sfi-trigger periodic --sfi-refresh-interval 6" \
                    "dense6:--sfi-trigger periodic --sfi-refresh-interval 6"; do
             name="${v%%:*}"
+            case " ${CAND_VARIANTS:-dense32 cand32 cand6 dense6} " in *" $name "*) ;; *) continue ;; esac
             echo "== rep $rep batch $b $name" | tee -a "$OUT/cand.log"
             .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CAND_CTX:-32k,128k}" \
               --batch "$b" --new-tokens "$N" --policies sfi --kv-budget "${BUDGET:-2048}" ${v#*:} \
@@ -203,14 +206,16 @@ PY
       # --max-context 131072 --kv-memory CAP_GIB GiB` (108: six 128K slots of Qwen3-4B) with
       # --max-batch 6 (what slots allocated whole held in that memory), then 32 (CAP_LIST: "6 32");
       # bench/metrics_peak.py records the peak running sequences and KV bytes. CAP_LENS: other
-      # prompt lengths (chat-length: 1024,1280,...,32768 with N=512).
+      # prompt lengths (chat-length: 1024,1280,...,32768 with N=512). CAP_POLICY: the server's
+      # policy and flags (default full; e.g. "snapkv --kv-budget 2048", whose slots give back
+      # their prompt's pages after its compaction).
       lens="${CAP_LENS:-1024,1412,1947,2686,3704,5108,7045,9716,13400,18481,25488,35152,48480,66862,92212,126976}"
       for slots in ${CAP_LIST:-6 32}; do
         log="$OUT/cap-$slots${CAP_TAG:-}.log"
         echo "== capacity: --max-batch $slots" | tee -a "$OUT/capacity.log"
         .bin/slowfast serve --device cuda --model random:qwen3-4b --max-batch "$slots" --max-context 131072 \
           --kv-memory $(( ${CAP_GIB:-108} << 30 )) --max-queue 256 --max-body-bytes 67108864 --port 0 \
-          --policy full > "$log" 2>&1 &
+          --policy ${CAP_POLICY:-full} > "$log" 2>&1 &
         spid=$!
         url="$(serve_url "$log" "$spid")"
         if [ -z "$url" ]; then tail -20 "$log" | tee -a "$OUT/capacity.log"; rc=1; continue; fi
