@@ -1181,6 +1181,7 @@ impl GpuDecoder {
             return Ok(());
         }
         self.slot_len[slot] = len;
+        self.give_back[slot] = false; // the policy's memory goes with the cut
         if let Some(sp) = self.sparse.as_mut() {
             sp.reset_slot(&self.ctx, slot)?;
         }
@@ -1718,6 +1719,8 @@ impl GpuDecoder {
             return Err(bad(format!("token id {t} outside the vocabulary of {v}")));
         }
         self.check_floor(slot, "prefill")?;
+        // a prompt being prefilled is not whole: the caller says when it is again
+        self.give_back[slot] = false;
         let start = self.slot_len[slot];
         if start < self.shared_tokens(slot) {
             return Err(bad(format!(
