@@ -90,7 +90,7 @@ pub struct CudaContext {
 
 /// Rows up to which `linear` can stream the weights with the GEMV kernel.
 pub const GEMV_MAX_ROWS: usize = 8;
-/// The default: on the H200 (Qwen3-4B decode at 8K, docs/gpu-notes.md run 15) the GEMV beat
+/// The default: on the H200 (Qwen3-4B decode at 8K, crates/cuda/gpu-runs/history.md run 15) the GEMV beat
 /// cuBLAS at 1 and 2 rows (4.14 vs 5.10 ms a step, 4.41 vs 5.04) and lost from 4 rows on
 /// (5.87 vs 5.61 at 4, 8.27 vs 6.61 at 8: its FMAs then bound it).
 pub const GEMV_DEFAULT_ROWS: usize = 2;
@@ -130,7 +130,7 @@ pub(crate) fn pdl_wide_default(sparse: bool) -> PdlMode {
 
 /// Whether sparse decode steps (SFI, StreamingLLM) run qkv_post inside sparse flash-decoding
 /// (`attn_sparse_decode_post_*`) by default: only in steps of 3+ rows. Measured (run 82,
-/// docs/gpu-notes.md): batch 6 at 128K, the StreamingLLM step 3.897 -> 3.842 ms and SFI's
+/// crates/cuda/gpu-runs/history.md): batch 6 at 128K, the StreamingLLM step 3.897 -> 3.842 ms and SFI's
 /// fast step 3.897 -> 3.862; batch 1 slower (8K 2.521 -> 2.585 ms, 128K 2.509 -> 2.570).
 pub const SPARSE_POST_DEFAULT: Option<bool> = None;
 

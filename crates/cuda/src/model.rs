@@ -754,14 +754,10 @@ impl GpuDecoder {
         Ok(())
     }
 
-    /// Rows below the first one an attention path asks for that its tiles may still load
-    /// (the kernels' largest tile): kept mapped under a slot's lowest read row.
-    const READ_MARGIN: usize = 128;
-
     /// The lowest row of `slot` an attention path may read again while the slot holds
-    /// `len` tokens and decodes: on a sliding-window layer its window's first row, on a
-    /// global layer the policy's (row 0, except after SnapKV / PyramidKV compacted a prompt
-    /// of at most `len` tokens); less [`Self::READ_MARGIN`].
+    /// `len` tokens and decodes ([`crate::pages::lowest_read_row`]): on a global layer the
+    /// policy's row 0, except after SnapKV / PyramidKV compacted a prompt of at most `len`
+    /// tokens.
     fn lowest_read(&self, slot: usize, len: usize) -> usize {
         let global = self
             .sparse
@@ -769,14 +765,7 @@ impl GpuDecoder {
             .and_then(|sp| sp.reads_from(slot))
             .filter(|&(prompt, _)| len >= prompt)
             .map_or(0, |(_, from)| from);
-        let lowest = self
-            .spec
-            .windows
-            .iter()
-            .map(|w| w.map_or(global, |w| (len + 1).saturating_sub(w)))
-            .min()
-            .unwrap_or(0);
-        lowest.saturating_sub(Self::READ_MARGIN)
+        crate::pages::lowest_read_row(&self.spec.windows, global, len)
     }
 
     /// Paged KV: gives back the pages of `slot` that no attention path reads again, now

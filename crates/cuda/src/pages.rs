@@ -27,6 +27,23 @@ use crate::error::CudaError;
 /// past it means no load is ever issued against an unmapped address.
 pub const PAGE_MARGIN: usize = 256;
 
+/// Rows below the first one an attention path asks for that its tiles may still load (the
+/// kernels' largest tile): kept mapped under a slot's lowest read row.
+pub const READ_MARGIN: usize = 128;
+
+/// The lowest row of a sequence of `len` tokens that an attention path may read again as it
+/// decodes, less [`READ_MARGIN`]: on a sliding-window layer (`windows[l]` = Some(w)) its
+/// window's first row for the next token, on a global layer `global_from` (the policy's: 0
+/// unless it compacted the prompt and reads in place only from there).
+pub fn lowest_read_row(windows: &[Option<usize>], global_from: usize, len: usize) -> usize {
+    windows
+        .iter()
+        .map(|w| w.map_or(global_from, |w| (len + 1).saturating_sub(w)))
+        .min()
+        .unwrap_or(0)
+        .saturating_sub(READ_MARGIN)
+}
+
 /// The shape of paged KV: how many tokens a page holds per `(slot, head)` run, and how many
 /// runs a slot has.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -973,6 +990,35 @@ mod tests {
         drop(pool);
         let b = book.0.lock().unwrap();
         assert!(b.at.is_empty() && b.live.is_empty(), "pages leaked");
+    }
+
+    /// The next token at position `len` reads, on a layer of window w, positions
+    /// `len + 1 - w ..= len`; a global layer reads from the policy's row; a tile below it.
+    #[test]
+    fn lowest_read_row_is_the_lowest_layer_less_a_tile() {
+        let gemma = [Some(512), Some(512), None, Some(512)];
+        // a global layer reading everything keeps row 0
+        assert_eq!(lowest_read_row(&gemma, 0, 20_000), 0);
+        // SnapKV compacted the prompt: its window starts at 19_968; the local layers read
+        // from 20_001 - 512 = 19_489
+        assert_eq!(
+            lowest_read_row(&gemma, 19_968, 20_000),
+            19_489 - READ_MARGIN
+        );
+        assert_eq!(
+            lowest_read_row(&gemma, 10_000, 20_000),
+            10_000 - READ_MARGIN
+        );
+        // every layer windowed (Mistral): the window's start moves with the length
+        let mistral = [Some(4096); 3];
+        assert_eq!(lowest_read_row(&mistral, 0, 4095), 0);
+        assert_eq!(
+            lowest_read_row(&mistral, 0, 10_000),
+            10_001 - 4096 - READ_MARGIN
+        );
+        // short sequences and no layers read from 0
+        assert_eq!(lowest_read_row(&gemma, 19_968, 100), 0);
+        assert_eq!(lowest_read_row(&[], 5, 100), 0);
     }
 
     #[test]

@@ -150,7 +150,7 @@ pub(crate) struct DecodeDevice {
 /// registers at most 4), no second-wave tail. At head_dim 128 the 4-stage kernel (one block a
 /// SM, more K/V in flight) when its wave fills >= 95 % of the SMs (batch 1: 16 splits x 8 kv
 /// heads on 132 SMs), else the 3-stage one (two a SM: batch 6 at 8 kv heads leaves 36 SMs idle
-/// with one a SM, gpu-notes.md run 27); `dev.stages` 3 or 4 forces one (tests).
+/// with one a SM, gpu-runs/history.md run 27); `dev.stages` 3 or 4 forces one (tests).
 pub(crate) fn decode_plan(
     dev: DecodeDevice,
     p: &DecodeAttn,

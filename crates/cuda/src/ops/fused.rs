@@ -101,7 +101,7 @@ impl CudaContext {
     }
 
     /// Whether a decode step of `n` rows launches its fused kernels with PDL: at 1-2 rows
-    /// only (at 6, with cuBLAS, PDL cost SFI's schedule 16 %: gpu-notes.md run 22).
+    /// only (at 6, with cuBLAS, PDL cost SFI's schedule 16 %: gpu-runs/history.md run 22).
     pub fn decode_pdl_rows(&self, n: usize) -> bool {
         self.decode_fused && n <= self.gemv_max_rows.min(FUSED_MAX_ROWS)
     }
