@@ -216,6 +216,16 @@ pub struct GpuDecoder {
     verify_replays: usize,
 }
 
+impl Drop for GpuDecoder {
+    /// Paged KV: no kernel may still run when the pool unmaps its pages (a prefill left in
+    /// flight faulted on the unmapped pages, run 138).
+    fn drop(&mut self) {
+        if self.pages.is_some() {
+            let _ = self.ctx.synchronize();
+        }
+    }
+}
+
 /// The pages of a paged KV cache and the address ranges the caches view (the pool, dropped
 /// first, unmaps its pages before the ranges are freed).
 struct KvPaging {
