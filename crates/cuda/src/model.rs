@@ -755,6 +755,11 @@ impl GpuDecoder {
     pub fn reset_slot(&mut self, slot: usize) -> Result<(), CudaError> {
         self.check_slot(slot)?;
         self.forget_slot(slot)?;
+        self.release_pages(slot)
+    }
+
+    /// Paged: `slot`'s pages go back to the pool (synchronises), the slot to the scratch page.
+    fn release_pages(&mut self, slot: usize) -> Result<(), CudaError> {
         if let Some(p) = self.pages.as_mut() {
             if !p.pool.on_scratch(slot) {
                 self.ctx.synchronize()?;
@@ -838,10 +843,7 @@ impl GpuDecoder {
         self.flush_refreshes()?;
         if self.kv_floor[slot] > 0 {
             // its first pages are gone: the slot starts again from the scratch page
-            if let Some(p) = self.pages.as_mut() {
-                self.ctx.synchronize()?;
-                p.pool.release(slot)?;
-            }
+            self.release_pages(slot)?;
             self.kv_floor[slot] = 0;
         }
         self.give_back[slot] = false;

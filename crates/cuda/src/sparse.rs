@@ -303,9 +303,9 @@ pub(crate) struct SparseState {
     /// Per slot: keys a fast step reads beyond the sequence length, averaged over the global
     /// layers (SnapKV: compact rows less the prompt before the window; 0 when dense).
     snap_off: Vec<f64>,
-    /// Per slot: SnapKV / PyramidKV's selection, when every global layer compacted its
-    /// prompt: (the prompt's length, the lowest row any global layer still reads in place).
-    snap_from: Vec<Option<(usize, usize)>>,
+    /// Per slot: the prompt's length when SnapKV / PyramidKV's selection compacted it on
+    /// every global layer (each then reads in place from the window's start on).
+    snap_prompt: Vec<Option<usize>>,
     /// SFI with asynchronous refresh: where the side stream's gather writes.
     stage: Option<Stage>,
     pub splits: usize,
@@ -623,7 +623,7 @@ impl SparseState {
             snap,
             quest,
             snap_off: vec![0.0; ns],
-            snap_from: vec![None; ns],
+            snap_prompt: vec![None; ns],
             stage,
             splits: fast_splits,
             // capturing rows get their own split count (run 50)
@@ -792,7 +792,7 @@ impl SparseState {
         self.has_mem[s] = false;
         self.refreshed_len[s] = 0;
         self.snap_off[s] = 0.0;
-        self.snap_from[s] = None;
+        self.snap_prompt[s] = None;
         if self.compact.is_some() {
             for gi in 0..self.ng {
                 for buf in [&self.clen, &self.rstart] {
@@ -924,7 +924,7 @@ impl SparseState {
         self.has_mem[to] = self.has_mem[from];
         self.refreshed_len[to] = self.refreshed_len[from];
         self.snap_off[to] = self.snap_off[from];
-        self.snap_from[to] = self.snap_from[from];
+        self.snap_prompt[to] = self.snap_prompt[from];
         Ok(())
     }
 
@@ -1150,20 +1150,17 @@ impl SparseState {
         let (clen, rstart) = (at(&self.clen), at(&self.rstart));
         if gi == 0 {
             self.snap_off[r.slot] = 0.0; // a new selection (a later prefill) replaces the last
-            self.snap_from[r.slot] = Some((n, n));
+            self.snap_prompt[r.slot] = Some(n);
         }
         if n <= cap {
             for dst in [clen, rstart] {
                 Self::copy_raw(ctx, self.zeros.device_ptr(), dst, 4)?;
             }
-            self.snap_from[r.slot] = None; // this layer reads the whole prompt
+            self.snap_prompt[r.slot] = None; // this layer reads the whole prompt
             return Ok(());
         }
         let w = c.window.min(n);
         let (prefix, k) = (n - w, cap - w);
-        if let Some((_, from)) = self.snap_from[r.slot].as_mut() {
-            *from = (*from).min(prefix);
-        }
         let a = SnapArgs {
             logits: self.logits.device_ptr(),
             lstride: kv.capacity,
@@ -1439,11 +1436,9 @@ impl SparseState {
     /// every global layer (the window before the prompt's end and what follows); None when a
     /// global layer reads from row 0 (every other policy, or a prompt that fit).
     pub fn reads_from(&self, slot: usize) -> Option<(usize, usize)> {
-        self.snap_from
-            .get(slot)
-            .copied()
-            .flatten()
-            .filter(|_| self.has_mem[slot])
+        let n = self.snap_prompt.get(slot).copied().flatten()?;
+        let c = self.snap().filter(|_| self.has_mem[slot])?;
+        Some((n, n - c.window.min(n))) // every layer's window is the same (snap_layer)
     }
 
     pub fn attended(&self, slot: usize, len: usize) -> usize {
