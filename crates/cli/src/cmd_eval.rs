@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use slowfast_engine::eval::agree::{eval_agree_on, AgreeOptions};
 use slowfast_engine::eval::passkey::{eval_passkey_spec, PasskeyMetrics, PasskeyOptions};
 use slowfast_engine::eval::ruler::{eval_ruler_on, RulerOptions, RulerTask};
-use slowfast_engine::eval::stability::{eval_stability, StabilityOptions};
+use slowfast_engine::eval::stability::{eval_stability_on, StabilityOptions};
 use slowfast_engine::eval::{eval_nll_on, EvalRecord, Metrics, NllOptions};
 use slowfast_engine::PolicySpec;
 
@@ -43,7 +43,8 @@ use crate::common::{read_text, ModelArgs, PolicyArgs};
   stability  dense attention over the last E tokens of N tokens of --input (teacher-forced):
              per global layer and query head, the top-k keys of each decode step; mean
              Jaccard overlap of consecutive steps within a sentence and across a sentence
-             start, and of steps d apart. Runs full KV only.")]
+             start, and of steps d apart. Runs full KV only; on --device cuda each decode
+             step is a dense SFI slow step whose captured logits the same probe reads.")]
 pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
@@ -342,11 +343,6 @@ pub fn run(a: Args) -> Result<()> {
     if a.model.tensor_parallel > 1 && a.spec.speculate.is_some() {
         a.model.whole_model_only("eval --speculate")?;
     }
-    if device == slowfast_engine::Device::Cuda && a.task == "stability" {
-        bail!(
-            "--device cuda: `eval --task stability` probes every head's attention on the CPU (use --device cpu; nll, agree, passkey and ruler run on cuda)"
-        );
-    }
     let depths: Vec<f64> = parse_list("--passkey-depths", &a.passkey_depths)?;
     let distances: Vec<usize> = parse_list("--stability-distances", &a.stability_distances)?;
     if let Some(d) = distances.iter().find(|&&d| d == 0) {
@@ -510,7 +506,7 @@ pub fn run(a: Args) -> Result<()> {
                 distances,
             };
             eprintln!("== policy full (stability probe)");
-            recs.push(eval_stability(&m, &ids, &o, &mut progress)?);
+            recs.push(eval_stability_on(device, &m, &ids, &o, &mut progress)?);
         }
         other => unreachable!("clap restricts --task, got {other}"),
     }

@@ -342,11 +342,11 @@ fn bad_ruler_flags_are_named_before_loading_a_model() {
         &args(&m, &["--ruler-tasks", "vt,cwe,fwe,niah_single_1"]),
         "/nonexistent/model.gguf",
     );
-    // The stability probe is CPU-only, named before the model loads.
+    // The stability probe runs full KV only (on either device), named before the model loads.
     let stab = ["--model", "/nonexistent/model.gguf", "--task", "stability"];
     fails(
-        &args(&stab, &["--device", "cuda", "-i", &t]),
-        "`eval --task stability` probes every head's attention on the CPU",
+        &args(&stab, &["--device", "cuda", "-i", &t, "--policies", "sfi"]),
+        "--task stability measures dense attention and runs full KV only",
     );
 }
 

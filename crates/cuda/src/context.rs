@@ -512,15 +512,29 @@ impl CudaContext {
         src: &GpuBuffer<T>,
         n: usize,
     ) -> Result<Vec<T>, CudaError> {
-        if n > src.len() {
+        self.download_range(src, 0..n)
+    }
+
+    /// Elements `range` of `src` (synchronises).
+    pub fn download_range<T: GpuElem>(
+        &self,
+        src: &GpuBuffer<T>,
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<T>, CudaError> {
+        if range.start > range.end || range.end > src.len() {
             return Err(CudaError::bad(
                 "download",
-                format!("{n} elements of a buffer of {}", src.len()),
+                format!(
+                    "elements {}..{} of a buffer of {}",
+                    range.start,
+                    range.end,
+                    src.len()
+                ),
             ));
         }
         let v = self
             .stream
-            .clone_dtoh(&src.slice()?.slice(0..n))
+            .clone_dtoh(&src.slice()?.slice(range))
             .map_err(drv("cuMemcpyDtoH"))?;
         self.synchronize()?;
         Ok(v)

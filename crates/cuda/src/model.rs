@@ -1568,6 +1568,23 @@ impl GpuDecoder {
         }
     }
 
+    /// SFI: the dense scores of slot `slot`'s last slow step on every global layer, `[global
+    /// layer][query head][key]` over the slot's keys then (`SparseState::captured_scores`).
+    /// Call right after the `decode_step` that refreshed it (`last_refreshed`); downloads and
+    /// synchronises.
+    pub fn captured_scores(&self, slot: usize) -> Result<Vec<f32>, CudaError> {
+        self.check_slot(slot)?;
+        if !self.last_refresh.contains(&slot) {
+            return Err(bad(format!(
+                "slot {slot} did not capture scores in the last decode step"
+            )));
+        }
+        match self.sparse.as_ref().filter(|s| s.sfi().is_some()) {
+            Some(s) => s.captured_scores(&self.ctx, slot, self.spec.n_heads, self.slot_len[slot]),
+            None => Err(bad("only SFI's slow steps capture scores".to_string())),
+        }
+    }
+
     /// Bytes of the policy's compact buffers.
     pub fn compact_bytes(&self) -> usize {
         self.sparse.as_ref().map_or(0, |s| s.compact_bytes())

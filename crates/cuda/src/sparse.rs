@@ -1416,6 +1416,43 @@ impl SparseState {
         })
     }
 
+    /// The scores slot `slot`'s last capturing decode step left on every global layer
+    /// (`[ng][n_heads][len]`: each query head's logits over keys `0..len`, in the Selector's
+    /// log2 units), for probes of dense attention (`eval --task stability`). An error when the
+    /// slot did not capture in the last capturing step, or when SFI's cheaper slow step is
+    /// on (its rows are a view's keys, not `0..len`). Downloads and synchronises.
+    pub fn captured_scores(
+        &self,
+        ctx: &CudaContext,
+        slot: usize,
+        n_heads: usize,
+        len: usize,
+    ) -> Result<Vec<f32>, CudaError> {
+        if self.cand.is_some() {
+            return Err(CudaError::bad(
+                "captured scores",
+                "SFI's cheaper slow step captures a view's keys, not every key".to_string(),
+            ));
+        }
+        if len > self.kv.capacity {
+            return Err(CudaError::bad(
+                "captured scores",
+                format!("{len} keys of a capacity of {}", self.kv.capacity),
+            ));
+        }
+        let row = self.cap_row(slot)?;
+        let (cap, ls) = (self.kv.capacity, self.cap_rows * n_heads * self.kv.capacity);
+        let mut out = Vec::with_capacity(self.ng * n_heads * len);
+        for gi in 0..self.ng {
+            let at = gi * ls + row * n_heads * cap;
+            let rows = ctx.download_range(&self.logits, at..at + n_heads * cap)?;
+            for h in 0..n_heads {
+                out.extend_from_slice(&rows[h * cap..h * cap + len]);
+            }
+        }
+        Ok(out)
+    }
+
     /// Bytes of the compact buffers (all layers and slots).
     pub fn compact_bytes(&self) -> usize {
         self.compact

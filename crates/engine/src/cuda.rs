@@ -272,6 +272,92 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
     })
 }
 
+/// Keys of the probe's SFI memory (sinks, recent window, picks): a prompt past their sum
+/// refreshes, so every decode step can capture (`probe_stability`).
+const PROBE_MEMORY: (usize, usize, usize) = (4, 16, 16);
+
+/// Shortest prompt [`probe_stability`] takes: its decode steps must be past the SFI memory
+/// it borrows the capture of.
+pub const PROBE_MIN_PROMPT: usize = PROBE_MEMORY.0 + PROBE_MEMORY.1 + PROBE_MEMORY.2;
+
+/// `eval --task stability --device cuda`: prefills `tokens[..n_prefill]`, then decodes the
+/// rest teacher-forced with every step a slow step of SFI (dense attention whose capture
+/// leaves every global layer's logits: the output is full KV's), and hands each step's
+/// logits to `probe`. Returns (prefill seconds, decode seconds, KV bytes).
+pub fn probe_stability(
+    model: &Model,
+    tokens: &[u32],
+    n_prefill: usize,
+    kv: KvDtype,
+    probe: &mut slowfast_kv::probe::ProbePolicy,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(f64, f64, usize), EngineError> {
+    if n_prefill < PROBE_MIN_PROMPT || n_prefill >= tokens.len() {
+        return Err(EngineError::BadInput(format!(
+            "--device cuda stability: the prefilled part ({n_prefill} tokens) must hold at least {PROBE_MIN_PROMPT} tokens and leave decode steps ({} tokens in all)",
+            tokens.len()
+        )));
+    }
+    let (sinks, recent, selected) = PROBE_MEMORY;
+    let mut cfg = slowfast_kv::sfi::memory::SfiConfig::new(sinks, recent, selected);
+    cfg.candidates = 0.0; // the capture must cover every key
+    let ctx = open_context()?;
+    let mut dec = load_decoder_with(
+        ctx,
+        model,
+        (1, tokens.len(), GPU_CHUNK),
+        kv_options(kv, false),
+    )?;
+    dec.set_policy(GpuKvPolicy::Sfi(GpuSfiConfig {
+        sinks,
+        recent,
+        selected,
+        page: cfg.page,
+        bootstrap_rows: cfg.bootstrap_rows,
+        selector: cfg.selector,
+        refresh_lag: 0,
+        candidates: 0.0,
+    }))
+    .map_err(gpu_err)?;
+    let globals: Vec<usize> = (0..model.cfg.num_hidden_layers)
+        .filter(|&l| !model.cfg.is_sliding(l))
+        .collect();
+    let nh = model.cfg.num_attention_heads;
+    let t0 = Instant::now();
+    dec.prefill(0, &tokens[..n_prefill], false)
+        .map_err(gpu_err)?;
+    dec.logits().map_err(gpu_err)?; // waits for the prefill
+    let prefill_seconds = t0.elapsed().as_secs_f64();
+    progress(&format!("prefill {n_prefill}/{n_prefill} tokens"));
+    let t1 = Instant::now();
+    let mut last_report = Instant::now();
+    let steps = tokens.len() - n_prefill;
+    dec.begin_decode().map_err(gpu_err)?;
+    for (i, &t) in tokens[n_prefill..].iter().enumerate() {
+        probe.see_token(t);
+        dec.set_next(&[t]).map_err(gpu_err)?;
+        dec.request_refresh(0).map_err(gpu_err)?;
+        dec.decode_step().map_err(gpu_err)?;
+        let scores = dec.captured_scores(0).map_err(gpu_err)?;
+        let len = dec.slot_len(0);
+        for (gi, &l) in globals.iter().enumerate() {
+            probe.observe_row(l, 0, len, &scores[gi * nh * len..(gi + 1) * nh * len]);
+        }
+        probe.end_step();
+        if last_report.elapsed().as_secs_f64() > 2.0 || i + 1 == steps {
+            let st = probe.stability();
+            progress(&format!(
+                "decode {}/{steps} (jaccard within {:.3}, across {:.3})",
+                i + 1,
+                st.within.get().unwrap_or(f64::NAN),
+                st.across.get().unwrap_or(f64::NAN)
+            ));
+            last_report = Instant::now();
+        }
+    }
+    Ok((prefill_seconds, t1.elapsed().as_secs_f64(), dec.kv_bytes()))
+}
+
 /// SFI's slow-step trigger for `policy` (the CPU's, run on the host over the kept tokens), or
 /// none for the other policies. One place for the GPU session and the GPU scheduler.
 pub(crate) fn trigger_of(policy: &PolicySpec) -> Result<Option<Trigger>, EngineError> {

@@ -1359,3 +1359,84 @@ fn decode_alike(
         );
     }
 }
+
+/// `eval --task stability --device cuda` (every decode step one of SFI's dense slow steps,
+/// its captured logits read by the CPU's probe) against the CPU's probe on the fixtures (and
+/// the default model with SLOWFAST_DEFAULT_MODEL): the same steps, sentence starts, step
+/// pairs and heads, and overlaps within what bf16 attention logits against f32 ones reorder
+/// (near-ties among the top 8 keys); a capture of the wrong layer, head or step moves the
+/// overlaps by tenths.
+#[test]
+fn stability_probe_matches_cpu() {
+    if gpu("stability_probe_matches_cpu").is_none() {
+        return;
+    }
+    use slowfast_engine::eval::stability::{eval_stability_on, StabilityOptions};
+    use slowfast_engine::eval::Metrics;
+    use slowfast_engine::{Device, KvDtype};
+    let mut models: Vec<(String, f64)> = ["hf/gemma3", "hf/qwen3"]
+        .iter()
+        .map(|r| (fixtures().join(r).display().to_string(), 0.1))
+        .collect();
+    if let Ok(p) = std::env::var("SLOWFAST_DEFAULT_MODEL") {
+        models.push((p, 0.05));
+    }
+    let text = "It is a truth universally acknowledged, that a single man in possession of a good \
+                fortune, must be in want of a wife. However little known the feelings or views of \
+                such a man may be on his first entering a neighbourhood, this truth is so well \
+                fixed in the minds of the surrounding families. My dear Mr. Bennet, said his lady \
+                to him one day, have you heard that Netherfield Park is let at last? Mr. Bennet \
+                replied that he had not. But it is, returned she.";
+    for (path, tol) in models {
+        let m = slowfast_engine::load(&path, &mut |_| {}).unwrap();
+        let ids = m.tokenizer.encode(text, true).unwrap();
+        assert!(ids.len() >= 100, "{path}: {} tokens", ids.len());
+        let o = StabilityOptions {
+            context: ids.len(),
+            eval_tokens: 60,
+            kv: KvDtype::F32,
+            chunk: 32,
+            topk: 8,
+            distances: vec![1, 4],
+        };
+        let stats = |d: Device| {
+            let r = eval_stability_on(d, &m, &ids, &o, &mut |_| {}).unwrap();
+            match r.metrics {
+                Metrics::Stability(s) => s,
+                _ => panic!("a stability record"),
+            }
+        };
+        let (c, g) = (stats(Device::Cpu), stats(Device::Cuda));
+        eprintln!(
+            "{path}: jaccard within {:?} / {:?}, across {:?} / {:?} (cpu / gpu)",
+            c.jaccard_within, g.jaccard_within, c.jaccard_across, g.jaccard_across
+        );
+        assert_eq!((g.steps, g.boundaries), (c.steps, c.boundaries), "{path}");
+        assert_eq!(
+            (g.within_samples, g.across_samples),
+            (c.within_samples, c.across_samples),
+            "{path}"
+        );
+        let heads = |s: &slowfast_engine::eval::stability::StabilityMetrics| {
+            s.per_head
+                .iter()
+                .map(|h| (h.layer, h.head))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            heads(&g),
+            heads(&c),
+            "{path}: the probed (layer, head) pairs"
+        );
+        let close = |a: Option<f64>, b: Option<f64>, what: &str| match (a, b) {
+            (Some(a), Some(b)) => assert!((a - b).abs() <= tol, "{path}: {what} {a} vs {b}"),
+            (a, b) => assert_eq!(a.is_some(), b.is_some(), "{path}: {what}"),
+        };
+        close(g.jaccard_within, c.jaccard_within, "within");
+        close(g.jaccard_across, c.jaccard_across, "across");
+        for (x, y) in g.jaccard_by_distance.iter().zip(&c.jaccard_by_distance) {
+            assert_eq!((x.distance, x.samples), (y.distance, y.samples), "{path}");
+            close(x.jaccard, y.jaccard, &format!("distance {}", x.distance));
+        }
+    }
+}

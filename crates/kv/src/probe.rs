@@ -184,6 +184,57 @@ impl ProbePolicy {
         &self.result
     }
 
+    /// One decode step's dense logits on global layer `layer`: `logits[head * len + j]` is
+    /// query head `head`'s logit of key `lo + j` (any monotone scale: only the order counts).
+    /// The CPU's `observe` and the GPU's slow-step capture (`eval --device cuda`) both call it.
+    pub fn observe_row(&mut self, layer: usize, lo: usize, len: usize, logits: &[f32]) {
+        if len == 0 || logits.len() < len {
+            return;
+        }
+        let n_heads = logits.len() / len;
+        self.n_heads = n_heads;
+        let slot = self.slot(layer);
+        let sentence = self.sentence;
+        let cur = self.current.get_or_insert_with(|| StepSupport {
+            sentence,
+            sets: Vec::new(),
+        });
+        let need = (slot + 1) * n_heads;
+        if cur.sets.len() < need {
+            cur.sets.resize_with(need, Vec::new);
+        }
+        for (h, row) in logits.chunks_exact(len).enumerate() {
+            top_k_positions(
+                row,
+                lo,
+                self.topk,
+                &mut self.idx,
+                &mut cur.sets[slot * n_heads + h],
+            );
+        }
+    }
+
+    /// The decode step whose rows `observe_row` saw is over: compare it with the earlier ones.
+    pub fn end_step(&mut self) {
+        if let Some(cur) = self.current.take() {
+            self.close_step(cur);
+        }
+    }
+
+    /// The query token of the next decode step (sentence starts follow SFI's trigger rule).
+    pub fn see_token(&mut self, token: u32) {
+        let t = token as usize;
+        let ender = self.is_ender.get(t).copied().unwrap_or(false);
+        let newline = self.is_newline.get(t).copied().unwrap_or(false);
+        if ender {
+            self.after_ender = true;
+        } else if self.after_ender && !newline {
+            self.after_ender = false;
+            self.sentence += 1;
+            self.result.boundaries += 1;
+        }
+    }
+
     fn slot(&mut self, layer: usize) -> usize {
         match self.layers.iter().position(|&l| l == layer) {
             Some(s) => s,
@@ -256,53 +307,20 @@ impl<T: CacheElem> KvPolicy<T> for ProbePolicy {
     }
 
     fn observe(&mut self, call: &AttnCall, rows: usize, logits: &[f32], _store: &KvStore<T>) {
-        let len = call.hi() - call.lo;
-        if rows != 1 || len == 0 {
-            return;
-        }
-        let n_heads = logits.len() / len;
-        self.n_heads = n_heads;
-        let slot = self.slot(call.layer);
-        let sentence = self.sentence;
-        let cur = self.current.get_or_insert_with(|| StepSupport {
-            sentence,
-            sets: Vec::new(),
-        });
-        let need = (slot + 1) * n_heads;
-        if cur.sets.len() < need {
-            cur.sets.resize_with(need, Vec::new);
-        }
-        for (h, row) in logits.chunks_exact(len).enumerate() {
-            top_k_positions(
-                row,
-                call.lo,
-                self.topk,
-                &mut self.idx,
-                &mut cur.sets[slot * n_heads + h],
-            );
+        if rows == 1 {
+            self.observe_row(call.layer, call.lo, call.hi() - call.lo, logits);
         }
     }
 
     fn end_forward(&mut self, _pos0: usize, n: usize) {
         self.step.finish(&mut self.stats, true);
         if n == 1 {
-            if let Some(cur) = self.current.take() {
-                self.close_step(cur);
-            }
+            self.end_step();
         }
     }
 
     fn on_token(&mut self, token: u32) {
-        let t = token as usize;
-        let ender = self.is_ender.get(t).copied().unwrap_or(false);
-        let newline = self.is_newline.get(t).copied().unwrap_or(false);
-        if ender {
-            self.after_ender = true;
-        } else if self.after_ender && !newline {
-            self.after_ender = false;
-            self.sentence += 1;
-            self.result.boundaries += 1;
-        }
+        self.see_token(token);
     }
 
     fn stats(&self) -> PolicyStats {

@@ -167,8 +167,63 @@ fn run<T: CacheElem>(
     })
 }
 
-/// Measure support stability over the last E tokens of `tokens[..N]` (dense attention).
+#[cfg(feature = "cuda")]
+fn run_gpu(
+    m: &Loaded,
+    tokens: &[u32],
+    o: &StabilityOptions,
+    kv: KvDtype,
+    probe: &mut ProbePolicy,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Run, EngineError> {
+    if m.tensor_parallel > 1 {
+        return Err(crate::device::tp_not_on_gpu());
+    }
+    let n_prefill = o.context - o.eval_tokens;
+    let (prefill_seconds, decode_seconds, kv_bytes) =
+        crate::cuda::probe_stability(&m.model, tokens, n_prefill, kv, probe, progress)?;
+    Ok(Run {
+        prefill_seconds,
+        decode_seconds,
+        kv_bytes,
+        stats: slowfast_kv::PolicyStats {
+            slow_steps: o.eval_tokens,
+            fast_steps: 0,
+            attended_tokens: 0.0,
+            dense_tokens: 0.0,
+        },
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_gpu(
+    _: &Loaded,
+    _: &[u32],
+    _: &StabilityOptions,
+    _: KvDtype,
+    _: &mut ProbePolicy,
+    _: &mut dyn FnMut(&str),
+) -> Result<Run, EngineError> {
+    Err(crate::device::not_built())
+}
+
+/// Measure support stability over the last E tokens of `tokens[..N]` (dense attention), on
+/// the CPU.
 pub fn eval_stability(
+    m: &Loaded,
+    tokens: &[u32],
+    o: &StabilityOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<EvalRecord, EngineError> {
+    eval_stability_on(crate::Device::Cpu, m, tokens, o, progress)
+}
+
+/// [`eval_stability`] on `device`. On the GPU every decode step is one of SFI's slow steps
+/// (dense attention, full KV's output) whose captured logits feed the same probe
+/// (`cuda::probe_stability`); bf16 KV there, so near-ties may order differently from the
+/// CPU's f32 / f16.
+pub fn eval_stability_on(
+    device: crate::Device,
     m: &Loaded,
     tokens: &[u32],
     o: &StabilityOptions,
@@ -191,10 +246,11 @@ pub fn eval_stability(
         tok.vocab_size().max(m.model.cfg.vocab_size),
     )
     .map_err(|e| EngineError::BadInput(format!("--stability-topk/--stability-distances: {e}")))?;
-    let r = match o.kv {
-        KvDtype::F32 => run::<f32>(m, tokens, o, &mut probe, progress)?,
-        KvDtype::F16 => run::<half::f16>(m, tokens, o, &mut probe, progress)?,
-        KvDtype::Fp8 => return Err(KvDtype::cpu_only_error()),
+    let r = match (device, o.kv) {
+        (crate::Device::Cuda, kv) => run_gpu(m, &tokens[..o.context], o, kv, &mut probe, progress)?,
+        (crate::Device::Cpu, KvDtype::F32) => run::<f32>(m, tokens, o, &mut probe, progress)?,
+        (crate::Device::Cpu, KvDtype::F16) => run::<half::f16>(m, tokens, o, &mut probe, progress)?,
+        (crate::Device::Cpu, KvDtype::Fp8) => return Err(KvDtype::cpu_only_error()),
     };
     Ok(EvalRecord {
         task: "stability".into(),
