@@ -33,7 +33,11 @@ __device__ __forceinline__ u32 sfi_view_pos(const u32* __restrict__ vp, u32 np, 
 // the group over them (the query from shared memory) and add the partial sums up with shuffles.
 // D <= 256 and a multiple of 8, G <= 16. (Run 133 had a thread a page: 39 us a layer at 32K,
 // 243 GB/s, 64 blocks at 2048 pages.)
-#define SFI_CAND_TPP 8
+// SFI_CAND_TPP comes from the compile options (ops/sfi_cand.rs: CAND_THREADS_A_PAGE, which
+// the host's grid uses too).
+#ifndef SFI_CAND_TPP
+#error "SFI_CAND_TPP: set by the host (ops::sfi_cand::CAND_THREADS_A_PAGE)"
+#endif
 #define SFI_CAND_PAGES (256 / SFI_CAND_TPP)
 template <bool F8>
 __device__ __forceinline__ void sfi_cand_ub_impl(const bf16* __restrict__ q, const void* __restrict__ k,

@@ -206,3 +206,9 @@ pub fn kernel_source() -> String {
     }
     src
 }
+
+/// Threads of `sfi_cand_ub` a page (kernels/sfi_cand.cu's `SFI_CAND_TPP`, passed to NVRTC as
+/// a define by `nvrtc::compile_options`). Run 137 had one a page (39 us a layer at 32K, 64
+/// blocks); 8 a page (512 blocks) with the prompt's bounds computed at prefill took the cheap
+/// slow step from 6.31 to 4.54 ms at 32K in run 138.
+pub const CAND_THREADS_A_PAGE: u32 = 8;

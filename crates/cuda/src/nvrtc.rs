@@ -149,6 +149,7 @@ fn compile_options(arch: &str, include: &Path) -> Vec<String> {
         format!("--include-path={}", include.display()),
         "--std=c++17".to_string(),
         "--device-as-default-execution-space".to_string(),
+        format!("-DSFI_CAND_TPP={}", crate::kernels::CAND_THREADS_A_PAGE),
     ];
     if crate::trace::trace_dir().is_some() {
         o.push("-DSLOWFAST_TRACE".to_string());

@@ -10,14 +10,15 @@ use super::{u32_of, KvLayout};
 use crate::buffer::GpuBuffer;
 use crate::context::{CudaContext, KArg};
 use crate::error::CudaError;
+use crate::kernels::CAND_THREADS_A_PAGE;
 
 /// u32s of one capturing row's `vmeta` entry (kernels/sfi_cand.cu): active, page, entries,
 /// recent start, first candidate page, pages, first page whose bounds are computed afresh,
 /// batch row.
 pub const VMETA: usize = 8;
 
-/// Pages one block of `sfi_cand_ub` scores (`SFI_CAND_PAGES`: 256 threads, 8 a page).
-const CAND_PAGES_A_BLOCK: u32 = 32;
+/// Pages one block of `sfi_cand_ub` scores (`SFI_CAND_PAGES`: 256 threads).
+const CAND_PAGES_A_BLOCK: u32 = 256 / CAND_THREADS_A_PAGE;
 
 /// One capturing row's cheaper slow step, as the host plans it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
