@@ -255,10 +255,16 @@ PY
       done ;;
     fp8cap)
       # FB (12) sequences at 128K with fp8 KV on one H200 (issue 22's target: SFI >= 2000
-      # tok/s there), the KV before the last 8192 positions filled; full and sfi
+      # tok/s there), the KV before the last 8192 positions filled; FPOLS (full,sfi), then
+      # FCAND (unset: skipped; e.g. 2) SFI again with --sfi-candidates FCAND, its cheaper slow step
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${FCTX:-128k}" --batch "${FB:-12}" \
-        --new-tokens "$N" --policies full,sfi $SFI_OPTS --kv-dtype fp8 --real-prefill 8192 \
-        --json "$OUT/fp8cap-b${FB:-12}.json" 2>&1 | tee "$OUT/fp8cap.log" ;;
+        --new-tokens "$N" --policies "${FPOLS:-full,sfi}" $SFI_OPTS --kv-dtype fp8 --real-prefill 8192 \
+        --json "$OUT/fp8cap-b${FB:-12}.json" 2>&1 | tee "$OUT/fp8cap.log"
+      if [ -n "${FCAND:-}" ]; then
+        .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${FCTX:-128k}" --batch "${FB:-12}" \
+          --new-tokens "$N" --policies sfi $SFI_OPTS --sfi-candidates "$FCAND" --kv-dtype fp8 --real-prefill 8192 \
+          --json "$OUT/fp8cap-b${FB:-12}-cand.json" 2>&1 | tee -a "$OUT/fp8cap.log"
+      fi ;;
     fp8long)
       # One sequence at FLCTX (8k,128k,256k,512k,1m) with fp8 KV: full and sfi, the KV before
       # the last 8192 positions filled (issue 22's scale with context)
