@@ -174,7 +174,7 @@ pub fn run(a: Args) -> Result<()> {
             p.sfi_refresh_interval = r.sfi_refresh_interval.unwrap_or(p.sfi_refresh_interval);
             p.sfi_min_gap = r.sfi_min_gap.unwrap_or(p.sfi_min_gap);
             if let Some(t) = &r.sfi_trigger {
-                if !["punct", "periodic", "random", "off"].contains(&t.as_str()) {
+                if !slowfast_engine::session::TriggerKind::NAMES.contains(&t.as_str()) {
                     return Err(format!(
                         "kv_policy.sfi_trigger `{t}` is not one of punct, periodic, random, off"
                     ));

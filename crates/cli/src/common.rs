@@ -1,5 +1,6 @@
 //! Flags shared by several commands and small helpers.
 use anyhow::{bail, Context, Result};
+use slowfast_engine::session::TriggerKind;
 use slowfast_engine::{KvDtype, Loaded};
 
 /// Model and runtime flags common to generate, eval and bench.
@@ -109,30 +110,30 @@ pub struct PolicyArgs {
     #[arg(long, alias = "sfi-sinks", default_value_t = 4)]
     pub sinks: usize,
     /// SFI: recent window read in place (tokens; its start is page-aligned).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().recent)]
     pub sfi_recent: usize,
     /// SFI: force a slow (dense, refreshing) step after this many decode steps.
-    #[arg(long, default_value_t = 96)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().refresh_interval)]
     pub sfi_refresh_interval: usize,
     /// SFI: least decode steps between two sentence-triggered refreshes.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().min_gap)]
     pub sfi_min_gap: usize,
     /// SFI slow-step trigger: punct (first token of a sentence), periodic, random, off.
-    #[arg(long, default_value = "punct", value_parser = ["punct", "periodic", "random", "off"])]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().trigger, value_parser = TriggerKind::NAMES)]
     pub sfi_trigger: String,
     /// SFI, --device cuda only: run each slow step's Selector on a second stream and publish its
     /// new memory this many decode steps later; the fast steps in between keep the previous
     /// memory. 0 (the default, and the CPU's SFI) refreshes within the slow step. Lag 4 was
     /// measured 0.1 % faster at batch 1 and 1.5 % at batch 6 (128K), for +0.06 nats of ΔNLL on
     /// source code at 8K (run 106, docs/results.md "SFI's refresh lag").
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().async_lag)]
     pub sfi_async_lag: usize,
     /// SFI: re-rank the memory at every fast step (CPU only; 1 turns it off). Each refresh
     /// keeps this many times the selected tokens as candidates, in pages of 16 with their
     /// keys' min and max; each fast step reads the pages with the highest bound on q·k
     /// (Quest's), as many as the budget allows once the bounds (a key read each) are paid for,
     /// so a step reads as many keys as without it. See docs/results.md.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().pool)]
     pub sfi_pool: f64,
     /// SFI: the drift trigger (CPU only; 0 turns it off). Each refresh records the share of
     /// its query's attention, over what a fast step reads, on the selected keys; each fast step
@@ -140,7 +141,7 @@ pub struct PolicyArgs {
     /// summed over the global layers, fall below this fraction of the refresh's, the next step
     /// is slow (past --sfi-min-gap). Adds slow steps where the memory went stale; see
     /// docs/results.md for its cost and gain.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().drift, allow_negative_numbers = true)]
     pub sfi_drift: f64,
     /// SFI: the cheaper slow step (CPU and GPU; 0, the default, turns it off: a slow step reads
     /// every key). A slow step reads the sinks' page, the recent window and this many times the
@@ -148,28 +149,28 @@ pub struct PolicyArgs {
     /// read a page) is highest for some query head; the Selector picks the memory among them.
     /// Pair it with more slow steps (e.g. --sfi-trigger periodic --sfi-refresh-interval 6);
     /// see docs/results.md.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().candidates, allow_negative_numbers = true)]
     pub sfi_candidates: f64,
     /// SFI: prefill query rows (the last ones) whose dense attention bootstraps the first
     /// selection.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().bootstrap_rows)]
     pub sfi_bootstrap_rows: usize,
     /// Diagnostic policies oracle / oracle-sfi: reselect the exact top keys every this many
     /// decode steps (1: every step); in between the chosen keys are reused while the recent
     /// window grows, as in SFI (measures what staleness alone costs).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().oracle_every)]
     pub oracle_every: usize,
     /// SFI Selector: power-mean exponent of the evidence over captured rows (0: geometric mean).
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.alpha)]
     pub sfi_alpha: f64,
     /// SFI Selector: key-norm prior exponent (smaller keys get more prior).
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.gamma)]
     pub sfi_gamma: f64,
     /// SFI Selector: weight of the key-norm prior in the prior.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.prior_weight_l2)]
     pub sfi_prior_weight_l2: f64,
     /// SFI Selector: weight of the position prior in the prior.
-    #[arg(long, default_value_t = 0.7)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.prior_weight_pos)]
     pub sfi_prior_weight_pos: f64,
     /// SFI Selector: soft-NMS / span-pooling window in tokens (0 turns it off). The paper's
     /// soft-NMS: --sfi-soft-alpha 1 --sfi-nms-window 32.
@@ -188,16 +189,16 @@ pub struct PolicyArgs {
     #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.soft_alpha, allow_negative_numbers = true)]
     pub sfi_soft_alpha: f64,
     /// SFI Selector: cross-head exclusivity strength (skipped with <= 2 kv heads; 0 turns it off).
-    #[arg(long, default_value_t = 0.85)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.cross_head_alpha)]
     pub sfi_cross_head_alpha: f64,
     /// SFI Selector: cross-head exclusivity softmax temperature.
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.cross_head_temperature)]
     pub sfi_cross_head_temperature: f64,
     /// SFI Selector: clip of the evidence/prior mixing weight lambda with one captured row.
-    #[arg(long, default_value_t = 0.35)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.lambda_clip_single)]
     pub sfi_lambda_clip_single: f64,
     /// SFI Selector: clip of lambda with several captured rows.
-    #[arg(long, default_value_t = 0.25)]
+    #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().selector.lambda_clip_multi)]
     pub sfi_lambda_clip_multi: f64,
     /// SFI Selector: normalise each captured row's attention over every key it sees (sinks and
     /// recent window included) instead of over the candidates only, so a query head weighs in

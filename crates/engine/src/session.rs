@@ -4,6 +4,8 @@ use half::f16;
 use slowfast_kv::sfi::memory::{SfiConfig, SfiPolicy};
 pub use slowfast_kv::sfi::selector::SelectorConfig;
 use slowfast_kv::sfi::selector::SelectorError;
+use slowfast_kv::sfi::trigger::TriggerConfig;
+pub use slowfast_kv::sfi::trigger::TriggerKind;
 use slowfast_kv::{
     CacheElem, FullPolicy, H2oPolicy, KvPolicy, KvStore, OracleConfig, OraclePolicy, PolicyStats,
     QuestPolicy, SnapKvConfig, SnapKvPolicy, StreamingPolicy,
@@ -774,17 +776,19 @@ pub struct SfiKnobs {
 
 impl Default for SfiKnobs {
     fn default() -> Self {
+        // The trigger's and the policy's own defaults (crates/kv), the recent window here.
+        let (t, c) = (TriggerConfig::default(), SfiConfig::new(0, 0, 0));
         SfiKnobs {
             recent: 256,
-            refresh_interval: 96,
-            min_gap: 16,
-            trigger: "punct".into(),
-            bootstrap_rows: 16,
+            refresh_interval: t.refresh_interval,
+            min_gap: t.min_gap,
+            trigger: t.kind.name().into(),
+            bootstrap_rows: c.bootstrap_rows,
             oracle_every: 1,
-            async_lag: 0,
-            pool: 1.0,
-            drift: 0.0,
-            candidates: 0.0,
+            async_lag: c.async_lag,
+            pool: c.pool.into(),
+            drift: c.drift.into(),
+            candidates: c.candidates.into(),
             selector: SelectorConfig {
                 // slowfast's default: span pooling instead of the paper's soft-NMS (window
                 // 32, strength 1), which drops the neighbours of a peak (docs/results.md).

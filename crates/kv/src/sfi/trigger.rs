@@ -60,6 +60,9 @@ pub enum TriggerKind {
 }
 
 impl TriggerKind {
+    /// Every kind's name, as `--sfi-trigger` and `kv_policy.sfi_trigger` take them.
+    pub const NAMES: [&'static str; 4] = ["punct", "periodic", "random", "off"];
+
     /// The name used on the command line and in messages.
     pub fn name(self) -> &'static str {
         match self {
@@ -908,5 +911,13 @@ Then the rain finally stopped.";
                 assert!(s.interval >= 1, "{s:?}");
             }
         }
+    }
+
+    #[test]
+    fn every_name_parses_to_its_kind() {
+        for n in TriggerKind::NAMES {
+            assert_eq!(n.parse::<TriggerKind>().unwrap().name(), n);
+        }
+        assert!("sometimes".parse::<TriggerKind>().is_err());
     }
 }
