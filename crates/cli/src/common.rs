@@ -143,12 +143,13 @@ pub struct PolicyArgs {
     /// docs/results.md for its cost and gain.
     #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().drift, allow_negative_numbers = true)]
     pub sfi_drift: f64,
-    /// SFI: the cheaper slow step (CPU and GPU; 0, the default, turns it off: a slow step reads
-    /// every key). A slow step reads the sinks' page, the recent window and this many times the
-    /// selected tokens in pages of 16, those whose bound on q·k (Quest's key min/max, a key
-    /// read a page) is highest for some query head; the Selector picks the memory among them.
-    /// Pair it with more slow steps (e.g. --sfi-trigger periodic --sfi-refresh-interval 6);
-    /// see docs/results.md.
+    /// SFI: the cheaper slow step (CPU and GPU; 0 turns it off: a slow step then reads every
+    /// key, as in the paper). A slow step reads the sinks' page, the recent window and this many
+    /// times the selected tokens in pages of 16, those whose bound on q·k (Quest's key min/max,
+    /// a key read a page) is highest for some query head; the Selector picks the memory among
+    /// them. The default 2 decodes as fast or faster than dense slow steps on the GPU and keeps
+    /// their quality on the CPU; with more slow steps (--sfi-trigger periodic
+    /// --sfi-refresh-interval 6) it halves the loss on code. See docs/results.md.
     #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().candidates, allow_negative_numbers = true)]
     pub sfi_candidates: f64,
     /// SFI: prefill query rows (the last ones) whose dense attention bootstraps the first

@@ -776,7 +776,8 @@ pub struct SfiKnobs {
 
 impl Default for SfiKnobs {
     fn default() -> Self {
-        // The trigger's and the policy's own defaults (crates/kv), the recent window here.
+        // The trigger's and the policy's own defaults (crates/kv); the recent window, the
+        // cheaper slow step and the Selector's pooling are slowfast's, here.
         let (t, c) = (TriggerConfig::default(), SfiConfig::new(0, 0, 0));
         SfiKnobs {
             recent: 256,
@@ -788,7 +789,12 @@ impl Default for SfiKnobs {
             async_lag: c.async_lag,
             pool: c.pool.into(),
             drift: c.drift.into(),
-            candidates: c.candidates.into(),
+            // slowfast's default: the cheaper slow step (pages of candidates, F = 2) on the
+            // trigger's schedule. As fast or faster on the GPU at batch 1-6, 32K-128K (1.01-1.20x
+            // today's dense slow steps, runs 138-139), the same RULER and passkey and no worse NLL
+            // on the CPU (docs/results.md, "A cheaper slow step"); `SfiConfig::new` keeps the
+            // paper's dense slow step.
+            candidates: 2.0,
             selector: SelectorConfig {
                 // slowfast's default: span pooling instead of the paper's soft-NMS (window
                 // 32, strength 1), which drops the neighbours of a peak (docs/results.md).

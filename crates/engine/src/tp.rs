@@ -346,10 +346,12 @@ mod tests {
         }
     }
 
-    /// SFI runs per rank over the rank's kv heads. With cross-head exclusivity off the
-    /// Selector chooses per kv head from that head's query heads, so the ranks together make
-    /// the whole model's choices; with it on (4 kv heads at TP 1, 2 a rank: skipped there)
-    /// they may differ, but the schedule stays the same on every rank.
+    /// SFI runs per rank over the rank's kv heads. With cross-head exclusivity and the
+    /// cheaper slow step off the Selector chooses per kv head from that head's query heads, so
+    /// the ranks together make the whole model's choices; with exclusivity on (4 kv heads at
+    /// TP 1, 2 a rank: skipped there) or the cheaper slow step (its pages are picked over every
+    /// query head the rank holds) they may differ, but the schedule stays the same on every
+    /// rank.
     #[test]
     fn sfi_per_rank_keeps_one_schedule_and_matches_without_cross_head_exclusivity() {
         let m = small();
@@ -358,6 +360,7 @@ mod tests {
             recent: 16,
             trigger: "periodic".into(),
             refresh_interval: 4,
+            candidates: 0.0,
             ..SfiKnobs::default()
         };
         knobs.selector.cross_head_alpha = 0.0;
