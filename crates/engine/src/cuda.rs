@@ -299,8 +299,7 @@ pub fn probe_stability(
         )));
     }
     let (sinks, recent, selected) = PROBE_MEMORY;
-    let mut cfg = slowfast_kv::sfi::memory::SfiConfig::new(sinks, recent, selected);
-    cfg.candidates = 0.0; // the capture must cover every key
+    let cfg = slowfast_kv::sfi::memory::SfiConfig::new(sinks, recent, selected);
     let ctx = open_context()?;
     let mut dec = load_decoder_with(
         ctx,
@@ -316,7 +315,7 @@ pub fn probe_stability(
         bootstrap_rows: cfg.bootstrap_rows,
         selector: cfg.selector,
         refresh_lag: 0,
-        candidates: 0.0,
+        candidates: 0.0, // the capture must cover every key
     }))
     .map_err(gpu_err)?;
     let globals: Vec<usize> = (0..model.cfg.num_hidden_layers)

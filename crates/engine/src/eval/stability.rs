@@ -195,18 +195,6 @@ fn run_gpu(
     })
 }
 
-#[cfg(not(feature = "cuda"))]
-fn run_gpu(
-    _: &Loaded,
-    _: &[u32],
-    _: &StabilityOptions,
-    _: KvDtype,
-    _: &mut ProbePolicy,
-    _: &mut dyn FnMut(&str),
-) -> Result<Run, EngineError> {
-    Err(crate::device::not_built())
-}
-
 /// Measure support stability over the last E tokens of `tokens[..N]` (dense attention), on
 /// the CPU.
 pub fn eval_stability(
@@ -247,7 +235,10 @@ pub fn eval_stability_on(
     )
     .map_err(|e| EngineError::BadInput(format!("--stability-topk/--stability-distances: {e}")))?;
     let r = match (device, o.kv) {
+        #[cfg(feature = "cuda")]
         (crate::Device::Cuda, kv) => run_gpu(m, &tokens[..o.context], o, kv, &mut probe, progress)?,
+        #[cfg(not(feature = "cuda"))]
+        (crate::Device::Cuda, _) => return Err(crate::device::not_built()),
         (crate::Device::Cpu, KvDtype::F32) => run::<f32>(m, tokens, o, &mut probe, progress)?,
         (crate::Device::Cpu, KvDtype::F16) => run::<half::f16>(m, tokens, o, &mut probe, progress)?,
         (crate::Device::Cpu, KvDtype::Fp8) => return Err(KvDtype::cpu_only_error()),
