@@ -128,13 +128,14 @@ CALLS
     fi
     if [ "${2:-}" = cand ]; then
       # SFI's cheaper slow step on the GPU (issue 27) against the CPU's numbers in docs/results.md
-      # ("A cheaper slow step"): nll on prose and code at 8K and 20 %, today's SFI and the new
-      # one (--sfi-candidates 2, a slow step every 6) and the cheap slow step on today's schedule
-      # (--sfi-candidates 2), then passkey and RULER with the new one
+      # ("A cheaper slow step"): nll on prose and code at 8K and 20 %, dense slow steps
+      # (--sfi-candidates 0), sfi-c2p6 (--sfi-candidates 2, a slow step every 6) and the cheap
+      # slow step on the trigger's schedule (--sfi-candidates 2, the default), then passkey and
+      # RULER with sfi-c2p6
       NEW="--sfi-candidates 2 --sfi-trigger periodic --sfi-refresh-interval 6"
       for t in $T $C/.gpu/rust_serde_json.txt; do
         n=$(basename $t .txt)
-        $B eval --device cuda -m $M --task nll -i $t --context 8192 --policies full,sfi --kv-budget 0.2 \
+        $B eval --device cuda -m $M --task nll -i $t --context 8192 --policies full,sfi --kv-budget 0.2 --sfi-candidates 0 \
           --json "$OUT/nll-$n-sfi.json" > "$OUT/nll-$n-sfi.md" 2> "$OUT/nll-$n-sfi.err"
         $B eval --device cuda -m $M --task nll -i $t --context 8192 --policies sfi --kv-budget 0.2 $NEW \
           --json "$OUT/nll-$n-c2p6.json" > "$OUT/nll-$n-c2p6.md" 2> "$OUT/nll-$n-c2p6.err"

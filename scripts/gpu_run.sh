@@ -155,16 +155,16 @@ PY
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${CTX_SB:-128k}" \
         --batch "${SB:-6}" --new-tokens "$N" $SFI_ARGS --json "$OUT/sfi-b${SB:-6}.json" 2>&1 | tee -a "$OUT/sfi.log" ;;
     cand)
-      # SFI's cheaper slow step (issue 27): today's SFI (dense slow steps every 32 steps a
-      # sequence) against --sfi-candidates 2 on the same schedule, with a slow step every 6
+      # SFI's cheaper slow step (issue 27): dense slow steps (--sfi-candidates 0) every 32 steps a
+      # sequence against --sfi-candidates 2 (the default) on the same schedule, with a slow step every 6
       # ("sfi-c2p6") and dense slow steps every 6, batches CAND_B (1 6) at CAND_CTX
       # (32k,128k), alternated CAND_REPS (1) times; CAND_VARIANTS picks variants by name;
       # CAND_PREFILL: more flags (e.g. --real-prefill 8192 at batch 6)
       for rep in ${CAND_REPS:-1}; do
         for b in ${CAND_B:-1 6}; do
-          for v in "dense32:--sfi-refresh-interval 32" "cand32:--sfi-candidates 2 --sfi-refresh-interval 32" \
+          for v in "dense32:--sfi-candidates 0 --sfi-refresh-interval 32" "cand32:--sfi-candidates 2 --sfi-refresh-interval 32" \
                    "cand6:--sfi-candidates 2 --sfi-trigger periodic --sfi-refresh-interval 6" \
-                   "dense6:--sfi-trigger periodic --sfi-refresh-interval 6"; do
+                   "dense6:--sfi-candidates 0 --sfi-trigger periodic --sfi-refresh-interval 6"; do
             name="${v%%:*}"
             case " ${CAND_VARIANTS:-dense32 cand32 cand6 dense6} " in *" $name "*) ;; *) continue ;; esac
             echo "== rep $rep batch $b $name" | tee -a "$OUT/cand.log"
@@ -256,7 +256,8 @@ PY
     fp8cap)
       # FB (12) sequences at 128K with fp8 KV on one H200 (issue 22's target: SFI >= 2000
       # tok/s there), the KV before the last 8192 positions filled; FPOLS (full,sfi), then
-      # FCAND (unset: skipped; e.g. 2) SFI again with --sfi-candidates FCAND, its cheaper slow step
+      # FCAND (unset: skipped) SFI again with --sfi-candidates FCAND (0: dense slow steps, the
+      # comparison for the default 2; builds before 8c00a91 had 0 as the default)
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${FCTX:-128k}" --batch "${FB:-12}" \
         --new-tokens "$N" --policies "${FPOLS:-full,sfi}" $SFI_OPTS --kv-dtype fp8 --real-prefill 8192 \
         --json "$OUT/fp8cap-b${FB:-12}.json" 2>&1 | tee "$OUT/fp8cap.log"
