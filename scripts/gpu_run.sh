@@ -175,10 +175,10 @@ PY
         done
       done ;;
     policies)
-      # Every GPU policy in one run (issue 23): full, streaming, sfi, snapkv, pyramidkv, quest
+      # Every GPU policy in one run (issue 23): full, streaming, sfi, snapkv, pyramidkv, quest, h2o
       # (POLS) at batch 1 (PCTX: 8k,32k,128k) and batch PB (6) at the same contexts; budget and
       # interval as in `sfi`
-      POL_ARGS="--policies ${POLS:-full,streaming,sfi,snapkv,pyramidkv,quest} $SFI_OPTS"
+      POL_ARGS="--policies ${POLS:-full,streaming,sfi,snapkv,pyramidkv,quest,h2o} $SFI_OPTS"
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${PCTX:-8k,32k,128k}" --batch 1 \
         --new-tokens "$N" $POL_ARGS --json "$OUT/policies-b1.json" 2>&1 | tee "$OUT/policies.log"
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${PCTX:-8k,32k,128k}" --batch "${PB:-6}" \

@@ -11,8 +11,8 @@ pub struct ModelArgs {
     #[arg(long, short = 'm', default_value = slowfast_engine::DEFAULT_MODEL)]
     pub model: String,
     /// Compute device. `cuda` needs a build with `--features cuda` and an NVIDIA GPU; it runs
-    /// generate, bench, serve and eval (tasks nll, agree, passkey and ruler) with the policies full,
-    /// streaming, sfi, snapkv, pyramidkv and quest.
+    /// generate, bench, serve and eval (tasks nll, agree, passkey, ruler and stability) with the
+    /// policies full, streaming, sfi, snapkv, pyramidkv, quest and h2o.
     /// (--sfi-async-lag trades a little of SFI's quality there for speed).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,

@@ -22,6 +22,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("snapkv.cu", include_str!("../kernels/snapkv.cu")),
     ("quest.cu", include_str!("../kernels/quest.cu")),
     ("sfi_cand.cu", include_str!("../kernels/sfi_cand.cu")),
+    ("h2o.cu", include_str!("../kernels/h2o.cu")),
     ("gemv.cu", include_str!("../kernels/gemv.cu")),
     (
         "decode_fused.cu",
@@ -89,6 +90,10 @@ pub const KERNEL_NAMES: &[&str] = &[
     "sfi_view_norms",
     "sfi_pos_prior_view",
     "sfi_view_unmap",
+    "h2o_colsum",
+    "h2o_prep",
+    "h2o_mark",
+    "h2o_decode",
     "sfi_pos_prior",
     "sfi_score_part",
     "sfi_score_lambda",

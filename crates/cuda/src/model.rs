@@ -1182,9 +1182,10 @@ impl GpuDecoder {
             return Ok(());
         }
         self.slot_len[slot] = len;
-        self.give_back[slot] = false; // the policy's memory goes with the cut
+        self.give_back[slot] = false; // the policy's memory goes with the cut (H2O's back to
+                                      // where its last prefill ended stays: `truncate_slot`)
         if let Some(sp) = self.sparse.as_mut() {
-            sp.reset_slot(&self.ctx, slot)?;
+            sp.truncate_slot(&self.ctx, slot, len)?;
         }
         Ok(())
     }
@@ -1565,6 +1566,17 @@ impl GpuDecoder {
         match self.sparse.as_ref().filter(|s| s.has_compact()) {
             Some(s) => s.memory(&self.ctx, slot).map(Some),
             None => Ok(None),
+        }
+    }
+
+    /// H2O: slot `slot`'s heavy hitters on every global layer, `[global layer][kv head]`
+    /// positions ascending (`SparseState::h2o_heavy`); the window from `compact_memory`'s
+    /// `rstart` up is the rest of what a step reads. Downloads and synchronises: for tests.
+    pub fn h2o_heavy(&self, slot: usize) -> Result<Vec<Vec<Vec<u32>>>, CudaError> {
+        self.check_slot(slot)?;
+        match self.sparse.as_ref() {
+            Some(s) => s.h2o_heavy(&self.ctx, slot),
+            None => Err(bad("h2o_heavy: the policy is full KV".into())),
         }
     }
 
@@ -2200,6 +2212,9 @@ impl GpuDecoder {
                     };
                     ctx.attn_prefill(&a.q, kc, vc, kv, &mut a.att, None, &p)?;
                     if let Some(sp) = sp {
+                        let q = a.q.device_ptr();
+                        let rows = (slot, pos0, n);
+                        sp.h2o_prefill_layer(ctx, l, kc, vc, q, rows, nh, s.attn_scale)?;
                         for r in refresh {
                             let q = a.q.device_ptr();
                             sp.bootstrap_layer(ctx, l, kc, vc, ws, q, r, pos0, nh, s.attn_scale)?;

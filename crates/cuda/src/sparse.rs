@@ -1,5 +1,5 @@
-//! KV policies of the GPU decoder: full KV, StreamingLLM, SFI, SnapKV, PyramidKV and Quest
-//! (methods.md §1-2). The global layers of a sparse policy decode through
+//! KV policies of the GPU decoder: full KV, StreamingLLM, SFI, SnapKV, PyramidKV, Quest and
+//! H2O (methods.md §1-2). The global layers of a sparse policy decode through
 //! `attn_sparse_decode_*`: per (layer, slot) a compact buffer of chosen rows, its length and
 //! the start of a range read in place, all on the device, so a fast step needs no host work and
 //! replays as one CUDA graph; sliding layers keep their window.
@@ -16,6 +16,13 @@
 //! head (ops/quest.rs) and reads them in place through the sparse kernel's page list, with the
 //! newest, partial page as the range read in place. The first `dense_layers` layers read
 //! densely. Nothing is evicted, as on the CPU.
+//!
+//! H2O per (global layer, slot): every key's score (`[slot, kv_head, capacity]`), summed from
+//! each prefill row's probabilities (the rows re-attend in sub-chunks whose capture leaves their
+//! logits, ops/h2o.rs) and each decode step's; at the end of a prefill the top `heavy` keys before
+//! the window go to the compact buffer (`sfi_topk` and the gather), and every decode step adds its
+//! probabilities and evicts one key inside the step's graph (`h2o_decode`), so the compact
+//! buffer always holds the heavy hitters and the window `[len - recent, len)` is read in place.
 //!
 //! SFI per (global layer, slot): a compact buffer of the sinks and the Selector's choice
 //! (`[slot, kv_head, ccap, head_dim]`), rebuilt at each refresh, and the recent window read in
@@ -39,6 +46,7 @@ use crate::buffer::GpuBuffer;
 use crate::context::CudaContext;
 use crate::error::CudaError;
 use crate::ops::attention::AttnWorkspace;
+use crate::ops::h2o::{H2oColsum, H2oScratch, H2oSettle, H2oStep, H2O_MAX_GROUP};
 use crate::ops::quest::{QuestArgs, QuestPages, QuestScratch, QUEST_FRESH};
 use crate::ops::sfi::{
     GatherArgs, SelectArgs, SelectView, SelectorConfig, SelectorScratch, SparseDecode, SparsePost,
@@ -139,6 +147,12 @@ pub enum GpuKvPolicy {
     Snap(GpuSnapConfig),
     /// Quest: the top pages by a key-bound score, chosen at every decode step.
     Quest(GpuQuestConfig),
+    /// H2O: the `heavy` best-scored older keys and the `recent` newest, one eviction a step
+    /// (the CPU's `slowfast_kv::h2o::H2oPolicy`).
+    H2o {
+        heavy: usize,
+        recent: usize,
+    },
 }
 
 impl GpuKvPolicy {
@@ -183,6 +197,9 @@ impl GpuKvPolicy {
                 "{} pages of {} a step ({} dense layers first)",
                 c.pages, c.page, c.dense_layers
             ),
+            GpuKvPolicy::H2o { heavy, recent } => {
+                format!("{heavy} heavy hitters + {recent} recent")
+            }
         }
     }
 
@@ -207,13 +224,20 @@ impl GpuKvPolicy {
             GpuKvPolicy::Snap(c) => c.capacity,
             // every page is read (as the CPU's `n_pages > pages()` test)
             GpuKvPolicy::Quest(c) => c.pages * c.page,
+            GpuKvPolicy::H2o { heavy, recent } => heavy + recent,
         }
     }
 
+    /// Whether requests may share a cached prompt prefix under the policy: not H2O, whose
+    /// scores sum the attention of every prompt row (the CPU's `KvPolicy::shares_prefix`).
+    pub fn shares_prefix(&self) -> bool {
+        !matches!(self, GpuKvPolicy::H2o { .. })
+    }
+
     /// Whether a sparse decode step may run `qkv_post` inside the attention kernel: not when
-    /// the policy reads the step's query before attention (Quest's page scores).
+    /// the policy reads the step's query outside it (Quest's page scores, H2O's scores).
     pub fn post_in_attention(&self) -> bool {
-        !matches!(self, GpuKvPolicy::Quest(_))
+        !matches!(self, GpuKvPolicy::Quest(_) | GpuKvPolicy::H2o { .. })
     }
 }
 
@@ -322,6 +346,41 @@ pub(crate) struct SparseState {
     /// Per slot: keys its last decode slow step read a layer (`plan_views`: its length, or a
     /// view's keys plus a key read a page bound, as the CPU counts them).
     slow_read: Vec<usize>,
+    /// H2O's scores, positions and prefill scoring.
+    h2o: Option<H2oState>,
+}
+
+/// Bytes of captured logits one H2O prefill sub-chunk may take: its rows re-attend in groups of
+/// this many bytes' worth of scores (at 128K x 32 heads, 64 rows).
+const H2O_SCORE_BYTES: usize = 1 << 30;
+
+/// H2O's device state (kernels/h2o.cu).
+struct H2oState {
+    heavy: usize,
+    recent: usize,
+    /// Every key's score `[ng, num_slots, kv_heads, capacity]` (an evicted key's is -inf).
+    scores: GpuBuffer<f32>,
+    /// The scores as the last prefill of each slot left them, before its selection (same
+    /// layout), and that prefill's end: a server cuts a slot back there after the dummy decode
+    /// steps it runs between a prompt's parts (`truncate_slot`), and the next part goes on from
+    /// these sums, so that a prompt prefilled in parts selects once, at its end, as in one.
+    saved: GpuBuffer<f32>,
+    saved_len: Vec<Option<usize>>,
+    /// Per slot: a cut back to `saved_len` happened; the next prefill there resumes the sums.
+    resume: Vec<bool>,
+    /// Positions of the compact rows `[ng, num_slots, kv_heads, heavy]`.
+    cpos: GpuBuffer<u32>,
+    /// Prefill rows re-attended at once, their lengths by position (`lens[p] = p + 1`), slots,
+    /// capture flags (1, 2, ...), outputs, logits and workspace.
+    rows: usize,
+    lens: GpuBuffer<u32>,
+    slots: GpuBuffer<u32>,
+    slots_for: Option<usize>,
+    rows1: GpuBuffer<u32>,
+    out: GpuBuffer<bf16>,
+    logits: GpuBuffer<f32>,
+    ws: AttnWorkspace,
+    sc: H2oScratch,
 }
 
 /// SFI's cheaper slow step (kernels/sfi_cand.cu, the CPU rule in `slowfast_kv::sfi::candidates`).
@@ -460,6 +519,15 @@ impl SparseState {
                 }
                 (None, 1)
             }
+            GpuKvPolicy::H2o { heavy, recent } => {
+                if heavy == 0 || recent == 0 || kv.fp8 || n_heads / kv.kv_heads > H2O_MAX_GROUP {
+                    return Err(bad(format!(
+                        "H2O: {heavy} heavy + {recent} recent{} (both >= 1, bf16 KV, at most {H2O_MAX_GROUP} query heads a kv head)",
+                        if kv.fp8 { " over fp8 KV" } else { "" }
+                    )));
+                }
+                (None, 1)
+            }
             GpuKvPolicy::Sfi(c) => {
                 if c.selected == 0 || c.recent == 0 || c.bootstrap_rows == 0 || c.page == 0 {
                     return Err(bad(format!(
@@ -484,9 +552,10 @@ impl SparseState {
             return Ok(None); // every layer slides: the policy has nothing to act on
         }
         let snap_cfg = policy.snap();
-        let ccap = match (sfi, snap_cfg) {
-            (Some(c), _) => c.sinks + c.selected,
-            (_, Some(c)) => c.max_picks(),
+        let ccap = match (sfi, snap_cfg, policy) {
+            (Some(c), _, _) => c.sinks + c.selected,
+            (_, Some(c), _) => c.max_picks(),
+            (_, _, GpuKvPolicy::H2o { heavy, .. }) => heavy,
             _ => 0,
         };
         let compact = match ccap {
@@ -547,6 +616,37 @@ impl SparseState {
             }
             _ => None,
         };
+        let h2o = match policy {
+            GpuKvPolicy::H2o { heavy, recent } => {
+                let cap = kv.capacity;
+                let rows = (H2O_SCORE_BYTES / (n_heads * cap * 4)).clamp(1, 512);
+                let lens: Vec<u32> = (1..=cap as u32).collect();
+                let per = ng * ns * kv.kv_heads;
+                Some(H2oState {
+                    heavy,
+                    recent,
+                    scores: ctx.alloc(per * cap)?,
+                    saved: ctx.alloc(per * cap)?,
+                    saved_len: vec![None; ns],
+                    resume: vec![false; ns],
+                    cpos: ctx.alloc(per * heavy)?,
+                    rows,
+                    lens: ctx.upload(&lens)?,
+                    slots: ctx.alloc(rows)?,
+                    slots_for: None,
+                    rows1: ctx.upload(&(1..=rows as u32).collect::<Vec<_>>())?,
+                    out: ctx.alloc(rows * n_heads * kv.head_dim)?,
+                    logits: ctx.alloc(rows * n_heads * cap)?,
+                    ws: AttnWorkspace::new(),
+                    sc: H2oScratch::new(ctx, rows, n_heads, kv.kv_heads, cap, heavy)?,
+                })
+            }
+            _ => None,
+        };
+        if let Some(h) = &h2o {
+            ctx.memset_zero(&h.scores)?;
+            ctx.memset_zero(&h.cpos)?;
+        }
         let cap_rows = ns.min(CAPTURE_ROWS);
         let mut sel = sel;
         let cand = match sfi {
@@ -634,6 +734,7 @@ impl SparseState {
             refreshes: 0,
             cand,
             slow_read: vec![0; ns],
+            h2o,
         }))
     }
 
@@ -675,6 +776,7 @@ impl SparseState {
             GpuKvPolicy::Streaming { recent, .. } => len.saturating_sub(recent),
             GpuKvPolicy::Snap(c) => len.saturating_sub(c.window),
             GpuKvPolicy::Quest(c) => len.saturating_sub(1) / c.page * c.page,
+            GpuKvPolicy::H2o { recent, .. } => len.saturating_sub(recent),
             GpuKvPolicy::Full => 0,
         }
     }
@@ -793,6 +895,17 @@ impl SparseState {
         self.refreshed_len[s] = 0;
         self.snap_off[s] = 0.0;
         self.snap_prompt[s] = None;
+        if let Some(h) = &self.h2o {
+            for gi in 0..self.ng {
+                let (sc, cp, _) = self.h2o_at(h, gi, s);
+                ctx.zero_raw(sc, self.kv.kv_heads * self.kv.capacity * 4)?;
+                ctx.zero_raw(cp, self.kv.kv_heads * h.heavy * 4)?;
+            }
+        }
+        if let Some(h) = self.h2o.as_mut() {
+            h.saved_len[s] = None;
+            h.resume[s] = false;
+        }
         if self.compact.is_some() {
             for gi in 0..self.ng {
                 for buf in [&self.clen, &self.rstart] {
@@ -800,6 +913,45 @@ impl SparseState {
                     Self::copy_raw(ctx, self.zeros.device_ptr(), dst, 4)?;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// After slot `s` was cut back to `len` tokens by a truncation (its memory goes with the
+    /// cut): every policy forgets it, except H2O cut back to where its last prefill ended (a
+    /// server's cut between a prompt's parts), which gets that prefill's state back.
+    pub fn truncate_slot(
+        &mut self,
+        ctx: &CudaContext,
+        s: usize,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        let back = self
+            .h2o
+            .as_ref()
+            .is_some_and(|h| len > 0 && h.saved_len[s] == Some(len));
+        if !back {
+            return self.reset_slot(ctx, s);
+        }
+        self.h2o_restore(ctx, s)?;
+        self.h2o_settle(ctx, s, len)?;
+        if let Some(h) = self.h2o.as_mut() {
+            h.resume[s] = true;
+        }
+        Ok(())
+    }
+
+    /// H2O: slot `s`'s scores back to the sums its last prefill left (`saved`), every global
+    /// layer.
+    fn h2o_restore(&self, ctx: &CudaContext, s: usize) -> Result<(), CudaError> {
+        let Some(h) = &self.h2o else {
+            return Ok(());
+        };
+        let bytes = self.kv.kv_heads * self.kv.capacity * 4;
+        for gi in 0..self.ng {
+            let (sc, _, _) = self.h2o_at(h, gi, s);
+            let saved = sc - h.scores.device_ptr() + h.saved.device_ptr();
+            Self::copy_raw(ctx, saved, sc, bytes)?;
         }
         Ok(())
     }
@@ -814,6 +966,13 @@ impl SparseState {
         s: usize,
         len: usize,
     ) -> Result<(), CudaError> {
+        if self.h2o.is_some() {
+            return Err(CudaError::bad(
+                "rewind",
+                "H2O's scores and evictions cannot be rewound (it drafts no speculation)"
+                    .to_string(),
+            ));
+        }
         if self.refreshed_len[s] > len {
             return self.reset_slot(ctx, s);
         }
@@ -827,6 +986,7 @@ impl SparseState {
     /// After slot `s` holds `len` tokens from a prefill (or under a policy set after it): Quest
     /// computes every page's key bounds on every global layer.
     pub fn prefilled(&mut self, ctx: &CudaContext, s: usize, len: usize) -> Result<(), CudaError> {
+        self.h2o_settle(ctx, s, len)?;
         if let Some((pg, bounds, _)) = &self.quest {
             let (kptrs, b) = (self.kptrs.device_ptr(), bounds.device_ptr());
             ctx.quest_bounds(
@@ -910,6 +1070,14 @@ impl SparseState {
                 let (f, t) = ((gi * ns + from) * el, (gi * ns + to) * el);
                 Self::copy_raw(ctx, b + f as u64, b + t as u64, el)?;
             }
+            if let Some(h) = &self.h2o {
+                let (fs, fc, _) = self.h2o_at(h, gi, from);
+                let (ts, tc, _) = self.h2o_at(h, gi, to);
+                Self::copy_raw(ctx, fs, ts, kv.kv_heads * kv.capacity * 4)?;
+                Self::copy_raw(ctx, fc, tc, kv.kv_heads * h.heavy * 4)?;
+                let saved = |p: u64| p - h.scores.device_ptr() + h.saved.device_ptr();
+                Self::copy_raw(ctx, saved(fs), saved(ts), kv.kv_heads * kv.capacity * 4)?;
+            }
             if let Some((pg, bounds, _)) = &self.quest {
                 let el = pg.layer_elems(kv) / ns * 2; // one slot's bytes
                 let b = bounds.device_ptr() + (gi * pg.layer_elems(kv) * 2) as u64;
@@ -925,6 +1093,10 @@ impl SparseState {
         self.refreshed_len[to] = self.refreshed_len[from];
         self.snap_off[to] = self.snap_off[from];
         self.snap_prompt[to] = self.snap_prompt[from];
+        if let Some(h) = self.h2o.as_mut() {
+            h.saved_len[to] = h.saved_len[from];
+            h.resume[to] = h.resume[from];
+        }
         Ok(())
     }
 
@@ -1074,7 +1246,260 @@ impl SparseState {
             .clamp(1, 1024);
         let rows = batch * n_heads * most;
         ws.ensure(ctx, rows * kv.head_dim, rows * 2)?;
-        ctx.attn_sparse_decode(kc, vc, kv, ws, &p)
+        ctx.attn_sparse_decode(kc, vc, kv, ws, &p)?;
+        if let (Some(h), Some((ck, cv))) = (&self.h2o, &self.compact) {
+            if post.is_some() {
+                return Err(CudaError::bad(
+                    "sparse decode",
+                    "H2O scores keys with the step's query: qkv_post runs first",
+                ));
+            }
+            let (scores, cpos, _) = self.h2o_at(h, gi, 0);
+            let a = H2oStep {
+                batch,
+                n_heads,
+                scale,
+                q,
+                k_cache: kc.device_ptr(),
+                v_cache: vc.device_ptr(),
+                ck: ck.device_ptr() + (gi * el) as u64,
+                cv: cv.device_ptr() + (gi * el) as u64,
+                cpos,
+                scores,
+                clen,
+                rstart,
+                seq_lens,
+                slots,
+                heavy: h.heavy,
+                recent: h.recent,
+            };
+            ctx.h2o_decode(kv, &a)?;
+        }
+        Ok(())
+    }
+
+    /// H2O's buffers of (global layer `gi`, slot `s`): its scores `[kv_heads, capacity]`, its
+    /// compact rows' positions `[kv_heads, heavy]` and the layer's clen entry (device addresses).
+    fn h2o_at(&self, h: &H2oState, gi: usize, s: usize) -> (u64, u64, u64) {
+        let (ns, kvh) = (self.num_slots, self.kv.kv_heads);
+        let row = (gi * ns + s) * kvh;
+        (
+            h.scores.device_ptr() + (row * self.kv.capacity * 4) as u64,
+            h.cpos.device_ptr() + (row * h.heavy * 4) as u64,
+            self.clen.device_ptr() + ((gi * ns + s) * 4) as u64,
+        )
+    }
+
+    /// H2O, a prefill chunk of `n` rows at `pos0` of `slot` on global layer `l` (q rows
+    /// `[n, n_heads, hdk]`, this chunk's keys already cached): the rows attend again, a
+    /// sub-chunk at a time, and their probabilities are added to every key's score (the first
+    /// chunk of a sequence starts the scores from zero). Nothing for other policies.
+    #[allow(clippy::too_many_arguments)]
+    pub fn h2o_prefill_layer(
+        &mut self,
+        ctx: &CudaContext,
+        l: usize,
+        kc: &GpuBuffer<bf16>,
+        vc: &GpuBuffer<bf16>,
+        q: u64,
+        (slot, pos0, n): (usize, usize, usize),
+        n_heads: usize,
+        scale: f32,
+    ) -> Result<(), CudaError> {
+        let (Some(gi), Some(mut h)) = (self.gidx[l], self.h2o.take()) else {
+            return Ok(());
+        };
+        let res = self.h2o_score_rows(
+            ctx,
+            &mut h,
+            gi,
+            (kc, vc),
+            q,
+            (slot, pos0, n),
+            n_heads,
+            scale,
+        );
+        self.h2o = Some(h);
+        res
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn h2o_score_rows(
+        &self,
+        ctx: &CudaContext,
+        h: &mut H2oState,
+        gi: usize,
+        (kc, vc): (&GpuBuffer<bf16>, &GpuBuffer<bf16>),
+        q: u64,
+        (slot, pos0, n): (usize, usize, usize),
+        n_heads: usize,
+        scale: f32,
+    ) -> Result<(), CudaError> {
+        let kv = self.kv;
+        let (scores, cpos, _) = self.h2o_at(h, gi, slot);
+        if h.resume[slot] && h.saved_len[slot] == Some(pos0) {
+            // the next part of a prompt: its sums before the last part's selection
+            let saved = scores - h.scores.device_ptr() + h.saved.device_ptr();
+            Self::copy_raw(ctx, saved, scores, kv.kv_heads * kv.capacity * 4)?;
+        }
+        if pos0 == 0 {
+            ctx.zero_raw(scores, kv.kv_heads * kv.capacity * 4)?;
+            ctx.zero_raw(cpos, kv.kv_heads * h.heavy * 4)?;
+        }
+        if h.slots_for != Some(slot) {
+            ctx.upload_into(&vec![slot as u32; h.rows], &mut h.slots)?;
+            h.slots_for = Some(slot);
+        }
+        for r0 in (0..n).step_by(h.rows) {
+            let rows = h.rows.min(n - r0);
+            let splits = ctx.sparse_splits(rows, n_heads, &kv);
+            let wr = rows * n_heads * splits;
+            h.ws.ensure(ctx, wr * kv.head_dim, wr * 2)?;
+            let p = SparseDecode {
+                batch: rows,
+                n_heads,
+                scale,
+                splits,
+                q: q + (r0 * n_heads * kv.head_dim * 2) as u64,
+                out: h.out.device_ptr(),
+                seq_lens: h.lens.device_ptr() + ((pos0 + r0) * 4) as u64,
+                slots: h.slots.device_ptr(),
+                ck: kc.device_ptr(),
+                cv: vc.device_ptr(),
+                ccap: kv.capacity,
+                clen: self.zeros.device_ptr(),
+                rstart: self.zeros.device_ptr(),
+                rwin: 0,
+                logits: h.logits.device_ptr(),
+                capture: h.rows1.device_ptr(),
+                lstride: kv.capacity,
+                post: None,
+                cidx: 0,
+                cgran: 1,
+                vpages: 0,
+                vmeta: 0,
+                vcap: 0,
+            };
+            ctx.attn_sparse_decode(kc, vc, kv, &mut h.ws, &p)?;
+            let a = H2oColsum {
+                logits: h.logits.device_ptr(),
+                lstride: kv.capacity,
+                rows,
+                len0: pos0 + r0 + 1,
+                scores,
+                sstride: kv.capacity,
+            };
+            ctx.h2o_colsum(&a, &h.sc)?;
+        }
+        Ok(())
+    }
+
+    /// H2O after slot `s` holds `len` tokens from a prefill: on every global layer the top
+    /// `heavy` keys before the window `[len - recent, len)` by score go to the compact buffer,
+    /// the others are evicted (the CPU's `H2oPolicy::end_prefill`). A policy set after the
+    /// prefill has no scores yet: its ties keep the first positions.
+    fn h2o_settle(&mut self, ctx: &CudaContext, s: usize, len: usize) -> Result<(), CudaError> {
+        let Some(mut h) = self.h2o.take() else {
+            return Ok(());
+        };
+        let res = self
+            .h2o_save(ctx, &mut h, s, len)
+            .and_then(|_| self.h2o_settle_with(ctx, &mut h, s, len));
+        self.h2o = Some(h);
+        res?;
+        self.snap_prompt[s] = Some(len);
+        self.has_mem[s] = true;
+        self.refreshed_len[s] = len;
+        Ok(())
+    }
+
+    /// Keeps slot `s`'s sums at the end of a prefill of `len` tokens (before the selection).
+    fn h2o_save(
+        &self,
+        ctx: &CudaContext,
+        h: &mut H2oState,
+        s: usize,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        if h.saved_len[s] != Some(len) || !h.resume[s] {
+            let bytes = self.kv.kv_heads * self.kv.capacity * 4;
+            for gi in 0..self.ng {
+                let (sc, _, _) = self.h2o_at(h, gi, s);
+                let saved = sc - h.scores.device_ptr() + h.saved.device_ptr();
+                Self::copy_raw(ctx, sc, saved, bytes)?;
+            }
+        }
+        h.saved_len[s] = Some(len);
+        h.resume[s] = false;
+        Ok(())
+    }
+
+    fn h2o_settle_with(
+        &self,
+        ctx: &CudaContext,
+        h: &mut H2oState,
+        s: usize,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        let n = len.saturating_sub(h.recent);
+        let k = h.heavy.min(n);
+        let geom = self.gather_geom();
+        let Some((ck, cv)) = &self.compact else {
+            return Ok(());
+        };
+        for gi in 0..self.ng {
+            let (scores, cpos, clen) = self.h2o_at(h, gi, s);
+            if k == 0 {
+                let rstart = self.rstart.device_ptr() + ((gi * self.num_slots + s) * 4) as u64;
+                for dst in [clen, rstart] {
+                    Self::copy_raw(ctx, self.zeros.device_ptr(), dst, 4)?;
+                }
+                continue;
+            }
+            let a = H2oSettle {
+                scores,
+                sstride: self.kv.capacity,
+                cpos,
+                n,
+                k,
+            };
+            ctx.h2o_settle(&a, &mut h.sc)?;
+            let dst = (ck, cv, &self.clen, &self.rstart);
+            let g = geom.args((gi, 1), s, (0, n), dst);
+            ctx.gather_picks(self.kv, h.sc.picks(k), &g)?;
+        }
+        Ok(())
+    }
+
+    /// H2O: the positions of slot `slot`'s heavy hitters on every global layer, per kv head,
+    /// ascending (downloads and synchronises; for tests). The window `[rstart, len)` is the rest.
+    pub fn h2o_heavy(
+        &self,
+        ctx: &CudaContext,
+        slot: usize,
+    ) -> Result<Vec<Vec<Vec<u32>>>, CudaError> {
+        let Some(h) = &self.h2o else {
+            return Err(CudaError::bad(
+                "h2o heavy",
+                "the policy is not H2O".to_string(),
+            ));
+        };
+        let clen = ctx.download(&self.clen)?;
+        let cpos = ctx.download(&h.cpos)?;
+        let (ns, kvh) = (self.num_slots, self.kv.kv_heads);
+        Ok((0..self.ng)
+            .map(|gi| {
+                let c = clen[gi * ns + slot] as usize;
+                (0..kvh)
+                    .map(|kh| {
+                        let at = ((gi * ns + slot) * kvh + kh) * h.heavy;
+                        let mut v = cpos[at..at + c].to_vec();
+                        v.sort_unstable();
+                        v
+                    })
+                    .collect()
+            })
+            .collect())
     }
 
     /// The prefill bootstrap of global layer `l`: the rows [row0, row0 + rows) of a chunk at
@@ -1474,8 +1899,13 @@ impl SparseState {
     /// global layer reads from row 0 (every other policy, or a prompt that fit).
     pub fn reads_from(&self, slot: usize) -> Option<(usize, usize)> {
         let n = self.snap_prompt.get(slot).copied().flatten()?;
-        let c = self.snap().filter(|_| self.has_mem[slot])?;
-        Some((n, n - c.window.min(n))) // every layer's window is the same (snap_layer)
+        let window = match self.policy {
+            GpuKvPolicy::Snap(c) => c.window, // every layer's is the same (snap_layer)
+            // the heavy hitters are copies; decode steps read the window and move it up
+            GpuKvPolicy::H2o { recent, .. } => recent,
+            _ => return None,
+        };
+        self.has_mem[slot].then_some((n, n - window.min(n)))
     }
 
     pub fn attended(&self, slot: usize, len: usize) -> usize {
@@ -1493,6 +1923,11 @@ impl SparseState {
             // no memory: the prompt fit, every step reads everything (as on the CPU)
             GpuKvPolicy::Snap(_) if !self.has_mem[slot] => len,
             GpuKvPolicy::Snap(_) => (len as f64 + self.snap_off[slot]).round() as usize,
+            // the heavy hitters and the window of a step at `len`
+            GpuKvPolicy::H2o { heavy, recent } => {
+                let r0 = len.saturating_sub(recent + 1);
+                heavy.min(r0) + len - r0
+            }
             GpuKvPolicy::Quest(c) => {
                 // the chosen full pages and the newest page; the first layers read densely
                 let dense = self.gidx[..c.dense_layers.min(self.gidx.len())]

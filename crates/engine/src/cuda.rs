@@ -223,7 +223,7 @@ pub fn load_decoder_with(
 }
 
 /// The KV policies the GPU runs (the others answer that they are CPU-only).
-pub const GPU_POLICIES: &str = "full, streaming, sfi, snapkv, pyramidkv, quest";
+pub const GPU_POLICIES: &str = "full, streaming, h2o, sfi, snapkv, pyramidkv, quest";
 
 /// The GPU form of a KV policy ([`GPU_POLICIES`]); the others answer that they are CPU-only.
 pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
@@ -263,6 +263,11 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
         }),
         // Quest: the CPU policy's pages, page size and dense layers
         PolicySpec::Quest { budget } => GpuKvPolicy::Quest(GpuQuestConfig::for_budget(*budget)),
+        // H2O: the CPU policy's split of the budget
+        PolicySpec::H2o { heavy, recent } => GpuKvPolicy::H2o {
+            heavy: *heavy,
+            recent: *recent,
+        },
         other => {
             return Err(EngineError::BadInput(format!(
                 "--device cuda: the {} KV policy runs on the CPU only (on cuda: {GPU_POLICIES})",

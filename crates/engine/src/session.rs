@@ -353,6 +353,14 @@ impl<'m> Session<'m> {
         }
     }
 
+    /// What the KV policy holds on `layer` now, per kv head, by role (`KvPolicy::held`).
+    pub fn held(&self, layer: usize) -> Vec<slowfast_kv::Held> {
+        match &self.cache {
+            Cache::F32(c, p) => p.held(layer, c),
+            Cache::F16(c, p) => p.held(layer, c),
+        }
+    }
+
     pub fn capacity(&self) -> usize {
         match &self.cache {
             Cache::F32(c, _) => c.capacity(),

@@ -905,6 +905,115 @@ fn streaming_matches_cpu_streaming() {
     });
 }
 
+/// Positions of runs `[a, b)`.
+fn run_positions(runs: &[[u32; 2]]) -> Vec<u32> {
+    runs.iter().flat_map(|r| r[0]..r[1]).collect()
+}
+
+/// H2O on the GPU against the CPU's policy on the same prompts and teacher-forced steps: a
+/// prompt past the budget (compacted at the end of prefill, then one eviction a step) and one
+/// within it (everything kept until the decode steps pass the budget). The heavy hitters of
+/// every layer and kv head agree with the CPU's up to near-ties of the scores (bf16 against
+/// f32: a few positions in a hundred), the window starts at `len - recent` on every layer,
+/// decode logits stay close to the CPU's, and at two slots graph-replayed steps equal plain
+/// ones bit for bit (the evictions run inside the graph).
+#[test]
+fn h2o_matches_cpu_h2o() {
+    let Some(ctx) = gpu("h2o_matches_cpu_h2o") else {
+        return;
+    };
+    use slowfast_cuda::GpuKvPolicy;
+    use slowfast_engine::session::{KvDtype, PolicySpec, Session};
+    let m = qwen3_06b();
+    let r = bf16_reference(&m);
+    let v = m.cfg.vocab_size;
+    let layers = m.cfg.num_hidden_layers;
+    let (heavy, recent) = (40, 24);
+    let policy = GpuKvPolicy::H2o { heavy, recent };
+    let spec = PolicySpec::H2o { heavy, recent };
+    for (n, steps) in [(300, 16), (50, 30)] {
+        let prompt = tokens(n, v, 0x4820 + n as u64);
+        let cap = n + steps + 2;
+        let mut dec = load_decoder(ctx.clone(), &m, 1, cap, 128).unwrap();
+        dec.set_policy(policy).unwrap();
+        dec.prefill(0, &prompt, false).unwrap();
+        dec.begin_decode().unwrap();
+        let mut s = Session::try_with_policy(&r, cap, KvDtype::F32, 128, &spec).unwrap();
+        s.prefill(&prompt, &mut |_, _| {}).unwrap();
+        // (positions differing, positions held) over every layer and kv head
+        let sets = |dec: &slowfast_cuda::GpuDecoder, s: &Session, len: usize| -> (usize, usize) {
+            let gpu = dec.h2o_heavy(0).unwrap();
+            let mem = dec.compact_memory(0).unwrap().unwrap();
+            let (mut differ, mut total) = (0, 0);
+            assert_eq!(gpu.len(), layers, "every layer is global");
+            for (l, gl) in gpu.iter().enumerate() {
+                for (kh, h) in s.held(l).iter().enumerate() {
+                    let window = run_positions(&h.recent);
+                    let mut cpu = run_positions(&h.selected);
+                    cpu.extend(run_positions(&h.kept));
+                    cpu.retain(|&p| (p as usize) < len.saturating_sub(recent));
+                    cpu.sort_unstable();
+                    assert_eq!(
+                        mem.rstart[l] as usize,
+                        len.saturating_sub(recent),
+                        "layer {l}: window start at length {len}"
+                    );
+                    if let Some(&w0) = window.first() {
+                        assert_eq!(w0 as usize, len - recent.min(len), "CPU window");
+                    }
+                    let g = &gl[kh];
+                    assert_eq!(
+                        g.len(),
+                        cpu.len(),
+                        "layer {l} head {kh}: heavy hitters at {len}"
+                    );
+                    differ += g.iter().filter(|p| cpu.binary_search(p).is_err()).count();
+                    total += cpu.len();
+                }
+            }
+            (differ, total)
+        };
+        let (d0, t0) = sets(&dec, &s, n);
+        let mut worst = 0.0f64;
+        for (i, &t) in tokens(steps, v, 0x77).iter().enumerate() {
+            dec.set_next(&[t]).unwrap();
+            dec.decode_step().unwrap();
+            if i == 1 {
+                dec.capture_decode().unwrap();
+            }
+            let c = s.step(t).unwrap().to_vec();
+            worst = worst.max(row_err(&dec.logits().unwrap(), &c));
+        }
+        let (d1, t1) = sets(&dec, &s, n + steps);
+        eprintln!(
+            "h2o prompt {n}, {steps} steps: heavy hitters differing from the CPU's {d0}/{t0} after prefill, {d1}/{t1} at the end; worst decode logits error {worst:.4}"
+        );
+        assert!(t1 > 0, "the decode steps must pass the budget");
+        for (d, t) in [(d0, t0), (d1, t1)] {
+            assert!(
+                d * 20 <= t,
+                "prompt {n}: {d} of {t} heavy hitters differ from the CPU's"
+            );
+        }
+        assert!(
+            worst < 0.5,
+            "prompt {n}: H2O on the GPU differs from the CPU's by {worst}"
+        );
+    }
+    // Two slots, graph against plain steps.
+    let n = 200;
+    let mut a = load_decoder(ctx.clone(), &m, 2, n + 20, 128).unwrap();
+    let mut b = load_decoder(ctx.clone(), &m, 2, n + 20, 128).unwrap();
+    for d in [&mut a, &mut b] {
+        d.set_policy(policy).unwrap();
+        d.prefill(0, &tokens(n, v, 1), false).unwrap();
+        d.prefill(1, &tokens(n - 37, v, 2), false).unwrap();
+        d.begin_decode().unwrap();
+    }
+    replay_equals_plain(&mut a, &mut b, 12);
+    assert_eq!(a.attended(0), heavy + recent + 1, "keys a step reads");
+}
+
 /// StreamingLLM at 3 rows (the cuBLAS step, where qkv_post runs inside sparse flash-decoding by
 /// default): two sparse rows and one still dense (shorter than sinks + window), graph-captured,
 /// with qkv_post before sparse flash-decoding and inside it. The kernels give bit-identical

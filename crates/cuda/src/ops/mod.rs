@@ -4,6 +4,7 @@ pub mod attention;
 pub mod elementwise;
 pub mod fused;
 pub mod gemm;
+pub mod h2o;
 pub mod norm;
 pub mod quest;
 pub mod sampling;

@@ -138,7 +138,12 @@ impl GpuDevice {
         // The prefix cache: whole prefill parts (GPU_CHUNK tokens), sharing the slots' pages.
         if cfg.prefix_cache_bytes > 0 {
             let pt = dec.page_tokens();
-            if GPU_CHUNK.is_multiple_of(pt) {
+            if !gp.shares_prefix() {
+                eprintln!(
+                    "slowfast serve: no prefix cache under --policy {} (its scores sum the attention of every prompt row)",
+                    policy.name()
+                );
+            } else if GPU_CHUNK.is_multiple_of(pt) {
                 dec.enable_prefix_cache(GPU_CHUNK, cfg.prefix_cache_bytes.min(limit))
                     .map_err(gpu_err)?;
             } else {
