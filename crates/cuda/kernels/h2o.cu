@@ -13,9 +13,9 @@
 //   h2o_colsum   prefill: probabilities of captured rows (snap_rowstats' stats) added to scores
 //   h2o_prep     end of prefill: scores of keys [0, n) as the f64 that sfi_topk ranks
 //   h2o_mark     end of prefill: the picks into cpos; every other key of [0, n) gets -inf
-//   h2o_decode   a decode step, after sparse flash-decoding: the step's probabilities over the
-//                held keys added to their scores, then the key leaving the window either evicted
-//                or swapped into the compact buffer for the lowest-scored heavy hitter
+//   h2o_logits, h2o_evict   a decode step, after sparse flash-decoding: the step's probabilities
+//                over the held keys added to their scores, then the key leaving the window either
+//                evicted or swapped into the compact buffer for the lowest-scored heavy hitter
 
 // scores[kvh * sstride + j] += sum over the group's query heads g (in order) of the sum over rows r
 // of 2^(z[r, kvh * G + g, j] - m) / sum, for every key j some row sees (row r sees j < len0 + r).
@@ -70,167 +70,243 @@ extern "C" __global__ void h2o_mark(const u32* __restrict__ sel, const u32* __re
 }
 
 #define H2O_MAXG 16
-#define H2O_MAXD 8 // head dims a lane holds: 256 / 32
+#define H2O_KEYS 256 // held keys a block takes (a thread a key)
 
-// The dot product of key row k (bf16, hd = 32 * nd) with query g of qs (f32 [G, hd] in shared
-// memory) over the warp; every lane gets the sum.
-__device__ __forceinline__ float h2o_dot(const float* kr, const float* qs, u32 g, u32 hd, u32 nd, u32 lane) {
-    float p = 0.0f;
-    for (u32 t = 0; t < nd; ++t) p += kr[t] * qs[g * hd + lane + 32 * t];
-    for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
-    return p;
-}
-
-// One decode step of H2O on one global layer, for batch row b (slot slots[b], length seq_lens[b]
-// with this step's token) and kv head blockIdx.y, after the sparse kernel read the held keys: the
-// compact rows [0, c0) (positions cpos) and the window [r0, len), where r0 = max(0, len - 1 -
-// recent) and c0 = min(heavy, r0). Their softmax probabilities for each query head of the group
-// (q [batch, n_heads, hd] after RoPE; logits scale * q.k) are summed over the group and added to
-// their scores. Then, when the window moves (len > recent), key r0 leaves it: with room in the
-// compact buffer it is appended; otherwise the lowest of (score, position) among it and the heavy
-// hitters is evicted (its score -inf) and r0, when kept, takes the evicted row's place (K and V
-// copied from the cache). Block kv head 0 publishes clen / rstart (both from the length).
+// One decode step of H2O on one global layer runs two kernels, for batch row b = blockIdx.x (slot
+// slots[b], length seq_lens[b] with this step's token) and kv head blockIdx.y, after the sparse
+// kernel read the held keys: the compact rows [0, c0) (positions cpos) and the window [r0, len),
+// where r0 = max(0, len - 1 - recent) and c0 = min(heavy, r0). Block z takes held keys
+// [256 z, 256 z + 256), a thread a key.
+//   h2o_logits  z[b, kvh, g, i] = scale * q_g . k_i for each query head g of the group (q [batch,
+//               n_heads, hd] after RoPE), and the block's max and sum of exp(z - max) per g
+//   h2o_evict   each held key's softmax probabilities, summed over the group in order, added to
+//               its score, and the block's lowest (score, position) heavy hitter; the last block
+//               of (b, kvh) to finish (a counter it resets) then moves the window when len >
+//               recent: key r0 leaves it and is appended to the compact buffer while there is
+//               room, else the lowest of (score, position) among it and the heavy hitters is
+//               evicted (its score -inf) and r0, when kept, takes the evicted row's place (K and
+//               V copied from the cache); block kv head 0 publishes clen / rstart (from the
+//               length).
 // K / V caches [num_slots, kv_heads, capacity, hd] bf16; compact [num_slots, kv_heads, heavy, hd];
 // cpos [num_slots, kv_heads, heavy]; scores [num_slots, kv_heads, capacity]; clen / rstart
-// [num_slots]. grid (batch, kv_heads), block 256, dynamic shared memory G * hd floats.
+// [num_slots]; zs [batch, kv_heads, G, hcap] (hcap >= heavy + recent + 1); part [batch, kv_heads,
+// S, G] (max, sum); mins [batch, kv_heads, S] (score, position, row); count [batch, kv_heads], zero
+// between steps. grid (batch, kv_heads, S = ceil(hcap / 256)), block 256.
+
+struct H2oGeom {
+    u32 r0, c0, held;
+};
+
+__device__ __forceinline__ H2oGeom h2o_geom(u32 len, u32 heavy, u32 recent) {
+    H2oGeom g;
+    g.r0 = len > recent + 1 ? len - 1 - recent : 0;
+    g.c0 = min(heavy, g.r0);
+    g.held = len == 0 ? 0 : g.c0 + (len - g.r0);
+    return g;
+}
+
+// Dynamic shared memory G * hd floats.
 extern "C" __global__ void __launch_bounds__(256)
-    h2o_decode(const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-               bf16* __restrict__ ck, bf16* __restrict__ cv, u32* __restrict__ cpos, float* __restrict__ scores,
-               u32* __restrict__ clen, u32* __restrict__ rstart, const u32* __restrict__ seq_lens,
-               const u32* __restrict__ slots, u32 n_heads, u32 kv_heads, u32 capacity, u32 hd, u32 heavy,
-               u32 recent, float scale) {
+    h2o_logits(const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ ck,
+               const u32* __restrict__ seq_lens, const u32* __restrict__ slots, float* __restrict__ zs,
+               float2* __restrict__ part, u32 n_heads, u32 kv_heads, u32 capacity, u32 hd, u32 heavy,
+               u32 recent, u32 hcap, float scale) {
     extern __shared__ float qs[];
-    __shared__ float wm[8][H2O_MAXG], wsum[8][H2O_MAXG], gm[H2O_MAXG], gs[H2O_MAXG];
-    __shared__ float rs[8];
-    __shared__ u32 rp[8], ri[8];
-    __shared__ int sh_row;
+    __shared__ float wred[8][H2O_MAXG];
     const u32 b = blockIdx.x, kvh = blockIdx.y, G = n_heads / kv_heads;
-    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5, nd = hd / 32;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (G > H2O_MAXG) return;
     const u32 slot = slots[b], len = min(seq_lens[b], capacity);
-    if (len == 0 || G > H2O_MAXG) return;
-    const u32 r0 = len - 1 > recent ? len - 1 - recent : 0, c0 = min(heavy, r0);
-    const u32 held = c0 + (len - r0);
+    const H2oGeom gm = h2o_geom(len, heavy, recent);
     const u64 hrow = (u64)slot * kv_heads + kvh;
-    const bf16* kb = kc + hrow * capacity * hd;
-    bf16* ckb = ck + hrow * heavy * hd;
-    bf16* cvb = cv + hrow * heavy * hd;
-    u32* cp = cpos + hrow * heavy;
-    float* sc = scores + hrow * capacity;
+    float* z = zs + ((u64)b * kv_heads + kvh) * G * hcap;
     for (u32 i = threadIdx.x; i < G * hd; i += blockDim.x)
         qs[i] = __bfloat162float(q[((u64)b * n_heads + kvh * G) * hd + i]);
     __syncthreads();
-    // Pass 1: per query head, the max and the sum of exp(z - max) over the held keys (a warp a key).
-    float m[H2O_MAXG], s[H2O_MAXG];
-    for (u32 g = 0; g < G; ++g) {
-        m[g] = NEG_INF;
-        s[g] = 0.0f;
-    }
-    float kr[H2O_MAXD];
-    for (u32 i = warp; i < held; i += nw) {
-        const bf16* k = i < c0 ? ckb + (u64)i * hd : kb + (u64)(r0 + i - c0) * hd;
-        for (u32 t = 0; t < nd; ++t) kr[t] = __bfloat162float(k[lane + 32 * t]);
-        for (u32 g = 0; g < G; ++g) {
-            const float z = h2o_dot(kr, qs, g, hd, nd, lane) * scale;
-            if (z > m[g]) {
-                s[g] = s[g] * __expf(m[g] - z) + 1.0f;
-                m[g] = z;
-            } else {
-                s[g] += __expf(z - m[g]);
-            }
+    const u32 i = blockIdx.z * H2O_KEYS + threadIdx.x;
+    float acc[H2O_MAXG];
+#pragma unroll
+    for (u32 g = 0; g < H2O_MAXG; ++g) acc[g] = NEG_INF;
+    if (i < gm.held) {
+        const bf16* k = i < gm.c0 ? ck + (hrow * heavy + i) * hd : kc + (hrow * capacity + gm.r0 + i - gm.c0) * hd;
+#pragma unroll
+        for (u32 g = 0; g < H2O_MAXG; ++g) acc[g] = 0.0f;
+        for (u32 c = 0; c < hd; c += 8) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(k + c);
+            const bf16* e = reinterpret_cast<const bf16*>(&raw);
+            float kf[8];
+#pragma unroll
+            for (u32 t = 0; t < 8; ++t) kf[t] = __bfloat162float(e[t]);
+#pragma unroll
+            for (u32 g = 0; g < H2O_MAXG; ++g)
+                if (g < G)
+#pragma unroll
+                    for (u32 t = 0; t < 8; ++t) acc[g] += kf[t] * qs[g * hd + c + t];
         }
+#pragma unroll
+        for (u32 g = 0; g < H2O_MAXG; ++g)
+            if (g < G) {
+                acc[g] *= scale;
+                z[(u64)g * hcap + i] = acc[g];
+            }
     }
-    if (lane == 0)
-        for (u32 g = 0; g < G; ++g) {
-            wm[warp][g] = m[g];
-            wsum[warp][g] = s[g];
+    // the block's max per g, then its sum of exp(z - max)
+#pragma unroll
+    for (u32 g = 0; g < H2O_MAXG; ++g)
+        if (g < G) {
+            const float m = warp_max(acc[g]);
+            if (lane == 0) wred[warp][g] = m;
+        }
+    __syncthreads();
+    float bm[H2O_MAXG];
+#pragma unroll
+    for (u32 g = 0; g < H2O_MAXG; ++g) {
+        bm[g] = NEG_INF;
+        if (g < G)
+            for (u32 w = 0; w < 8; ++w) bm[g] = fmaxf(bm[g], wred[w][g]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (u32 g = 0; g < H2O_MAXG; ++g)
+        if (g < G) {
+            const float e = i < gm.held ? __expf(acc[g] - bm[g]) : 0.0f;
+            const float t = warp_sum(e);
+            if (lane == 0) wred[warp][g] = t;
         }
     __syncthreads();
     if (threadIdx.x < G) {
-        const u32 g = threadIdx.x;
-        float M = NEG_INF, S = 0.0f;
-        for (u32 w = 0; w < nw; ++w) M = fmaxf(M, wm[w][g]);
-        for (u32 w = 0; w < nw; ++w)
-            if (wm[w][g] != NEG_INF) S += wsum[w][g] * __expf(wm[w][g] - M);
-        gm[threadIdx.x] = M;
-        gs[threadIdx.x] = S;
+        float t = 0.0f;
+        for (u32 w = 0; w < 8; ++w) t += wred[w][threadIdx.x];
+        part[(((u64)b * kv_heads + kvh) * gridDim.z + blockIdx.z) * G + threadIdx.x] =
+            make_float2(bm[threadIdx.x], t);
+    }
+}
+
+// Ordering of heavy-hitter candidates: the lower score, then the lower position.
+__device__ __forceinline__ bool h2o_lower(float v, u32 p, float bv, u32 bp) {
+    return v < bv || (v == bv && p < bp);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    h2o_evict(const bf16* __restrict__ kc, const bf16* __restrict__ vc, bf16* __restrict__ ck,
+              bf16* __restrict__ cv, u32* __restrict__ cpos, float* __restrict__ scores, u32* __restrict__ clen,
+              u32* __restrict__ rstart, const u32* __restrict__ seq_lens, const u32* __restrict__ slots,
+              const float* __restrict__ zs, const float2* __restrict__ part, float4* __restrict__ mins,
+              u32* __restrict__ count, u32 n_heads, u32 kv_heads, u32 capacity, u32 hd, u32 heavy, u32 recent,
+              u32 hcap) {
+    __shared__ float gmx[H2O_MAXG], gsm[H2O_MAXG];
+    __shared__ float rs[8];
+    __shared__ u32 rp[8], ri[8];
+    __shared__ int sh_row;
+    __shared__ bool sh_last;
+    const u32 b = blockIdx.x, kvh = blockIdx.y, G = n_heads / kv_heads, S = gridDim.z;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (G > H2O_MAXG) return;
+    const u32 slot = slots[b], len = min(seq_lens[b], capacity);
+    const H2oGeom gm = h2o_geom(len, heavy, recent);
+    const u64 hrow = (u64)slot * kv_heads + kvh, bk = (u64)b * kv_heads + kvh;
+    u32* cp = cpos + hrow * heavy;
+    float* sc = scores + hrow * capacity;
+    const float* z = zs + bk * G * hcap;
+    if (threadIdx.x < G) {
+        const float2* pp = part + bk * S * G + threadIdx.x;
+        float m = NEG_INF, t = 0.0f;
+        for (u32 s = 0; s < S; ++s) m = fmaxf(m, pp[(u64)s * G].x);
+        for (u32 s = 0; s < S; ++s) {
+            const float2 v = pp[(u64)s * G];
+            if (v.x != NEG_INF) t += v.y * __expf(v.x - m);
+        }
+        gmx[threadIdx.x] = m;
+        gsm[threadIdx.x] = t;
     }
     __syncthreads();
-    // Pass 2: each held key's probabilities, summed over the group, added to its score.
-    for (u32 i = warp; i < held; i += nw) {
-        const bool compact = i < c0;
-        const u32 pos = compact ? min(cp[i], capacity - 1) : r0 + i - c0;
-        const bf16* k = compact ? ckb + (u64)i * hd : kb + (u64)pos * hd;
-        for (u32 t = 0; t < nd; ++t) kr[t] = __bfloat162float(k[lane + 32 * t]);
+    const u32 i = blockIdx.z * H2O_KEYS + threadIdx.x;
+    float bs = __int_as_float(0x7f800000);
+    u32 bp = 0xffffffffu, bi = 0;
+    if (i < gm.held) {
         float p = 0.0f;
-        for (u32 g = 0; g < G; ++g) p += __expf(h2o_dot(kr, qs, g, hd, nd, lane) * scale - gm[g]) / gs[g];
-        if (lane == 0) sc[pos] += p;
+        for (u32 g = 0; g < G; ++g) p += __expf(z[(u64)g * hcap + i] - gmx[g]) / gsm[g];
+        const u32 pos = i < gm.c0 ? min(cp[i], capacity - 1) : gm.r0 + i - gm.c0;
+        const float v = sc[pos] + p;
+        sc[pos] = v;
+        if (i < gm.c0) {
+            bs = v;
+            bp = pos;
+            bi = i;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(0xffffffffu, bs, o);
+        const u32 p = __shfl_xor_sync(0xffffffffu, bp, o), j = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (h2o_lower(v, p, bs, bp)) {
+            bs = v;
+            bp = p;
+            bi = j;
+        }
+    }
+    if (lane == 0) {
+        rs[warp] = bs;
+        rp[warp] = bp;
+        ri[warp] = bi;
     }
     __syncthreads();
-    const u32 r1 = len > recent ? len - recent : 0;
-    if (r1 > r0) {
-        // key r0 leaves the window
-        if (threadIdx.x == 0) sh_row = c0 < heavy ? (int)c0 : -1;
-        if (c0 == heavy && heavy > 0) {
-            // the lowest (score, position) among the heavy hitters
-            float bs = __int_as_float(0x7f800000);
-            u32 bp = 0xffffffffu, bi = 0;
-            for (u32 i = threadIdx.x; i < heavy; i += blockDim.x) {
-                const u32 p = min(cp[i], capacity - 1);
-                const float v = sc[p];
-                if (v < bs || (v == bs && p < bp)) {
-                    bs = v;
-                    bp = p;
-                    bi = i;
-                }
+    if (threadIdx.x == 0) {
+        for (u32 w = 1; w < 8; ++w)
+            if (h2o_lower(rs[w], rp[w], bs, bp)) {
+                bs = rs[w];
+                bp = rp[w];
+                bi = ri[w];
             }
-            for (int o = 16; o > 0; o >>= 1) {
-                const float v = __shfl_xor_sync(0xffffffffu, bs, o);
-                const u32 p = __shfl_xor_sync(0xffffffffu, bp, o), i = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (v < bs || (v == bs && p < bp)) {
-                    bs = v;
-                    bp = p;
-                    bi = i;
-                }
-            }
-            if (lane == 0) {
-                rs[warp] = bs;
-                rp[warp] = bp;
-                ri[warp] = bi;
-            }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                float fs = rs[0];
-                u32 fp = rp[0], fi = ri[0];
-                for (u32 w = 1; w < nw; ++w)
-                    if (rs[w] < fs || (rs[w] == fs && rp[w] < fp)) {
-                        fs = rs[w];
-                        fp = rp[w];
-                        fi = ri[w];
-                    }
-                if (sc[r0] < fs) {
-                    sc[r0] = NEG_INF; // the leaving key is the lowest: evicted
+        mins[bk * S + blockIdx.z] = make_float4(bs, __uint_as_float(bp), __uint_as_float(bi), 0.0f);
+        __threadfence();
+        const u32 prev = atomicAdd(count + bk, 1u);
+        sh_last = prev + 1 == S;
+        sh_row = -1;
+        if (sh_last) {
+            count[bk] = 0; // for the next step
+            const u32 r1 = len > recent ? len - recent : 0;
+            if (len > 0 && r1 > gm.r0) {
+                // key r0 leaves the window
+                const u32 r0 = gm.r0;
+                if (gm.c0 < heavy) {
+                    sh_row = (int)gm.c0;
+                } else if (heavy == 0) {
+                    sc[r0] = NEG_INF;
                 } else {
-                    sc[fp] = NEG_INF;
-                    sh_row = (int)fi;
+                    float fs = __int_as_float(0x7f800000);
+                    u32 fp = 0xffffffffu, fi = 0;
+                    for (u32 s = 0; s < S; ++s) {
+                        const float4 m = __ldcg(mins + bk * S + s);
+                        const u32 p = __float_as_uint(m.y);
+                        if (h2o_lower(m.x, p, fs, fp)) {
+                            fs = m.x;
+                            fp = p;
+                            fi = __float_as_uint(m.z);
+                        }
+                    }
+                    if (__ldcg(sc + r0) < fs) {
+                        sc[r0] = NEG_INF; // the leaving key is the lowest: evicted
+                    } else {
+                        sc[fp] = NEG_INF;
+                        sh_row = (int)fi;
+                    }
                 }
             }
-        } else if (c0 == heavy && threadIdx.x == 0) {
-            sc[r0] = NEG_INF; // no heavy hitters kept at all
-        }
-        __syncthreads();
-        const int row = sh_row;
-        if (row >= 0) {
-            const bf16* ks = kb + (u64)r0 * hd;
-            const bf16* vs = vc + hrow * capacity * hd + (u64)r0 * hd;
-            for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
-                ckb[(u64)row * hd + d] = ks[d];
-                cvb[(u64)row * hd + d] = vs[d];
+            if (kvh == 0) {
+                clen[slot] = min(heavy, r1);
+                rstart[slot] = r1;
             }
-            if (threadIdx.x == 0) cp[row] = r0;
         }
     }
-    if (kvh == 0 && threadIdx.x == 0) {
-        clen[slot] = min(heavy, r1);
-        rstart[slot] = r1;
+    __syncthreads();
+    const int row = sh_row;
+    if (!sh_last || row < 0) return;
+    const u32 r0 = gm.r0;
+    const bf16* ks = kc + (hrow * capacity + r0) * hd;
+    const bf16* vs = vc + (hrow * capacity + r0) * hd;
+    for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
+        ck[(hrow * heavy + row) * hd + d] = ks[d];
+        cv[(hrow * heavy + row) * hd + d] = vs[d];
     }
+    if (threadIdx.x == 0) cp[row] = r0;
 }

@@ -21,7 +21,7 @@
 //! each prefill row's probabilities (the rows re-attend in sub-chunks whose capture leaves their
 //! logits, ops/h2o.rs) and each decode step's; at the end of a prefill the top `heavy` keys before
 //! the window go to the compact buffer (`sfi_topk` and the gather), and every decode step adds its
-//! probabilities and evicts one key inside the step's graph (`h2o_decode`), so the compact
+//! probabilities and evicts one key inside the step's graph (`CudaContext::h2o_decode`), so the compact
 //! buffer always holds the heavy hitters and the window `[len - recent, len)` is read in place.
 //!
 //! SFI per (global layer, slot): a compact buffer of the sinks and the Selector's choice
@@ -46,7 +46,7 @@ use crate::buffer::GpuBuffer;
 use crate::context::CudaContext;
 use crate::error::CudaError;
 use crate::ops::attention::AttnWorkspace;
-use crate::ops::h2o::{H2oColsum, H2oScratch, H2oSettle, H2oStep, H2O_MAX_GROUP};
+use crate::ops::h2o::{H2oColsum, H2oScratch, H2oSettle, H2oStep, H2oStepScratch, H2O_MAX_GROUP};
 use crate::ops::quest::{QuestArgs, QuestPages, QuestScratch, QUEST_FRESH};
 use crate::ops::sfi::{
     GatherArgs, SelectArgs, SelectView, SelectorConfig, SelectorScratch, SparseDecode, SparsePost,
@@ -381,6 +381,8 @@ struct H2oState {
     logits: GpuBuffer<f32>,
     ws: AttnWorkspace,
     sc: H2oScratch,
+    /// A decode step's scratch.
+    step: H2oStepScratch,
 }
 
 /// SFI's cheaper slow step (kernels/sfi_cand.cu, the CPU rule in `slowfast_kv::sfi::candidates`).
@@ -639,6 +641,7 @@ impl SparseState {
                     logits: ctx.alloc(rows * n_heads * cap)?,
                     ws: AttnWorkspace::new(),
                     sc: H2oScratch::new(ctx, rows, n_heads, kv.kv_heads, cap, heavy)?,
+                    step: H2oStepScratch::new(ctx, ns, n_heads, kv.kv_heads, heavy, recent)?,
                 })
             }
             _ => None,
@@ -1272,6 +1275,10 @@ impl SparseState {
                 slots,
                 heavy: h.heavy,
                 recent: h.recent,
+                zs: h.step.zs.device_ptr(),
+                part: h.step.part.device_ptr(),
+                mins: h.step.mins.device_ptr(),
+                count: h.step.count.device_ptr(),
             };
             ctx.h2o_decode(kv, &a)?;
         }

@@ -87,7 +87,7 @@ pub struct H2oSettle {
     pub k: usize,
 }
 
-/// One decode step's update of one global layer (see kernels/h2o.cu, `h2o_decode`): the
+/// One decode step's update of one global layer (kernels/h2o.cu, `h2o_logits` and `h2o_evict`): the
 /// layer's caches, its compact K / V `[num_slots, kv_heads, heavy, head_dim]`, positions
 /// `[num_slots, kv_heads, heavy]`, scores `[num_slots, kv_heads, capacity]` and clen / rstart
 /// `[num_slots]`; the step's rows (q after RoPE, lengths with the step's token, slots).
@@ -109,6 +109,51 @@ pub struct H2oStep {
     pub slots: u64,
     pub heavy: usize,
     pub recent: usize,
+    /// Scratch (`H2oStepScratch`): the step's logits, the blocks' softmax partials and lowest
+    /// heavy hitters, and their counters (zero; each step leaves them zero).
+    pub zs: u64,
+    pub part: u64,
+    pub mins: u64,
+    pub count: u64,
+}
+
+/// Device scratch of H2O's decode steps for up to `slots` rows (kernels/h2o.cu: `zs`, `part`,
+/// `mins`, `count`).
+pub struct H2oStepScratch {
+    pub zs: GpuBuffer<f32>,
+    pub part: GpuBuffer<f32>,
+    pub mins: GpuBuffer<f32>,
+    pub count: GpuBuffer<u32>,
+}
+
+impl H2oStepScratch {
+    pub fn new(
+        ctx: &CudaContext,
+        slots: usize,
+        n_heads: usize,
+        kv_heads: usize,
+        heavy: usize,
+        recent: usize,
+    ) -> Result<Self, CudaError> {
+        let hcap = h2o_held(heavy, recent);
+        let blocks = hcap.div_ceil(H2O_KEYS);
+        let count = ctx.alloc(slots * kv_heads)?;
+        ctx.memset_zero(&count)?;
+        Ok(H2oStepScratch {
+            zs: ctx.alloc(slots * n_heads * hcap)?,
+            part: ctx.alloc(slots * n_heads * blocks * 2)?,
+            mins: ctx.alloc(slots * kv_heads * blocks * 4)?,
+            count,
+        })
+    }
+}
+
+/// Held keys a block of the decode kernels takes (`H2O_KEYS`).
+const H2O_KEYS: usize = 256;
+
+/// Held keys of an H2O step (`heavy + recent + 1`): the stride of `H2oStep::zs`.
+pub fn h2o_held(heavy: usize, recent: usize) -> usize {
+    heavy + recent + 1
 }
 
 impl CudaContext {
@@ -238,7 +283,7 @@ impl CudaContext {
             || a.recent == 0
             || [
                 a.q, a.k_cache, a.v_cache, a.ck, a.cv, a.cpos, a.scores, a.clen, a.rstart,
-                a.seq_lens, a.slots,
+                a.seq_lens, a.slots, a.zs, a.part, a.mins, a.count,
             ]
             .contains(&0)
         {
@@ -249,13 +294,48 @@ impl CudaContext {
                 ),
             ));
         }
+        let hcap = h2o_held(a.heavy, a.recent);
+        let grid = (
+            a.batch as u32,
+            kv.kv_heads as u32,
+            hcap.div_ceil(H2O_KEYS) as u32,
+        );
+        let (cap, hd) = (u32_of(OP, "capacity", kv.capacity)?, kv.head_dim as u32);
+        let (heavy, recent) = (
+            u32_of(OP, "heavy", a.heavy)?,
+            u32_of(OP, "recent", a.recent)?,
+        );
+        let hcap = u32_of(OP, "held keys", hcap)?;
+        let (nh, kvh) = (a.n_heads as u32, kv.kv_heads as u32);
         self.launch(
-            "h2o_decode",
-            (a.batch as u32, kv.kv_heads as u32, 1),
+            "h2o_logits",
+            grid,
             (256, 1, 1),
             (g * kv.head_dim * 4) as u32,
             &[
                 KArg::P(a.q),
+                KArg::P(a.k_cache),
+                KArg::P(a.ck),
+                KArg::P(a.seq_lens),
+                KArg::P(a.slots),
+                KArg::P(a.zs),
+                KArg::P(a.part),
+                KArg::U(nh),
+                KArg::U(kvh),
+                KArg::U(cap),
+                KArg::U(hd),
+                KArg::U(heavy),
+                KArg::U(recent),
+                KArg::U(hcap),
+                KArg::F(a.scale),
+            ],
+        )?;
+        self.launch(
+            "h2o_evict",
+            grid,
+            (256, 1, 1),
+            0,
+            &[
                 KArg::P(a.k_cache),
                 KArg::P(a.v_cache),
                 KArg::P(a.ck),
@@ -266,13 +346,17 @@ impl CudaContext {
                 KArg::P(a.rstart),
                 KArg::P(a.seq_lens),
                 KArg::P(a.slots),
-                KArg::U(a.n_heads as u32),
-                KArg::U(kv.kv_heads as u32),
-                KArg::U(u32_of(OP, "capacity", kv.capacity)?),
-                KArg::U(kv.head_dim as u32),
-                KArg::U(u32_of(OP, "heavy", a.heavy)?),
-                KArg::U(u32_of(OP, "recent", a.recent)?),
-                KArg::F(a.scale),
+                KArg::P(a.zs),
+                KArg::P(a.part),
+                KArg::P(a.mins),
+                KArg::P(a.count),
+                KArg::U(nh),
+                KArg::U(kvh),
+                KArg::U(cap),
+                KArg::U(hd),
+                KArg::U(heavy),
+                KArg::U(recent),
+                KArg::U(hcap),
             ],
         )
     }
