@@ -117,11 +117,11 @@ CALLS
       # ("Every policy at 8K"): nll on prose and code, passkey as the CPU's table ran it
       for t in $T $C/.gpu/rust_serde_json.txt; do
         n=$(basename $t .txt)
-        $B eval --device cuda -m $M --task nll -i $t --context 8192 --policies full,snapkv,pyramidkv,quest,h2o,sfi,streaming \
+        $B eval --device cuda -m $M --task nll -i $t --context 8192 --policies "${NLL_POLS:-full,snapkv,pyramidkv,quest,h2o,sfi,streaming}" \
           --kv-budget 0.2 --json "$OUT/nll-$n-snap.json" > "$OUT/nll-$n-snap.md" 2> "$OUT/nll-$n-snap.err"
       done
       $B eval --device cuda -m $M --task passkey -i $T --context 8192 --passkey-trials 3 --passkey-depths 0.1,0.5,0.9 \
-        --seed 1 --policies full,snapkv,pyramidkv,quest,h2o --kv-budget 0.2 --json "$OUT/pk-snap.json" > "$OUT/pk-snap.md" 2> "$OUT/pk-snap.err"
+        --seed 1 --policies "${PK_POLS:-full,snapkv,pyramidkv,quest,h2o}" --kv-budget 0.2 --json "$OUT/pk-snap.json" > "$OUT/pk-snap.md" 2> "$OUT/pk-snap.err"
       cat "$OUT"/nll-*-snap.md "$OUT/pk-snap.md"
       tail -n 3 "$OUT"/*.err
       exit 0
