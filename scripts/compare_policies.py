@@ -5,7 +5,7 @@ single-threaded `slowfast eval` processes run side by side.
 
     scripts/compare_policies.py jobs [SCALE]             # print the commands, in priority order
     scripts/compare_policies.py run  [SCALE] --out DIR [--workers 16] [--end-in SECONDS]
-        [--done DIR...] [--cuda-policies full,sfi,streaming,snapkv,pyramidkv,quest --gpu-workers 2]
+        [--done DIR...] [--cuda-policies full,sfi,streaming,snapkv,pyramidkv,quest,h2o --gpu-workers 2]
         [--sfi-variant 'EXTRA EVAL FLAGS' --only REGEX]   # another SFI beside the plan's
 
 Every job is one `slowfast eval --threads 1 ... --json DIR/<name>.json` command. Policies that

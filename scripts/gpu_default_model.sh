@@ -87,7 +87,7 @@ CALLS
         setsid nohup python3 "$START/scripts/compare_policies.py" run --done "$START/docs/results/compare" --out $W \
           --bin $B --model gemma3-270m=$M smollm2-135m=$S \
           --texts prose=$T code=$C/.gpu/rust_serde_json.txt \
-          --cuda-policies full,sfi,streaming,snapkv,pyramidkv,quest --only "${ONLY:-.}" \
+          --cuda-policies full,sfi,streaming,snapkv,pyramidkv,quest,h2o --only "${ONLY:-.}" \
           --workers "${CPU_WORKERS:-14}" --gpu-workers "${GPU_WORKERS:-2}" > $W/nohup.log 2>&1 < /dev/null &
         sleep 2
       fi

@@ -87,7 +87,8 @@ extern "C" __global__ void h2o_mark(const u32* __restrict__ sel, const u32* __re
 //               evicted (its score -inf) and r0, when kept, takes the evicted row's place (K and
 //               V copied from the cache); block kv head 0 publishes clen / rstart (from the
 //               length).
-// K / V caches [num_slots, kv_heads, capacity, hd] bf16; compact [num_slots, kv_heads, heavy, hd];
+// K / V caches [num_slots, kv_heads, capacity, hd] bf16 (h2o_logits_f8: e4m3; rb = a row's
+// bytes); compact [num_slots, kv_heads, heavy, hd] of the caches' type;
 // cpos [num_slots, kv_heads, heavy]; scores [num_slots, kv_heads, capacity]; clen / rstart
 // [num_slots]; zs [batch, kv_heads, G, hcap] (hcap >= heavy + recent + 1); part [batch, kv_heads,
 // S, G] (max, sum); mins [batch, kv_heads, S] (score, position, row); count [batch, kv_heads], zero
@@ -105,12 +106,14 @@ __device__ __forceinline__ H2oGeom h2o_geom(u32 len, u32 heavy, u32 recent) {
     return g;
 }
 
-// Dynamic shared memory G * hd floats.
-extern "C" __global__ void __launch_bounds__(256)
-    h2o_logits(const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ ck,
-               const u32* __restrict__ seq_lens, const u32* __restrict__ slots, float* __restrict__ zs,
-               float2* __restrict__ part, u32 n_heads, u32 kv_heads, u32 capacity, u32 hd, u32 heavy,
-               u32 recent, u32 hcap, float scale) {
+// Dynamic shared memory G * hd floats. F8: the caches and compact rows hold e4m3 bytes (the
+// values themselves: their scales are folded into the weights).
+template <bool F8>
+__device__ __forceinline__ void h2o_logits_impl(const bf16* __restrict__ q, const void* __restrict__ kc,
+                                                const void* __restrict__ ck, const u32* __restrict__ seq_lens,
+                                                const u32* __restrict__ slots, float* __restrict__ zs,
+                                                float2* __restrict__ part, u32 n_heads, u32 kv_heads, u32 capacity,
+                                                u32 hd, u32 heavy, u32 recent, u32 hcap, float scale) {
     extern __shared__ float qs[];
     __shared__ float wred[8][H2O_MAXG];
     const u32 b = blockIdx.x, kvh = blockIdx.y, G = n_heads / kv_heads;
@@ -118,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(256)
     if (G > H2O_MAXG) return;
     const u32 slot = slots[b], len = min(seq_lens[b], capacity);
     const H2oGeom gm = h2o_geom(len, heavy, recent);
-    const u64 hrow = (u64)slot * kv_heads + kvh;
+    const u64 hrow = (u64)slot * kv_heads + kvh, eb = F8 ? 1 : 2;
     float* z = zs + ((u64)b * kv_heads + kvh) * G * hcap;
     for (u32 i = threadIdx.x; i < G * hd; i += blockDim.x)
         qs[i] = __bfloat162float(q[((u64)b * n_heads + kvh * G) * hd + i]);
@@ -128,15 +131,24 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
     for (u32 g = 0; g < H2O_MAXG; ++g) acc[g] = NEG_INF;
     if (i < gm.held) {
-        const bf16* k = i < gm.c0 ? ck + (hrow * heavy + i) * hd : kc + (hrow * capacity + gm.r0 + i - gm.c0) * hd;
+        const u64 row = i < gm.c0 ? hrow * heavy + i : hrow * capacity + gm.r0 + i - gm.c0;
+        const unsigned char* k =
+            reinterpret_cast<const unsigned char*>(i < gm.c0 ? ck : kc) + row * hd * eb;
 #pragma unroll
         for (u32 g = 0; g < H2O_MAXG; ++g) acc[g] = 0.0f;
         for (u32 c = 0; c < hd; c += 8) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(k + c);
-            const bf16* e = reinterpret_cast<const bf16*>(&raw);
             float kf[8];
+            if constexpr (F8) {
+                const uint2 raw = *reinterpret_cast<const uint2*>(k + c);
+                const unsigned char* e = reinterpret_cast<const unsigned char*>(&raw);
 #pragma unroll
-            for (u32 t = 0; t < 8; ++t) kf[t] = __bfloat162float(e[t]);
+                for (u32 t = 0; t < 8; ++t) kf[t] = fp82f(e[t]);
+            } else {
+                const uint4 raw = *reinterpret_cast<const uint4*>(k + 2 * c);
+                const bf16* e = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+                for (u32 t = 0; t < 8; ++t) kf[t] = __bfloat162float(e[t]);
+            }
 #pragma unroll
             for (u32 g = 0; g < H2O_MAXG; ++g)
                 if (g < G)
@@ -181,6 +193,19 @@ extern "C" __global__ void __launch_bounds__(256)
             make_float2(bm[threadIdx.x], t);
     }
 }
+#define H2O_LOGITS_ARGS                                                                                          \
+    const bf16 *__restrict__ q, const void *__restrict__ kc, const void *__restrict__ ck,                        \
+        const u32 *__restrict__ seq_lens, const u32 *__restrict__ slots, float *__restrict__ zs,                 \
+        float2 *__restrict__ part, u32 n_heads, u32 kv_heads, u32 capacity, u32 hd, u32 heavy, u32 recent,      \
+        u32 hcap, float scale
+extern "C" __global__ void __launch_bounds__(256) h2o_logits(H2O_LOGITS_ARGS) {
+    h2o_logits_impl<false>(q, kc, ck, seq_lens, slots, zs, part, n_heads, kv_heads, capacity, hd, heavy, recent,
+                           hcap, scale);
+}
+extern "C" __global__ void __launch_bounds__(256) h2o_logits_f8(H2O_LOGITS_ARGS) {
+    h2o_logits_impl<true>(q, kc, ck, seq_lens, slots, zs, part, n_heads, kv_heads, capacity, hd, heavy, recent,
+                          hcap, scale);
+}
 
 // Ordering of heavy-hitter candidates: the lower score, then the lower position.
 __device__ __forceinline__ bool h2o_lower(float v, u32 p, float bv, u32 bp) {
@@ -188,11 +213,11 @@ __device__ __forceinline__ bool h2o_lower(float v, u32 p, float bv, u32 bp) {
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-    h2o_evict(const bf16* __restrict__ kc, const bf16* __restrict__ vc, bf16* __restrict__ ck,
-              bf16* __restrict__ cv, u32* __restrict__ cpos, float* __restrict__ scores, u32* __restrict__ clen,
+    h2o_evict(const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
+              unsigned char* __restrict__ ck, unsigned char* __restrict__ cv, u32* __restrict__ cpos, float* __restrict__ scores, u32* __restrict__ clen,
               u32* __restrict__ rstart, const u32* __restrict__ seq_lens, const u32* __restrict__ slots,
               const float* __restrict__ zs, const float2* __restrict__ part, float4* __restrict__ mins,
-              u32* __restrict__ count, u32 n_heads, u32 kv_heads, u32 capacity, u32 hd, u32 heavy, u32 recent,
+              u32* __restrict__ count, u32 n_heads, u32 kv_heads, u32 capacity, u32 rb, u32 heavy, u32 recent,
               u32 hcap) {
     __shared__ float gmx[H2O_MAXG], gsm[H2O_MAXG];
     __shared__ float rs[8];
@@ -302,11 +327,14 @@ extern "C" __global__ void __launch_bounds__(256)
     const int row = sh_row;
     if (!sh_last || row < 0) return;
     const u32 r0 = gm.r0;
-    const bf16* ks = kc + (hrow * capacity + r0) * hd;
-    const bf16* vs = vc + (hrow * capacity + r0) * hd;
-    for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
-        ck[(hrow * heavy + row) * hd + d] = ks[d];
-        cv[(hrow * heavy + row) * hd + d] = vs[d];
+    // a copy of the row's rb bytes (bf16 or e4m3), a word a thread
+    const u32* ks = reinterpret_cast<const u32*>(kc + (hrow * capacity + r0) * rb);
+    const u32* vs = reinterpret_cast<const u32*>(vc + (hrow * capacity + r0) * rb);
+    u32* kd = reinterpret_cast<u32*>(ck + (hrow * heavy + row) * rb);
+    u32* vd = reinterpret_cast<u32*>(cv + (hrow * heavy + row) * rb);
+    for (u32 d = threadIdx.x; d < rb / 4; d += blockDim.x) {
+        kd[d] = ks[d];
+        vd[d] = vs[d];
     }
     if (threadIdx.x == 0) cp[row] = r0;
 }

@@ -153,6 +153,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "quest_bounds_f8",
     "quest_score_f8",
     "sfi_cand_ub_f8",
+    "h2o_logits_f8",
 ];
 
 /// The entry point reading the KV caches as `name` does, over e4m3 caches when `fp8` (the

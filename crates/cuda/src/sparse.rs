@@ -522,10 +522,9 @@ impl SparseState {
                 (None, 1)
             }
             GpuKvPolicy::H2o { heavy, recent } => {
-                if heavy == 0 || recent == 0 || kv.fp8 || n_heads / kv.kv_heads > H2O_MAX_GROUP {
+                if heavy == 0 || recent == 0 || n_heads / kv.kv_heads > H2O_MAX_GROUP {
                     return Err(bad(format!(
-                        "H2O: {heavy} heavy + {recent} recent{} (both >= 1, bf16 KV, at most {H2O_MAX_GROUP} query heads a kv head)",
-                        if kv.fp8 { " over fp8 KV" } else { "" }
+                        "H2O: {heavy} heavy + {recent} recent (both >= 1, at most {H2O_MAX_GROUP} query heads a kv head)"
                     )));
                 }
                 (None, 1)

@@ -916,7 +916,7 @@ fn run_positions(runs: &[[u32; 2]]) -> Vec<u32> {
 /// every layer and kv head agree with the CPU's up to near-ties of the scores (bf16 against
 /// f32: a few positions in a hundred), the window starts at `len - recent` on every layer,
 /// decode logits stay close to the CPU's, and at two slots graph-replayed steps equal plain
-/// ones bit for bit (the evictions run inside the graph).
+/// ones bit for bit (the evictions run inside the graph). Over fp8 KV it tracks itself over bf16.
 #[test]
 fn h2o_matches_cpu_h2o() {
     let Some(ctx) = gpu("h2o_matches_cpu_h2o") else {
@@ -1012,6 +1012,40 @@ fn h2o_matches_cpu_h2o() {
     }
     replay_equals_plain(&mut a, &mut b, 12);
     assert_eq!(a.attended(0), heavy + recent + 1, "keys a step reads");
+
+    // fp8 KV: H2O over e4m3 rows (the logits kernel's fp8 twin, byte copies into the compact
+    // buffer) tracks H2O over bf16 rows: the same rule over slightly different keys.
+    use slowfast_cuda::KvOptions;
+    use slowfast_engine::cuda::load_decoder_with;
+    let fp8 = KvOptions {
+        paged: false,
+        fp8: true,
+    };
+    let n = 300;
+    let cap = n + 18;
+    let mut a = load_decoder(ctx.clone(), &m, 1, cap, 128).unwrap();
+    let mut b = load_decoder_with(ctx.clone(), &m, (1, cap, 128), fp8).unwrap();
+    a.set_policy(policy).unwrap();
+    b.set_policy(policy).unwrap();
+    let worst = decode_pair(&mut a, &mut b, &tokens(n, v, 0x48F8), 16, &[]);
+    let (ha, hb) = (a.h2o_heavy(0).unwrap(), b.h2o_heavy(0).unwrap());
+    let (mut same, mut total) = (0, 0);
+    for (la, lb) in ha.iter().zip(&hb) {
+        for (x, y) in la.iter().zip(lb) {
+            assert_eq!(x.len(), y.len(), "heavy hitters a head, fp8 and bf16");
+            same += y.iter().filter(|p| x.binary_search(p).is_ok()).count();
+            total += x.len();
+        }
+    }
+    eprintln!("h2o fp8 vs bf16 KV: worst logits error {worst:.4} sd; heavy hitters in common {same}/{total}");
+    assert!(
+        worst > 0.0 && worst < 1.0,
+        "fp8 H2O is off bf16 H2O by {worst} sd"
+    );
+    assert!(
+        same * 10 >= total * 7,
+        "fp8 H2O keeps {same} of bf16 H2O's {total} heavy hitters"
+    );
 }
 
 /// StreamingLLM at 3 rows (the cuBLAS step, where qkv_post runs inside sparse flash-decoding by

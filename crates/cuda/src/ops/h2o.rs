@@ -274,8 +274,7 @@ impl CudaContext {
         const OP: &str = "h2o_decode";
         kv.check(OP)?;
         let g = a.n_heads / kv.kv_heads.max(1);
-        if kv.fp8
-            || a.batch == 0
+        if a.batch == 0
             || a.batch > kv.num_slots
             || a.n_heads % kv.kv_heads != 0
             || g > H2O_MAX_GROUP
@@ -290,7 +289,7 @@ impl CudaContext {
             return Err(CudaError::bad(
                 OP,
                 format!(
-                    "{a:?} over {kv:?} (bf16 KV, at most {H2O_MAX_GROUP} query heads a kv head, a heavy and a recent part)"
+                    "{a:?} over {kv:?} (at most {H2O_MAX_GROUP} query heads a kv head, a heavy and a recent part)"
                 ),
             ));
         }
@@ -308,7 +307,7 @@ impl CudaContext {
         let hcap = u32_of(OP, "held keys", hcap)?;
         let (nh, kvh) = (a.n_heads as u32, kv.kv_heads as u32);
         self.launch(
-            "h2o_logits",
+            crate::kernels::kv_kernel("h2o_logits", kv.fp8),
             grid,
             (256, 1, 1),
             (g * kv.head_dim * 4) as u32,
@@ -353,7 +352,7 @@ impl CudaContext {
                 KArg::U(nh),
                 KArg::U(kvh),
                 KArg::U(cap),
-                KArg::U(hd),
+                KArg::U(kv.row_bytes() as u32),
                 KArg::U(heavy),
                 KArg::U(recent),
                 KArg::U(hcap),
