@@ -385,6 +385,13 @@ struct H2oState {
     step: H2oStepScratch,
 }
 
+impl H2oState {
+    /// The address in `saved` of the score at `p` (an address in `scores`).
+    fn saved_at(&self, p: u64) -> u64 {
+        p - self.scores.device_ptr() + self.saved.device_ptr()
+    }
+}
+
 /// SFI's cheaper slow step (kernels/sfi_cand.cu, the CPU rule in `slowfast_kv::sfi::candidates`).
 struct Cand {
     /// Page geometry and every global layer's page bounds `[ng, layer_elems]` (Quest's layout).
@@ -928,32 +935,39 @@ impl SparseState {
         s: usize,
         len: usize,
     ) -> Result<(), CudaError> {
-        let back = self
+        let Some(h) = self
             .h2o
             .as_ref()
-            .is_some_and(|h| len > 0 && h.saved_len[s] == Some(len));
-        if !back {
+            .filter(|h| len > 0 && h.saved_len[s] == Some(len))
+        else {
             return self.reset_slot(ctx, s);
-        }
-        self.h2o_restore(ctx, s)?;
-        self.h2o_settle(ctx, s, len)?;
+        };
+        self.h2o_copy_sums(ctx, h, s, false)?;
+        self.h2o_settle(ctx, s, len, false)?;
         if let Some(h) = self.h2o.as_mut() {
             h.resume[s] = true;
         }
         Ok(())
     }
 
-    /// H2O: slot `s`'s scores back to the sums its last prefill left (`saved`), every global
-    /// layer.
-    fn h2o_restore(&self, ctx: &CudaContext, s: usize) -> Result<(), CudaError> {
-        let Some(h) = &self.h2o else {
-            return Ok(());
-        };
+    /// H2O: slot `s`'s sums on every global layer copied into `saved` (`keep`), or back from
+    /// it.
+    fn h2o_copy_sums(
+        &self,
+        ctx: &CudaContext,
+        h: &H2oState,
+        s: usize,
+        keep: bool,
+    ) -> Result<(), CudaError> {
         let bytes = self.kv.kv_heads * self.kv.capacity * 4;
         for gi in 0..self.ng {
             let (sc, _, _) = self.h2o_at(h, gi, s);
-            let saved = sc - h.scores.device_ptr() + h.saved.device_ptr();
-            Self::copy_raw(ctx, saved, sc, bytes)?;
+            let (src, dst) = if keep {
+                (sc, h.saved_at(sc))
+            } else {
+                (h.saved_at(sc), sc)
+            };
+            Self::copy_raw(ctx, src, dst, bytes)?;
         }
         Ok(())
     }
@@ -988,7 +1002,7 @@ impl SparseState {
     /// After slot `s` holds `len` tokens from a prefill (or under a policy set after it): Quest
     /// computes every page's key bounds on every global layer.
     pub fn prefilled(&mut self, ctx: &CudaContext, s: usize, len: usize) -> Result<(), CudaError> {
-        self.h2o_settle(ctx, s, len)?;
+        self.h2o_settle(ctx, s, len, true)?;
         if let Some((pg, bounds, _)) = &self.quest {
             let (kptrs, b) = (self.kptrs.device_ptr(), bounds.device_ptr());
             ctx.quest_bounds(
@@ -1077,8 +1091,12 @@ impl SparseState {
                 let (ts, tc, _) = self.h2o_at(h, gi, to);
                 Self::copy_raw(ctx, fs, ts, kv.kv_heads * kv.capacity * 4)?;
                 Self::copy_raw(ctx, fc, tc, kv.kv_heads * h.heavy * 4)?;
-                let saved = |p: u64| p - h.scores.device_ptr() + h.saved.device_ptr();
-                Self::copy_raw(ctx, saved(fs), saved(ts), kv.kv_heads * kv.capacity * 4)?;
+                Self::copy_raw(
+                    ctx,
+                    h.saved_at(fs),
+                    h.saved_at(ts),
+                    kv.kv_heads * kv.capacity * 4,
+                )?;
             }
             if let Some((pg, bounds, _)) = &self.quest {
                 let el = pg.layer_elems(kv) / ns * 2; // one slot's bytes
@@ -1341,12 +1359,16 @@ impl SparseState {
         n_heads: usize,
         scale: f32,
     ) -> Result<(), CudaError> {
-        let kv = self.kv;
+        let (kv, zeros) = (self.kv, self.zeros.device_ptr());
         let (scores, cpos, _) = self.h2o_at(h, gi, slot);
         if h.resume[slot] && h.saved_len[slot] == Some(pos0) {
             // the next part of a prompt: its sums before the last part's selection
-            let saved = scores - h.scores.device_ptr() + h.saved.device_ptr();
-            Self::copy_raw(ctx, saved, scores, kv.kv_heads * kv.capacity * 4)?;
+            Self::copy_raw(
+                ctx,
+                h.saved_at(scores),
+                scores,
+                kv.kv_heads * kv.capacity * 4,
+            )?;
         }
         if pos0 == 0 {
             ctx.zero_raw(scores, kv.kv_heads * kv.capacity * 4)?;
@@ -1370,21 +1392,9 @@ impl SparseState {
                 out: h.out.device_ptr(),
                 seq_lens: h.lens.device_ptr() + ((pos0 + r0) * 4) as u64,
                 slots: h.slots.device_ptr(),
-                ck: kc.device_ptr(),
-                cv: vc.device_ptr(),
-                ccap: kv.capacity,
-                clen: self.zeros.device_ptr(),
-                rstart: self.zeros.device_ptr(),
-                rwin: 0,
                 logits: h.logits.device_ptr(),
                 capture: h.rows1.device_ptr(),
-                lstride: kv.capacity,
-                post: None,
-                cidx: 0,
-                cgran: 1,
-                vpages: 0,
-                vmeta: 0,
-                vcap: 0,
+                ..SparseDecode::in_place(kc.device_ptr(), vc.device_ptr(), kv.capacity, zeros)
             };
             ctx.attn_sparse_decode(kc, vc, kv, &mut h.ws, &p)?;
             let a = H2oColsum {
@@ -1403,40 +1413,33 @@ impl SparseState {
     /// H2O after slot `s` holds `len` tokens from a prefill: on every global layer the top
     /// `heavy` keys before the window `[len - recent, len)` by score go to the compact buffer,
     /// the others are evicted (the CPU's `H2oPolicy::end_prefill`). A policy set after the
-    /// prefill has no scores yet: its ties keep the first positions.
-    fn h2o_settle(&mut self, ctx: &CudaContext, s: usize, len: usize) -> Result<(), CudaError> {
+    /// prefill has no scores yet: its ties keep the first positions. With `keep` (the end of a
+    /// prefill) the sums are kept first, for a cut back to `len` (`truncate_slot`).
+    fn h2o_settle(
+        &mut self,
+        ctx: &CudaContext,
+        s: usize,
+        len: usize,
+        keep: bool,
+    ) -> Result<(), CudaError> {
         let Some(mut h) = self.h2o.take() else {
             return Ok(());
         };
-        let res = self
-            .h2o_save(ctx, &mut h, s, len)
-            .and_then(|_| self.h2o_settle_with(ctx, &mut h, s, len));
+        let kept = if keep {
+            self.h2o_copy_sums(ctx, &h, s, true)
+        } else {
+            Ok(())
+        };
+        let res = kept.and_then(|_| self.h2o_settle_with(ctx, &mut h, s, len));
+        if keep {
+            h.saved_len[s] = Some(len);
+            h.resume[s] = false;
+        }
         self.h2o = Some(h);
         res?;
         self.snap_prompt[s] = Some(len);
         self.has_mem[s] = true;
         self.refreshed_len[s] = len;
-        Ok(())
-    }
-
-    /// Keeps slot `s`'s sums at the end of a prefill of `len` tokens (before the selection).
-    fn h2o_save(
-        &self,
-        ctx: &CudaContext,
-        h: &mut H2oState,
-        s: usize,
-        len: usize,
-    ) -> Result<(), CudaError> {
-        if h.saved_len[s] != Some(len) || !h.resume[s] {
-            let bytes = self.kv.kv_heads * self.kv.capacity * 4;
-            for gi in 0..self.ng {
-                let (sc, _, _) = self.h2o_at(h, gi, s);
-                let saved = sc - h.scores.device_ptr() + h.saved.device_ptr();
-                Self::copy_raw(ctx, sc, saved, bytes)?;
-            }
-        }
-        h.saved_len[s] = Some(len);
-        h.resume[s] = false;
         Ok(())
     }
 
@@ -1542,21 +1545,14 @@ impl SparseState {
             out: self.boot_out.device_ptr(),
             seq_lens: self.boot_lens.device_ptr(),
             slots: self.boot_slots.device_ptr(),
-            ck: kc.device_ptr(),
-            cv: vc.device_ptr(),
-            ccap: kv.capacity,
-            clen: self.zeros.device_ptr(),
-            rstart: self.zeros.device_ptr(),
-            rwin: 0,
             logits: self.logits.device_ptr(),
             capture: self.rows1.device_ptr(),
-            lstride: kv.capacity,
-            post: None,
-            cidx: 0,
-            cgran: 1,
-            vpages: 0,
-            vmeta: 0,
-            vcap: 0,
+            ..SparseDecode::in_place(
+                kc.device_ptr(),
+                vc.device_ptr(),
+                kv.capacity,
+                self.zeros.device_ptr(),
+            )
         };
         ctx.attn_sparse_decode(kc, vc, kv, ws, &p)?;
         if self.snap().is_some() {

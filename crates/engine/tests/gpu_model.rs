@@ -864,6 +864,27 @@ fn async_refresh_publishes_the_in_order_memory() {
     eprintln!("async refresh (lag {lag}): memory after publication = in-order memory; {s1} slow / {f1} fast steps, {r1} refreshes");
 }
 
+/// `steps` teacher-forced decode steps of slot 0 of `dec` and of the CPU session `s` (prefilled
+/// alike) on the same tokens, the GPU replaying a captured graph from its third step on; returns
+/// the worst logits-row error between them.
+fn decode_vs_cpu(
+    dec: &mut slowfast_cuda::GpuDecoder,
+    s: &mut slowfast_engine::session::Session,
+    steps: usize,
+) -> f64 {
+    let mut worst = 0.0f64;
+    for (i, &t) in tokens(steps, dec.spec().vocab, 0x77).iter().enumerate() {
+        dec.set_next(&[t]).unwrap();
+        dec.decode_step().unwrap();
+        if i == 1 {
+            dec.capture_decode().unwrap();
+        }
+        let c = s.step(t).unwrap().to_vec();
+        worst = worst.max(row_err(&dec.logits().unwrap(), &c));
+    }
+    worst
+}
+
 #[test]
 fn streaming_matches_cpu_streaming() {
     let Some(ctx) = gpu("streaming_matches_cpu_streaming") else {
@@ -887,16 +908,7 @@ fn streaming_matches_cpu_streaming() {
         let spec = PolicySpec::Streaming { sinks, recent };
         let mut s = Session::try_with_policy(&r, n + steps + 2, KvDtype::F32, 128, &spec).unwrap();
         s.prefill(&prompt, &mut |_, _| {}).unwrap();
-        let mut worst = 0.0f64;
-        for (i, &t) in tokens(steps, v, 0x77).iter().enumerate() {
-            dec.set_next(&[t]).unwrap();
-            dec.decode_step().unwrap();
-            if i == 1 {
-                dec.capture_decode().unwrap();
-            }
-            let c = s.step(t).unwrap().to_vec();
-            worst = worst.max(row_err(&dec.logits().unwrap(), &c));
-        }
+        let worst = decode_vs_cpu(&mut dec, &mut s, steps);
         eprintln!("streaming on the GPU (qkv_post inside: {post}) vs the CPU: worst decode logits error {worst:.4}");
         assert!(
             worst < 0.35,
@@ -974,16 +986,7 @@ fn h2o_matches_cpu_h2o() {
             (differ, total)
         };
         let (d0, t0) = sets(&dec, &s, n);
-        let mut worst = 0.0f64;
-        for (i, &t) in tokens(steps, v, 0x77).iter().enumerate() {
-            dec.set_next(&[t]).unwrap();
-            dec.decode_step().unwrap();
-            if i == 1 {
-                dec.capture_decode().unwrap();
-            }
-            let c = s.step(t).unwrap().to_vec();
-            worst = worst.max(row_err(&dec.logits().unwrap(), &c));
-        }
+        let worst = decode_vs_cpu(&mut dec, &mut s, steps);
         let (d1, t1) = sets(&dec, &s, n + steps);
         eprintln!(
             "h2o prompt {n}, {steps} steps: heavy hitters differing from the CPU's {d0}/{t0} after prefill, {d1}/{t1} at the end; worst decode logits error {worst:.4}"

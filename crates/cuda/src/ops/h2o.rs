@@ -152,7 +152,7 @@ impl H2oStepScratch {
 const H2O_KEYS: usize = 256;
 
 /// Held keys of an H2O step (`heavy + recent + 1`): the stride of `H2oStep::zs`.
-pub fn h2o_held(heavy: usize, recent: usize) -> usize {
+fn h2o_held(heavy: usize, recent: usize) -> usize {
     heavy + recent + 1
 }
 
@@ -176,19 +176,7 @@ impl CudaContext {
         let nh = sc.n_heads as u32;
         let lstride = u32_of(OP, "lstride", a.lstride)?;
         let len0 = u32_of(OP, "len0", a.len0)?;
-        self.launch(
-            "snap_rowstats",
-            (a.rows as u32, nh, 1),
-            (256, 1, 1),
-            0,
-            &[
-                KArg::P(a.logits),
-                KArg::P(sc.stats.device_ptr()),
-                KArg::U(nh),
-                KArg::U(lstride),
-                KArg::U(len0),
-            ],
-        )?;
+        self.snap_rowstats(a.logits, sc.stats.device_ptr(), a.rows, nh, lstride, len0)?;
         let keys = a.len0 + a.rows - 1;
         self.launch(
             "h2o_colsum",

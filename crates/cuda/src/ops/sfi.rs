@@ -408,6 +408,41 @@ pub struct SparseDecode {
     pub vcap: usize,
 }
 
+impl SparseDecode {
+    /// Rows that read the whole cache `(kc, vc)` in place (no compact rows: `zeros` holds a
+    /// zero clen and rstart for every slot), without a page list, views or q/k/v
+    /// post-processing, capture rows `capacity` long: what the prefill captures (SFI's
+    /// bootstrap, SnapKV's window, H2O's scores) start from. The caller sets the rows, their
+    /// queries, outputs and lengths, and the capture.
+    pub fn in_place(kc: u64, vc: u64, capacity: usize, zeros: u64) -> Self {
+        SparseDecode {
+            batch: 0,
+            n_heads: 0,
+            scale: 0.0,
+            splits: 1,
+            q: 0,
+            out: 0,
+            seq_lens: 0,
+            slots: 0,
+            ck: kc,
+            cv: vc,
+            ccap: capacity,
+            clen: zeros,
+            rstart: zeros,
+            rwin: 0,
+            logits: 0,
+            capture: 0,
+            lstride: capacity,
+            post: None,
+            cidx: 0,
+            cgran: 1,
+            vpages: 0,
+            vmeta: 0,
+            vcap: 0,
+        }
+    }
+}
+
 /// What `qkv_post` would do before a sparse decode launch, done inside it: `qkv [batch,
 /// qkv_stride]` the merged projection rows, `positions[b] = seq_lens[b] - 1` (the new token, its
 /// k and v written to the cache at `(slots[b], positions[b])`), the per-head norm weights (0:

@@ -99,6 +99,33 @@ impl SnapScratch {
 }
 
 impl CudaContext {
+    /// Per (captured row, query head): the max and 1 / sum of 2^(z - max) over the keys the
+    /// row sees (row r: `j < len0 + r`) into `stats` (`[rows, n_heads]` pairs): kernels/snapkv.cu's
+    /// `snap_rowstats`, for SnapKV's selection and H2O's prefill scores.
+    pub(crate) fn snap_rowstats(
+        &self,
+        logits: u64,
+        stats: u64,
+        rows: usize,
+        n_heads: u32,
+        lstride: u32,
+        len0: u32,
+    ) -> Result<(), CudaError> {
+        self.launch(
+            "snap_rowstats",
+            (rows as u32, n_heads, 1),
+            (256, 1, 1),
+            0,
+            &[
+                KArg::P(logits),
+                KArg::P(stats),
+                KArg::U(n_heads),
+                KArg::U(lstride),
+                KArg::U(len0),
+            ],
+        )
+    }
+
     /// Scores keys `0 .. a.n` of one layer and keeps the top `a.k` a kv head (ties: lower
     /// position first) in `sc`.
     pub fn snap_select(&self, a: &SnapArgs, sc: &mut SnapScratch) -> Result<(), CudaError> {
@@ -125,19 +152,8 @@ impl CudaContext {
         let (nh, kvh) = (sc.n_heads as u32, sc.kv_heads as u32);
         let n = u32_of(OP, "n", a.n)?;
         let lstride = u32_of(OP, "lstride", a.lstride)?;
-        self.launch(
-            "snap_rowstats",
-            (a.rows as u32, nh, 1),
-            (256, 1, 1),
-            0,
-            &[
-                KArg::P(a.logits),
-                KArg::P(sc.stats.device_ptr()),
-                KArg::U(nh),
-                KArg::U(lstride),
-                KArg::U(u32_of(OP, "len0", a.len0)?),
-            ],
-        )?;
+        let len0 = u32_of(OP, "len0", a.len0)?;
+        self.snap_rowstats(a.logits, sc.stats.device_ptr(), a.rows, nh, lstride, len0)?;
         let blocks = a.n.div_ceil(256) as u32;
         self.launch(
             "snap_colsum",
