@@ -1580,6 +1580,17 @@ impl GpuDecoder {
         }
     }
 
+    /// The oracle: slot `slot`'s picks of its last selection on every global layer, `[global
+    /// layer][kv head]` positions ascending (`SparseState::oracle_picks`). Downloads and
+    /// synchronises: for tests.
+    pub fn oracle_picks(&self, slot: usize) -> Result<Vec<Vec<Vec<u32>>>, CudaError> {
+        self.check_slot(slot)?;
+        match self.sparse.as_ref() {
+            Some(s) => s.oracle_picks(&self.ctx, slot),
+            None => Err(bad("oracle_picks: the policy is full KV".into())),
+        }
+    }
+
     /// SFI: the dense scores of slot `slot`'s last slow step on every global layer, `[global
     /// layer][query head][key]` over the slot's keys then (`SparseState::captured_scores`).
     /// Call right after the `decode_step` that refreshed it (`last_refreshed`); downloads and
@@ -1907,14 +1918,16 @@ impl GpuDecoder {
         // SFI: slots that asked for a refresh, or long enough for a memory but without one
         // (the bridge after a short prompt), run a slow step: dense + capture + refresh; past
         // the score rows a step holds (`CAPTURE_ROWS`, `SparseState::split_capture`), the
-        // others wait for the next step.
+        // others wait for the next step. The oracle: slots due a selection capture (every slot
+        // fits in one step).
         let (mut refresh, mut deferred) = (Vec::new(), Vec::new());
-        if let Some(sp) = self.sparse.as_ref().filter(|s| s.sfi().is_some()) {
-            let dense_below = sp.policy.dense_below();
+        if let Some(sp) = self
+            .sparse
+            .as_ref()
+            .filter(|s| s.policy.captures_in_decode())
+        {
             let wanting = (0..self.kv.num_slots)
-                .filter(|&s| {
-                    self.slot_len[s] + 1 > dense_below && (self.want_refresh[s] || !sp.has_mem[s])
-                })
+                .filter(|&s| sp.wants_capture(s, self.slot_len[s] + 1, self.want_refresh[s]))
                 .collect();
             let now;
             (now, deferred) = sp.split_capture(wanting);
@@ -1977,6 +1990,9 @@ impl GpuDecoder {
         }
         if self.sparse.is_none() {
             self.slow_steps += 1;
+        }
+        if let Some(sp) = self.sparse.as_mut() {
+            sp.end_decode_step();
         }
         for l in self.slot_len.iter_mut() {
             *l += 1;

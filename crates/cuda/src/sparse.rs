@@ -54,6 +54,7 @@ use crate::ops::sfi::{
 use crate::ops::sfi_cand::{CandPick, ViewPlan, VMETA};
 use crate::ops::snapkv::{SnapArgs, SnapScratch};
 use crate::ops::KvLayout;
+use slowfast_kv::oracle::OracleRule;
 use slowfast_kv::pyramid::pyramid_budgets;
 use slowfast_kv::quest::QuestPolicy;
 
@@ -153,6 +154,9 @@ pub enum GpuKvPolicy {
         heavy: usize,
         recent: usize,
     },
+    /// Diagnostic only (`eval`): the exact top keys of each decode step's own query (or SFI's
+    /// layout with an exact choice), the CPU's `slowfast_kv::oracle` rules.
+    Oracle(OracleRule),
 }
 
 impl GpuKvPolicy {
@@ -200,6 +204,18 @@ impl GpuKvPolicy {
             GpuKvPolicy::H2o { heavy, recent } => {
                 format!("{heavy} heavy hitters + {recent} recent")
             }
+            GpuKvPolicy::Oracle(r) => {
+                let (sinks, recent, k) = r.layout();
+                format!(
+                    "the exact top {k} keys{} of the step's query, selected every {} step(s)",
+                    if recent > 0 {
+                        format!(" + {sinks} sinks + {recent} recent")
+                    } else {
+                        String::new()
+                    },
+                    r.every
+                )
+            }
         }
     }
 
@@ -225,6 +241,7 @@ impl GpuKvPolicy {
             // every page is read (as the CPU's `n_pages > pages()` test)
             GpuKvPolicy::Quest(c) => c.pages * c.page,
             GpuKvPolicy::H2o { heavy, recent } => heavy + recent,
+            GpuKvPolicy::Oracle(r) => r.budget,
         }
     }
 
@@ -237,7 +254,16 @@ impl GpuKvPolicy {
     /// Whether a sparse decode step may run `qkv_post` inside the attention kernel: not when
     /// the policy reads the step's query outside it (Quest's page scores, H2O's scores).
     pub fn post_in_attention(&self) -> bool {
-        !matches!(self, GpuKvPolicy::Quest(_) | GpuKvPolicy::H2o { .. })
+        !matches!(
+            self,
+            GpuKvPolicy::Quest(_) | GpuKvPolicy::H2o { .. } | GpuKvPolicy::Oracle(_)
+        )
+    }
+
+    /// Whether some decode steps capture the dense scores of their query (SFI's slow steps,
+    /// the oracle's selections), chosen per slot by `SparseState::wants_capture`.
+    pub fn captures_in_decode(&self) -> bool {
+        matches!(self, GpuKvPolicy::Sfi(_) | GpuKvPolicy::Oracle(_))
     }
 }
 
@@ -348,6 +374,22 @@ pub(crate) struct SparseState {
     slow_read: Vec<usize>,
     /// H2O's scores, positions and prefill scoring.
     h2o: Option<H2oState>,
+    /// The oracle's selection state.
+    oracle: Option<OracleState>,
+    /// Per capturing slot (in `cap_slots` order): its length with this step's token.
+    cap_lens: Vec<usize>,
+}
+
+/// The oracle's device state: a selection's scratch (one captured row, SnapKV's scoring with
+/// no pooling), the picks of every global layer and slot, and the sparse steps since each
+/// slot's last selection.
+struct OracleState {
+    rule: OracleRule,
+    sc: SnapScratch,
+    /// The chosen positions `[ng, num_slots, kv_heads, k]` (ascending a head; for tests).
+    picks: GpuBuffer<u32>,
+    k: usize,
+    age: Vec<Option<usize>>,
 }
 
 /// Bytes of captured logits one H2O prefill sub-chunk may take: its rows re-attend in groups of
@@ -536,6 +578,10 @@ impl SparseState {
                 }
                 (None, 1)
             }
+            GpuKvPolicy::Oracle(r) => {
+                r.check().map_err(bad)?;
+                (None, 1)
+            }
             GpuKvPolicy::Sfi(c) => {
                 if c.selected == 0 || c.recent == 0 || c.bootstrap_rows == 0 || c.page == 0 {
                     return Err(bad(format!(
@@ -564,6 +610,7 @@ impl SparseState {
             (Some(c), _, _) => c.sinks + c.selected,
             (_, Some(c), _) => c.max_picks(),
             (_, _, GpuKvPolicy::H2o { heavy, .. }) => heavy,
+            (_, _, GpuKvPolicy::Oracle(r)) => r.budget - r.layout().1,
             _ => 0,
         };
         let compact = match ccap {
@@ -595,7 +642,7 @@ impl SparseState {
             )?),
             None => None,
         };
-        let stage = match (&compact, staged) {
+        let stage = match (&compact, staged && sfi.is_some()) {
             (Some((k, _)), true) => Some(Stage {
                 ck: ctx.alloc(k.len())?,
                 cv: ctx.alloc(k.len())?,
@@ -656,7 +703,25 @@ impl SparseState {
             ctx.memset_zero(&h.scores)?;
             ctx.memset_zero(&h.cpos)?;
         }
-        let cap_rows = ns.min(CAPTURE_ROWS);
+        let oracle = match policy {
+            GpuKvPolicy::Oracle(rule) => {
+                let k = rule.layout().2;
+                Some(OracleState {
+                    rule,
+                    sc: SnapScratch::new(ctx, 1, n_heads, kv.kv_heads, kv.capacity, k)?,
+                    picks: ctx.alloc(ng * ns * kv.kv_heads * k)?,
+                    k,
+                    age: vec![None; ns],
+                })
+            }
+            _ => None,
+        };
+        // The oracle selects in the step that captures, every step by default: every slot may
+        // capture at once (one layer's scores at a time, `decode_layer`).
+        let cap_rows = match policy {
+            GpuKvPolicy::Oracle(_) => ns,
+            _ => ns.min(CAPTURE_ROWS),
+        };
         let mut sel = sel;
         let cand = match sfi {
             Some(c) if c.candidates > 0.0 => {
@@ -695,6 +760,7 @@ impl SparseState {
         let logits_rows = match policy {
             GpuKvPolicy::Sfi(_) => (ng * cap_rows).max(boot),
             GpuKvPolicy::Snap(_) => boot,
+            GpuKvPolicy::Oracle(_) => cap_rows,
             _ => 1,
         };
         // SLOWFAST_SPARSE_SPLITS=N sets the fast step's split count (A/B runs).
@@ -744,6 +810,8 @@ impl SparseState {
             cand,
             slow_read: vec![0; ns],
             h2o,
+            oracle,
+            cap_lens: Vec::new(),
         }))
     }
 
@@ -786,6 +854,7 @@ impl SparseState {
             GpuKvPolicy::Snap(c) => len.saturating_sub(c.window),
             GpuKvPolicy::Quest(c) => len.saturating_sub(1) / c.page * c.page,
             GpuKvPolicy::H2o { recent, .. } => len.saturating_sub(recent),
+            GpuKvPolicy::Oracle(r) => r.domain(len).1,
             GpuKvPolicy::Full => 0,
         }
     }
@@ -821,6 +890,7 @@ impl SparseState {
     /// when it has a memory and some candidate page would be left out (the CPU's
     /// `SfiPolicy::candidate_step`), else densely. Returns whether any slot reads a view.
     pub fn plan_views(&mut self, ctx: &CudaContext, lens: &[usize]) -> Result<bool, CudaError> {
+        self.cap_lens = self.cap_slots.iter().map(|&s| lens[s]).collect();
         let Some(c) = self.sfi() else {
             return Ok(false);
         };
@@ -904,6 +974,9 @@ impl SparseState {
         self.refreshed_len[s] = 0;
         self.snap_off[s] = 0.0;
         self.snap_prompt[s] = None;
+        if let Some(o) = self.oracle.as_mut() {
+            o.age[s] = None;
+        }
         if let Some(h) = &self.h2o {
             for gi in 0..self.ng {
                 let (sc, cp, _) = self.h2o_at(h, gi, s);
@@ -1113,6 +1186,9 @@ impl SparseState {
         self.refreshed_len[to] = self.refreshed_len[from];
         self.snap_off[to] = self.snap_off[from];
         self.snap_prompt[to] = self.snap_prompt[from];
+        if let Some(o) = self.oracle.as_mut() {
+            o.age[to] = o.age[from];
+        }
         if let Some(h) = self.h2o.as_mut() {
             h.saved_len[to] = h.saved_len[from];
             h.resume[to] = h.resume[from];
@@ -1127,7 +1203,7 @@ impl SparseState {
     /// unused.
     #[allow(clippy::too_many_arguments)]
     pub fn decode_layer(
-        &self,
+        &mut self,
         ctx: &CudaContext,
         l: usize,
         kc: &GpuBuffer<bf16>,
@@ -1241,10 +1317,11 @@ impl SparseState {
             clen,
             rstart,
             rwin,
-            logits: if capture {
-                self.logits.device_ptr() + (gi * ls) as u64
-            } else {
-                0
+            logits: match (capture, &self.oracle) {
+                (false, _) => 0,
+                // the oracle selects within the layer: one layer's scores at a time
+                (true, Some(_)) => self.logits.device_ptr(),
+                (true, None) => self.logits.device_ptr() + (gi * ls) as u64,
             },
             capture: self.capture.device_ptr(),
             lstride: kv.capacity,
@@ -1267,6 +1344,16 @@ impl SparseState {
         let rows = batch * n_heads * most;
         ws.ensure(ctx, rows * kv.head_dim, rows * 2)?;
         ctx.attn_sparse_decode(kc, vc, kv, ws, &p)?;
+        if capture && self.oracle.is_some() {
+            // The capturing rows attended densely: their picks, then every row over its memory.
+            self.oracle_select(ctx, gi, n_heads)?;
+            let fast = SparseDecode {
+                logits: 0,
+                splits: self.splits,
+                ..p
+            };
+            ctx.attn_sparse_decode(kc, vc, kv, ws, &fast)?;
+        }
         if let (Some(h), Some((ck, cv))) = (&self.h2o, &self.compact) {
             if post.is_some() {
                 return Err(CudaError::bad(
@@ -1300,6 +1387,73 @@ impl SparseState {
             ctx.h2o_decode(kv, &a)?;
         }
         Ok(())
+    }
+
+    /// The oracle on global layer `gi`, after the capturing rows left their scores (row r of
+    /// `logits` for the r-th capturing slot): each slot's exact top keys of its query in the
+    /// rule's domain (`snap_select`, one row, no pooling) gathered behind its sinks, and the
+    /// keys from the domain's end read in place.
+    fn oracle_select(
+        &mut self,
+        ctx: &CudaContext,
+        gi: usize,
+        n_heads: usize,
+    ) -> Result<(), CudaError> {
+        let geom = self.gather_geom();
+        let (kv, ns) = (self.kv, self.num_slots);
+        let (Some(o), Some((ck, cv))) = (self.oracle.as_mut(), &self.compact) else {
+            return Ok(());
+        };
+        let (sinks, _, k) = o.rule.layout();
+        for (row, (&slot, &len)) in self.cap_slots.iter().zip(&self.cap_lens).enumerate() {
+            let (lo, hi) = o.rule.domain(len);
+            let a = SnapArgs {
+                logits: self.logits.device_ptr() + (row * n_heads * kv.capacity * 4) as u64,
+                lstride: kv.capacity,
+                rows: 1,
+                len0: len,
+                n: hi - lo,
+                k,
+                kernel: 1,
+                lo,
+            };
+            ctx.snap_select(&a, &mut o.sc)?;
+            let dst = (ck, cv, &self.clen, &self.rstart);
+            let g = geom.args((gi, 1), slot, (sinks, hi), dst);
+            ctx.gather_picks(kv, o.sc.picks(), &g)?;
+            let at = ((gi * ns + slot) * kv.kv_heads * k * 4) as u64;
+            let bytes = kv.kv_heads * k * 4;
+            Self::copy_raw(ctx, o.sc.picks().0, o.picks.device_ptr() + at, bytes)?;
+        }
+        Ok(())
+    }
+
+    /// The oracle's last picks of slot `s` on every global layer, `[layer][kv_head]` ascending
+    /// positions (the sinks and the keys read in place not included; empty before a selection).
+    /// Downloads and synchronises; for tests.
+    pub fn oracle_picks(
+        &self,
+        ctx: &CudaContext,
+        s: usize,
+    ) -> Result<Vec<Vec<Vec<u32>>>, CudaError> {
+        let Some(o) = &self.oracle else {
+            return Err(CudaError::bad(
+                "oracle picks",
+                "the policy is not the oracle".to_string(),
+            ));
+        };
+        if !self.has_mem[s] {
+            return Ok(vec![vec![Vec::new(); self.kv.kv_heads]; self.ng]);
+        }
+        let all = ctx.download(&o.picks)?;
+        let (ns, kvh, k) = (self.num_slots, self.kv.kv_heads, o.k);
+        Ok((0..self.ng)
+            .map(|gi| {
+                (0..kvh)
+                    .map(|h| all[((gi * ns + s) * kvh + h) * k..][..k].to_vec())
+                    .collect()
+            })
+            .collect())
     }
 
     /// H2O's buffers of (global layer `gi`, slot `s`): its scores `[kv_heads, capacity]`, its
@@ -1596,6 +1750,7 @@ impl SparseState {
             n: prefix,
             k,
             kernel: c.kernel,
+            lo: 0,
         };
         ctx.snap_select(&a, sc)?;
         let dst = (ck, cv, &self.clen, &self.rstart);
@@ -1813,6 +1968,33 @@ impl SparseState {
             self.has_mem[r.slot] = true;
             self.refreshed_len[r.slot] = r.len;
             self.refreshes += 1;
+            if let Some(o) = self.oracle.as_mut() {
+                o.age[r.slot] = Some(0);
+            }
+        }
+    }
+
+    /// Whether slot `s`, `len` keys long with this step's token, captures in this decode step:
+    /// SFI when its trigger asked (`requested`) or it has no memory yet, the oracle by its
+    /// reselection rule; never for the other policies.
+    pub fn wants_capture(&self, s: usize, len: usize, requested: bool) -> bool {
+        match (self.policy, &self.oracle) {
+            (GpuKvPolicy::Sfi(_), _) => {
+                len > self.policy.dense_below() && (requested || !self.has_mem[s])
+            }
+            (_, Some(o)) => {
+                o.rule.sparse_at(len) && o.rule.reselects(o.age[s].filter(|_| self.has_mem[s]))
+            }
+            _ => false,
+        }
+    }
+
+    /// After every decode step: the oracle counts its sparse steps since each selection.
+    pub fn end_decode_step(&mut self) {
+        if let Some(o) = self.oracle.as_mut() {
+            for (a, _) in o.age.iter_mut().zip(&self.has_mem).filter(|(_, &m)| m) {
+                *a = a.map(|n| n + 1);
+            }
         }
     }
 
@@ -1929,6 +2111,13 @@ impl SparseState {
             GpuKvPolicy::H2o { heavy, recent } => {
                 let r0 = len.saturating_sub(recent + 1);
                 heavy.min(r0) + len - r0
+            }
+            GpuKvPolicy::Oracle(_) if !self.has_mem[slot] => len,
+            GpuKvPolicy::Oracle(r) => {
+                // the sinks and picks of the last selection, and every key from its domain's end
+                let (sinks, _, k) = r.layout();
+                let (lo, hi) = r.domain(self.refreshed_len[slot]);
+                sinks + k.min(hi - lo) + len - hi
             }
             GpuKvPolicy::Quest(c) => {
                 // the chosen full pages and the newest page; the first layers read densely

@@ -57,6 +57,7 @@ fn snap_select_matches_cpu() {
             n: prefix,
             k,
             kernel,
+            lo: 0,
         };
         ctx.snap_select(&a, &mut sc).unwrap();
         let picks = sc.download(&ctx).unwrap();
@@ -129,4 +130,61 @@ fn snap_select_matches_cpu() {
             );
         }
     }
+}
+
+/// Candidates after the first keys (`lo > 0`, the oracle's SFI layout): one captured row, no
+/// pooling. The scores of keys `lo .. lo + n` equal those of a selection from 0 (the softmax
+/// still runs over every key the row sees), and the picks are positions, the top `k` of them.
+#[test]
+fn snap_select_from_an_offset_scores_the_same_keys() {
+    let Some(ctx) = gpu("snap_select_from_an_offset_scores_the_same_keys") else {
+        return;
+    };
+    let mut rng = Rng::new(0x0a1e);
+    let (nh, nkv, len, lo, k) = (16, 4, 3000, 4, 300);
+    let n = len - 64 - lo; // a recent window of 64 after the candidates
+    let lstride = len + 3;
+    let mut logits = vec![f32::NAN; nh * lstride];
+    for h in 0..nh {
+        for x in &mut logits[h * lstride..h * lstride + len] {
+            *x = rng.normal(2.0);
+        }
+    }
+    let dev = ctx.upload(&logits).unwrap();
+    let mut from0 = SnapScratch::new(&ctx, 1, nh, nkv, len, k).unwrap();
+    let mut off = SnapScratch::new(&ctx, 1, nh, nkv, len, k).unwrap();
+    let base = SnapArgs {
+        logits: dev.device_ptr(),
+        lstride,
+        rows: 1,
+        len0: len,
+        n: lo + n,
+        k,
+        kernel: 1,
+        lo: 0,
+    };
+    ctx.snap_select(&base, &mut from0).unwrap();
+    ctx.snap_select(&SnapArgs { n, lo, ..base }, &mut off)
+        .unwrap();
+    let (all, part) = (
+        from0.scores(&ctx, lo + n).unwrap(),
+        off.scores(&ctx, n).unwrap(),
+    );
+    let picks = off.download(&ctx).unwrap();
+    for kvh in 0..nkv {
+        assert_eq!(&all[kvh][lo..], &part[kvh][..], "kv head {kvh}: scores");
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| part[kvh][b].total_cmp(&part[kvh][a]).then(a.cmp(&b)));
+        let mut want: Vec<u32> = order[..k].iter().map(|&j| (j + lo) as u32).collect();
+        want.sort_unstable();
+        assert_eq!(
+            picks[kvh], want,
+            "kv head {kvh}: the top {k} positions from {lo}"
+        );
+    }
+    assert!(
+        ctx.snap_select(&SnapArgs { n: len, lo, ..base }, &mut off)
+            .is_err(),
+        "candidates past what the row sees are refused"
+    );
 }

@@ -223,7 +223,8 @@ pub fn load_decoder_with(
 }
 
 /// The KV policies the GPU runs (the others answer that they are CPU-only).
-pub const GPU_POLICIES: &str = "full, streaming, h2o, sfi, snapkv, pyramidkv, quest";
+pub const GPU_POLICIES: &str =
+    "full, streaming, h2o, sfi, snapkv, pyramidkv, quest, oracle, oracle-sfi";
 
 /// The GPU form of a KV policy ([`GPU_POLICIES`]); the others answer that they are CPU-only.
 pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
@@ -268,6 +269,18 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
             heavy: *heavy,
             recent: *recent,
         },
+        // the diagnostic oracles: the CPU policy's rule (layout and reselection period)
+        PolicySpec::Oracle {
+            budget,
+            sinks,
+            recent,
+            every,
+        } => GpuKvPolicy::Oracle(slowfast_kv::OracleRule {
+            budget: *budget,
+            sinks: *sinks,
+            recent: *recent,
+            every: *every,
+        }),
         other => {
             return Err(EngineError::BadInput(format!(
                 "--device cuda: the {} KV policy runs on the CPU only (on cuda: {GPU_POLICIES})",

@@ -16,7 +16,7 @@ pub mod streaming;
 
 pub use h2o::H2oPolicy;
 pub use inspect::{Held, SlowLog, SlowReason, SlowStep};
-pub use oracle::{OracleConfig, OraclePolicy};
+pub use oracle::{OracleConfig, OraclePolicy, OracleRule};
 pub use policy::{AttnCall, FullPolicy, KvPolicy, PolicyStats, StepCounter};
 pub use quest::QuestPolicy;
 pub use snapkv::{SnapKvConfig, SnapKvPolicy};

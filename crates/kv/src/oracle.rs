@@ -9,6 +9,7 @@
 //! (what staleness alone costs). Prefill, sliding-window and compacted layers stay dense.
 use slowfast_backend::cpu::attention::KvSegment;
 
+use crate::inspect::Held as HeldPositions;
 use crate::policy::{
     dense_segments, push_range, reset_out, sorted_runs, AttnCall, KvPolicy, PolicyStats,
     StepCounter,
@@ -31,6 +32,63 @@ pub struct OracleConfig {
     pub every: usize,
 }
 
+/// The oracle's rules, the same on both devices (the CPU's `OraclePolicy`, the GPU's
+/// `GpuKvPolicy::Oracle`): the layout of the budget and when to select again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OracleRule {
+    pub budget: usize,
+    pub sinks: usize,
+    pub recent: usize,
+    pub every: usize,
+}
+
+impl OracleRule {
+    /// Errors naming the bad knob.
+    pub fn check(&self) -> Result<(), String> {
+        if self.every == 0 {
+            return Err("oracle: the reselection period must be at least 1".into());
+        }
+        if self.recent > 0 && self.sinks + self.recent >= self.budget {
+            return Err(format!(
+                "oracle: the budget ({}) must exceed sinks + recent ({})",
+                self.budget,
+                self.sinks + self.recent
+            ));
+        }
+        Ok(())
+    }
+
+    /// (always-kept first keys, always-kept newest keys, keys chosen from the rest): with
+    /// `recent` = 0 ("oracle") the whole budget is chosen from every key.
+    pub fn layout(&self) -> (usize, usize, usize) {
+        let (sinks, recent) = if self.recent > 0 {
+            (self.sinks, self.recent)
+        } else {
+            (0, 0)
+        };
+        (sinks, recent, self.budget - sinks - recent)
+    }
+
+    /// Whether a sequence of `len` keys (the current token's included) reads sparsely: a
+    /// budget smaller than what it holds.
+    pub fn sparse_at(&self, len: usize) -> bool {
+        len > self.budget
+    }
+
+    /// Whether a sparse step selects afresh, given the sparse steps since the last selection
+    /// (None: no selection yet).
+    pub fn reselects(&self, age: Option<usize>) -> bool {
+        age.is_none_or(|a| a >= self.every)
+    }
+
+    /// The candidates `[lo, hi)` of a selection at length `len`: after the first keys, before
+    /// the newest; later steps read the picks and every key from `hi` on.
+    pub fn domain(&self, len: usize) -> (usize, usize) {
+        let (sinks, recent, _) = self.layout();
+        (sinks, len - recent)
+    }
+}
+
 /// One layer's chosen keys between reselections.
 struct Held {
     /// Per kv head: the kept positions below `recent_from`, ascending.
@@ -51,18 +109,21 @@ pub struct OraclePolicy<T> {
     _t: std::marker::PhantomData<fn() -> T>,
 }
 
+impl OracleConfig {
+    /// The rules of the layout and the reselection (shared with the GPU).
+    pub fn rule(&self) -> OracleRule {
+        OracleRule {
+            budget: self.budget,
+            sinks: self.sinks,
+            recent: self.recent,
+            every: self.every,
+        }
+    }
+}
+
 impl<T: CacheElem> OraclePolicy<T> {
     pub fn new(cfg: OracleConfig) -> Result<Self, String> {
-        if cfg.every == 0 {
-            return Err("oracle: the reselection period must be at least 1".into());
-        }
-        if cfg.recent > 0 && cfg.sinks + cfg.recent >= cfg.budget {
-            return Err(format!(
-                "oracle: the budget ({}) must exceed sinks + recent ({})",
-                cfg.budget,
-                cfg.sinks + cfg.recent
-            ));
-        }
+        cfg.rule().check()?;
         Ok(OraclePolicy {
             cfg,
             q: Vec::new(),
@@ -138,7 +199,7 @@ impl<T: CacheElem> KvPolicy<T> for OraclePolicy<T> {
             && !call.sliding
             && lo == 0
             && !store.layer(l).is_compact()
-            && hi > self.cfg.budget
+            && self.cfg.rule().sparse_at(hi)
             && !self.q.is_empty()
             && self.q.len().is_multiple_of(nkv * d);
         if !sparse {
@@ -148,19 +209,11 @@ impl<T: CacheElem> KvPolicy<T> for OraclePolicy<T> {
         if self.held.len() <= l {
             self.held.resize_with(l + 1, || None);
         }
-        let fresh = match &self.held[l] {
-            Some(hd) => hd.age >= self.cfg.every,
-            None => true,
-        };
-        if fresh {
+        let rule = self.cfg.rule();
+        if rule.reselects(self.held[l].as_ref().map(|hd| hd.age)) {
             // Always-kept ranges and the candidate domain [a, z).
-            let (sinks, recent) = if self.cfg.recent > 0 {
-                (self.cfg.sinks, self.cfg.recent)
-            } else {
-                (0, 0)
-            };
-            let (a, z) = (sinks, hi - recent);
-            let k = self.cfg.budget - sinks - recent;
+            let (sinks, _, k) = rule.layout();
+            let (a, z) = rule.domain(hi);
             let mut picks = Vec::with_capacity(nkv);
             for h in 0..nkv {
                 self.score(store, l, h, hi, a);
@@ -200,6 +253,24 @@ impl<T: CacheElem> KvPolicy<T> for OraclePolicy<T> {
 
     fn stats(&self) -> PolicyStats {
         self.stats.clone()
+    }
+
+    /// After a selection: the sinks, the picks and every key from the candidates' end on
+    /// (what the next step reads besides its own token); before one, every key, kept.
+    fn held(&self, layer: usize, store: &KvStore<T>) -> Vec<HeldPositions> {
+        let Some(hd) = self.held.get(layer).and_then(|h| h.as_ref()) else {
+            return (0..store.n_kv_heads)
+                .map(|h| HeldPositions::kept_slots(&store.slot_positions(layer, h)))
+                .collect();
+        };
+        let (sinks, _, _) = self.cfg.rule().layout();
+        hd.picks
+            .iter()
+            .map(|p| {
+                let sel: Vec<u32> = p.iter().map(|&x| x as u32).collect();
+                HeldPositions::with_roles(0..sinks, &sel, hd.recent_from..store.len())
+            })
+            .collect()
     }
 }
 
@@ -310,6 +381,56 @@ mod tests {
             every: 1,
         })
         .is_err());
+    }
+
+    #[test]
+    fn held_reports_the_last_selection_by_role() {
+        let mut w = vec![0.0f32; 64];
+        for (j, x) in [(9, 7.0), (20, 6.0)] {
+            w[j] = x;
+        }
+        let (st, q) = setup(&w, 1);
+        let cfg = OracleConfig {
+            budget: 12,
+            sinks: 2,
+            recent: 8,
+            scale: 1.0,
+            every: 1,
+        };
+        let mut p = OraclePolicy::<f32>::new(cfg).unwrap();
+        // Before a selection: everything, kept.
+        assert_eq!(KvPolicy::held(&p, 0, &st)[0].kept, vec![[0, 64]]);
+        attend(&mut p, &st, &AttnCall::decode(0, 63), &q);
+        let h = &KvPolicy::held(&p, 0, &st)[0];
+        assert_eq!(h.sinks, vec![[0, 2]]);
+        assert_eq!(h.selected, vec![[9, 10], [20, 21]]);
+        assert_eq!(h.recent, vec![[56, 64]]);
+        assert!(h.kept.is_empty());
+    }
+
+    #[test]
+    fn the_rule_splits_the_budget_and_counts_steps() {
+        let exact = OracleRule {
+            budget: 64,
+            sinks: 4,
+            recent: 0,
+            every: 1,
+        };
+        // Without a recent window the whole budget is chosen from every key (sinks ignored).
+        assert_eq!(exact.layout(), (0, 0, 64));
+        assert_eq!(exact.domain(100), (0, 100));
+        assert!(!exact.sparse_at(64) && exact.sparse_at(65));
+        let sfi = OracleRule {
+            recent: 16,
+            every: 4,
+            ..exact
+        };
+        assert_eq!(sfi.layout(), (4, 16, 44));
+        assert_eq!(sfi.domain(100), (4, 84));
+        assert!(sfi.reselects(None) && !sfi.reselects(Some(3)) && sfi.reselects(Some(4)));
+        assert!(OracleRule { every: 0, ..sfi }.check().is_err());
+        assert!(OracleRule { budget: 20, ..sfi }.check().is_err());
+        assert!(sfi.check().is_ok());
     }
 
     #[test]

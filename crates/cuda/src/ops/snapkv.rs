@@ -29,7 +29,8 @@ pub struct SnapScratch {
 
 /// One layer's selection: the captured logits (log2 units) of the last `rows` prompt rows,
 /// row r of query head h at `logits + ((r * n_heads + h) * lstride + j) * 4` for key j, row r
-/// seeing keys `j < len0 + r`; the candidates are keys `0 .. n`, `k` of them kept a kv head.
+/// seeing keys `j < len0 + r`; the candidates are keys `lo .. lo + n`, `k` of them kept a kv
+/// head (the softmax is over every key a row sees).
 #[derive(Clone, Copy, Debug)]
 pub struct SnapArgs {
     pub logits: u64,
@@ -40,6 +41,8 @@ pub struct SnapArgs {
     pub k: usize,
     /// The max-pooling kernel (odd).
     pub kernel: usize,
+    /// The first candidate (SnapKV: 0; the oracle's SFI layout: after the sinks).
+    pub lo: usize,
 }
 
 impl SnapScratch {
@@ -126,8 +129,8 @@ impl CudaContext {
         )
     }
 
-    /// Scores keys `0 .. a.n` of one layer and keeps the top `a.k` a kv head (ties: lower
-    /// position first) in `sc`.
+    /// Scores keys `a.lo .. a.lo + a.n` of one layer and keeps the top `a.k` a kv head (ties:
+    /// lower position first) in `sc`, as positions.
     pub fn snap_select(&self, a: &SnapArgs, sc: &mut SnapScratch) -> Result<(), CudaError> {
         const OP: &str = "snap_select";
         if a.rows == 0
@@ -138,7 +141,7 @@ impl CudaContext {
             || a.k > sc.max_k
             || a.kernel % 2 == 0
             || a.logits == 0
-            || a.len0 < a.n
+            || a.len0 < a.lo + a.n
             || a.len0 + a.rows - 1 > a.lstride
         {
             return Err(CudaError::bad(
@@ -153,6 +156,7 @@ impl CudaContext {
         let n = u32_of(OP, "n", a.n)?;
         let lstride = u32_of(OP, "lstride", a.lstride)?;
         let len0 = u32_of(OP, "len0", a.len0)?;
+        let lo = u32_of(OP, "lo", a.lo)?;
         self.snap_rowstats(a.logits, sc.stats.device_ptr(), a.rows, nh, lstride, len0)?;
         let blocks = a.n.div_ceil(256) as u32;
         self.launch(
@@ -161,7 +165,7 @@ impl CudaContext {
             (256, 1, 1),
             0,
             &[
-                KArg::P(a.logits),
+                KArg::P(a.logits + 4 * a.lo as u64),
                 KArg::P(sc.stats.device_ptr()),
                 KArg::P(sc.probs.device_ptr()),
                 KArg::U(nh),
@@ -191,6 +195,6 @@ impl CudaContext {
             sc.sel.device_ptr(),
             sc.mcount.device_ptr(),
         ];
-        self.topk_launch(picks, (kvh, 1, 1024), (kvh, n, a.k as u32, 0))
+        self.topk_launch(picks, (kvh, 1, 1024), (kvh, n, a.k as u32, lo))
     }
 }
