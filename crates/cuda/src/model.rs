@@ -1137,6 +1137,14 @@ impl GpuDecoder {
         &self.last_refresh
     }
 
+    /// Whether the policy's capturing steps output attention over the memory they chose (the
+    /// oracle), not their dense pass: they count as sparse steps reading `attended`.
+    pub fn selects_within_step(&self) -> bool {
+        self.sparse
+            .as_ref()
+            .is_some_and(|s| s.policy.selects_within_step())
+    }
+
     /// Tokens a fast step of `slot` attends per kv head on a global layer now.
     pub fn attended(&self, slot: usize) -> usize {
         let n = self.slot_len[slot];
@@ -1986,7 +1994,10 @@ impl GpuDecoder {
                     }
                 }
             }
-            self.slow_steps += 1;
+            match self.sparse.as_ref() {
+                Some(sp) if sp.policy.selects_within_step() => self.fast_steps += 1,
+                _ => self.slow_steps += 1,
+            }
         }
         if self.sparse.is_none() {
             self.slow_steps += 1;

@@ -1,5 +1,5 @@
-//! KV policies of the GPU decoder: full KV, StreamingLLM, SFI, SnapKV, PyramidKV, Quest and
-//! H2O (methods.md §1-2). The global layers of a sparse policy decode through
+//! KV policies of the GPU decoder: full KV, StreamingLLM, SFI, SnapKV, PyramidKV, Quest, H2O
+//! (methods.md §1-2) and the diagnostic oracles. The global layers of a sparse policy decode through
 //! `attn_sparse_decode_*`: per (layer, slot) a compact buffer of chosen rows, its length and
 //! the start of a range read in place, all on the device, so a fast step needs no host work and
 //! replays as one CUDA graph; sliding layers keep their window.
@@ -23,6 +23,12 @@
 //! the window go to the compact buffer (`sfi_topk` and the gather), and every decode step adds its
 //! probabilities and evicts one key inside the step's graph (`CudaContext::h2o_decode`), so the compact
 //! buffer always holds the heavy hitters and the window `[len - recent, len)` is read in place.
+//!
+//! Oracle per (global layer, slot) (`slowfast_kv::oracle::OracleRule`, diagnostic): a step due a
+//! selection attends densely and captures its scores, `snap_select` keeps the exact top keys of
+//! its own query a kv head (one row, no pooling, from the sinks on), the gather puts them
+//! behind the sinks, and the layer attends again over that memory and the keys from the
+//! domain's end; the steps in between (`every` > 1) read it as a fast step does.
 //!
 //! SFI per (global layer, slot): a compact buffer of the sinks and the Selector's choice
 //! (`[slot, kv_head, ccap, head_dim]`), rebuilt at each refresh, and the recent window read in
@@ -258,6 +264,13 @@ impl GpuKvPolicy {
             self,
             GpuKvPolicy::Quest(_) | GpuKvPolicy::H2o { .. } | GpuKvPolicy::Oracle(_)
         )
+    }
+
+    /// Whether a capturing decode step's output reads the memory it chose within the step (the
+    /// oracle: its dense pass only scores), so that it counts as a sparse step, as on the CPU;
+    /// SFI's slow steps output their dense (or view) attention.
+    pub fn selects_within_step(&self) -> bool {
+        matches!(self, GpuKvPolicy::Oracle(_))
     }
 
     /// Whether some decode steps capture the dense scores of their query (SFI's slow steps,

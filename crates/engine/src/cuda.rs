@@ -484,7 +484,7 @@ impl Steps for GpuSession {
         }
         let (refreshes, len) = (self.dec.step_counts().2, self.dec.slot_len(0) + 1);
         self.dec.decode_step().map_err(gpu_err)?;
-        let slow = self.dec.step_counts().2 > refreshes;
+        let slow = self.dec.step_counts().2 > refreshes && !self.dec.selects_within_step();
         if let Some(t) = self.trigger.as_mut().filter(|_| slow && !fired) {
             t.reset_after_refresh(); // a refresh the trigger did not ask for (the bridge)
         }
