@@ -22,8 +22,9 @@ pub struct Args {
     /// Comma-separated KV policies, each timed at every context: full, streaming, h2o, snapkv,
     /// pyramidkv, quest, fastkv, sfi, sfi+fastkv (SFI's decode after FastKV's prefill, see
     /// --prefill; the others: `generate --help`). With `--device cuda`: full, streaming, sfi,
-    /// snapkv, pyramidkv, quest, h2o and the oracles; SFI's slow step then comes every `--sfi-refresh-interval` steps per sequence (staggered
-    /// over the batch), and fast and slow steps are also timed alone.
+    /// snapkv, pyramidkv, quest, h2o and the oracles; SFI's slow step then comes every
+    /// `--sfi-refresh-interval` steps per sequence (staggered over the batch), and fast and slow
+    /// steps are also timed alone.
     #[arg(long, default_value = "full")]
     pub policies: String,
     /// Prefill only the last N prompt tokens of each context for real and fill the KV of the

@@ -2002,9 +2002,6 @@ impl GpuDecoder {
         if self.sparse.is_none() {
             self.slow_steps += 1;
         }
-        if let Some(sp) = self.sparse.as_mut() {
-            sp.end_decode_step();
-        }
         for l in self.slot_len.iter_mut() {
             *l += 1;
         }
@@ -2255,9 +2252,8 @@ impl GpuDecoder {
                         dec_lens.device_ptr(),
                         a.slots.device_ptr(),
                     );
-                    let capture = !refresh.is_empty();
                     let scale = s.attn_scale;
-                    sp.decode_layer(ctx, l, kc, vc, ws, io, n, nh, scale, capture, sparse_post)?;
+                    sp.decode_layer(ctx, l, kc, vc, ws, io, n, nh, scale, refresh, sparse_post)?;
                 }
                 (Attn::Decode, None) => {
                     ctx.attn_decode(

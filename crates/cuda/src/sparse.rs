@@ -389,20 +389,16 @@ pub(crate) struct SparseState {
     h2o: Option<H2oState>,
     /// The oracle's selection state.
     oracle: Option<OracleState>,
-    /// Per capturing slot (in `cap_slots` order): its length with this step's token.
-    cap_lens: Vec<usize>,
 }
 
 /// The oracle's device state: a selection's scratch (one captured row, SnapKV's scoring with
-/// no pooling), the picks of every global layer and slot, and the sparse steps since each
-/// slot's last selection.
+/// no pooling) and the picks of every global layer and slot. The sparse steps since a slot's
+/// last selection are its length less `refreshed_len`.
 struct OracleState {
     rule: OracleRule,
     sc: SnapScratch,
     /// The chosen positions `[ng, num_slots, kv_heads, k]` (ascending a head; for tests).
     picks: GpuBuffer<u32>,
-    k: usize,
-    age: Vec<Option<usize>>,
 }
 
 /// Bytes of captured logits one H2O prefill sub-chunk may take: its rows re-attend in groups of
@@ -723,8 +719,6 @@ impl SparseState {
                     rule,
                     sc: SnapScratch::new(ctx, 1, n_heads, kv.kv_heads, kv.capacity, k)?,
                     picks: ctx.alloc(ng * ns * kv.kv_heads * k)?,
-                    k,
-                    age: vec![None; ns],
                 })
             }
             _ => None,
@@ -824,7 +818,6 @@ impl SparseState {
             slow_read: vec![0; ns],
             h2o,
             oracle,
-            cap_lens: Vec::new(),
         }))
     }
 
@@ -903,7 +896,6 @@ impl SparseState {
     /// when it has a memory and some candidate page would be left out (the CPU's
     /// `SfiPolicy::candidate_step`), else densely. Returns whether any slot reads a view.
     pub fn plan_views(&mut self, ctx: &CudaContext, lens: &[usize]) -> Result<bool, CudaError> {
-        self.cap_lens = self.cap_slots.iter().map(|&s| lens[s]).collect();
         let Some(c) = self.sfi() else {
             return Ok(false);
         };
@@ -987,9 +979,6 @@ impl SparseState {
         self.refreshed_len[s] = 0;
         self.snap_off[s] = 0.0;
         self.snap_prompt[s] = None;
-        if let Some(o) = self.oracle.as_mut() {
-            o.age[s] = None;
-        }
         if let Some(h) = &self.h2o {
             for gi in 0..self.ng {
                 let (sc, cp, _) = self.h2o_at(h, gi, s);
@@ -1199,9 +1188,6 @@ impl SparseState {
         self.refreshed_len[to] = self.refreshed_len[from];
         self.snap_off[to] = self.snap_off[from];
         self.snap_prompt[to] = self.snap_prompt[from];
-        if let Some(o) = self.oracle.as_mut() {
-            o.age[to] = o.age[from];
-        }
         if let Some(h) = self.h2o.as_mut() {
             h.saved_len[to] = h.saved_len[from];
             h.resume[to] = h.resume[from];
@@ -1210,7 +1196,8 @@ impl SparseState {
     }
 
     /// Decode attention of global layer `l` for `batch` slots (row b = slot b); with
-    /// `capture` the capturing slots attend densely and leave their scores for the Selector.
+    /// `refresh` (this step's capturing slots, in `cap_slots` order) they attend densely and
+    /// leave their scores for the Selector (the oracle selects from them within the layer).
     /// With `post` the kernel does `qkv_post`'s work first (q from the projection rows, the new
     /// key and value written into `kc` / `vc`, which the caller holds mutably); `io.0` is then
     /// unused.
@@ -1226,10 +1213,11 @@ impl SparseState {
         batch: usize,
         n_heads: usize,
         scale: f32,
-        capture: bool,
+        refresh: &[Refresh],
         post: Option<SparsePost>,
     ) -> Result<(), CudaError> {
         let (q, out, seq_lens, slots) = io;
+        let capture = !refresh.is_empty();
         let (kv, ns) = (self.kv, self.num_slots);
         let gi = self.gidx[l].ok_or_else(|| {
             CudaError::bad("sparse decode", format!("layer {l} is a sliding layer"))
@@ -1359,7 +1347,7 @@ impl SparseState {
         ctx.attn_sparse_decode(kc, vc, kv, ws, &p)?;
         if capture && self.oracle.is_some() {
             // The capturing rows attended densely: their picks, then every row over its memory.
-            self.oracle_select(ctx, gi, n_heads)?;
+            self.oracle_select(ctx, gi, n_heads, refresh)?;
             let fast = SparseDecode {
                 logits: 0,
                 splits: self.splits,
@@ -1402,23 +1390,29 @@ impl SparseState {
         Ok(())
     }
 
-    /// The oracle on global layer `gi`, after the capturing rows left their scores (row r of
-    /// `logits` for the r-th capturing slot): each slot's exact top keys of its query in the
-    /// rule's domain (`snap_select`, one row, no pooling) gathered behind its sinks, and the
-    /// keys from the domain's end read in place.
+    /// The oracle on global layer `gi`, after the capturing rows of `refresh` left their scores
+    /// (row r of `logits` for the r-th capturing slot): each slot's exact top keys of its query
+    /// in the rule's domain (`snap_select`, one row, no pooling) gathered behind its sinks, and
+    /// the keys from the domain's end read in place.
     fn oracle_select(
         &mut self,
         ctx: &CudaContext,
         gi: usize,
         n_heads: usize,
+        refresh: &[Refresh],
     ) -> Result<(), CudaError> {
+        let rows: Vec<usize> = refresh
+            .iter()
+            .map(|r| self.cap_row(r.slot))
+            .collect::<Result<_, _>>()?;
         let geom = self.gather_geom();
         let (kv, ns) = (self.kv, self.num_slots);
         let (Some(o), Some((ck, cv))) = (self.oracle.as_mut(), &self.compact) else {
             return Ok(());
         };
         let (sinks, _, k) = o.rule.layout();
-        for (row, (&slot, &len)) in self.cap_slots.iter().zip(&self.cap_lens).enumerate() {
+        for (r, row) in refresh.iter().zip(rows) {
+            let (slot, len) = (r.slot, r.len);
             let (lo, hi) = o.rule.domain(len);
             let a = SnapArgs {
                 logits: self.logits.device_ptr() + (row * n_heads * kv.capacity * 4) as u64,
@@ -1459,7 +1453,7 @@ impl SparseState {
             return Ok(vec![vec![Vec::new(); self.kv.kv_heads]; self.ng]);
         }
         let all = ctx.download(&o.picks)?;
-        let (ns, kvh, k) = (self.num_slots, self.kv.kv_heads, o.k);
+        let (ns, kvh, k) = (self.num_slots, self.kv.kv_heads, o.rule.layout().2);
         Ok((0..self.ng)
             .map(|gi| {
                 (0..kvh)
@@ -1981,9 +1975,6 @@ impl SparseState {
             self.has_mem[r.slot] = true;
             self.refreshed_len[r.slot] = r.len;
             self.refreshes += 1;
-            if let Some(o) = self.oracle.as_mut() {
-                o.age[r.slot] = Some(0);
-            }
         }
     }
 
@@ -1995,19 +1986,12 @@ impl SparseState {
             (GpuKvPolicy::Sfi(_), _) => {
                 len > self.policy.dense_below() && (requested || !self.has_mem[s])
             }
+            // the steps since the last selection: one a token
             (_, Some(o)) => {
-                o.rule.sparse_at(len) && o.rule.reselects(o.age[s].filter(|_| self.has_mem[s]))
+                let age = self.has_mem[s].then(|| len - self.refreshed_len[s]);
+                o.rule.sparse_at(len) && o.rule.reselects(age)
             }
             _ => false,
-        }
-    }
-
-    /// After every decode step: the oracle counts its sparse steps since each selection.
-    pub fn end_decode_step(&mut self) {
-        if let Some(o) = self.oracle.as_mut() {
-            for (a, _) in o.age.iter_mut().zip(&self.has_mem).filter(|(_, &m)| m) {
-                *a = a.map(|n| n + 1);
-            }
         }
     }
 
