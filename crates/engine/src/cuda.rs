@@ -61,6 +61,87 @@ fn trace_steps(
     Ok(())
 }
 
+/// Decode steps [`slow_step_anatomy`] takes.
+const ANATOMY_STEPS: usize = 4 * ANATOMY_REPS + 3;
+const ANATOMY_REPS: usize = 8;
+
+/// Where a slow step's time goes against a fast one's (with `SLOWFAST_TRACE`, for sparse
+/// policies that refresh): graph-replayed fast steps, the same steps launched plainly, slow steps
+/// with one slot capturing (the staggered schedule's kind) back to back, and for the plain and
+/// the slow step the host's time to queue one against the time to its end (a host-bound step
+/// queues about as long as it runs); then one slow step's kernel trace. Leaves the graph dropped.
+fn slow_step_anatomy(
+    ctx: &slowfast_cuda::CudaContext,
+    dec: &mut slowfast_cuda::GpuDecoder,
+    tag: &str,
+    batch: usize,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(), EngineError> {
+    use slowfast_cuda::trace;
+    let Some(dir) = trace::trace_dir() else {
+        return Ok(());
+    };
+    let e = gpu_err;
+    // host ms to queue `f`, and ms to its end, from an idle device (medians)
+    let host_wall = |dec: &mut slowfast_cuda::GpuDecoder,
+                     f: &mut dyn FnMut(
+        &mut slowfast_cuda::GpuDecoder,
+        usize,
+    ) -> Result<(), slowfast_cuda::CudaError>|
+     -> Result<(f64, f64), EngineError> {
+        let (mut host, mut wall) = (Vec::new(), Vec::new());
+        for i in 0..ANATOMY_REPS {
+            dec.flush_refreshes().map_err(e)?;
+            ctx.synchronize().map_err(e)?;
+            let t = Instant::now();
+            f(dec, i).map_err(e)?;
+            host.push(t.elapsed().as_secs_f64() * 1e3);
+            ctx.synchronize().map_err(e)?;
+            wall.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        host.sort_by(f64::total_cmp);
+        wall.sort_by(f64::total_cmp);
+        Ok((host[host.len() / 2], wall[wall.len() / 2]))
+    };
+    let slow1 = |d: &mut slowfast_cuda::GpuDecoder, i: usize| {
+        d.request_refresh(i % batch)?;
+        d.decode_step()
+    };
+    dec.flush_refreshes().map_err(e)?;
+    let graphed = ctx.time_ms(ANATOMY_REPS, || dec.decode_step()).map_err(e)?;
+    let mut i = 0;
+    let slow = ctx
+        .time_ms(ANATOMY_REPS, || {
+            i += 1;
+            slow1(dec, i)
+        })
+        .map_err(e)?;
+    let (slow_host, slow_wall) = host_wall(dec, &mut |d, i| slow1(d, i))?;
+    dec.flush_refreshes().map_err(e)?;
+    dec.begin_decode().map_err(e)?; // drops the graph: plain launches from here
+    dec.decode_step().map_err(e)?;
+    let plain = ctx.time_ms(ANATOMY_REPS, || dec.decode_step()).map_err(e)?;
+    let (plain_host, plain_wall) = host_wall(dec, &mut |d, _| d.decode_step())?;
+    ctx.synchronize().map_err(e)?;
+    ctx.trace_reset().map_err(e)?;
+    slow1(dec, 0).map_err(e)?;
+    dec.flush_refreshes().map_err(e)?;
+    let recs = ctx.trace_take().map_err(e)?;
+    let path = dir.join(format!("trace-{tag}-slow1.csv"));
+    std::fs::create_dir_all(&dir)
+        .and_then(|_| std::fs::write(&path, trace::to_csv(&recs)))
+        .map_err(|err| EngineError::Io(format!("{}: {err}", path.display())))?;
+    progress(&format!(
+        "anatomy {tag}: ms a step, back to back: fast graphed {graphed:.3}, fast plain {plain:.3}, \
+         slow (one slot capturing) {slow:.3}; from idle, host queueing / to the end: fast plain \
+         {plain_host:.3} / {plain_wall:.3}, slow {slow_host:.3} / {slow_wall:.3}\n\
+         trace {tag}-slow1: one slow step -> {}\n{}",
+        path.display(),
+        trace::format_summary(&recs, 1)
+    ));
+    Ok(())
+}
+
 pub(crate) fn gpu_err(e: slowfast_cuda::CudaError) -> EngineError {
     EngineError::BadInput(format!("--device cuda: {e}"))
 }
@@ -777,7 +858,8 @@ pub fn bench(
     // Per policy and repeat: a warm-up step and at most three timed runs of new_tokens steps.
     // (and SFI's bridge steps, CAPTURE_ROWS slots a step)
     let bridge = o.batch.div_ceil(slowfast_cuda::sparse::CAPTURE_ROWS);
-    let mut capacity = max_ctx + (3 * o.new_tokens + 2 + TRACE_STEPS) * repeats + 2 + bridge;
+    let mut capacity =
+        max_ctx + (3 * o.new_tokens + 2 + TRACE_STEPS + ANATOMY_STEPS) * repeats + 2 + bridge;
     if let Some(so) = spec_opts {
         let g = so.gammas.iter().copied().max().unwrap_or(1);
         capacity = capacity.max(max_ctx + 4 + (so.rounds + 1) * (g + 2));
@@ -965,6 +1047,10 @@ pub fn bench(
                             })
                             .map_err(gpu_err)?;
                         times.push(ms as f64);
+                        if r == 0 && ctx.tracing() {
+                            let tag = format!("{pname}-b{}-{n}", o.batch);
+                            slow_step_anatomy(&ctx, &mut dec, &tag, o.batch, progress)?;
+                        }
                     } else {
                         times.push(ms as f64);
                     }
