@@ -48,21 +48,35 @@ fn trace_steps(
     ctx.trace_reset().map_err(gpu_err)?;
     dec.decode_step().map_err(gpu_err)?;
     let recs = ctx.trace_take().map_err(gpu_err)?;
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| EngineError::Io(format!("{}: {e}", dir.display())))?;
-    let path = dir.join(format!("trace-{tag}.csv"));
-    std::fs::write(&path, trace::to_csv(&recs))
-        .map_err(|e| EngineError::Io(format!("{}: {e}", path.display())))?;
     progress(&format!(
-        "trace {tag}: one step -> {}\n{}",
-        path.display(),
-        trace::format_summary(&recs, 1)
+        "trace {tag}: one step -> {}",
+        write_trace(&dir, tag, &recs)?
     ));
     Ok(())
 }
 
-/// Decode steps [`slow_step_anatomy`] takes.
-const ANATOMY_STEPS: usize = 4 * ANATOMY_REPS + 3;
+/// Writes one traced step's records to `<dir>/trace-<tag>.csv`; returns that path and
+/// [`slowfast_cuda::trace::format_summary`]'s table, for the progress line.
+fn write_trace(
+    dir: &std::path::Path,
+    tag: &str,
+    recs: &[slowfast_cuda::trace::TraceRecord],
+) -> Result<String, EngineError> {
+    use slowfast_cuda::trace;
+    std::fs::create_dir_all(dir).map_err(|e| EngineError::Io(format!("{}: {e}", dir.display())))?;
+    let path = dir.join(format!("trace-{tag}.csv"));
+    std::fs::write(&path, trace::to_csv(recs))
+        .map_err(|e| EngineError::Io(format!("{}: {e}", path.display())))?;
+    Ok(format!(
+        "{}\n{}",
+        path.display(),
+        trace::format_summary(recs, 1)
+    ))
+}
+
+/// Decode steps [`slow_step_anatomy`] takes: five timings of `ANATOMY_REPS`, a warm-up plain
+/// step and the traced slow step.
+const ANATOMY_STEPS: usize = 5 * ANATOMY_REPS + 2;
 const ANATOMY_REPS: usize = 8;
 
 /// Where a slow step's time goes against a fast one's (with `SLOWFAST_TRACE`, for sparse
@@ -127,17 +141,12 @@ fn slow_step_anatomy(
     slow1(dec, 0).map_err(e)?;
     dec.flush_refreshes().map_err(e)?;
     let recs = ctx.trace_take().map_err(e)?;
-    let path = dir.join(format!("trace-{tag}-slow1.csv"));
-    std::fs::create_dir_all(&dir)
-        .and_then(|_| std::fs::write(&path, trace::to_csv(&recs)))
-        .map_err(|err| EngineError::Io(format!("{}: {err}", path.display())))?;
+    let written = write_trace(&dir, &format!("{tag}-slow1"), &recs)?;
     progress(&format!(
         "anatomy {tag}: ms a step, back to back: fast graphed {graphed:.3}, fast plain {plain:.3}, \
          slow (one slot capturing) {slow:.3}; from idle, host queueing / to the end: fast plain \
          {plain_host:.3} / {plain_wall:.3}, slow {slow_host:.3} / {slow_wall:.3}\n\
-         trace {tag}-slow1: one slow step -> {}\n{}",
-        path.display(),
-        trace::format_summary(&recs, 1)
+         trace {tag}-slow1: one slow step -> {written}"
     ));
     Ok(())
 }
