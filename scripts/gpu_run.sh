@@ -257,10 +257,18 @@ PY
       # FB (12) sequences at 128K with fp8 KV on one H200 (issue 22's target: SFI >= 2000
       # tok/s there), the KV before the last 8192 positions filled; FPOLS (full,sfi), then
       # FCAND (unset: skipped) SFI again with --sfi-candidates FCAND (0: dense slow steps, the
-      # comparison for the default 2; builds before 8c00a91 had 0 as the default)
+      # comparison for the default 2; builds before 8c00a91 had 0 as the default), FRIDE
+      # (unset: skipped) SFI again with --sfi-ride FRIDE
       .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${FCTX:-128k}" --batch "${FB:-12}" \
         --new-tokens "$N" --policies "${FPOLS:-full,sfi}" $SFI_OPTS --kv-dtype fp8 --real-prefill 8192 \
         --json "$OUT/fp8cap-b${FB:-12}.json" 2>&1 | tee "$OUT/fp8cap.log"
+      if [ -n "${FRIDE:-}" ]; then
+        # SFI again with --sfi-ride FRIDE (off: each sequence's slow step on its own; the
+        # comparison for the default, on)
+        .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${FCTX:-128k}" --batch "${FB:-12}" \
+          --new-tokens "$N" --policies sfi $SFI_OPTS --sfi-ride "$FRIDE" --kv-dtype fp8 --real-prefill 8192 \
+          --json "$OUT/fp8cap-b${FB:-12}-ride-$FRIDE.json" 2>&1 | tee -a "$OUT/fp8cap.log"
+      fi
       if [ -n "${FCAND:-}" ]; then
         .bin/slowfast bench --device cuda --model random:qwen3-4b --contexts "${FCTX:-128k}" --batch "${FB:-12}" \
           --new-tokens "$N" --policies sfi $SFI_OPTS --sfi-candidates "$FCAND" --kv-dtype fp8 --real-prefill 8192 \

@@ -153,6 +153,13 @@ pub struct PolicyArgs {
     /// --sfi-refresh-interval 6) it halves the loss on code. See docs/results.md.
     #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().candidates, allow_negative_numbers = true)]
     pub sfi_candidates: f64,
+    /// SFI, --device cuda at batch > 1 (serve, bench): on, sequences past --sfi-min-gap join a
+    /// slow step another sequence fires, up to the 4 score rows a GPU step captures, so the
+    /// batch runs fewer slow steps (each costs mostly per step, not per row); a rider only
+    /// refreshes early. off: each sequence refreshes on its own schedule. No effect on the CPU
+    /// (its slow rows each cost a dense pass) or at batch 1. See docs/serving.md.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub sfi_ride: String,
     /// SFI: prefill query rows (the last ones) whose dense attention bootstraps the first
     /// selection.
     #[arg(long, default_value_t = slowfast_engine::session::SfiKnobs::default().bootstrap_rows)]
@@ -245,6 +252,7 @@ impl PolicyArgs {
             pool: self.sfi_pool,
             drift: self.sfi_drift,
             candidates: self.sfi_candidates,
+            ride: self.sfi_ride == "on",
             selector: slowfast_engine::session::SelectorConfig {
                 alpha: self.sfi_alpha,
                 gamma: self.sfi_gamma,

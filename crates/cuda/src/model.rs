@@ -1122,6 +1122,23 @@ impl GpuDecoder {
         Ok(())
     }
 
+    /// Whether `slot` takes a slow step at the next decode step as things stand: asked for
+    /// with `request_refresh`, or waiting from an earlier step for a score row.
+    pub fn refresh_requested(&self, slot: usize) -> bool {
+        self.want_refresh.get(slot).copied().unwrap_or(false)
+    }
+
+    /// SFI: the score rows the next decode step has left after the slots that want one
+    /// (`refresh_requested`): room for more slots to refresh in the same step (riding,
+    /// `slowfast_kv::sfi::trigger::riders`). 0 for the other policies.
+    pub fn capture_room(&self) -> usize {
+        let Some(sp) = self.sparse.as_ref().filter(|s| s.sfi().is_some()) else {
+            return 0;
+        };
+        let wanting = self.want_refresh.iter().filter(|&&w| w).count();
+        sp.capture_rows().saturating_sub(wanting)
+    }
+
     /// (decode steps that ran a refresh, decode steps that ran sparse only, refreshes).
     pub fn step_counts(&self) -> (usize, usize, usize) {
         (

@@ -1112,6 +1112,11 @@ impl SparseState {
         Ok(())
     }
 
+    /// Score rows a decode step can capture at once (`CAPTURE_ROWS`, at most the slots).
+    pub fn capture_rows(&self) -> usize {
+        self.cap_rows
+    }
+
     /// Splits the slots that want a slow step into those this step captures (the first
     /// `CAPTURE_ROWS`, at most the slots) and those that wait for a later step.
     pub fn split_capture(&self, wanting: Vec<usize>) -> (Vec<usize>, Vec<usize>) {

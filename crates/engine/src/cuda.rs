@@ -12,7 +12,7 @@ use slowfast_cuda::{
     CudaContext, DecoderSpec, GpuDecoder, GpuKvPolicy, GpuQuestConfig, GpuSfiConfig, GpuSnapConfig,
     KvOptions, Norm, Tensor, WeightSource,
 };
-use slowfast_kv::sfi::trigger::Trigger;
+use slowfast_kv::sfi::trigger::{riders, Trigger, TriggerConfig, TriggerKind};
 use slowfast_kv::PolicyStats;
 use slowfast_model::decoder::rope_inv_freq;
 use slowfast_model::{Activation, Model, Weight};
@@ -749,6 +749,13 @@ pub struct GpuBenchRecord {
     pub slow_ms_per_step: f64,
     /// SFI: each sequence's slow step comes every this many steps (staggered over the batch).
     pub refresh_interval: usize,
+    /// SFI: the share of the timed schedule's steps that were slow (some slot refreshed).
+    pub slow_share: f64,
+    /// SFI: refreshes a sequence a step on the schedule (1 / `refresh_interval` without
+    /// riding; more with it, riders refreshing early).
+    pub refreshes_per_seq_step: f64,
+    /// SFI: whether slots rode slow steps together (`--sfi-ride`).
+    pub rides: bool,
     /// Tokens a fast step attends per kv head on a global layer (mean over the batch).
     pub attended_tokens: f64,
     /// (weights + K/V read per fast step) / fast step time (full KV: per step).
@@ -833,6 +840,63 @@ fn used_gib(ctx: &CudaContext) -> f64 {
     ctx.mem_info()
         .map(|(free, total)| (total - free) as f64 / (1u64 << 30) as f64)
         .unwrap_or(0.0)
+}
+
+/// The bench's SFI schedule: one trigger a slot that forces a slow step every `interval`
+/// steps (no sentence ends: the bench's tokens are never enders), slot s first at step
+/// `interval - s * interval / batch`, riding as the policy's trigger says.
+fn bench_triggers(
+    pspec: &PolicySpec,
+    batch: usize,
+    interval: usize,
+) -> Result<Vec<Trigger>, EngineError> {
+    let PolicySpec::Sfi { cfg, .. } = pspec else {
+        return Err(EngineError::BadInput(
+            "the refresh schedule is SFI's".into(),
+        ));
+    };
+    let tc = TriggerConfig {
+        kind: TriggerKind::Punct,
+        refresh_interval: interval,
+        min_gap: cfg.trigger.min_gap.min(interval),
+        ride: cfg.trigger.ride,
+        ..TriggerConfig::default()
+    };
+    (0..batch)
+        .map(|s| {
+            let mut t = Trigger::new(tc.clone(), &[], &[], 1)
+                .map_err(|e| EngineError::BadInput(format!("SFI trigger: {e}")))?;
+            for _ in 0..s * interval / batch {
+                t.on_token(0);
+            }
+            Ok(t)
+        })
+        .collect()
+}
+
+/// Whether policy `pspec` rides slow steps together (SFI with `--sfi-ride on`).
+fn rides(pspec: &PolicySpec) -> bool {
+    matches!(pspec, PolicySpec::Sfi { cfg, .. } if cfg.trigger.ride)
+}
+
+/// One step of the bench's schedule: each slot's trigger, then the riders (`riders`) into
+/// the score rows left, as `serve`'s scheduler does.
+fn schedule_step(
+    dec: &mut GpuDecoder,
+    trig: &mut [Trigger],
+) -> Result<(), slowfast_cuda::CudaError> {
+    for (s, t) in trig.iter_mut().enumerate() {
+        if t.on_token(0) {
+            dec.request_refresh(s)?;
+        }
+    }
+    let slow: Vec<bool> = (0..trig.len()).map(|s| dec.refresh_requested(s)).collect();
+    let refs: Vec<Option<&Trigger>> = trig.iter().map(Some).collect();
+    for i in riders(&refs, &slow, dec.capture_room()) {
+        trig[i].ride();
+        dec.request_refresh(i)?;
+    }
+    Ok(())
 }
 
 /// `slowfast bench --device cuda`: per context, prefill one random prompt into slot 0 (full
@@ -988,6 +1052,7 @@ pub fn bench(
             let sparse = gp != GpuKvPolicy::Full;
             let (mut times, mut plain, mut fast, mut slow, mut graph_ok) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new(), true);
+            let (mut slow_share, mut per_seq) = (Vec::new(), Vec::new());
             let mut attended = 0.0;
             for r in 0..repeats {
                 progress(&format!(
@@ -1036,16 +1101,16 @@ pub fn bench(
                         // Refreshes still on the side stream finish outside the next timing.
                         dec.flush_refreshes().map_err(gpu_err)?;
                         ctx.synchronize().map_err(gpu_err)?;
-                        // The schedule: slot s refreshes when (t + s * interval / batch) % interval == 0.
+                        // The schedule (`bench_triggers`): slot s refreshes every `interval`
+                        // steps, first at step interval - s * interval / batch; with riding
+                        // (the default) slots past their min gap join a slow step that runs
+                        // anyway, as in `serve`.
+                        let mut trig = bench_triggers(&pspec, o.batch, interval)?;
                         let mut t = 1usize;
-                        let b = o.batch;
+                        let (slow0, fast0, ref0) = dec.step_counts();
                         let ms = ctx
                             .time_ms(o.new_tokens, || {
-                                for s in 0..b {
-                                    if (t + s * interval / b).is_multiple_of(interval) {
-                                        dec.request_refresh(s)?;
-                                    }
-                                }
+                                schedule_step(&mut dec, &mut trig)?;
                                 t += 1;
                                 dec.decode_step()?;
                                 if t > o.new_tokens {
@@ -1056,6 +1121,10 @@ pub fn bench(
                             })
                             .map_err(gpu_err)?;
                         times.push(ms as f64);
+                        let (slow1, fast1, ref1) = dec.step_counts();
+                        let steps = (slow1 + fast1 - slow0 - fast0).max(1) as f64;
+                        slow_share.push((slow1 - slow0) as f64 / steps);
+                        per_seq.push((ref1 - ref0) as f64 / (steps * o.batch as f64));
                         if r == 0 && ctx.tracing() {
                             let tag = format!("{pname}-b{}-{n}", o.batch);
                             slow_step_anatomy(&ctx, &mut dec, &tag, o.batch, progress)?;
@@ -1078,6 +1147,8 @@ pub fn bench(
             let plain_ms = med(&mut plain);
             let fast_ms = med(&mut fast);
             let slow_ms = med(&mut slow);
+            let slow_share = med(&mut slow_share);
+            let refreshes_per_seq_step = med(&mut per_seq);
             let attended = attended / repeats as f64;
             // K/V bytes read per (fast) step: global layers the attended tokens, sliding ones
             // their window, at the kernel head dim.
@@ -1117,6 +1188,9 @@ pub fn bench(
                 fast_ms_per_step: fast_ms,
                 slow_ms_per_step: slow_ms,
                 refresh_interval: interval,
+                slow_share,
+                refreshes_per_seq_step,
+                rides: interval > 0 && rides(&pspec),
                 attended_tokens: attended,
                 decode_gb_s: gbs,
                 decode_pct_of_copy: 100.0 * gbs / copy,
@@ -1146,6 +1220,14 @@ pub fn bench(
                 "context {n} {pname}: decode {:.3} ms/step, {:.1} tok/s (fast {:.3}, slow {:.3}, no graph {:.3}); {:.0} GB/s ({:.1}% of copy) at {:.0} tokens a head",
                 rec.decode_ms_per_step, rec.decode_tok_s, fast_ms, slow_ms, plain_ms, rec.decode_gb_s, rec.decode_pct_of_copy, attended
             ));
+            if interval > 0 {
+                progress(&format!(
+                    "context {n} {pname}: schedule every {interval}, riding {}: {:.1}% of steps slow, {:.4} refreshes a sequence a step",
+                    if rec.rides { "on" } else { "off" },
+                    100.0 * slow_share,
+                    refreshes_per_seq_step
+                ));
+            }
             out.push(rec);
         }
         if let Some(so) = spec_opts {

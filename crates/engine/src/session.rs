@@ -780,6 +780,9 @@ pub struct SfiKnobs {
     /// The cheaper slow step's candidate pages, a multiple of the selected tokens (0: off;
     /// `SfiConfig::candidates`).
     pub candidates: f64,
+    /// Sequences past their min gap join a slow step another one of the batch fires
+    /// (`TriggerConfig::ride`; the GPU only has room for it).
+    pub ride: bool,
 }
 
 impl Default for SfiKnobs {
@@ -803,6 +806,7 @@ impl Default for SfiKnobs {
             // on the CPU (docs/results.md, "A cheaper slow step"); `SfiConfig::new` keeps the
             // paper's dense slow step.
             candidates: 2.0,
+            ride: t.ride,
             selector: SelectorConfig {
                 // slowfast's default: span pooling instead of the paper's soft-NMS (window
                 // 32, strength 1), which drops the neighbours of a peak (docs/results.md).
@@ -845,6 +849,7 @@ fn sfi_spec(b: usize, sinks: usize, k: &SfiKnobs) -> Result<PolicySpec, EngineEr
     cfg.trigger.refresh_interval = k.refresh_interval;
     cfg.trigger.period = k.refresh_interval;
     cfg.trigger.min_gap = k.min_gap;
+    cfg.trigger.ride = k.ride;
     if k.bootstrap_rows == 0 {
         return Err(EngineError::BadInput(
             "--sfi-bootstrap-rows must be at least 1".into(),

@@ -753,7 +753,21 @@ fn sfi_slow_steps_past_the_score_rows_wait_a_step() {
             (0..rows).for_each(|s| split.request_refresh(s).unwrap());
         }
         if i == ask + 1 {
+            // The deferred slots still want their rows: no room is left for riders.
+            assert_eq!(all.capture_room(), rows - (ns - rows), "step {i}: room");
+            assert!((rows..ns).all(|s| all.refresh_requested(s)));
+            assert!((0..rows).all(|s| !all.refresh_requested(s)));
             (rows..ns).for_each(|s| split.request_refresh(s).unwrap());
+        }
+        if i == ask {
+            assert_eq!(
+                all.capture_room(),
+                0,
+                "step {i}: {ns} slots want {rows} rows"
+            );
+            assert_eq!(split.capture_room(), 0, "step {i}");
+        } else if i != ask + 1 {
+            assert_eq!(all.capture_room(), rows, "step {i}: no slot wants a row");
         }
         all.decode_step().unwrap();
         split.decode_step().unwrap();

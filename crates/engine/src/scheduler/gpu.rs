@@ -15,7 +15,7 @@
 //! argmax tokens only; other steps download the logits `[slots, vocab]` for the host
 //! sampler, as `GpuSession` does.
 use slowfast_cuda::{CudaError, GpuDecoder, GpuKvPolicy};
-use slowfast_kv::sfi::trigger::Trigger;
+use slowfast_kv::sfi::trigger::{riders, Trigger};
 use slowfast_kv::PolicyStats;
 
 use super::{BatchDevice, SchedulerConfig, SpecTurn};
@@ -612,6 +612,22 @@ impl BatchDevice for GpuDevice {
             if *f {
                 self.dec.request_refresh(s.slot).map_err(gpu_err)?;
             }
+        }
+        // Riding: sequences past their min gap join a slow step that runs anyway, in the
+        // score rows it has left (`riders`, the trigger's rule).
+        let slow: Vec<bool> = seqs
+            .iter()
+            .map(|s| self.dec.refresh_requested(s.slot))
+            .collect();
+        let room = self.dec.capture_room();
+        let triggers: Vec<_> = seqs.iter().map(|s| s.trigger.as_ref()).collect();
+        for i in riders(&triggers, &slow, room) {
+            let s = &mut seqs[i];
+            if let Some(tr) = s.trigger.as_mut() {
+                tr.ride();
+            }
+            self.dec.request_refresh(s.slot).map_err(gpu_err)?;
+            fired[i] = true;
         }
         if self.dirty {
             self.dec.begin_decode().map_err(gpu_err)?;

@@ -21,6 +21,14 @@
 //! every kind. A drift note lives for one step: a suppressed one is dropped, and the next fast
 //! step measures again.
 //!
+//! Riding (an extension, issue 22): on a device whose slow step takes several sequences' rows
+//! for little more than one (the GPU: up to `CAPTURE_ROWS` score rows a step), the sequences of
+//! a batch that are past their `min_gap` join a slow step that another one fired anyway
+//! ([`riders`], [`Trigger::ride`]). Each sequence keeps its own schedule: a rider only refreshes
+//! early (never inside its gap), so its memory is as fresh or fresher, and the batch runs fewer
+//! slow steps. Off with `ride: false`; a device with no such room (the CPU, whose slow rows each
+//! cost a dense pass) passes a room of 0.
+//!
 //! Counting: decode steps are numbered from 1 (the first [`Trigger::on_token`] call is step 1;
 //! step 0 is the prefill / bootstrap). `steps_since_refresh` counts the `on_token` calls since
 //! the last refresh, the current one included, so after a refresh at step `r` the sentence
@@ -109,6 +117,8 @@ pub struct TriggerConfig {
     pub period: usize,
     /// Seed of the Random policy.
     pub seed: u64,
+    /// Past `min_gap`, join a slow step another sequence of the batch fires ([`riders`]).
+    pub ride: bool,
 }
 
 impl Default for TriggerConfig {
@@ -120,6 +130,7 @@ impl Default for TriggerConfig {
             refresh_interval: 96,
             period: 96,
             seed: 42,
+            ride: true,
         }
     }
 }
@@ -195,10 +206,12 @@ pub struct TriggerStats {
     pub external: usize,
     /// Slow steps fired by a drift note ([`Trigger::note_drift`]).
     pub drift: usize,
+    /// Slow steps joined as a rider ([`Trigger::ride`]): another sequence fired them.
+    pub rode: usize,
 }
 
 impl TriggerStats {
-    /// All slow steps this trigger fired (external refreshes not included).
+    /// All slow steps this trigger fired (external refreshes and rides not included).
     pub fn slow_steps(&self) -> usize {
         self.sentence + self.interval + self.periodic + self.random + self.drift
     }
@@ -382,6 +395,48 @@ impl Trigger {
     /// Decode steps since the last refresh (fired or external).
     pub fn steps_since_refresh(&self) -> usize {
         self.steps_since_refresh
+    }
+
+    /// Whether this sequence may join a slow step another one fired ([`riders`]): riding is on
+    /// and at least `min_gap` steps have passed since its last refresh. Call after this step's
+    /// [`Trigger::on_token`] (a sequence that fired itself has 0 steps since and cannot ride).
+    pub fn can_ride(&self) -> bool {
+        self.cfg.ride && self.steps_since_refresh >= self.cfg.min_gap.max(1)
+    }
+
+    /// This step refreshes as a rider: the gap and interval count from here, as after a fired
+    /// step (counted in [`TriggerStats::rode`]).
+    pub fn ride(&mut self) {
+        self.steps_since_refresh = 0;
+        self.stats.rode += 1;
+    }
+}
+
+/// The sequences of a batch that join this step's slow step (riding, see the module docs):
+/// `triggers[i]` is sequence i's trigger after this step's `on_token` (None: not SFI or not
+/// decoding), `slow[i]` whether sequence i already takes a slow step now (fired, or waiting
+/// for a score row), `room` the further rows the step can capture. None ride when no sequence
+/// is slow. Those longest since their refresh go first (ties: the lower index), so a rider is
+/// the one whose own slow step is nearest. Marks nothing: the caller calls [`Trigger::ride`]
+/// on each one returned and asks its device for the slow step.
+pub fn riders(triggers: &[Option<&Trigger>], slow: &[bool], room: usize) -> Vec<usize> {
+    if room == 0 || !slow.iter().any(|&s| s) {
+        return Vec::new();
+    }
+    let mut able: Vec<(usize, usize)> = triggers
+        .iter()
+        .enumerate()
+        .filter(|&(i, t)| !slow.get(i).copied().unwrap_or(false) && t.is_some_and(|t| t.can_ride()))
+        .map(|(i, t)| (i, t.map_or(0, |t| t.steps_since_refresh())))
+        .collect();
+    able.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    able.into_iter().take(room).map(|(i, _)| i).collect()
+}
+
+impl Trigger {
+    /// Whether this trigger's config allows riding ([`TriggerConfig::ride`]).
+    pub fn rides(&self) -> bool {
+        self.cfg.ride
     }
 
     /// Whether an ender was seen and the next sentence's first token is awaited (Punct).
@@ -919,5 +974,158 @@ Then the rain finally stopped.";
             assert_eq!(n.parse::<TriggerKind>().unwrap().name(), n);
         }
         assert!("sometimes".parse::<TriggerKind>().is_err());
+    }
+}
+
+#[cfg(test)]
+mod ride_tests {
+    use super::*;
+
+    const DOT: u32 = 1;
+    const WORD: u32 = 10;
+
+    fn seq(ride: bool, min_gap: usize, interval: usize) -> Trigger {
+        let cfg = TriggerConfig {
+            min_gap,
+            refresh_interval: interval,
+            ride,
+            ..TriggerConfig::default()
+        };
+        Trigger::new(cfg, &[DOT], &[], 100).unwrap()
+    }
+
+    /// One batch step the way the GPU scheduler takes it: each trigger on its token, then the
+    /// riders into the room left by the fired ones. Returns (fired, rode) per sequence.
+    fn step(ts: &mut [Trigger], toks: &[u32], rows: usize) -> (Vec<bool>, Vec<bool>) {
+        let fired: Vec<bool> = ts
+            .iter_mut()
+            .zip(toks)
+            .map(|(t, &x)| t.on_token(x))
+            .collect();
+        let room = rows.saturating_sub(fired.iter().filter(|&&f| f).count());
+        let refs: Vec<Option<&Trigger>> = ts.iter().map(Some).collect();
+        let r = riders(&refs, &fired, room);
+        let mut rode = vec![false; ts.len()];
+        for &i in &r {
+            ts[i].ride();
+            rode[i] = true;
+        }
+        (fired, rode)
+    }
+
+    #[test]
+    fn no_riders_without_a_slow_step_or_room() {
+        let mut ts: Vec<Trigger> = (0..4).map(|_| seq(true, 2, 50)).collect();
+        for t in ts.iter_mut() {
+            for _ in 0..10 {
+                t.on_token(WORD);
+            }
+        }
+        let refs: Vec<Option<&Trigger>> = ts.iter().map(Some).collect();
+        assert!(riders(&refs, &[false; 4], 4).is_empty());
+        assert!(riders(&refs, &[true, false, false, false], 0).is_empty());
+        assert_eq!(riders(&refs, &[true, false, false, false], 2).len(), 2);
+        // riding off, or not a trigger at all: never
+        let off: Vec<Trigger> = (0..2).map(|_| seq(false, 2, 50)).collect();
+        let refs: Vec<Option<&Trigger>> = vec![Some(&ts[0]), Some(&off[0]), None];
+        assert!(riders(&refs, &[true, false, false], 4).is_empty());
+    }
+
+    #[test]
+    fn riders_are_past_their_gap_longest_first() {
+        let mut ts: Vec<Trigger> = (0..5).map(|_| seq(true, 4, 50)).collect();
+        for (i, t) in ts.iter_mut().enumerate() {
+            for _ in 0..[9, 3, 6, 9, 4][i] {
+                t.on_token(WORD);
+            }
+        }
+        let refs: Vec<Option<&Trigger>> = ts.iter().map(Some).collect();
+        // 0 is slow; 1 is inside its gap; 3 and 2 and 4 are past it, 3 the longest.
+        assert_eq!(
+            riders(&refs, &[true, false, false, false, false], 2),
+            vec![3, 2]
+        );
+        assert_eq!(
+            riders(&refs, &[true, false, false, false, false], 9),
+            vec![3, 2, 4]
+        );
+        ts[3].ride();
+        assert_eq!(ts[3].steps_since_refresh(), 0);
+        assert_eq!(ts[3].stats().rode, 1);
+        assert_eq!(ts[3].stats().slow_steps(), 0);
+    }
+
+    /// A batch of 12 sequences with random sentence lengths, stepped with and without riding
+    /// under the GPU's 4 score rows: riding takes fewer batch slow steps, no sequence ever
+    /// refreshes inside its gap or goes past its interval, and no step captures more than 4.
+    #[test]
+    fn riding_merges_slow_steps_within_every_bound() {
+        let (b, rows, gap, interval) = (12, 4, 16, 96);
+        let mut rng = SplitMix64(7);
+        let steps = 4000;
+        // Sentence ends: each sequence its own random stream, sentences of 8-40 tokens.
+        let toks: Vec<Vec<u32>> = (0..b)
+            .map(|_| {
+                let mut v = Vec::with_capacity(steps);
+                while v.len() < steps {
+                    let len = 8 + (rng.next_u64() % 33) as usize;
+                    v.extend(std::iter::repeat_n(WORD, len - 1));
+                    v.push(DOT);
+                }
+                v.truncate(steps);
+                v
+            })
+            .collect();
+        let mut result = Vec::new();
+        for ride in [false, true] {
+            let mut ts: Vec<Trigger> = (0..b).map(|_| seq(ride, gap, interval)).collect();
+            let mut since = vec![0usize; b];
+            let (mut slow_steps, mut refreshes, mut waiting) = (0usize, 0usize, vec![false; b]);
+            for t in 0..steps {
+                let col: Vec<u32> = toks.iter().map(|v| v[t]).collect();
+                let (fired, rode) = step(&mut ts, &col, rows);
+                // fired rows beyond the room wait (the decoder defers them); count the step
+                let want: Vec<bool> = (0..b).map(|i| fired[i] || waiting[i]).collect();
+                let nw = want.iter().filter(|&&w| w).count();
+                waiting = want.clone();
+                let mut taken = 0;
+                for w in waiting.iter_mut() {
+                    if *w && taken < rows {
+                        *w = false;
+                        taken += 1;
+                    }
+                }
+                let rode_n = rode.iter().filter(|&&r| r).count();
+                assert!(
+                    rode_n == 0 || nw + rode_n <= rows,
+                    "step {t}: {nw} + {rode_n}"
+                );
+                if nw + rode_n > 0 {
+                    slow_steps += 1;
+                }
+                refreshes += fired.iter().filter(|&&f| f).count() + rode_n;
+                for i in 0..b {
+                    since[i] += 1;
+                    if fired[i] || rode[i] {
+                        if rode[i] {
+                            assert!(since[i] >= gap, "seq {i} rode inside its gap");
+                        }
+                        since[i] = 0;
+                    }
+                    assert!(since[i] < interval, "seq {i} went past its interval");
+                }
+            }
+            result.push((slow_steps, refreshes));
+        }
+        let ((s0, r0), (s1, r1)) = (result[0], result[1]);
+        eprintln!("12 x {steps} steps: slow steps {s0} -> {s1} riding; refreshes {r0} -> {r1}");
+        assert!(
+            s1 * 10 < s0 * 7,
+            "riding should merge slow steps: {s0} -> {s1}"
+        );
+        assert!(
+            r1 < r0 * 2,
+            "riding should not double the refreshes: {r0} -> {r1}"
+        );
     }
 }
