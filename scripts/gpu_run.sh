@@ -16,7 +16,7 @@ phases="${*:-tests bench torch}"
 CTX="${CTX:-8k,16k,32k,64k,128k}"
 N="${N:-64}"
 # SFI's memory budget a head and its slow-step interval (the paper's sweep setting)
-SFI_OPTS="--kv-budget ${BUDGET:-2048} --sfi-refresh-interval ${RI:-32}"
+SFI_OPTS="--kv-budget ${BUDGET:-2048} --sfi-refresh-interval ${RI:-32} ${SFI_EXTRA:-}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 rc=0
 for p in $phases; do

@@ -155,8 +155,8 @@ pub struct PolicyArgs {
     pub sfi_candidates: f64,
     /// SFI, --device cuda at batch > 1 (serve, bench): on, sequences past --sfi-min-gap join a
     /// slow step another sequence fires, up to the 4 score rows a GPU step captures, so the
-    /// batch runs fewer slow steps (each costs mostly per step, not per row); a rider only
-    /// refreshes early. off: each sequence refreshes on its own schedule. No effect on the CPU
+    /// batch runs fewer slow steps (each costs mostly per step, not per row); a rider refreshes
+    /// early, never inside its min gap. off: each sequence refreshes on its own schedule. No effect on the CPU
     /// (its slow rows each cost a dense pass) or at batch 1. See docs/serving.md.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub sfi_ride: String,

@@ -929,10 +929,13 @@ pub fn bench(
     let max_ctx = *o.contexts.iter().max().unwrap_or(&1);
     let repeats = o.repeats.max(1);
     // Per policy and repeat: a warm-up step and at most three timed runs of new_tokens steps.
-    // (and SFI's bridge steps, CAPTURE_ROWS slots a step)
+    // (and SFI's bridge steps, CAPTURE_ROWS slots a step, once and after each repeat's slow
+    // steps)
     let bridge = o.batch.div_ceil(slowfast_cuda::sparse::CAPTURE_ROWS);
-    let mut capacity =
-        max_ctx + (3 * o.new_tokens + 2 + TRACE_STEPS + ANATOMY_STEPS) * repeats + 2 + bridge;
+    let mut capacity = max_ctx
+        + (3 * o.new_tokens + 2 + TRACE_STEPS + ANATOMY_STEPS + bridge) * repeats
+        + 2
+        + bridge;
     if let Some(so) = spec_opts {
         let g = so.gammas.iter().copied().max().unwrap_or(1);
         capacity = capacity.max(max_ctx + 4 + (so.rounds + 1) * (g + 2));
@@ -1098,7 +1101,12 @@ pub fn bench(
                             })
                             .map_err(gpu_err)?;
                         slow.push(ms as f64);
-                        // Refreshes still on the side stream finish outside the next timing.
+                        // Slots still waiting for a score row (past CAPTURE_ROWS a step) and
+                        // refreshes still on the side stream finish outside the next timing,
+                        // so the schedule starts with none pending.
+                        while (0..o.batch).any(|s| dec.refresh_requested(s)) {
+                            dec.decode_step().map_err(gpu_err)?;
+                        }
                         dec.flush_refreshes().map_err(gpu_err)?;
                         ctx.synchronize().map_err(gpu_err)?;
                         // The schedule (`bench_triggers`): slot s refreshes every `interval`

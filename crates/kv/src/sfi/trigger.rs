@@ -24,10 +24,10 @@
 //! Riding (an extension, issue 22): on a device whose slow step takes several sequences' rows
 //! for little more than one (the GPU: up to `CAPTURE_ROWS` score rows a step), the sequences of
 //! a batch that are past their `min_gap` join a slow step that another one fired anyway
-//! ([`riders`], [`Trigger::ride`]). Each sequence keeps its own schedule: a rider only refreshes
-//! early (never inside its gap), so its memory is as fresh or fresher, and the batch runs fewer
-//! slow steps. Off with `ride: false`; a device with no such room (the CPU, whose slow rows each
-//! cost a dense pass) passes a room of 0.
+//! ([`riders`], [`Trigger::ride`]). A ride never falls inside the rider's gap and counts as its
+//! refresh: the gap and interval count from there, as after a fired step. The batch runs fewer
+//! slow steps; each sequence refreshes more often. Off with `ride: false`; a device with no such
+//! room (the CPU, whose slow rows each cost a dense pass) passes a room of 0.
 //!
 //! Counting: decode steps are numbered from 1 (the first [`Trigger::on_token`] call is step 1;
 //! step 0 is the prefill / bootstrap). `steps_since_refresh` counts the `on_token` calls since
