@@ -1128,6 +1128,16 @@ impl GpuDecoder {
         self.want_refresh.get(slot).copied().unwrap_or(false)
     }
 
+    /// Whether a refresh asked for `slot` now would run at the next decode step (SFI, and the
+    /// slot long enough for a sparse memory); a rider that would not is not asked.
+    pub fn would_refresh(&self, slot: usize) -> bool {
+        self.sparse.as_ref().is_some_and(|sp| {
+            sp.sfi().is_some()
+                && slot < self.kv.num_slots
+                && sp.wants_capture(slot, self.slot_len[slot] + 1, true)
+        })
+    }
+
     /// SFI: the score rows the next decode step has left after the slots that want one
     /// (`refresh_requested`): room for more slots to refresh in the same step (riding,
     /// `slowfast_kv::sfi::trigger::riders`). 0 for the other policies.

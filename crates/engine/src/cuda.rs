@@ -891,7 +891,9 @@ fn schedule_step(
         }
     }
     let slow: Vec<bool> = (0..trig.len()).map(|s| dec.refresh_requested(s)).collect();
-    let refs: Vec<Option<&Trigger>> = trig.iter().map(Some).collect();
+    let refs: Vec<Option<&Trigger>> = (trig.iter().enumerate())
+        .map(|(s, t)| Some(t).filter(|_| dec.would_refresh(s)))
+        .collect();
     for i in riders(&refs, &slow, dec.capture_room()) {
         trig[i].ride();
         dec.request_refresh(i)?;

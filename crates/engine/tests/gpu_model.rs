@@ -769,6 +769,8 @@ fn sfi_slow_steps_past_the_score_rows_wait_a_step() {
         } else if i != ask + 1 {
             assert_eq!(all.capture_room(), rows, "step {i}: no slot wants a row");
         }
+        // Every slot is past the budget, so a rider's refresh would run.
+        assert!((0..ns).all(|s| all.would_refresh(s)), "step {i}");
         all.decode_step().unwrap();
         split.decode_step().unwrap();
         let want: Vec<usize> = match i {

@@ -620,7 +620,14 @@ impl BatchDevice for GpuDevice {
             .map(|s| self.dec.refresh_requested(s.slot))
             .collect();
         let room = self.dec.capture_room();
-        let triggers: Vec<_> = seqs.iter().map(|s| s.trigger.as_ref()).collect();
+        let triggers: Vec<_> = seqs
+            .iter()
+            .map(|s| {
+                s.trigger
+                    .as_ref()
+                    .filter(|_| self.dec.would_refresh(s.slot))
+            })
+            .collect();
         for i in riders(&triggers, &slow, room) {
             let s = &mut seqs[i];
             if let Some(tr) = s.trigger.as_mut() {
