@@ -410,6 +410,11 @@ impl Trigger {
         self.steps_since_refresh = 0;
         self.stats.rode += 1;
     }
+
+    /// Whether an ender was seen and the next sentence's first token is awaited (Punct).
+    pub fn awaiting_sentence_start(&self) -> bool {
+        self.awaiting_sentence_start
+    }
 }
 
 /// The sequences of a batch that join this step's slow step (riding, see the module docs):
@@ -426,23 +431,14 @@ pub fn riders(triggers: &[Option<&Trigger>], slow: &[bool], room: usize) -> Vec<
     let mut able: Vec<(usize, usize)> = triggers
         .iter()
         .enumerate()
-        .filter(|&(i, t)| !slow.get(i).copied().unwrap_or(false) && t.is_some_and(|t| t.can_ride()))
-        .map(|(i, t)| (i, t.map_or(0, |t| t.steps_since_refresh())))
+        .filter(|&(i, _)| !slow.get(i).copied().unwrap_or(false))
+        .filter_map(|(i, t)| {
+            t.filter(|t| t.can_ride())
+                .map(|t| (i, t.steps_since_refresh()))
+        })
         .collect();
     able.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     able.into_iter().take(room).map(|(i, _)| i).collect()
-}
-
-impl Trigger {
-    /// Whether this trigger's config allows riding ([`TriggerConfig::ride`]).
-    pub fn rides(&self) -> bool {
-        self.cfg.ride
-    }
-
-    /// Whether an ender was seen and the next sentence's first token is awaited (Punct).
-    pub fn awaiting_sentence_start(&self) -> bool {
-        self.awaiting_sentence_start
-    }
 }
 
 #[cfg(test)]
