@@ -879,26 +879,37 @@ fn rides(pspec: &PolicySpec) -> bool {
     matches!(pspec, PolicySpec::Sfi { cfg, .. } if cfg.trigger.ride)
 }
 
-/// One step of the bench's schedule: each slot's trigger, then the riders (`riders`) into
-/// the score rows left, as `serve`'s scheduler does.
-fn schedule_step(
+/// One decode step's SFI triggers on a GPU decoder, as `serve`'s scheduler and the bench take
+/// them: each sequence's trigger on the token it is fed (one that fires asks its slot for a
+/// refresh), then the riders (`riders`) into the score rows the step has left. `seqs` holds
+/// (slot, trigger, token) a sequence, None for one without a trigger. Returns which of `seqs`
+/// refresh at this step by their trigger (fired or rode); slots waiting from an earlier step
+/// for a score row are not counted.
+pub(crate) fn step_triggers(
     dec: &mut GpuDecoder,
-    trig: &mut [Trigger],
-) -> Result<(), slowfast_cuda::CudaError> {
-    for (s, t) in trig.iter_mut().enumerate() {
-        if t.on_token(0) {
-            dec.request_refresh(s)?;
+    seqs: &mut [(usize, Option<&mut Trigger>, u32)],
+) -> Result<Vec<bool>, slowfast_cuda::CudaError> {
+    let mut fired = vec![false; seqs.len()];
+    for ((slot, trig, tok), f) in seqs.iter_mut().zip(fired.iter_mut()) {
+        *f = trig.as_mut().is_some_and(|t| t.on_token(*tok));
+        if *f {
+            dec.request_refresh(*slot)?;
         }
     }
-    let slow: Vec<bool> = (0..trig.len()).map(|s| dec.refresh_requested(s)).collect();
-    let refs: Vec<Option<&Trigger>> = (trig.iter().enumerate())
-        .map(|(s, t)| Some(t).filter(|_| dec.would_refresh(s)))
+    let slow: Vec<bool> = seqs.iter().map(|s| dec.refresh_requested(s.0)).collect();
+    let able: Vec<Option<&Trigger>> = seqs
+        .iter()
+        .map(|(slot, t, _)| t.as_deref().filter(|_| dec.would_refresh(*slot)))
         .collect();
-    for i in riders(&refs, &slow, dec.capture_room()) {
-        trig[i].ride();
-        dec.request_refresh(i)?;
+    let rode = riders(&able, &slow, dec.capture_room());
+    for i in rode {
+        if let Some(t) = seqs[i].1.as_mut() {
+            t.ride();
+        }
+        dec.request_refresh(seqs[i].0)?;
+        fired[i] = true;
     }
-    Ok(())
+    Ok(fired)
 }
 
 /// `slowfast bench --device cuda`: per context, prefill one random prompt into slot 0 (full
@@ -1120,7 +1131,10 @@ pub fn bench(
                         let (slow0, fast0, ref0) = dec.step_counts();
                         let ms = ctx
                             .time_ms(o.new_tokens, || {
-                                schedule_step(&mut dec, &mut trig)?;
+                                let mut seqs: Vec<_> = (trig.iter_mut().enumerate())
+                                    .map(|(s, t)| (s, Some(t), 0))
+                                    .collect();
+                                step_triggers(&mut dec, &mut seqs)?;
                                 t += 1;
                                 dec.decode_step()?;
                                 if t > o.new_tokens {

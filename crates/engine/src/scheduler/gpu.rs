@@ -15,11 +15,13 @@
 //! argmax tokens only; other steps download the logits `[slots, vocab]` for the host
 //! sampler, as `GpuSession` does.
 use slowfast_cuda::{CudaError, GpuDecoder, GpuKvPolicy};
-use slowfast_kv::sfi::trigger::{riders, Trigger};
+use slowfast_kv::sfi::trigger::Trigger;
 use slowfast_kv::PolicyStats;
 
 use super::{BatchDevice, SchedulerConfig, SpecTurn};
-use crate::cuda::{gpu_policy, kv_options, load_decoder_with, open_context, trigger_of, GPU_CHUNK};
+use crate::cuda::{
+    gpu_policy, kv_options, load_decoder_with, open_context, step_triggers, trigger_of, GPU_CHUNK,
+};
 use crate::sampler::SamplerConfig;
 use crate::session::PolicySpec;
 use crate::spec::{DraftKind, Row, SpecOptions, SpecStats, Speculator, MAX_SPEC_TOKENS};
@@ -605,37 +607,12 @@ impl BatchDevice for GpuDevice {
             }
         }
         self.dec.set_next(&next).map_err(gpu_err)?;
-        // SFI: each sequence's trigger runs on the token fed (as `GpuSession::step`).
-        let mut fired = vec![false; seqs.len()];
-        for ((s, &t), f) in seqs.iter_mut().zip(tokens).zip(fired.iter_mut()) {
-            *f = s.trigger.as_mut().is_some_and(|tr| tr.on_token(t));
-            if *f {
-                self.dec.request_refresh(s.slot).map_err(gpu_err)?;
-            }
-        }
-        // Riding: sequences past their min gap join a slow step that runs anyway, in the
-        // score rows it has left (`riders`, the trigger's rule).
-        let slow: Vec<bool> = seqs
-            .iter()
-            .map(|s| self.dec.refresh_requested(s.slot))
+        // SFI: each sequence's trigger runs on the token fed (as `GpuSession::step`), and
+        // sequences past their min gap ride a slow step that runs anyway (`step_triggers`).
+        let mut trig: Vec<_> = (seqs.iter_mut().zip(tokens))
+            .map(|(s, &t)| (s.slot, s.trigger.as_mut(), t))
             .collect();
-        let room = self.dec.capture_room();
-        let triggers: Vec<_> = seqs
-            .iter()
-            .map(|s| {
-                s.trigger
-                    .as_ref()
-                    .filter(|_| self.dec.would_refresh(s.slot))
-            })
-            .collect();
-        for i in riders(&triggers, &slow, room) {
-            let s = &mut seqs[i];
-            if let Some(tr) = s.trigger.as_mut() {
-                tr.ride();
-            }
-            self.dec.request_refresh(s.slot).map_err(gpu_err)?;
-            fired[i] = true;
-        }
+        let fired = step_triggers(&mut self.dec, &mut trig).map_err(gpu_err)?;
         if self.dirty {
             self.dec.begin_decode().map_err(gpu_err)?;
             self.dirty = false;
