@@ -7,7 +7,7 @@ use slowfast_engine::eval::agree::{eval_agree_on, AgreeOptions};
 use slowfast_engine::eval::passkey::{eval_passkey_spec, PasskeyMetrics, PasskeyOptions};
 use slowfast_engine::eval::ruler::{eval_ruler_on, RulerOptions, RulerTask};
 use slowfast_engine::eval::stability::{eval_stability_on, StabilityOptions};
-use slowfast_engine::eval::{eval_nll_on, EvalRecord, Metrics, NllOptions};
+use slowfast_engine::eval::{eval_nll_batch, eval_nll_on, EvalRecord, Metrics, NllOptions};
 use slowfast_engine::PolicySpec;
 
 use crate::common::{read_text, ModelArgs, PolicyArgs};
@@ -78,6 +78,14 @@ pub struct Args {
     /// adds the drafter's acceptance (`speculative` in --json).
     #[command(flatten)]
     pub spec: crate::common::SpecArgs,
+    /// nll: decode this many disjoint windows of --input together on the CPU, as one GPU
+    /// batch steps that many sequences (window j: BOS, then the N tokens from 1 + j x N), and
+    /// score all of them. With SFI this replays the GPU's batch schedule, where sequences ride
+    /// each other's slow steps (--sfi-ride, up to the 4 score rows a GPU step has), so riding's
+    /// cost in quality shows against --sfi-ride off. Full KV and the other policies score the
+    /// same as 1-window runs over each window. See docs/serving.md.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
     /// Write the records as a JSON array to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -154,7 +162,7 @@ fn table(rs: &[EvalRecord]) -> String {
     };
     match &first.metrics {
         Metrics::Nll(_) => s.push_str(
-            "| task | policy | kv budget | context | eval tokens | nll | Δnll vs full | ppl | retained | KV MiB after prefill | KV MiB end |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+            "| task | policy | kv budget | context | eval tokens | windows | nll | Δnll vs full | ppl | retained | slow steps (rides) | KV MiB after prefill | KV MiB end |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         ),
         Metrics::Agree(_) => s.push_str(
             "| task | policy | kv budget | context | eval tokens | agreement | first divergence | teacher-forced | retained |\n|---|---|---|---|---|---|---|---|---|\n",
@@ -184,16 +192,19 @@ fn table(rs: &[EvalRecord]) -> String {
     for r in rs {
         let line = match &r.metrics {
             Metrics::Nll(m) => format!(
-                "| {} | {} | {} | {} | {} | {:.4} | {} | {:.3} | {:.3} | {:.1} | {:.1} |",
+                "| {} | {} | {} | {} | {} | {} | {:.4} | {} | {:.3} | {:.3} | {} ({}) | {:.1} | {:.1} |",
                 r.task,
                 r.policy,
                 budget(r),
                 r.context,
                 r.eval_tokens,
+                m.windows,
                 m.nll,
                 m.delta_nll.map_or("-".into(), |d| format!("{d:+.4}")),
                 m.ppl,
                 r.retained_fraction,
+                r.slow_steps,
+                m.rides,
                 r.kv_bytes_after_prefill as f64 / (1 << 20) as f64,
                 r.kv_bytes_end as f64 / (1 << 20) as f64
             ),
@@ -271,6 +282,15 @@ fn check(a: &Args, e: Option<usize>) -> Result<()> {
     if !matches!(a.task.as_str(), "passkey" | "ruler") && a.input.is_none() {
         bail!("--task {} needs --input (a UTF-8 text file)", a.task);
     }
+    if a.batch == 0 {
+        bail!("--batch must be at least 1 (windows decoded together)");
+    }
+    if a.batch > 1 && a.task != "nll" {
+        bail!("--batch is for --task nll (got --task {})", a.task);
+    }
+    if a.batch > 1 && a.model.device() != slowfast_engine::Device::Cpu {
+        bail!("--batch {}: the batched nll replays the GPU's batch schedule on the CPU; run it with --device cpu", a.batch);
+    }
     if a.chat && a.task != "ruler" {
         bail!("--chat is for --task ruler (got --task {})", a.task);
     }
@@ -339,6 +359,9 @@ pub fn run(a: Args) -> Result<()> {
     let device = a.model.device();
     if a.task == "stability" {
         a.model.whole_model_only("eval --task stability")?;
+    }
+    if a.batch > 1 {
+        a.model.whole_model_only("eval --batch")?;
     }
     if a.model.tensor_parallel > 1 && a.spec.speculate.is_some() {
         a.model.whole_model_only("eval --speculate")?;
@@ -425,7 +448,11 @@ pub fn run(a: Args) -> Result<()> {
             };
             for spec in &specs {
                 eprintln!("== policy {}", spec.name());
-                recs.push(eval_nll_on(device, &m, &ids, &o, spec, &mut progress)?);
+                recs.push(if a.batch > 1 {
+                    eval_nll_batch(&m, &ids, &o, spec, a.batch, &mut progress)?
+                } else {
+                    eval_nll_on(device, &m, &ids, &o, spec, &mut progress)?
+                });
             }
             if let Some(full) =
                 recs.iter()

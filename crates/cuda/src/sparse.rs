@@ -283,8 +283,8 @@ impl GpuKvPolicy {
 /// Slots whose slow steps capture scores in one decode step (a row each of every global
 /// layer's score buffer): at 12 x 128K of Qwen3-4B the buffer for every slot took 7.2 GiB,
 /// for 4 it takes 2.4. More slow steps at once wait a step (a slot without a memory reads
-/// densely meanwhile).
-pub const CAPTURE_ROWS: usize = 4;
+/// densely meanwhile). The number lives with the riding rule it bounds.
+pub use slowfast_kv::sfi::trigger::CAPTURE_ROWS;
 
 /// Key tiles (`DECODE_BK`, 64 keys) a block of the sparse fast step streams at most (when the
 /// wave allows that many blocks). The kernel's 3-stage ring loads two tiles before its

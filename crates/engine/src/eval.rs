@@ -12,6 +12,7 @@ use std::time::Instant;
 use crate::load::Loaded;
 use crate::session::{KvDtype, PolicySpec, Session};
 use crate::EngineError;
+use slowfast_kv::sfi::trigger::CAPTURE_ROWS;
 
 /// One row of `eval` output (one task under one policy). The task's own numbers are in
 /// `metrics`, serialized inline (an `nll` record keeps its `nll`, `ppl`, `delta_nll` fields).
@@ -57,6 +58,10 @@ pub struct NllMetrics {
     pub ppl: f64,
     /// NLL minus the full-KV NLL of the same run (filled in when full KV ran too).
     pub delta_nll: Option<f64>,
+    /// Windows of the text decoded together as one batch (`eval --batch`; 1: the usual run).
+    pub windows: usize,
+    /// Slow steps that were rides (joined another window's slow step), over all windows.
+    pub rides: usize,
 }
 
 /// Index of the largest logit (the first one on ties): greedy decoding.
@@ -293,6 +298,8 @@ pub fn eval_nll_on(
             nll,
             ppl: nll.exp(),
             delta_nll: None,
+            windows: 1,
+            rides: 0,
         }),
         retained_fraction: stats.retained_fraction(),
         slow_steps: stats.slow_steps,
@@ -305,6 +312,108 @@ pub fn eval_nll_on(
         kv_bytes: sess.kv_bytes(),
         kv_bytes_after_prefill,
         kv_bytes_end: sess.kv_bytes(),
+    })
+}
+
+/// [`eval_nll`] over `batch` windows of the text decoded together on the CPU, as one GPU
+/// batch of `batch` sequences steps them ([`Session::step_together`] with the GPU's room,
+/// `CAPTURE_ROWS`): so SFI's riding (`--sfi-ride`) changes when each window refreshes as it
+/// does on the GPU, and its cost in quality can be measured here. Window j is `tokens[0]`
+/// (the BOS) and then the N tokens from `1 + j * N`, so window 0 is what [`eval_nll`] scores
+/// and the windows do not overlap: `tokens` must hold at least `1 + batch * N` tokens.
+/// The record's NLL is the mean over every window's E steps; its step counts are sums over
+/// the windows, its retained fraction and KV bytes means.
+pub fn eval_nll_batch(
+    m: &Loaded,
+    tokens: &[u32],
+    o: &NllOptions,
+    policy: &PolicySpec,
+    batch: usize,
+    progress: &mut dyn FnMut(&str),
+) -> Result<EvalRecord, EngineError> {
+    let NllOptions {
+        context,
+        eval_tokens,
+        kv,
+        chunk,
+    } = *o;
+    if batch == 0 {
+        return Err(EngineError::BadInput("--batch must be at least 1".into()));
+    }
+    if eval_tokens == 0 || eval_tokens >= context {
+        return Err(EngineError::BadInput(format!(
+            "--eval-tokens ({eval_tokens}) must be at least 1 and less than --context ({context})"
+        )));
+    }
+    check_model_context(m, context)?;
+    let need = 1 + batch * context;
+    if tokens.len() < need {
+        return Err(EngineError::BadInput(format!(
+            "--batch {batch} at --context {context} needs {need} tokens of input (BOS + batch x context: disjoint windows), the text has {}",
+            tokens.len()
+        )));
+    }
+    let windows: Vec<Vec<u32>> = (0..batch)
+        .map(|j| {
+            let start = 1 + j * context;
+            std::iter::once(tokens[0])
+                .chain(tokens[start..start + context].iter().copied())
+                .collect()
+        })
+        .collect();
+    let n_prefill = context - eval_tokens;
+    let mut sessions = Vec::with_capacity(batch);
+    let mut prefill_seconds = 0.0;
+    for (j, w) in windows.iter().enumerate() {
+        progress(&format!("window {}/{batch}", j + 1));
+        let mut sess = Session::try_with_policy(&m.model, context, kv, chunk, policy)?;
+        prefill_seconds += prefill_reporting(&mut sess, &w[..n_prefill], progress)?;
+        sessions.push(sess);
+    }
+    let kv_after: usize = sessions.iter().map(|s| s.kv_bytes()).sum();
+    let t1 = Instant::now();
+    let mut last_report = Instant::now();
+    let (mut total, mut rides) = (0.0, 0);
+    for i in n_prefill..context {
+        let fed: Vec<u32> = windows.iter().map(|w| w[i]).collect();
+        rides += Session::step_together(&mut sessions, &fed, CAPTURE_ROWS)?.len();
+        for (s, w) in sessions.iter().zip(&windows) {
+            total += nll_of(s.logits(), w[i + 1]);
+        }
+        let done = i + 1 - n_prefill;
+        if last_report.elapsed().as_secs_f64() > 2.0 || done == eval_tokens {
+            progress(&format!(
+                "decode {done}/{eval_tokens} x {batch} windows (running nll {:.4}, {rides} rides)",
+                total / (done * batch) as f64
+            ));
+            last_report = Instant::now();
+        }
+    }
+    let nll = total / (eval_tokens * batch) as f64;
+    let stats: Vec<_> = sessions.iter().map(|s| s.policy_stats()).collect();
+    let kv_end: usize = sessions.iter().map(|s| s.kv_bytes()).sum();
+    Ok(EvalRecord {
+        task: "nll".into(),
+        policy: policy.name().into(),
+        kv_budget: policy.budget(),
+        metrics: Metrics::Nll(NllMetrics {
+            nll,
+            ppl: nll.exp(),
+            delta_nll: None,
+            windows: batch,
+            rides,
+        }),
+        retained_fraction: stats.iter().map(|s| s.retained_fraction()).sum::<f64>() / batch as f64,
+        slow_steps: stats.iter().map(|s| s.slow_steps).sum(),
+        fast_steps: stats.iter().map(|s| s.fast_steps).sum(),
+        model: m.name.clone(),
+        context,
+        eval_tokens,
+        prefill_seconds,
+        decode_seconds: t1.elapsed().as_secs_f64(),
+        kv_bytes: kv_end / batch,
+        kv_bytes_after_prefill: kv_after / batch,
+        kv_bytes_end: kv_end / batch,
     })
 }
 
@@ -345,6 +454,8 @@ mod tests {
             nll: 2.0,
             ppl: 2f64.exp(),
             delta_nll: Some(0.0),
+            windows: 1,
+            rides: 0,
         }));
         let v = serde_json::to_value(&nll).unwrap();
         // The fields an `nll` record always had, at the top level.

@@ -221,6 +221,29 @@ pub(crate) enum Cache {
     F16(KvStore<f16>, Box<dyn KvPolicy<f16>>),
 }
 
+/// What a session asks of its policy token by token, whatever the cache's element type.
+trait PolicyView {
+    fn on_token(&mut self, token: u32);
+    fn slow_now(&self) -> bool;
+    fn rider(&self) -> Option<&slowfast_kv::sfi::trigger::Trigger>;
+    fn ride(&mut self);
+}
+
+impl<T: CacheElem> PolicyView for Box<dyn KvPolicy<T>> {
+    fn on_token(&mut self, token: u32) {
+        (**self).on_token(token)
+    }
+    fn slow_now(&self) -> bool {
+        (**self).slow_now()
+    }
+    fn rider(&self) -> Option<&slowfast_kv::sfi::trigger::Trigger> {
+        (**self).rider()
+    }
+    fn ride(&mut self) {
+        (**self).ride()
+    }
+}
+
 /// Default prefill chunk (tokens per forward call).
 pub const DEFAULT_CHUNK: usize = 512;
 
@@ -527,10 +550,64 @@ impl<'m> Session<'m> {
 
     /// Decode one token; returns its next-token logits.
     pub fn step(&mut self, token: u32) -> Result<&[f32], EngineError> {
-        match &mut self.cache {
-            Cache::F32(_, p) => p.on_token(token),
-            Cache::F16(_, p) => p.on_token(token),
+        self.policy_mut().on_token(token);
+        self.forward_step(token)
+    }
+
+    /// One decode step of several sessions together, as one step of a GPU batch takes them
+    /// (riding, `slowfast_kv::sfi::trigger::riders`): each policy sees its token, then, when
+    /// some session's step is slow by its own trigger, sessions that may ride join it, up to
+    /// `room` slow steps in all (the GPU's `CAPTURE_ROWS`; 0: none ride, so each session steps
+    /// exactly as `step` would). The CPU runs every slow step that fired, past `room` too,
+    /// where the GPU would make the ones past its score rows wait a step. Returns the indices
+    /// of the sessions that rode; each one's logits are in its `logits()`.
+    pub fn step_together(
+        sessions: &mut [Session<'_>],
+        tokens: &[u32],
+        room: usize,
+    ) -> Result<Vec<usize>, EngineError> {
+        if sessions.len() != tokens.len() {
+            return Err(EngineError::BadInput(format!(
+                "step_together: {} sessions but {} tokens",
+                sessions.len(),
+                tokens.len()
+            )));
         }
+        for (s, &t) in sessions.iter_mut().zip(tokens) {
+            s.policy_mut().on_token(t);
+        }
+        let slow: Vec<bool> = sessions.iter().map(|s| s.policy().slow_now()).collect();
+        let left = room.saturating_sub(slow.iter().filter(|&&b| b).count());
+        let rode = {
+            let able: Vec<_> = sessions.iter().map(|s| s.policy().rider()).collect();
+            slowfast_kv::sfi::trigger::riders(&able, &slow, left)
+        };
+        for &i in &rode {
+            sessions[i].policy_mut().ride();
+        }
+        for (s, &t) in sessions.iter_mut().zip(tokens) {
+            s.forward_step(t)?;
+        }
+        Ok(rode)
+    }
+
+    /// The policy, whatever the cache's element type.
+    fn policy(&self) -> &dyn PolicyView {
+        match &self.cache {
+            Cache::F32(_, p) => p,
+            Cache::F16(_, p) => p,
+        }
+    }
+
+    fn policy_mut(&mut self) -> &mut dyn PolicyView {
+        match &mut self.cache {
+            Cache::F32(_, p) => p,
+            Cache::F16(_, p) => p,
+        }
+    }
+
+    /// The decode step after the policy saw its token: forward, then the policy's end of step.
+    fn forward_step(&mut self, token: u32) -> Result<&[f32], EngineError> {
         self.forward(&[token], LogitsRows::Last)?;
         let r = match &mut self.cache {
             Cache::F32(c, p) => p.end_step(c),

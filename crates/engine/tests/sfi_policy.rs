@@ -248,3 +248,100 @@ fn sfi_fastkv_with_a_small_budget_reads_the_sparse_memory_of_the_compacted_layer
         .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
     assert!(max_diff.is_finite() && max_diff < 10.0, "{max_diff}");
 }
+
+/// Sessions of `spec`, each prefilled with its own window `prompts[j]`.
+fn prefilled<'m>(
+    m: &'m Model,
+    specs: &[PolicySpec],
+    prompts: &[&[u32]],
+    cap: usize,
+) -> Vec<Session<'m>> {
+    specs
+        .iter()
+        .zip(prompts)
+        .map(|(spec, p)| {
+            let mut s = Session::try_with_policy(m, cap, KvDtype::F32, 16, spec).unwrap();
+            s.prefill(p, &mut |_, _| {}).unwrap();
+            s
+        })
+        .collect()
+}
+
+fn punct(ride: bool) -> SfiConfig {
+    let mut cfg = SfiConfig::new(2, 8, 6);
+    cfg.trigger.min_gap = 3;
+    cfg.trigger.refresh_interval = 9;
+    cfg.trigger.ride = ride;
+    cfg
+}
+
+#[test]
+fn stepping_together_with_no_room_is_stepping_alone() {
+    let m = model();
+    let t = tokens(400);
+    let windows: Vec<&[u32]> = vec![&t[..130], &t[130..260], &t[260..390]];
+    let spec = sfi(punct(true));
+    let specs = vec![spec.clone(); 3];
+    let prompts: Vec<&[u32]> = windows.iter().map(|w| &w[..96]).collect();
+    let mut together = prefilled(&m, &specs, &prompts, 140);
+    let mut alone = prefilled(&m, &specs, &prompts, 140);
+    for i in 96..130 {
+        let fed: Vec<u32> = windows.iter().map(|w| w[i]).collect();
+        let rode = Session::step_together(&mut together, &fed, 0).unwrap();
+        assert!(rode.is_empty(), "no room, no riders");
+        for (j, s) in alone.iter_mut().enumerate() {
+            let want = s.step(fed[j]).unwrap().to_vec();
+            assert_eq!(together[j].logits(), &want[..], "window {j}, position {i}");
+        }
+    }
+    let stats = |v: &[Session]| -> Vec<_> { v.iter().map(|s| s.policy_stats()).collect() };
+    assert_eq!(stats(&together), stats(&alone));
+    assert!(
+        Session::step_together(&mut together, &[1, 2], 0).is_err(),
+        "3 sessions, 2 tokens"
+    );
+}
+
+#[test]
+fn a_rider_refreshes_on_the_firing_sequences_schedule() {
+    let m = model();
+    let t = tokens(300);
+    // Sequence 0 fires every 7 steps; sequence 1's own trigger never fires, so with riding on
+    // it refreshes exactly when 0 does (past its min gap of 3): the same steps, hence the same
+    // logits, as a sequence whose own trigger fires every 7.
+    let mut every7 = SfiConfig::new(2, 8, 6);
+    every7.trigger.kind = TriggerKind::Periodic;
+    every7.trigger.period = 7;
+    let mut never = SfiConfig::new(2, 8, 6);
+    never.trigger.kind = TriggerKind::Off;
+    never.trigger.min_gap = 3;
+    let (a, b) = (&t[..150], &t[150..300]);
+    let prompts: Vec<&[u32]> = vec![&a[..100], &b[..100]];
+    let run = |rider: SfiConfig, room: usize| {
+        let mut v = prefilled(&m, &[sfi(every7.clone()), sfi(rider)], &prompts, 160);
+        let (mut logits, mut rides) = (Vec::new(), 0);
+        for i in 100..150 {
+            rides += Session::step_together(&mut v, &[a[i], b[i]], room)
+                .unwrap()
+                .len();
+            logits.push(v[1].logits().to_vec());
+        }
+        (logits, v[1].policy_stats(), rides)
+    };
+    let (rode, stats, rides) = run(never.clone(), 4);
+    assert_eq!(
+        rides, 7,
+        "one ride per slow step of sequence 0 (steps 7, 14, .., 49)"
+    );
+    assert_eq!((stats.slow_steps, stats.fast_steps), (7, 43));
+    let (own, own_stats, _) = run(every7.clone(), 4);
+    assert_eq!(rode, own, "riding on a period-7 schedule is that schedule");
+    assert_eq!(own_stats, stats);
+    // Riding off, or no room: sequence 1 never refreshes.
+    let mut off = never.clone();
+    off.trigger.ride = false;
+    for (cfg, room) in [(off, 4), (never, 1)] {
+        let (_, stats, rides) = run(cfg, room);
+        assert_eq!((rides, stats.slow_steps), (0, 0));
+    }
+}

@@ -132,6 +132,9 @@ pub enum SlowReason {
     Short,
     /// A speculative verification that refreshed the memory.
     Verify,
+    /// Joined a slow step another sequence of the batch fired (riding,
+    /// `sfi::trigger::riders`).
+    Ride,
 }
 
 /// One slow step: the position of the token it fed, and why.

@@ -158,6 +158,23 @@ pub trait KvPolicy<T: CacheElem>: Send {
     /// The token about to be fed at the next decode step (trigger policies look at it).
     fn on_token(&mut self, _token: u32) {}
 
+    /// Riding (`crate::sfi::trigger::riders`), after this step's `on_token`: whether the step
+    /// is slow by the policy's own trigger (false for policies without one).
+    fn slow_now(&self) -> bool {
+        false
+    }
+
+    /// Riding, after this step's `on_token`: the trigger to weigh when another sequence of
+    /// the batch takes a slow step, if this step could become one (a policy with a trigger and
+    /// a memory to refresh, not drafting). None for the other policies.
+    fn rider(&self) -> Option<&crate::sfi::trigger::Trigger> {
+        None
+    }
+
+    /// Riding: the caller chose this sequence by `riders`; its current step becomes a slow
+    /// step. Only called when `rider` returned a trigger.
+    fn ride(&mut self) {}
+
     /// Prompt rows at the end of prefill the policy observes (an observation window): the
     /// session makes its last prefill chunk at least this long.
     fn prefill_tail(&self) -> usize {

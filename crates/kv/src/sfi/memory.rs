@@ -812,6 +812,24 @@ impl<T: CacheElem> KvPolicy<T> for SfiPolicy<T> {
             .then(|| trigger_reason(&before, &self.trigger.stats()));
     }
 
+    fn slow_now(&self) -> bool {
+        self.slow_now
+    }
+
+    fn rider(&self) -> Option<&Trigger> {
+        // As the GPU's `would_refresh`: a memory exists (past the dense span), so a slow step
+        // would refresh it.
+        let has_memory = self.layers.iter().any(Option::is_some);
+        (!self.slow_now && !self.drafting && self.verifying.is_none() && has_memory)
+            .then_some(&self.trigger)
+    }
+
+    fn ride(&mut self) {
+        self.trigger.ride();
+        self.slow_now = true;
+        self.reason = Some(SlowReason::Ride);
+    }
+
     fn begin_draft(&mut self) -> Result<(), String> {
         self.drafting = true;
         Ok(())

@@ -22,12 +22,13 @@
 //! step measures again.
 //!
 //! Riding (an extension, issue 22): on a device whose slow step takes several sequences' rows
-//! for little more than one (the GPU: up to `CAPTURE_ROWS` score rows a step), the sequences of
+//! for little more than one (the GPU: up to [`CAPTURE_ROWS`] score rows a step), the sequences of
 //! a batch that are past their `min_gap` join a slow step that another one fired anyway
 //! ([`riders`], [`Trigger::ride`]). A ride never falls inside the rider's gap and counts as its
 //! refresh: the gap and interval count from there, as after a fired step. The batch runs fewer
 //! slow steps; each sequence refreshes more often. Off with `ride: false`; a device with no such
-//! room (the CPU, whose slow rows each cost a dense pass) passes a room of 0.
+//! room (the CPU, whose slow rows each cost a dense pass) passes a room of 0 when it serves;
+//! `eval --batch` passes the GPU's room on the CPU to measure what riding costs in quality.
 //!
 //! Counting: decode steps are numbered from 1 (the first [`Trigger::on_token`] call is step 1;
 //! step 0 is the prefill / bootstrap). `steps_since_refresh` counts the `on_token` calls since
@@ -53,6 +54,11 @@ use std::fmt;
 use std::str::FromStr;
 
 use thiserror::Error;
+
+/// Sequences whose slow steps one GPU decode step takes (a score row each of every global
+/// layer's buffer; `slowfast_cuda::sparse` sizes its buffers by it): the room riders fill
+/// ([`riders`]), here so that `eval --batch` on the CPU replays the GPU's batch schedule.
+pub const CAPTURE_ROWS: usize = 4;
 
 /// Which schedule fires slow steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
