@@ -446,13 +446,13 @@ pub fn run(a: Args) -> Result<()> {
                 kv,
                 chunk,
             };
-            for spec in &specs {
-                eprintln!("== policy {}", spec.name());
-                recs.push(if a.batch > 1 {
-                    eval_nll_batch(&m, &ids, &o, spec, a.batch, &mut progress)?
-                } else {
-                    eval_nll_on(device, &m, &ids, &o, spec, &mut progress)?
-                });
+            if a.batch > 1 {
+                recs = eval_nll_batch(&m, &ids, &o, &specs, a.batch, &mut progress)?;
+            } else {
+                for spec in &specs {
+                    eprintln!("== policy {}", spec.name());
+                    recs.push(eval_nll_on(device, &m, &ids, &o, spec, &mut progress)?);
+                }
             }
             if let Some(full) =
                 recs.iter()

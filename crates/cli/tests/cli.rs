@@ -427,6 +427,115 @@ fn eval_nll_on_a_tiny_model_writes_json_records() {
 }
 
 #[test]
+fn eval_nll_batch_scores_every_window_and_names_what_it_needs() {
+    let text = tmp("eval-batch").join("text.txt");
+    // Sentences end often, so SFI's triggers fire at different steps in different windows.
+    let words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta"];
+    let mut t = String::new();
+    for i in 0..900 {
+        t.push_str(words[(i * 5 + i / 7) % words.len()]);
+        t.push_str(if i % (3 + i % 5) == 0 { ". " } else { " " });
+    }
+    std::fs::write(&text, &t).unwrap();
+    let json = tmp("eval-batch").join("out.json");
+    let dir = fixture("llama");
+    let (d, x) = (dir.to_str().unwrap(), text.to_str().unwrap());
+    let common = [
+        "eval",
+        "--task",
+        "nll",
+        "--model",
+        d,
+        "--input",
+        x,
+        "--context",
+        "160",
+        "--eval-tokens",
+        "64",
+        "--kv-budget",
+        "48",
+        "--sinks",
+        "4",
+        "--sfi-recent",
+        "16",
+        "--sfi-min-gap",
+        "4",
+        "--sfi-refresh-interval",
+        "24",
+    ];
+    let out = bin()
+        .args(common)
+        .args([
+            "--batch",
+            "6",
+            "--policies",
+            "full,sfi",
+            "--json",
+            json.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (full, sfi) = (&v[0], &v[1]);
+    assert_eq!(
+        (full["policy"].as_str(), sfi["policy"].as_str()),
+        (Some("full"), Some("sfi"))
+    );
+    for r in [full, sfi] {
+        assert_eq!(r["windows"], 6);
+        assert_eq!(
+            r["slow_steps"].as_u64().unwrap() + r["fast_steps"].as_u64().unwrap(),
+            6 * 64,
+            "every window's steps are counted: {r}"
+        );
+    }
+    assert_eq!(full["rides"], 0);
+    assert!(
+        sfi["rides"].as_u64().unwrap() > 0,
+        "six windows ride: {sfi}"
+    );
+    // With riding off no window rides, and each refreshes on its own trigger only.
+    let out = bin()
+        .args(common)
+        .args([
+            "--batch",
+            "6",
+            "--policies",
+            "sfi",
+            "--sfi-ride",
+            "off",
+            "--json",
+        ])
+        .arg(json.to_str().unwrap())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v[0]["rides"], 0);
+    assert!(v[0]["slow_steps"].as_u64().unwrap() < sfi["slow_steps"].as_u64().unwrap());
+    // Too little text for disjoint windows, another task, another device: each named.
+    let mut long = common.to_vec();
+    long.extend(["--batch", "400"]);
+    fails(&long, "disjoint windows");
+    fails(
+        &["eval", "--task", "passkey", "--model", d, "--batch", "2"],
+        "--batch is for --task nll",
+    );
+    fails(
+        &[&common[..], &["--batch", "0"]].concat(),
+        "--batch must be at least 1",
+    );
+}
+
+#[test]
 fn info_names_qwen2_biases_and_the_mistral_window() {
     let info = |name: &str| -> serde_json::Value {
         let out = bin()

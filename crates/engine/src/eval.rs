@@ -320,17 +320,18 @@ pub fn eval_nll_on(
 /// `CAPTURE_ROWS`): so SFI's riding (`--sfi-ride`) changes when each window refreshes as it
 /// does on the GPU, and its cost in quality can be measured here. Window j is `tokens[0]`
 /// (the BOS) and then the N tokens from `1 + j * N`, so window 0 is what [`eval_nll`] scores
-/// and the windows do not overlap: `tokens` must hold at least `1 + batch * N` tokens.
-/// The record's NLL is the mean over every window's E steps; its step counts are sums over
-/// the windows, its retained fraction and KV bytes means.
+/// and the windows do not overlap: `tokens` must hold at least `1 + batch * N` tokens. Each
+/// window is prefilled once for all `policies` ([`prefilled_sessions`]); then each policy's
+/// windows decode together. A record's NLL is the mean over every window's E steps; its step
+/// counts are sums over the windows, its retained fraction and KV bytes means.
 pub fn eval_nll_batch(
     m: &Loaded,
     tokens: &[u32],
     o: &NllOptions,
-    policy: &PolicySpec,
+    policies: &[PolicySpec],
     batch: usize,
     progress: &mut dyn FnMut(&str),
-) -> Result<EvalRecord, EngineError> {
+) -> Result<Vec<EvalRecord>, EngineError> {
     let NllOptions {
         context,
         eval_tokens,
@@ -362,59 +363,69 @@ pub fn eval_nll_batch(
         })
         .collect();
     let n_prefill = context - eval_tokens;
-    let mut sessions = Vec::with_capacity(batch);
-    let mut prefill_seconds = 0.0;
+    // by_policy[p]: policy p's session of every window, and the prefill seconds.
+    let mut by_policy: Vec<(Vec<Session>, f64)> =
+        policies.iter().map(|_| (Vec::new(), 0.0)).collect();
     for (j, w) in windows.iter().enumerate() {
         progress(&format!("window {}/{batch}", j + 1));
-        let mut sess = Session::try_with_policy(&m.model, context, kv, chunk, policy)?;
-        prefill_seconds += prefill_reporting(&mut sess, &w[..n_prefill], progress)?;
-        sessions.push(sess);
-    }
-    let kv_after: usize = sessions.iter().map(|s| s.kv_bytes()).sum();
-    let t1 = Instant::now();
-    let mut last_report = Instant::now();
-    let (mut total, mut rides) = (0.0, 0);
-    for i in n_prefill..context {
-        let fed: Vec<u32> = windows.iter().map(|w| w[i]).collect();
-        rides += Session::step_together(&mut sessions, &fed, CAPTURE_ROWS)?.len();
-        for (s, w) in sessions.iter().zip(&windows) {
-            total += nll_of(s.logits(), w[i + 1]);
-        }
-        let done = i + 1 - n_prefill;
-        if last_report.elapsed().as_secs_f64() > 2.0 || done == eval_tokens {
-            progress(&format!(
-                "decode {done}/{eval_tokens} x {batch} windows (running nll {:.4}, {rides} rides)",
-                total / (done * batch) as f64
-            ));
-            last_report = Instant::now();
+        let sessions =
+            prefilled_sessions(m, context, kv, chunk, policies, &w[..n_prefill], progress)?;
+        for ((sess, secs), slot) in sessions.into_iter().zip(by_policy.iter_mut()) {
+            slot.0.push(sess);
+            slot.1 += secs;
         }
     }
-    let nll = total / (eval_tokens * batch) as f64;
-    let stats: Vec<_> = sessions.iter().map(|s| s.policy_stats()).collect();
-    let kv_end: usize = sessions.iter().map(|s| s.kv_bytes()).sum();
-    Ok(EvalRecord {
-        task: "nll".into(),
-        policy: policy.name().into(),
-        kv_budget: policy.budget(),
-        metrics: Metrics::Nll(NllMetrics {
-            nll,
-            ppl: nll.exp(),
-            delta_nll: None,
-            windows: batch,
-            rides,
-        }),
-        retained_fraction: stats.iter().map(|s| s.retained_fraction()).sum::<f64>() / batch as f64,
-        slow_steps: stats.iter().map(|s| s.slow_steps).sum(),
-        fast_steps: stats.iter().map(|s| s.fast_steps).sum(),
-        model: m.name.clone(),
-        context,
-        eval_tokens,
-        prefill_seconds,
-        decode_seconds: t1.elapsed().as_secs_f64(),
-        kv_bytes: kv_end / batch,
-        kv_bytes_after_prefill: kv_after / batch,
-        kv_bytes_end: kv_end / batch,
-    })
+    let mut recs = Vec::new();
+    for (policy, (mut sessions, prefill_seconds)) in policies.iter().zip(by_policy) {
+        progress(&format!("== policy {} over {batch} windows", policy.name()));
+        let kv_after: usize = sessions.iter().map(|s| s.kv_bytes()).sum();
+        let t1 = Instant::now();
+        let mut last_report = Instant::now();
+        let (mut total, mut rides) = (0.0, 0);
+        for i in n_prefill..context {
+            let fed: Vec<u32> = windows.iter().map(|w| w[i]).collect();
+            rides += Session::step_together(&mut sessions, &fed, CAPTURE_ROWS)?.len();
+            for (s, w) in sessions.iter().zip(&windows) {
+                total += nll_of(s.logits(), w[i + 1]);
+            }
+            let done = i + 1 - n_prefill;
+            if last_report.elapsed().as_secs_f64() > 2.0 || done == eval_tokens {
+                progress(&format!(
+                    "decode {done}/{eval_tokens} x {batch} windows (running nll {:.4}, {rides} rides)",
+                    total / (done * batch) as f64
+                ));
+                last_report = Instant::now();
+            }
+        }
+        let nll = total / (eval_tokens * batch) as f64;
+        let stats: Vec<_> = sessions.iter().map(|s| s.policy_stats()).collect();
+        let kv_end: usize = sessions.iter().map(|s| s.kv_bytes()).sum();
+        recs.push(EvalRecord {
+            task: "nll".into(),
+            policy: policy.name().into(),
+            kv_budget: policy.budget(),
+            metrics: Metrics::Nll(NllMetrics {
+                nll,
+                ppl: nll.exp(),
+                delta_nll: None,
+                windows: batch,
+                rides,
+            }),
+            retained_fraction: stats.iter().map(|s| s.retained_fraction()).sum::<f64>()
+                / batch as f64,
+            slow_steps: stats.iter().map(|s| s.slow_steps).sum(),
+            fast_steps: stats.iter().map(|s| s.fast_steps).sum(),
+            model: m.name.clone(),
+            context,
+            eval_tokens,
+            prefill_seconds,
+            decode_seconds: t1.elapsed().as_secs_f64(),
+            kv_bytes: kv_end / batch,
+            kv_bytes_after_prefill: kv_after / batch,
+            kv_bytes_end: kv_end / batch,
+        });
+    }
+    Ok(recs)
 }
 
 #[cfg(test)]
