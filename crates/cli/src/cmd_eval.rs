@@ -162,7 +162,7 @@ fn table(rs: &[EvalRecord]) -> String {
     };
     match &first.metrics {
         Metrics::Nll(_) => s.push_str(
-            "| task | policy | kv budget | context | eval tokens | windows | nll | Δnll vs full | ppl | retained | slow steps (rides) | KV MiB after prefill | KV MiB end |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+            "| task | policy | kv budget | context | eval tokens | windows | nll | Δnll vs full | ppl | retained | slow steps (rides; batch) | KV MiB after prefill | KV MiB end |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         ),
         Metrics::Agree(_) => s.push_str(
             "| task | policy | kv budget | context | eval tokens | agreement | first divergence | teacher-forced | retained |\n|---|---|---|---|---|---|---|---|---|\n",
@@ -192,7 +192,7 @@ fn table(rs: &[EvalRecord]) -> String {
     for r in rs {
         let line = match &r.metrics {
             Metrics::Nll(m) => format!(
-                "| {} | {} | {} | {} | {} | {} | {:.4} | {} | {:.3} | {:.3} | {} ({}) | {:.1} | {:.1} |",
+                "| {} | {} | {} | {} | {} | {} | {:.4} | {} | {:.3} | {:.3} | {} ({}; {}) | {:.1} | {:.1} |",
                 r.task,
                 r.policy,
                 budget(r),
@@ -205,6 +205,7 @@ fn table(rs: &[EvalRecord]) -> String {
                 r.retained_fraction,
                 r.slow_steps,
                 m.rides,
+                m.batch_slow_steps,
                 r.kv_bytes_after_prefill as f64 / (1 << 20) as f64,
                 r.kv_bytes_end as f64 / (1 << 20) as f64
             ),

@@ -493,6 +493,22 @@ fn eval_nll_batch_scores_every_window_and_names_what_it_needs() {
         );
     }
     assert_eq!(full["rides"], 0);
+    assert_eq!(full["window_nll"].as_array().map(Vec::len), Some(6));
+    let mean = full["window_nll"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .sum::<f64>()
+        / 6.0;
+    assert!(
+        (mean - full["nll"].as_f64().unwrap()).abs() < 1e-9,
+        "nll is the windows' mean"
+    );
+    // A batch step is slow when any window's is: at most every window's slow steps, at least
+    // the busiest window's.
+    let bs = sfi["batch_slow_steps"].as_u64().unwrap();
+    assert!(bs > 0 && bs <= sfi["slow_steps"].as_u64().unwrap(), "{sfi}");
     assert!(
         sfi["rides"].as_u64().unwrap() > 0,
         "six windows ride: {sfi}"

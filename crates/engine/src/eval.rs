@@ -62,6 +62,13 @@ pub struct NllMetrics {
     pub windows: usize,
     /// Slow steps that were rides (joined another window's slow step), over all windows.
     pub rides: usize,
+    /// Decode steps of the batch in which some window took a slow step by its trigger or a
+    /// ride (what a GPU batch pays a slow step for; the windows' `slow_steps` in a 1-window
+    /// run).
+    pub batch_slow_steps: usize,
+    /// Each window's mean NLL (`--batch`; empty for a 1-window run), for paired comparisons.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub window_nll: Vec<f64>,
 }
 
 /// Index of the largest logit (the first one on ties): greedy decoding.
@@ -300,6 +307,8 @@ pub fn eval_nll_on(
             delta_nll: None,
             windows: 1,
             rides: 0,
+            batch_slow_steps: stats.slow_steps,
+            window_nll: Vec::new(),
         }),
         retained_fraction: stats.retained_fraction(),
         slow_steps: stats.slow_steps,
@@ -381,12 +390,17 @@ pub fn eval_nll_batch(
         let kv_after: usize = sessions.iter().map(|s| s.kv_bytes()).sum();
         let t1 = Instant::now();
         let mut last_report = Instant::now();
-        let (mut total, mut rides) = (0.0, 0);
+        let (mut total, mut rides, mut batch_slow) = (0.0, 0, 0);
+        let mut per_window = vec![0.0; batch];
         for i in n_prefill..context {
             let fed: Vec<u32> = windows.iter().map(|w| w[i]).collect();
-            rides += Session::step_together(&mut sessions, &fed, CAPTURE_ROWS)?.len();
-            for (s, w) in sessions.iter().zip(&windows) {
-                total += nll_of(s.logits(), w[i + 1]);
+            let (fired, rode) = Session::step_together(&mut sessions, &fed, CAPTURE_ROWS)?;
+            rides += rode.len();
+            batch_slow += usize::from(!rode.is_empty() || fired.contains(&true));
+            for ((s, w), acc) in sessions.iter().zip(&windows).zip(per_window.iter_mut()) {
+                let x = nll_of(s.logits(), w[i + 1]);
+                total += x;
+                *acc += x / eval_tokens as f64;
             }
             let done = i + 1 - n_prefill;
             if last_report.elapsed().as_secs_f64() > 2.0 || done == eval_tokens {
@@ -410,6 +424,8 @@ pub fn eval_nll_batch(
                 delta_nll: None,
                 windows: batch,
                 rides,
+                batch_slow_steps: batch_slow,
+                window_nll: per_window,
             }),
             retained_fraction: stats.iter().map(|s| s.retained_fraction()).sum::<f64>()
                 / batch as f64,
@@ -467,6 +483,8 @@ mod tests {
             delta_nll: Some(0.0),
             windows: 1,
             rides: 0,
+            batch_slow_steps: 2,
+            window_nll: Vec::new(),
         }));
         let v = serde_json::to_value(&nll).unwrap();
         // The fields an `nll` record always had, at the top level.

@@ -559,13 +559,14 @@ impl<'m> Session<'m> {
     /// some session's step is slow by its own trigger, sessions that may ride join it, up to
     /// `room` slow steps in all (the GPU's `CAPTURE_ROWS`; 0: none ride, so each session steps
     /// exactly as `step` would). The CPU runs every slow step that fired, past `room` too,
-    /// where the GPU would make the ones past its score rows wait a step. Returns the indices
-    /// of the sessions that rode; each one's logits are in its `logits()`.
+    /// where the GPU would make the ones past its score rows wait a step. Returns which
+    /// sessions fired a slow step and the indices of those that rode; each one's logits are in
+    /// its `logits()`.
     pub fn step_together(
         sessions: &mut [Session<'_>],
         tokens: &[u32],
         room: usize,
-    ) -> Result<Vec<usize>, EngineError> {
+    ) -> Result<(Vec<bool>, Vec<usize>), EngineError> {
         if sessions.len() != tokens.len() {
             return Err(EngineError::BadInput(format!(
                 "step_together: {} sessions but {} tokens",
@@ -588,7 +589,7 @@ impl<'m> Session<'m> {
         for (s, &t) in sessions.iter_mut().zip(tokens) {
             s.forward_step(t)?;
         }
-        Ok(rode)
+        Ok((slow, rode))
     }
 
     /// The policy, whatever the cache's element type.

@@ -287,7 +287,7 @@ fn stepping_together_with_no_room_is_stepping_alone() {
     let mut alone = prefilled(&m, &specs, &prompts, 140);
     for i in 96..130 {
         let fed: Vec<u32> = windows.iter().map(|w| w[i]).collect();
-        let rode = Session::step_together(&mut together, &fed, 0).unwrap();
+        let (_, rode) = Session::step_together(&mut together, &fed, 0).unwrap();
         assert!(rode.is_empty(), "no room, no riders");
         for (j, s) in alone.iter_mut().enumerate() {
             let want = s.step(fed[j]).unwrap().to_vec();
@@ -321,9 +321,13 @@ fn a_rider_refreshes_on_the_firing_sequences_schedule() {
         let mut v = prefilled(&m, &[sfi(every7.clone()), sfi(rider)], &prompts, 160);
         let (mut logits, mut rides) = (Vec::new(), 0);
         for i in 100..150 {
-            rides += Session::step_together(&mut v, &[a[i], b[i]], room)
-                .unwrap()
-                .len();
+            let (fired, rode) = Session::step_together(&mut v, &[a[i], b[i]], room).unwrap();
+            assert_eq!(
+                fired[0],
+                (i - 99) % 7 == 0,
+                "sequence 0 fires every 7 steps"
+            );
+            rides += rode.len();
             logits.push(v[1].logits().to_vec());
         }
         (logits, v[1].policy_stats(), rides)
