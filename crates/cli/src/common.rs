@@ -155,8 +155,9 @@ pub struct PolicyArgs {
     pub sfi_candidates: f64,
     /// SFI, --device cuda at batch > 1 (serve, bench): on, sequences past --sfi-min-gap join a
     /// slow step another sequence fires, up to the 4 score rows a GPU step captures, so the
-    /// batch runs fewer slow steps (each costs mostly per step, not per row); a rider refreshes
-    /// early, never inside its min gap. off: each sequence refreshes on its own schedule. No
+    /// batch runs fewer slow steps (each costs mostly per step, not per row); a rider is past
+    /// its min gap and next to its own slow step (a sentence end, or its interval due within
+    /// the gap). off: each sequence refreshes on its own schedule (the CPU's SFI). No
     /// effect at batch 1 or when the CPU serves (its slow rows each cost a dense pass);
     /// `eval --batch` replays the GPU's schedule on the CPU to measure it. See docs/serving.md.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
