@@ -1,4 +1,4 @@
-//! `slowfast eval --task agree|passkey|ruler|stability` as a user runs it: every bad flag gives an
+//! `slowfast eval --task agree|passkey|ruler|stability` and `--task nll --batch` as a user runs it: every bad flag gives an
 //! error naming it (before any model loads), and each task runs end to end on the tiny
 //! Gemma 3 fixture (random weights: the numbers are not meaningful, the records are checked).
 use std::path::PathBuf;
@@ -55,7 +55,10 @@ fn fails(args: &[&str], expect: &str) {
 
 /// Run `eval` with `args` and `--json`; returns the records.
 fn records(args: &[&str]) -> Vec<serde_json::Value> {
-    let json = tmp("json").join(format!("{}.json", args.join("_").len()));
+    // One file a call: tests run in parallel threads of one process.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let json = tmp("json").join(format!("{n}.json"));
     let out = bin()
         .arg("eval")
         .args(["--model", &fixture(), "--kv-dtype", "f32"])
@@ -437,4 +440,94 @@ fortune, must be in want of a wife. \"My dear Mr. Bennet,\" said his lady to him
         assert!((0.0..=100.0).contains(&avg));
     }
     assert_eq!(r[1]["kv_budget"], 256);
+}
+
+/// `--task nll --batch`: every window scored and counted, riding only with it on, bad inputs
+/// named.
+#[test]
+fn eval_nll_batch_scores_every_window_and_names_what_it_needs() {
+    let p = tmp("batch-text").join("text.txt");
+    // Sentences end often, so SFI's triggers fire at different steps in different windows.
+    let words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta"];
+    let mut t = String::new();
+    for i in 0..900 {
+        t.push_str(words[(i * 5 + i / 7) % words.len()]);
+        t.push_str(if i % (3 + i % 5) == 0 { ". " } else { " " });
+    }
+    std::fs::write(&p, &t).unwrap();
+    let x = p.to_str().unwrap();
+    let common = [
+        "--task",
+        "nll",
+        "--input",
+        x,
+        "--context",
+        "160",
+        "--eval-tokens",
+        "64",
+        "--kv-budget",
+        "48",
+        "--sinks",
+        "4",
+        "--sfi-recent",
+        "16",
+        "--sfi-min-gap",
+        "4",
+        "--sfi-refresh-interval",
+        "24",
+    ];
+    let v = records(&args(&common, &["--batch", "6", "--policies", "full,sfi"]));
+    let (full, sfi) = (&v[0], &v[1]);
+    assert_eq!(
+        (full["policy"].as_str(), sfi["policy"].as_str()),
+        (Some("full"), Some("sfi"))
+    );
+    for r in [full, sfi] {
+        assert_eq!(r["windows"], 6);
+        assert_eq!(
+            r["slow_steps"].as_u64().unwrap() + r["fast_steps"].as_u64().unwrap(),
+            6 * 64,
+            "every window's steps are counted: {r}"
+        );
+    }
+    assert_eq!(full["rides"], 0);
+    assert_eq!(full["window_nll"].as_array().map(Vec::len), Some(6));
+    let mean = full["window_nll"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .sum::<f64>()
+        / 6.0;
+    assert!(
+        (mean - full["nll"].as_f64().unwrap()).abs() < 1e-9,
+        "nll is the windows' mean"
+    );
+    // A batch step is slow when any window's is: at most every window's slow steps, at least
+    // the busiest window's.
+    let bs = sfi["batch_slow_steps"].as_u64().unwrap();
+    assert!(bs > 0 && bs <= sfi["slow_steps"].as_u64().unwrap(), "{sfi}");
+    assert!(
+        sfi["rides"].as_u64().unwrap() > 0,
+        "six windows ride: {sfi}"
+    );
+    // With riding off no window rides, and each refreshes on its own trigger only.
+    let off = records(&args(
+        &common,
+        &["--batch", "6", "--policies", "sfi", "--sfi-ride", "off"],
+    ));
+    assert_eq!(off[0]["rides"], 0);
+    assert!(off[0]["slow_steps"].as_u64().unwrap() < sfi["slow_steps"].as_u64().unwrap());
+    // Too little text for disjoint windows, another task, a zero: each named.
+    let m = fixture();
+    let with_model = args(&["--model", &m], &common);
+    fails(&args(&with_model, &["--batch", "400"]), "disjoint windows");
+    fails(
+        &["--task", "passkey", "--model", &m, "--batch", "2"],
+        "--batch is for --task nll",
+    );
+    fails(
+        &args(&with_model, &["--batch", "0"]),
+        "--batch must be at least 1",
+    );
 }

@@ -233,6 +233,16 @@ pub fn nll_of(logits: &[f32], target: u32) -> f64 {
     (sum.ln() + max) - logits[target as usize] as f64
 }
 
+/// An `nll` run scores E decode steps after a prefill of N - E tokens: 1 <= E < N.
+fn check_nll_shape(context: usize, eval_tokens: usize) -> Result<(), EngineError> {
+    if eval_tokens == 0 || eval_tokens >= context {
+        return Err(EngineError::BadInput(format!(
+            "--eval-tokens ({eval_tokens}) must be at least 1 and less than --context ({context})"
+        )));
+    }
+    Ok(())
+}
+
 /// The shape of an `nll` run: context N, scored decode steps E, KV dtype and prefill chunk.
 #[derive(Debug, Clone, Copy)]
 pub struct NllOptions {
@@ -269,11 +279,7 @@ pub fn eval_nll_on(
         kv,
         chunk,
     } = *o;
-    if eval_tokens == 0 || eval_tokens >= context {
-        return Err(EngineError::BadInput(format!(
-            "--eval-tokens ({eval_tokens}) must be at least 1 and less than --context ({context})"
-        )));
-    }
+    check_nll_shape(context, eval_tokens)?;
     check_input_len(tokens.len(), context + 1, context)?;
     check_model_context(m, context)?;
     let n_prefill = context - eval_tokens;
@@ -350,11 +356,7 @@ pub fn eval_nll_batch(
     if batch == 0 {
         return Err(EngineError::BadInput("--batch must be at least 1".into()));
     }
-    if eval_tokens == 0 || eval_tokens >= context {
-        return Err(EngineError::BadInput(format!(
-            "--eval-tokens ({eval_tokens}) must be at least 1 and less than --context ({context})"
-        )));
-    }
+    check_nll_shape(context, eval_tokens)?;
     check_model_context(m, context)?;
     let need = 1 + batch * context;
     if tokens.len() < need {

@@ -267,20 +267,16 @@ fn prefilled<'m>(
         .collect()
 }
 
-fn punct(ride: bool) -> SfiConfig {
-    let mut cfg = SfiConfig::new(2, 8, 6);
-    cfg.trigger.min_gap = 3;
-    cfg.trigger.refresh_interval = 9;
-    cfg.trigger.ride = ride;
-    cfg
-}
-
 #[test]
 fn stepping_together_with_no_room_is_stepping_alone() {
     let m = model();
     let t = tokens(400);
     let windows: Vec<&[u32]> = vec![&t[..130], &t[130..260], &t[260..390]];
-    let spec = sfi(punct(true));
+    let mut cfg = SfiConfig::new(2, 8, 6);
+    cfg.trigger.min_gap = 3;
+    cfg.trigger.refresh_interval = 9;
+    cfg.trigger.ride = true;
+    let spec = sfi(cfg);
     let specs = vec![spec.clone(); 3];
     let prompts: Vec<&[u32]> = windows.iter().map(|w| &w[..96]).collect();
     let mut together = prefilled(&m, &specs, &prompts, 140);
