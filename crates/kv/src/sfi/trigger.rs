@@ -23,10 +23,12 @@
 //!
 //! Riding (an extension, issue 22): on a device whose slow step takes several sequences' rows
 //! for little more than one (the GPU: up to [`CAPTURE_ROWS`] score rows a step), the sequences of
-//! a batch that are past their `min_gap` join a slow step that another one fired anyway
-//! ([`riders`], [`Trigger::ride`]). A ride never falls inside the rider's gap and counts as its
-//! refresh: the gap and interval count from there, as after a fired step. The batch runs fewer
-//! slow steps; each sequence refreshes more often. Off with `ride: false`; a device with no such
+//! a batch that are past their `min_gap` and next to their own slow step (Punct: awaiting a
+//! sentence start, or the interval due within `min_gap`; [`Trigger::can_ride`]) join a slow
+//! step that another one fired anyway ([`riders`], [`Trigger::ride`]). A ride never falls
+//! inside the rider's gap and counts as its refresh: the gap and interval count from there, as
+//! after a fired step. The batch runs fewer slow steps, each sequence about as many refreshes
+//! as alone. Off with `ride: false`; a device with no such
 //! room (the CPU, whose slow rows each cost a dense pass) passes a room of 0 when it serves;
 //! `eval --batch` passes the GPU's room on the CPU to measure what riding costs in quality.
 //!
