@@ -6,6 +6,8 @@
 // first `rot` dims of q and k at positions[t] (rope_neox_bf16's arithmetic, angles in f64 from the
 // table inv_freq [rot / 2]), q written to q_out [n, qh, hd], and k and v appended to the caches
 // [num_slots, kh, capacity, hd] at (slots[t], positions[t]) (rows out of range are not cached).
+// rope_pos, when not null, gives the RoPE positions instead (FastKV's propagated rows are stored
+// compactly at rows positions[t] but rotated at their own positions rope_pos[t]).
 // qkv [n, row_stride]: row t holds q (qh heads), then k (kh), then v (kh), each hd wide.
 // A warp a head, QKV_POST_HEADS heads of one token a block: the block computes the token's
 // rot / 2 angles once (a prefill's f64 sincos per head was most of this kernel's time).
@@ -21,7 +23,8 @@ __device__ __forceinline__ void qkv_post_impl(const bf16* __restrict__ qkv, u32 
                                               const float* __restrict__ qn, const float* __restrict__ kn, float eps,
                                               const u32* __restrict__ positions, const u32* __restrict__ slots,
                                               u32 qh, u32 kh, u32 hd, u32 rot, const double* __restrict__ inv_freq,
-                                              u32 capacity, u32 num_slots, float* __restrict__ amax) {
+                                              u32 capacity, u32 num_slots, const u32* __restrict__ rope_pos,
+                                              float* __restrict__ amax) {
     __shared__ float bufs[QKV_POST_HEADS][256];
     __shared__ float cs[2][128];  // cos, sin of token t's angles
     pdl_wait();
@@ -29,7 +32,7 @@ __device__ __forceinline__ void qkv_post_impl(const bf16* __restrict__ qkv, u32 
     const u32 t = blockIdx.x, lane = threadIdx.x & 31, h = blockIdx.y * QKV_POST_HEADS + (threadIdx.x >> 5);
     const u32 pos = positions[t], slot = slots[t];
     const u32 half = rot / 2;
-    rope_angles(pos, inv_freq, half, cs);
+    rope_angles(rope_pos != nullptr ? rope_pos[t] : pos, inv_freq, half, cs);
     __syncthreads();
     if (h >= qh + 2 * kh) return;
     float* buf = bufs[threadIdx.x >> 5];
@@ -80,9 +83,10 @@ extern "C" __global__ void __launch_bounds__(32 * QKV_POST_HEADS)
                   bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, const float* __restrict__ qn,
                   const float* __restrict__ kn, float eps, const u32* __restrict__ positions,
                   const u32* __restrict__ slots, u32 qh, u32 kh, u32 hd, u32 rot,
-                  const double* __restrict__ inv_freq, u32 capacity, u32 num_slots) {
+                  const double* __restrict__ inv_freq, u32 capacity, u32 num_slots,
+                  const u32* __restrict__ rope_pos) {
     qkv_post_impl<false>(qkv, row_stride, q_out, k_cache, v_cache, qn, kn, eps, positions, slots, qh, kh, hd, rot,
-                         inv_freq, capacity, num_slots, nullptr);
+                         inv_freq, capacity, num_slots, rope_pos, nullptr);
 }
 // The same writing e4m3 caches; amax [2 kh] or null (see qkv_post_impl).
 extern "C" __global__ void __launch_bounds__(32 * QKV_POST_HEADS)
@@ -90,9 +94,10 @@ extern "C" __global__ void __launch_bounds__(32 * QKV_POST_HEADS)
                 bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, const float* __restrict__ qn,
                 const float* __restrict__ kn, float eps, const u32* __restrict__ positions,
                 const u32* __restrict__ slots, u32 qh, u32 kh, u32 hd, u32 rot,
-                const double* __restrict__ inv_freq, u32 capacity, u32 num_slots, float* __restrict__ amax) {
+                const double* __restrict__ inv_freq, u32 capacity, u32 num_slots,
+                const u32* __restrict__ rope_pos, float* __restrict__ amax) {
     qkv_post_impl<true>(qkv, row_stride, q_out, k_cache, v_cache, qn, kn, eps, positions, slots, qh, kh, hd, rot,
-                        inv_freq, capacity, num_slots, amax);
+                        inv_freq, capacity, num_slots, rope_pos, amax);
 }
 
 // Scales a bf16 block by s (a power of two, so exactly): rows [0, rows) of stride ld, columns

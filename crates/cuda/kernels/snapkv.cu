@@ -60,3 +60,15 @@ extern "C" __global__ void snap_pool(const float* __restrict__ probs, double* __
     }
     scores[(u64)kvh * n + j] = (double)s;
 }
+
+// FastKV's token choice (the CPU's Model::tsp_select): the pooled scores of every kv head summed
+// into row 0, scores[0, j] = sum over kv heads h of scores[h, j] (in place: thread j alone reads
+// and writes column j); cnt[0] = n. grid (ceil(n / 256)), block 256.
+extern "C" __global__ void snap_head_sum(double* __restrict__ scores, u32* __restrict__ cnt, u32 kv_heads, u32 n) {
+    const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (blockIdx.x == 0 && threadIdx.x == 0) cnt[0] = n;
+    if (j >= n) return;
+    double s = 0.0;
+    for (u32 h = 0; h < kv_heads; ++h) s += scores[(u64)h * n + j];
+    scores[j] = s;
+}

@@ -82,6 +82,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "snap_rowstats",
     "snap_colsum",
     "snap_pool",
+    "snap_head_sum",
     "quest_bounds",
     "quest_score",
     "quest_topk",

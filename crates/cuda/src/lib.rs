@@ -37,7 +37,9 @@ pub use context::CudaContext;
 #[cfg(feature = "cuda")]
 pub use half::bf16;
 #[cfg(feature = "cuda")]
-pub use model::{fp8_scale, DecoderSpec, GpuDecoder, KvOptions, Norm, Tensor, WeightSource};
+pub use model::{
+    fp8_scale, DecoderSpec, GpuDecoder, KvOptions, Norm, Tensor, TspArgs, WeightSource,
+};
 #[cfg(feature = "cuda")]
 pub use ops::attention::{AttnWorkspace, DecodeAttn, PrefillAttn};
 #[cfg(feature = "cuda")]

@@ -97,6 +97,18 @@ const CALIB_TOKENS: usize = 512;
 /// error relative, so headroom costs only the subnormal range at the bottom).
 const FP8_HEADROOM: f32 = 16.0;
 
+/// FastKV's token-selective propagation for [`GpuDecoder::prefill_fastkv`]: from after
+/// `layer` on, only `len` prompt tokens (the top scored plus the last `window`, scored by
+/// the window's attention max-pooled with `kernel`) are processed (the CPU's
+/// `slowfast_model::TspConfig`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TspArgs {
+    pub layer: usize,
+    pub len: usize,
+    pub window: usize,
+    pub kernel: usize,
+}
+
 /// The power-of-two scale for values up to `amax` in e4m3 with [`FP8_HEADROOM`] (1 for 0 or a
 /// non-finite amax).
 pub fn fp8_scale(amax: f32) -> f32 {
@@ -1886,6 +1898,207 @@ impl GpuDecoder {
         Ok(all)
     }
 
+    /// FastKV's prefill (the CPU's `slowfast_model::Model::prefill_fastkv`) of a whole prompt
+    /// into the empty `slot`, under FastKV's retention (a SnapKV policy whose window is
+    /// `tsp.window`): every token runs through layers `0..=tsp.layer`; there the last
+    /// `tsp.window` rows' attention, max-pooled and summed over the heads, picks the top
+    /// `tsp.len - window` earlier tokens, which with the window are the only rows the later
+    /// layers process, at their own positions. Those layers store them compact (row i the
+    /// i-th kept token); every global layer then keeps its SnapKV capacity (the later ones
+    /// from the kept rows) and the window moves to its own rows, so decoding reads them as it
+    /// reads SnapKV's. The last row's logits go to row `slot`; returns the kept positions,
+    /// ascending. With `tsp.len >= tokens.len()` this is `prefill`.
+    ///
+    /// The layers after `tsp.layer` must be global: a sliding window would read the rows the
+    /// propagation left empty.
+    pub fn prefill_fastkv(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        tsp: &TspArgs,
+    ) -> Result<Vec<u32>, CudaError> {
+        self.check_slot(slot)?;
+        let (n, l_count) = (tokens.len(), self.layers.len());
+        let globals = || {
+            (0..l_count)
+                .filter(|&l| self.spec.windows[l].is_none())
+                .collect::<Vec<_>>()
+        };
+        if n == 0 || self.slot_len[slot] != 0 {
+            return Err(bad(format!(
+                "FastKV prefill needs a non-empty prompt and an empty slot (slot {slot} holds {}, prompt {n})",
+                self.slot_len[slot]
+            )));
+        }
+        let snap = self.sparse.as_ref().and_then(|s| s.snap());
+        if !snap.is_some_and(|c| c.pyramid_beta.is_none() && c.window == tsp.window) {
+            return Err(bad(format!(
+                "FastKV prefill needs its retention, SnapKV with window {} (the policy is {})",
+                tsp.window,
+                self.sparse
+                    .as_ref()
+                    .map_or("full KV".into(), |s| s.policy.describe())
+            )));
+        }
+        if tsp.layer >= l_count || self.spec.windows[tsp.layer].is_some() {
+            return Err(bad(format!(
+                "--fastkv-tsp-layer {} must be a global-attention layer of this {l_count}-layer model (global layers: {:?})",
+                tsp.layer,
+                globals()
+            )));
+        }
+        if let Some(l) = (tsp.layer + 1..l_count).find(|&l| self.spec.windows[l].is_some()) {
+            return Err(bad(format!(
+                "FastKV on the GPU: layer {l}, after the TSP layer {}, has a sliding window, which would read the rows the propagation leaves empty; take a TSP layer past every sliding layer (global layers: {:?}) or --device cpu",
+                tsp.layer,
+                globals()
+            )));
+        }
+        if tsp.window == 0 || tsp.kernel % 2 == 0 || tsp.len < tsp.window.min(n) {
+            return Err(bad(format!(
+                "FastKV: {tsp:?} (window >= 1, an odd kernel, len >= window)"
+            )));
+        }
+        if tsp.len >= n {
+            self.prefill(slot, tokens, false)?;
+            return Ok((0..n as u32).collect());
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.spec.vocab) {
+            return Err(bad(format!(
+                "token id {t} outside the vocabulary of {}",
+                self.spec.vocab
+            )));
+        }
+        if n > self.kv.capacity {
+            return Err(bad(format!(
+                "{n} tokens exceed the KV capacity {}",
+                self.kv.capacity
+            )));
+        }
+        self.flush_refreshes()?;
+        self.check_floor(slot, "prefill")?;
+        self.give_back[slot] = false;
+        self.ensure_kv(slot, n, false)?;
+        let (h, v, nh) = (self.spec.hidden, self.spec.vocab, self.spec.n_heads);
+        let w = tsp.window.min(n);
+        // Phase 1: every token through layers 0..=T, the residual stream kept; the last chunk
+        // captures its window's scores (SnapKV's selection in these layers, and the TSP's).
+        let hidden = self.ctx.alloc::<bf16>(n * h)?;
+        let bounds = self.prefill_bounds(n);
+        for &(a, b) in &bounds {
+            let m = b - a;
+            let refresh = if b == n {
+                vec![Refresh {
+                    slot,
+                    len: n,
+                    rows: w.min(m),
+                    boot_row0: Some(m - w.min(m)),
+                }]
+            } else {
+                Vec::new()
+            };
+            let pos: Vec<u32> = (a as u32..b as u32).collect();
+            self.ctx.upload_into(&tokens[a..b], &mut self.pre.ids)?;
+            self.ctx.upload_into(&pos, &mut self.pre.pos)?;
+            self.ctx
+                .upload_into(&vec![slot as u32; m], &mut self.pre.slots)?;
+            let mode = Attn::Prefill { slot, pos0: a };
+            self.forward_layers(m, mode, &refresh, 0..tsp.layer + 1, 0)?;
+            let dst = hidden.device_ptr() + (a * h * 2) as u64;
+            let src = self.pre.x.device_ptr();
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    dst,
+                    src,
+                    m * h * 2,
+                    self.ctx.stream().cu_stream(),
+                )
+            }
+            .map_err(crate::context::drv("cuMemcpyDtoDAsync (FastKV hidden)"))?;
+        }
+        let sp = self.sparse.as_ref().expect("checked above");
+        let mut keep = if tsp.len > w {
+            sp.tsp_picks(&self.ctx, n, w, tsp.len - w, tsp.kernel, nh)?
+        } else {
+            Vec::new()
+        };
+        keep.extend((n - w) as u32..n as u32);
+        // Phase 2: the kept rows through the remaining layers, compact, at their positions;
+        // chunks of the prefill's size, the last holding at least the window.
+        let k = keep.len();
+        let mut chunks: Vec<(usize, usize)> = (0..k)
+            .step_by(self.chunk)
+            .map(|a| (a, (a + self.chunk).min(k)))
+            .collect();
+        if let [.., prev, last] = chunks.as_mut_slice() {
+            let short = w.saturating_sub(last.1 - last.0).min(prev.1 - prev.0 - 1);
+            prev.1 -= short;
+            last.0 -= short;
+        }
+        let mut rope = self.ctx.alloc::<u32>(self.chunk)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed).device_ptr();
+        let refreshed = Refresh {
+            slot,
+            len: n,
+            rows: w,
+            boot_row0: None,
+        };
+        let mut res = Ok(());
+        if let Some(sp) = self.sparse.as_mut() {
+            sp.tsp_prompt = Some(n);
+        }
+        for &(a, b) in &chunks {
+            let m = b - a;
+            let refresh = if b == k {
+                vec![Refresh {
+                    slot,
+                    len: k,
+                    rows: w.min(m),
+                    boot_row0: Some(m - w.min(m)),
+                }]
+            } else {
+                Vec::new()
+            };
+            let rows: Vec<u32> = (a as u32..b as u32).collect();
+            let step = (|| {
+                self.ctx.upload_into(&keep[a..b], &mut self.pre.ids)?;
+                self.ctx.upload_into(&keep[a..b], &mut rope)?;
+                self.ctx.upload_into(&rows, &mut self.pre.pos)?;
+                self.ctx
+                    .upload_into(&vec![slot as u32; m], &mut self.pre.slots)?;
+                self.ctx
+                    .embed(&hidden, &self.pre.ids, &mut self.pre.x, m, h, n, 1.0)?;
+                let mode = Attn::Prefill { slot, pos0: a };
+                self.forward_layers(m, mode, &refresh, tsp.layer + 1..l_count, rope.device_ptr())
+            })();
+            if step.is_err() {
+                res = step;
+                break;
+            }
+        }
+        if let Some(sp) = self.sparse.as_mut() {
+            sp.tsp_prompt = None;
+        }
+        res?;
+        let m = chunks.last().map_or(0, |&(a, b)| b - a);
+        self.ctx.linear_raw(
+            self.pre.xb.device_ptr() + ((m - 1) * h * 2) as u64,
+            head,
+            self.logits.device_ptr() + (slot * v * 4) as u64,
+            cudaDataType::CUDA_R_32F,
+            1,
+            h,
+            v,
+        )?;
+        self.slot_len[slot] = n;
+        if let Some(sp) = self.sparse.as_mut() {
+            sp.finish_refresh(std::slice::from_ref(&refreshed));
+            sp.prefilled(&self.ctx, slot, n)?;
+        }
+        self.ctx.synchronize()?; // `hidden` and `rope` are freed on return
+        Ok(keep)
+    }
+
     /// Sets the next input token of every slot from the argmax of its logits row.
     pub fn argmax_next(&mut self) -> Result<(), CudaError> {
         let (b, v) = (self.kv.num_slots, self.spec.vocab);
@@ -2105,6 +2318,22 @@ impl GpuDecoder {
     /// The layers over `n` rows of `pre` (prefill) or `dec` (decode); leaves the final-normed
     /// rows in `xb`.
     fn forward(&mut self, n: usize, mode: Attn, refresh: &[Refresh]) -> Result<(), CudaError> {
+        let all = 0..self.layers.len();
+        self.forward_layers(n, mode, refresh, all, 0)
+    }
+
+    /// `forward` through `range` of the layers only: from the embedding when it starts at 0,
+    /// else from the residual stream already in the activations' `x` (FastKV's propagated
+    /// rows). `rope_pos`: device address of the rows' RoPE positions when they differ from the
+    /// cache rows in `pos` (0: the same; see [`QkvPost::rope_pos`]).
+    fn forward_layers(
+        &mut self,
+        n: usize,
+        mode: Attn,
+        refresh: &[Refresh],
+        range: std::ops::Range<usize>,
+        rope_pos: u64,
+    ) -> Result<(), CudaError> {
         let GpuDecoder {
             ctx,
             spec: s,
@@ -2154,11 +2383,15 @@ impl GpuDecoder {
         // Gemma's post-norms the residual adds and the input norms move into the GEMVs too.
         let fused = matches!(mode, Attn::Decode) && ctx.decode_fused_rows(n);
         let res_in_gemv = fused && !s.post_norms;
-        ctx.embed(embed, ids, &mut a.x, n, h, s.vocab, s.embed_scale)?;
-        if !res_in_gemv {
-            ctx.rmsnorm(&a.x, &layers[0].attn_norm, &mut a.xb, n, h, norm)?;
+        let first = range.start;
+        if first == 0 {
+            ctx.embed(embed, ids, &mut a.x, n, h, s.vocab, s.embed_scale)?;
         }
-        for (l, (w, (kc, vc))) in layers.iter().zip(caches.iter_mut()).enumerate() {
+        if !res_in_gemv {
+            ctx.rmsnorm(&a.x, &layers[first].attn_norm, &mut a.xb, n, h, norm)?;
+        }
+        let span_layers = layers.iter().zip(caches.iter_mut()).enumerate();
+        for (l, (w, (kc, vc))) in span_layers.skip(first).take(range.len()) {
             let window = s.windows[l];
             let freqs = if window.is_some() {
                 &*freq_local
@@ -2191,6 +2424,7 @@ impl GpuDecoder {
                 amax: calib
                     .as_ref()
                     .map_or(0, |c| c.device_ptr() + (l * 2 * nkv * 4) as u64),
+                rope_pos,
             };
             let sp = sparse.as_mut().filter(|sp| sp.covers(l));
             let dp = DecodeAttn {

@@ -369,6 +369,10 @@ pub(crate) struct SparseState {
     /// Per slot: the prompt's length when SnapKV / PyramidKV's selection compacted it on
     /// every global layer (each then reads in place from the window's start on).
     snap_prompt: Vec<Option<usize>>,
+    /// FastKV's prefill after its TSP layer (`GpuDecoder::prefill_fastkv`): the prompt's
+    /// length, while the layers after the TSP layer hold only its propagated rows, compact
+    /// from row 0 (a refresh's `len` of them).
+    pub(crate) tsp_prompt: Option<usize>,
     /// SFI with asynchronous refresh: where the side stream's gather writes.
     stage: Option<Stage>,
     pub splits: usize,
@@ -806,6 +810,7 @@ impl SparseState {
             quest,
             snap_off: vec![0.0; ns],
             snap_prompt: vec![None; ns],
+            tsp_prompt: None,
             stage,
             splits: fast_splits,
             // capturing rows get their own split count (run 50)
@@ -1722,7 +1727,7 @@ impl SparseState {
         };
         ctx.attn_sparse_decode(kc, vc, kv, ws, &p)?;
         if self.snap().is_some() {
-            return self.snap_layer(ctx, gi, r);
+            return self.snap_layer(ctx, gi, r, (kc.device_ptr(), vc.device_ptr()));
         }
         self.select_gather(ctx, gi, 1, r, self.logits.device_ptr(), 0, n_heads, false)
     }
@@ -1731,21 +1736,32 @@ impl SparseState {
     /// last `r.rows` of `r.len` prompt rows) left its scores: the top keys before the window
     /// into the compact buffer, the window and what follows read in place. A layer whose
     /// capacity holds the prompt stays dense (as the CPU's `snap_keep` keeps everything).
-    fn snap_layer(&mut self, ctx: &CudaContext, gi: usize, r: &Refresh) -> Result<(), CudaError> {
+    /// Under FastKV's propagation (`tsp_prompt`) the layer holds `r.len` propagated rows of
+    /// a longer prompt, compact from row 0: the top keys before its window (all of them when
+    /// they fit) go to the compact buffer, and the window moves to the rows of its positions,
+    /// the prompt's last, where decoding reads it in place. `(kc, vc)`: the layer's caches.
+    fn snap_layer(
+        &mut self,
+        ctx: &CudaContext,
+        gi: usize,
+        r: &Refresh,
+        (kc, vc): (u64, u64),
+    ) -> Result<(), CudaError> {
         let geom = self.gather_geom();
         let (Some(c), Some(sc), Some((ck, cv))) = (self.snap(), self.snap.as_mut(), &self.compact)
         else {
             return Ok(());
         };
         let (kv, ns, n) = (self.kv, self.num_slots, r.len);
-        let cap = c.capacities(self.ng, n)[gi];
+        let full = self.tsp_prompt.unwrap_or(n);
+        let cap = c.capacities(self.ng, full)[gi];
         let at = |buf: &GpuBuffer<u32>| buf.device_ptr() + ((gi * ns + r.slot) * 4) as u64;
         let (clen, rstart) = (at(&self.clen), at(&self.rstart));
         if gi == 0 {
             self.snap_off[r.slot] = 0.0; // a new selection (a later prefill) replaces the last
-            self.snap_prompt[r.slot] = Some(n);
+            self.snap_prompt[r.slot] = Some(full);
         }
-        if n <= cap {
+        if full <= cap {
             for dst in [clen, rstart] {
                 Self::copy_raw(ctx, self.zeros.device_ptr(), dst, 4)?;
             }
@@ -1753,7 +1769,46 @@ impl SparseState {
             return Ok(());
         }
         let w = c.window.min(n);
-        let (prefix, k) = (n - w, cap - w);
+        let (prefix, k) = (n - w, (cap - w).min(n - w));
+        if full > n {
+            // FastKV: the window's rows [n - w, n) belong at [full - w, full)
+            let eb = kv.row_len() * 2; // bytes a row (e4m3: half the bf16 elements)
+            let row = |base: u64, h: usize, t: usize| {
+                base + (((r.slot * kv.kv_heads + h) * kv.capacity + t) * eb) as u64
+            };
+            let overlap = full - w < n;
+            let tmp = if overlap {
+                Some(ctx.alloc::<bf16>(w * kv.row_len())?)
+            } else {
+                None
+            };
+            for base in [kc, vc] {
+                for h in 0..kv.kv_heads {
+                    let (src, dst) = (row(base, h, prefix), row(base, h, full - w));
+                    match &tmp {
+                        Some(t) => {
+                            Self::copy_raw(ctx, src, t.device_ptr(), w * eb)?;
+                            Self::copy_raw(ctx, t.device_ptr(), dst, w * eb)?;
+                        }
+                        None => Self::copy_raw(ctx, src, dst, w * eb)?,
+                    }
+                }
+            }
+            if let Some(t) = tmp {
+                ctx.synchronize()?; // the staging rows are freed on drop
+                drop(t);
+            }
+            if prefix == 0 {
+                for dst in [clen, rstart] {
+                    Self::copy_raw(ctx, self.zeros.device_ptr(), dst, 4)?;
+                }
+                let rs = ctx.upload(&[(full - w) as u32])?;
+                Self::copy_raw(ctx, rs.device_ptr(), rstart, 4)?;
+                ctx.synchronize()?;
+                self.snap_off[r.slot] += -((full - w) as f64) / self.ng as f64;
+                return Ok(());
+            }
+        }
         let a = SnapArgs {
             logits: self.logits.device_ptr(),
             lstride: kv.capacity,
@@ -1766,11 +1821,40 @@ impl SparseState {
         };
         ctx.snap_select(&a, sc)?;
         let dst = (ck, cv, &self.clen, &self.rstart);
-        let g = geom.args((gi, 1), r.slot, (0, prefix), dst);
+        // the range read in place starts at the window, at its own rows
+        let g = geom.args((gi, 1), r.slot, (0, full - w), dst);
         ctx.gather_picks(kv, sc.picks(), &g)?;
-        // keys a fast step reads at length len: k.min(prefix) + (len - prefix)
-        self.snap_off[r.slot] += (k.min(prefix) as f64 - prefix as f64) / self.ng as f64;
+        // keys a fast step reads at length len: k + (len - (full - w))
+        self.snap_off[r.slot] += (k as f64 - (full - w) as f64) / self.ng as f64;
         Ok(())
+    }
+
+    /// FastKV's token choice after a prefill chunk whose last `rows` rows, of a prompt of `n`
+    /// tokens, captured their scores at the TSP layer (the last global layer that chunk ran):
+    /// the top `k` keys before those rows by `tsp_select`, ascending (downloads).
+    pub fn tsp_picks(
+        &self,
+        ctx: &CudaContext,
+        n: usize,
+        rows: usize,
+        k: usize,
+        kernel: usize,
+        n_heads: usize,
+    ) -> Result<Vec<u32>, CudaError> {
+        let kv = self.kv;
+        let mut sc = SnapScratch::new(ctx, rows, n_heads, kv.kv_heads, n - rows, k)?;
+        let a = SnapArgs {
+            logits: self.logits.device_ptr(),
+            lstride: kv.capacity,
+            rows,
+            len0: n + 1 - rows,
+            n: n - rows,
+            k,
+            kernel,
+            lo: 0,
+        };
+        ctx.tsp_select(&a, &mut sc)?;
+        Ok(sc.download(ctx)?.swap_remove(0))
     }
 
     /// Whether the refreshes of a slow decode step can run asynchronously: staging buffers

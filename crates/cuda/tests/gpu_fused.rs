@@ -239,6 +239,7 @@ fn qkv_post_matches_the_separate_kernels() {
             rot_dim: rot,
             inv_freq: &df,
             amax: 0,
+            rope_pos: 0,
         };
         ctx.qkv_post(&dqkv, &mut q2, &mut kc2, &mut vc2, &dp, &ds, kv, &p)
             .unwrap();
@@ -354,6 +355,7 @@ fn attn_decode_post_equals_qkv_post_then_decode() {
             rot_dim: rot,
             inv_freq: &df,
             amax: 0,
+            rope_pos: 0,
         };
         let p = DecodeAttn {
             batch,

@@ -267,6 +267,7 @@ fn sparse_decode_post_equals_qkv_post_then_sparse_decode() {
             rot_dim: d,
             inv_freq: &df,
             amax: 0,
+            rope_pos: 0,
         };
         let sp = SparsePost {
             qkv: dqkv.device_ptr(),

@@ -314,7 +314,7 @@ pub fn load_decoder_with(
 
 /// The KV policies the GPU runs (the others answer that they are CPU-only).
 pub const GPU_POLICIES: &str =
-    "full, streaming, h2o, sfi, snapkv, pyramidkv, quest, oracle, oracle-sfi";
+    "full, streaming, h2o, sfi, snapkv, pyramidkv, quest, fastkv, oracle, oracle-sfi";
 
 /// The GPU form of a KV policy ([`GPU_POLICIES`]); the others answer that they are CPU-only.
 pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
@@ -344,9 +344,9 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
             refresh_lag: cfg.async_lag,
             candidates: cfg.candidates,
         }),
-        // SnapKV and PyramidKV: the CPU policy's knobs (FastKV's retention is SnapKV's too, but
-        // its prefill propagation is not on the GPU)
-        PolicySpec::SnapKv(cfg) => GpuKvPolicy::Snap(GpuSnapConfig {
+        // SnapKV and PyramidKV: the CPU policy's knobs; FastKV's retention is SnapKV's too
+        // (its propagation is `GpuDecoder::prefill_fastkv`, run by `GpuSession`)
+        PolicySpec::SnapKv(cfg) | PolicySpec::FastKv { cfg, .. } => GpuKvPolicy::Snap(GpuSnapConfig {
             capacity: cfg.capacity,
             window: cfg.window,
             kernel: cfg.kernel,
@@ -371,13 +371,24 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
             recent: *recent,
             every: *every,
         }),
-        other => {
+        PolicySpec::FastKvPrefill { .. } => {
             return Err(EngineError::BadInput(format!(
-                "--device cuda: the {} KV policy runs on the CPU only (on cuda: {GPU_POLICIES})",
-                other.name()
+                "--device cuda: {} runs on the CPU only: its decoding reads every row of the layers FastKV's prefill left compact (on cuda: {GPU_POLICIES})",
+                spec.name()
             )))
         }
     })
+}
+
+/// Refuses FastKV where `what` (bench, serve) does not run a whole prompt as one prefill,
+/// which its token-selective propagation is (`generate` and `eval` do).
+pub fn whole_prefill_only(spec: &PolicySpec, what: &str) -> Result<(), EngineError> {
+    match spec {
+        PolicySpec::FastKv { .. } => Err(EngineError::BadInput(format!(
+            "--device cuda: fastkv runs in generate and eval, not in {what}: its token-selective prefill is one pass over a whole prompt (bench times decoding on one prefill shared by every policy, serve prefills a prompt in parts)"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Keys of the probe's SFI memory (sinks, recent window, picks): a prompt past their sum
@@ -496,6 +507,9 @@ pub struct GpuSession {
     vlogits: Vec<f32>,
     steps: usize,
     trigger: Option<Trigger>,
+    /// FastKV's (rate, TSP layer, window, kernel): a prompt into the empty slot runs
+    /// `GpuDecoder::prefill_fastkv`.
+    tsp: Option<(f64, usize, usize, usize)>,
     name: &'static str,
     attended: f64,
     dense: f64,
@@ -523,6 +537,7 @@ impl GpuSession {
             vlogits: Vec::new(),
             steps: 0,
             trigger,
+            tsp: crate::session::tsp_of(policy, model),
             name: policy.name(),
             attended: 0.0,
             dense: 0.0,
@@ -546,7 +561,21 @@ impl Steps for GpuSession {
             ));
         }
         let refreshes = self.dec.step_counts().2;
-        self.dec.prefill(0, tokens, false).map_err(gpu_err)?;
+        match self.tsp {
+            Some((rate, layer, window, kernel)) if self.dec.slot_len(0) == 0 => {
+                let len = crate::session::tsp_len(tokens.len(), rate, window);
+                let tsp = slowfast_cuda::TspArgs {
+                    layer,
+                    len,
+                    window,
+                    kernel,
+                };
+                self.dec.prefill_fastkv(0, tokens, &tsp).map_err(gpu_err)?;
+            }
+            _ => {
+                self.dec.prefill(0, tokens, false).map_err(gpu_err)?;
+            }
+        }
         self.logits = self.dec.logits().map_err(gpu_err)?;
         self.decoding = false;
         if let Some(t) = self.trigger.as_mut() {
@@ -936,7 +965,9 @@ pub fn bench(
     }
     for &n in &o.contexts {
         for p in &o.policies {
-            gpu_policy(&spec_for(p, n)?)?;
+            let spec = spec_for(p, n)?;
+            gpu_policy(&spec)?;
+            whole_prefill_only(&spec, "bench")?;
         }
     }
     let max_ctx = *o.contexts.iter().max().unwrap_or(&1);

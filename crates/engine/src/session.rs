@@ -285,31 +285,7 @@ impl<'m> Session<'m> {
             ),
             KvDtype::Fp8 => return Err(KvDtype::cpu_only_error()),
         };
-        let tsp = match policy {
-            PolicySpec::FastKv {
-                cfg,
-                tsp_rate,
-                tsp_layer,
-            } => Some((
-                *tsp_rate,
-                tsp_layer.unwrap_or_else(|| model.default_tsp_layer()),
-                cfg.window,
-                cfg.kernel,
-            )),
-            PolicySpec::FastKvPrefill {
-                tsp_rate,
-                tsp_layer,
-                window,
-                kernel,
-                ..
-            } => Some((
-                *tsp_rate,
-                tsp_layer.unwrap_or_else(|| model.default_tsp_layer()),
-                *window,
-                *kernel,
-            )),
-            _ => None,
-        };
+        let tsp = tsp_of(policy, model);
         Ok(Session {
             model,
             tsp,
@@ -507,7 +483,7 @@ impl<'m> Session<'m> {
             let bounds = chunk_bounds(n, self.chunk, self.prefill_tail());
             let tsp = TspConfig {
                 layer,
-                len: ((n as f64 * rate).floor() as usize).clamp(window.min(n), n),
+                len: tsp_len(n, rate, window),
                 window,
                 kernel,
             };
@@ -700,6 +676,42 @@ impl<'m> Session<'m> {
                 p.end_verify(fed, len, refresh, c)
             }
         }
+    }
+}
+
+/// Tokens FastKV's propagation keeps of a prompt of `n` (`rate` of them, at least the
+/// window; on both devices).
+pub(crate) fn tsp_len(n: usize, rate: f64, window: usize) -> usize {
+    ((n as f64 * rate).floor() as usize).clamp(window.min(n), n)
+}
+
+/// FastKV's (rate, TSP layer, window, kernel) under `policy` for `model` (the default TSP
+/// layer: the global layer nearest the middle), or None for a policy without it.
+pub(crate) fn tsp_of(policy: &PolicySpec, model: &Model) -> Option<(f64, usize, usize, usize)> {
+    match policy {
+        PolicySpec::FastKv {
+            cfg,
+            tsp_rate,
+            tsp_layer,
+        } => Some((
+            *tsp_rate,
+            tsp_layer.unwrap_or_else(|| model.default_tsp_layer()),
+            cfg.window,
+            cfg.kernel,
+        )),
+        PolicySpec::FastKvPrefill {
+            tsp_rate,
+            tsp_layer,
+            window,
+            kernel,
+            ..
+        } => Some((
+            *tsp_rate,
+            tsp_layer.unwrap_or_else(|| model.default_tsp_layer()),
+            *window,
+            *kernel,
+        )),
+        _ => None,
     }
 }
 

@@ -55,6 +55,9 @@ pub struct QkvPost<'a> {
     /// fp8 caches: device address of `[2 kv_heads]` f32 that collect each kv head's largest
     /// |k| then |v| (atomic max; calibration), or 0.
     pub amax: u64,
+    /// `qkv_post` only: device address of `[n]` RoPE positions, the rows then being stored at
+    /// `positions` (FastKV's propagated rows, compact in the cache); 0: RoPE at `positions`.
+    pub rope_pos: u64,
 }
 
 /// Whether a q/k post-processing's RoPE width and norm eps are usable for heads of `head_dim`:
@@ -278,6 +281,7 @@ impl CudaContext {
             KArg::P(freq),
             KArg::U(kv.capacity as u32),
             KArg::U(kv.num_slots as u32),
+            KArg::P(p.rope_pos),
             // qkv_post_f8 only: each kv head's largest |k| and |v| (calibrate_fp8), or null
             KArg::P(p.amax),
         ];

@@ -132,7 +132,54 @@ impl CudaContext {
     /// Scores keys `a.lo .. a.lo + a.n` of one layer and keeps the top `a.k` a kv head (ties:
     /// lower position first) in `sc`, as positions.
     pub fn snap_select(&self, a: &SnapArgs, sc: &mut SnapScratch) -> Result<(), CudaError> {
-        const OP: &str = "snap_select";
+        self.snap_scores(a, sc, "snap_select")?;
+        sc.k = a.k;
+        let picks = [
+            sc.scores.device_ptr(),
+            sc.cnt.device_ptr(),
+            sc.sel.device_ptr(),
+            sc.mcount.device_ptr(),
+        ];
+        let (kvh, n) = (sc.kv_heads as u32, a.n as u32);
+        self.topk_launch(picks, (kvh, 1, 1024), (kvh, n, a.k as u32, a.lo as u32))
+    }
+
+    /// FastKV's token choice at its TSP layer (the CPU's `Model::tsp_select`): `snap_select`'s
+    /// pooled scores of every kv head summed into one row, and its top `a.k` keys (ties: lower
+    /// position first), ascending, as the picks of kv head 0 in `sc`.
+    pub fn tsp_select(&self, a: &SnapArgs, sc: &mut SnapScratch) -> Result<(), CudaError> {
+        const OP: &str = "tsp_select";
+        self.snap_scores(a, sc, OP)?;
+        let n = u32_of(OP, "n", a.n)?;
+        self.launch(
+            "snap_head_sum",
+            (a.n.div_ceil(256) as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            &[
+                KArg::P(sc.scores.device_ptr()),
+                KArg::P(sc.cnt.device_ptr()),
+                KArg::U(sc.kv_heads as u32),
+                KArg::U(n),
+            ],
+        )?;
+        sc.k = a.k;
+        let picks = [
+            sc.scores.device_ptr(),
+            sc.cnt.device_ptr(),
+            sc.sel.device_ptr(),
+            sc.mcount.device_ptr(),
+        ];
+        self.topk_launch(picks, (1, 1, 1024), (1, n, a.k as u32, a.lo as u32))
+    }
+
+    /// The scores of `snap_select` (row stats, column sums, pooling), checked.
+    fn snap_scores(
+        &self,
+        a: &SnapArgs,
+        sc: &mut SnapScratch,
+        op: &'static str,
+    ) -> Result<(), CudaError> {
         if a.rows == 0
             || a.rows > sc.rows
             || a.n == 0
@@ -145,7 +192,7 @@ impl CudaContext {
             || a.len0 + a.rows - 1 > a.lstride
         {
             return Err(CudaError::bad(
-                OP,
+                op,
                 format!(
                     "{a:?} (scratch: {} rows, {} keys, k {}); rows must see every candidate",
                     sc.rows, sc.max_n, sc.max_k
@@ -153,10 +200,10 @@ impl CudaContext {
             ));
         }
         let (nh, kvh) = (sc.n_heads as u32, sc.kv_heads as u32);
-        let n = u32_of(OP, "n", a.n)?;
-        let lstride = u32_of(OP, "lstride", a.lstride)?;
-        let len0 = u32_of(OP, "len0", a.len0)?;
-        let lo = u32_of(OP, "lo", a.lo)?;
+        let n = u32_of(op, "n", a.n)?;
+        let lstride = u32_of(op, "lstride", a.lstride)?;
+        let len0 = u32_of(op, "len0", a.len0)?;
+        u32_of(op, "lo", a.lo)?;
         self.snap_rowstats(a.logits, sc.stats.device_ptr(), a.rows, nh, lstride, len0)?;
         let blocks = a.n.div_ceil(256) as u32;
         self.launch(
@@ -187,14 +234,6 @@ impl CudaContext {
                 KArg::U(n),
                 KArg::U((a.kernel / 2) as u32),
             ],
-        )?;
-        sc.k = a.k;
-        let picks = [
-            sc.scores.device_ptr(),
-            sc.cnt.device_ptr(),
-            sc.sel.device_ptr(),
-            sc.mcount.device_ptr(),
-        ];
-        self.topk_launch(picks, (kvh, 1, 1024), (kvh, n, a.k as u32, lo))
+        )
     }
 }

@@ -20,7 +20,8 @@ use slowfast_kv::PolicyStats;
 
 use super::{BatchDevice, SchedulerConfig, SpecTurn};
 use crate::cuda::{
-    gpu_policy, kv_options, load_decoder_with, open_context, step_triggers, trigger_of, GPU_CHUNK,
+    gpu_policy, kv_options, load_decoder_with, open_context, step_triggers, trigger_of,
+    whole_prefill_only, GPU_CHUNK,
 };
 use crate::sampler::SamplerConfig;
 use crate::session::PolicySpec;
@@ -112,6 +113,7 @@ impl GpuDevice {
         policy: &PolicySpec,
     ) -> Result<Self, EngineError> {
         let gp = gpu_policy(policy)?;
+        whole_prefill_only(policy, "serve")?;
         trigger_of(policy)?; // the server's own trigger must build
         let slots = cfg.max_batch;
         let ctx = open_context()?;
