@@ -170,13 +170,11 @@ fn run_cuda(
     o: BenchOptions,
     spec: Option<slowfast_engine::spec::timing::ReplayOptions>,
 ) -> Result<()> {
-    use slowfast_engine::cuda::{bench, gpu_policy, table, whole_prefill_only, GpuBenchOptions};
+    use slowfast_engine::cuda::{bench, gpu_policy, table, GpuBenchOptions};
     // The policies that run on the GPU (checked before the model load).
     for &c in &o.contexts {
         for p in &o.policies {
-            let spec = a.sparse.spec(p, c)?;
-            gpu_policy(&spec)?;
-            whole_prefill_only(&spec, "bench")?;
+            gpu_policy(&a.sparse.spec(p, c)?)?;
         }
     }
     let m = a.model.load()?;

@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use slowfast_cuda::ops::elementwise::Glu;
 use slowfast_cuda::{
     CudaContext, DecoderSpec, GpuDecoder, GpuKvPolicy, GpuQuestConfig, GpuSfiConfig, GpuSnapConfig,
-    KvOptions, Norm, Tensor, WeightSource,
+    KvOptions, Norm, Tensor, TspArgs, WeightSource,
 };
 use slowfast_kv::sfi::trigger::{riders, Trigger, TriggerConfig, TriggerKind};
 use slowfast_kv::PolicyStats;
@@ -380,12 +380,12 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
     })
 }
 
-/// Refuses FastKV where `what` (bench, serve) does not run a whole prompt as one prefill,
-/// which its token-selective propagation is (`generate` and `eval` do).
+/// Refuses FastKV where `what` (serve) does not run a whole prompt as one prefill, which its
+/// token-selective propagation is (`generate`, `eval` and `bench` do).
 pub fn whole_prefill_only(spec: &PolicySpec, what: &str) -> Result<(), EngineError> {
     match spec {
         PolicySpec::FastKv { .. } => Err(EngineError::BadInput(format!(
-            "--device cuda: fastkv runs in generate and eval, not in {what}: its token-selective prefill is one pass over a whole prompt (bench times decoding on one prefill shared by every policy, serve prefills a prompt in parts)"
+            "--device cuda: fastkv runs in generate, eval and bench, not in {what}: its token-selective prefill is one pass over a whole prompt, and {what} prefills a prompt in parts"
         ))),
         _ => Ok(()),
     }
@@ -564,7 +564,7 @@ impl Steps for GpuSession {
         match self.tsp {
             Some((rate, layer, window, kernel)) if self.dec.slot_len(0) == 0 => {
                 let len = crate::session::tsp_len(tokens.len(), rate, window);
-                let tsp = slowfast_cuda::TspArgs {
+                let tsp = TspArgs {
                     layer,
                     len,
                     window,
@@ -967,7 +967,12 @@ pub fn bench(
         for p in &o.policies {
             let spec = spec_for(p, n)?;
             gpu_policy(&spec)?;
-            whole_prefill_only(&spec, "bench")?;
+            if matches!(spec, PolicySpec::FastKv { .. }) && o.real_prefill.is_some_and(|r| r < n) {
+                return Err(EngineError::BadInput(format!(
+                    "bench --policies fastkv: its token-selective prefill runs over the whole prompt, so --real-prefill ({}) must be left out or be the context ({n})",
+                    o.real_prefill.unwrap_or(n)
+                )));
+            }
         }
     }
     let max_ctx = *o.contexts.iter().max().unwrap_or(&1);
@@ -1085,7 +1090,11 @@ pub fn bench(
         // The real part's FLOPs: its rows attend over the whole context.
         let flops = prefill_flops(&m.model, n) - prefill_flops(&m.model, n - real);
         let tflops = flops / prefill_s / 1e12;
-        for pname in &o.policies {
+        // FastKV last: its prefill leaves the layers after its TSP layer compact, so the
+        // prompt's KV is not every policy's any more.
+        let fastkv = |p: &&String| p.as_str() == "fastkv";
+        let order = o.policies.iter().filter(|p| !fastkv(p));
+        for pname in order.chain(o.policies.iter().filter(fastkv)) {
             let pspec = spec_for(pname, n)?;
             let gp = gpu_policy(&pspec)?;
             let interval = match &pspec {
@@ -1093,7 +1102,44 @@ pub fn bench(
                 _ => 0,
             };
             let next = crate::sampler::argmax(&first[..cfg.vocab_size]).unwrap_or(0);
-            restart_slots(&mut dec, &prompt, gp, next)?;
+            let (mut prefill_s, mut tflops) = (prefill_s, tflops);
+            match crate::session::tsp_of(&pspec, &m.model) {
+                Some((rate, layer, window, kernel)) => {
+                    // its own prefill of the whole prompt, timed (FastKV's point), then copied
+                    let len = crate::session::tsp_len(n, rate, window);
+                    let tsp = TspArgs {
+                        layer,
+                        len,
+                        window,
+                        kernel,
+                    };
+                    progress(&format!(
+                        "context {n} {pname}: prefill ({len} tokens past layer {layer})"
+                    ));
+                    dec.set_policy(gp).map_err(gpu_err)?;
+                    for s in 0..o.batch {
+                        dec.reset_slot(s).map_err(gpu_err)?;
+                    }
+                    ctx.synchronize().map_err(gpu_err)?;
+                    let t0 = Instant::now();
+                    dec.prefill_fastkv(0, &prompt, &tsp).map_err(gpu_err)?;
+                    ctx.synchronize().map_err(gpu_err)?;
+                    prefill_s = t0.elapsed().as_secs_f64();
+                    // the FLOPs it ran: layers 0..=layer over every token, the rest over len
+                    let l = m.model.cfg.num_hidden_layers as f64;
+                    let part = (layer + 1) as f64 / l;
+                    let flops = part * prefill_flops(&m.model, n)
+                        + (1.0 - part) * prefill_flops(&m.model, len);
+                    tflops = flops / prefill_s / 1e12;
+                    for s in 1..o.batch {
+                        dec.copy_slot(0, s).map_err(gpu_err)?;
+                    }
+                    dec.set_next(&vec![next; dec.num_slots()])
+                        .map_err(gpu_err)?;
+                    dec.begin_decode().map_err(gpu_err)?;
+                }
+                None => restart_slots(&mut dec, &prompt, gp, next)?,
+            }
             ctx.synchronize().map_err(gpu_err)?;
             let mut peak = used_gib(&ctx);
             let sparse = gp != GpuKvPolicy::Full;
