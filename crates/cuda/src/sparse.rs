@@ -1761,7 +1761,8 @@ impl SparseState {
             self.snap_off[r.slot] = 0.0; // a new selection (a later prefill) replaces the last
             self.snap_prompt[r.slot] = Some(full);
         }
-        if full <= cap {
+        // (FastKV's later layers hold fewer rows than the prompt: never read whole)
+        if full <= cap && full == n {
             for dst in [clen, rstart] {
                 Self::copy_raw(ctx, self.zeros.device_ptr(), dst, 4)?;
             }

@@ -380,17 +380,6 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
     })
 }
 
-/// Refuses FastKV where `what` (serve) does not run a whole prompt as one prefill, which its
-/// token-selective propagation is (`generate`, `eval` and `bench` do).
-pub fn whole_prefill_only(spec: &PolicySpec, what: &str) -> Result<(), EngineError> {
-    match spec {
-        PolicySpec::FastKv { .. } => Err(EngineError::BadInput(format!(
-            "--device cuda: fastkv runs in generate, eval and bench, not in {what}: its token-selective prefill is one pass over a whole prompt, and {what} prefills a prompt in parts"
-        ))),
-        _ => Ok(()),
-    }
-}
-
 /// Keys of the probe's SFI memory (sinks, recent window, picks): a prompt past their sum
 /// refreshes, so every decode step can capture (`probe_stability`).
 const PROBE_MEMORY: (usize, usize, usize) = (4, 16, 16);

@@ -20,8 +20,7 @@ use slowfast_kv::PolicyStats;
 
 use super::{BatchDevice, SchedulerConfig, SpecTurn};
 use crate::cuda::{
-    gpu_policy, kv_options, load_decoder_with, open_context, step_triggers, trigger_of,
-    whole_prefill_only, GPU_CHUNK,
+    gpu_policy, kv_options, load_decoder_with, open_context, step_triggers, trigger_of, GPU_CHUNK,
 };
 use crate::sampler::SamplerConfig;
 use crate::session::PolicySpec;
@@ -88,6 +87,9 @@ pub(super) struct GpuDevice {
     graphs: bool,
     /// SFI: a slot longer than this without a memory gets a (bridge) refresh.
     dense_below: usize,
+    /// FastKV's (rate, TSP layer, window, kernel): a prompt is one part, prefilled by
+    /// `GpuDecoder::prefill_fastkv` (as on the CPU, it shares no prefix).
+    tsp: Option<(f64, usize, usize, usize)>,
     vocab: usize,
 }
 
@@ -113,7 +115,6 @@ impl GpuDevice {
         policy: &PolicySpec,
     ) -> Result<Self, EngineError> {
         let gp = gpu_policy(policy)?;
-        whole_prefill_only(policy, "serve")?;
         trigger_of(policy)?; // the server's own trigger must build
         let slots = cfg.max_batch;
         let ctx = open_context()?;
@@ -172,6 +173,7 @@ impl GpuDevice {
             since_begin: 0,
             graphs: graphs_on(),
             dense_below,
+            tsp: crate::session::tsp_of(policy, &loaded.model),
         })
     }
 
@@ -519,9 +521,13 @@ impl BatchDevice for GpuDevice {
     }
 
     /// Parts of at most `GPU_CHUNK` tokens, as `GpuDecoder::prefill` splits one call (SFI's
-    /// bootstrap rows taken into the last part), so the slot ends as one call would leave it.
+    /// bootstrap rows taken into the last part), so the slot ends as one call would leave it;
+    /// FastKV's token-selective prefill is one part.
     fn prefill_plan(&self, _seq: &GpuSeq, n: usize) -> Vec<(usize, usize)> {
-        self.dec.prefill_bounds(n)
+        match self.tsp {
+            Some(_) => vec![(0, n)],
+            None => self.dec.prefill_bounds(n),
+        }
     }
 
     fn prefill_part(
@@ -539,9 +545,24 @@ impl BatchDevice for GpuDevice {
         self.dec.truncate(slot, a).map_err(gpu_err)?;
         self.dirty = true;
         let refreshes = self.dec.step_counts().2;
-        self.dec
-            .prefill(slot, &prompt[a..b], false)
-            .map_err(gpu_err)?;
+        match self.tsp {
+            Some((rate, layer, window, kernel)) if a == 0 => {
+                let tsp = slowfast_cuda::TspArgs {
+                    layer,
+                    len: crate::session::tsp_len(b, rate, window),
+                    window,
+                    kernel,
+                };
+                self.dec
+                    .prefill_fastkv(slot, &prompt[..b], &tsp)
+                    .map_err(gpu_err)?;
+            }
+            _ => {
+                self.dec
+                    .prefill(slot, &prompt[a..b], false)
+                    .map_err(gpu_err)?;
+            }
+        }
         seq.prefilled = b;
         self.hold[slot] = b;
         // Whole parts before the last go to the prefix cache.
