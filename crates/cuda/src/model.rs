@@ -1839,13 +1839,7 @@ impl GpuDecoder {
             let pos0 = start + a;
             let n = c.len();
             let refresh: Vec<Refresh> = if boot > 0 && b == total && start + total > dense_below {
-                let rows = boot.min(n);
-                vec![Refresh {
-                    slot,
-                    len: start + total,
-                    rows,
-                    boot_row0: Some(n - rows),
-                }]
+                vec![Refresh::bootstrap(slot, start + total, boot, n)]
             } else {
                 Vec::new()
             };
@@ -1988,12 +1982,7 @@ impl GpuDecoder {
         for &(a, b) in &bounds {
             let m = b - a;
             let refresh = if b == n {
-                vec![Refresh {
-                    slot,
-                    len: n,
-                    rows: w.min(m),
-                    boot_row0: Some(m - w.min(m)),
-                }]
+                vec![Refresh::bootstrap(slot, n, w, m)]
             } else {
                 Vec::new()
             };
@@ -2024,17 +2013,10 @@ impl GpuDecoder {
         };
         keep.extend((n - w) as u32..n as u32);
         // Phase 2: the kept rows through the remaining layers, compact, at their positions;
-        // chunks of the prefill's size, the last holding at least the window.
+        // chunks as a prefill's, the last holding at least the window (the policy's bootstrap
+        // rows are the window: checked above).
         let k = keep.len();
-        let mut chunks: Vec<(usize, usize)> = (0..k)
-            .step_by(self.chunk)
-            .map(|a| (a, (a + self.chunk).min(k)))
-            .collect();
-        if let [.., prev, last] = chunks.as_mut_slice() {
-            let short = w.saturating_sub(last.1 - last.0).min(prev.1 - prev.0 - 1);
-            prev.1 -= short;
-            last.0 -= short;
-        }
+        let chunks = self.prefill_bounds(k);
         let mut rope = self.ctx.alloc::<u32>(self.chunk)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed).device_ptr();
         let refreshed = Refresh {
@@ -2050,12 +2032,7 @@ impl GpuDecoder {
         for &(a, b) in &chunks {
             let m = b - a;
             let refresh = if b == k {
-                vec![Refresh {
-                    slot,
-                    len: k,
-                    rows: w.min(m),
-                    boot_row0: Some(m - w.min(m)),
-                }]
+                vec![Refresh::bootstrap(slot, k, w, m)]
             } else {
                 Vec::new()
             };

@@ -317,6 +317,20 @@ pub(crate) struct Refresh {
     pub boot_row0: Option<usize>,
 }
 
+impl Refresh {
+    /// The bootstrap of `slot` at length `len` by a prefill chunk of `m` rows: its last
+    /// `rows` (at most `m`) capture.
+    pub fn bootstrap(slot: usize, len: usize, rows: usize, m: usize) -> Self {
+        let rows = rows.min(m);
+        Refresh {
+            slot,
+            len,
+            rows,
+            boot_row0: Some(m - rows),
+        }
+    }
+}
+
 /// Device state of a sparse policy. Per-layer arrays cover the global layers only (index
 /// `gi`, see `gidx`).
 pub(crate) struct SparseState {
@@ -1800,9 +1814,7 @@ impl SparseState {
                 drop(t);
             }
             if prefix == 0 {
-                for dst in [clen, rstart] {
-                    Self::copy_raw(ctx, self.zeros.device_ptr(), dst, 4)?;
-                }
+                Self::copy_raw(ctx, self.zeros.device_ptr(), clen, 4)?;
                 let rs = ctx.upload(&[(full - w) as u32])?;
                 Self::copy_raw(ctx, rs.device_ptr(), rstart, 4)?;
                 ctx.synchronize()?;

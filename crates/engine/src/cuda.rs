@@ -380,6 +380,18 @@ pub fn gpu_policy(spec: &PolicySpec) -> Result<GpuKvPolicy, EngineError> {
     })
 }
 
+/// FastKV's propagation of a prompt of `n` tokens on the GPU: the CPU's rule
+/// ([`crate::session::TspRule`]), as the decoder takes it.
+pub(crate) fn tsp_args(rule: &crate::session::TspRule, n: usize) -> TspArgs {
+    let c = rule.config(n);
+    TspArgs {
+        layer: c.layer,
+        len: c.len,
+        window: c.window,
+        kernel: c.kernel,
+    }
+}
+
 /// Keys of the probe's SFI memory (sinks, recent window, picks): a prompt past their sum
 /// refreshes, so every decode step can capture (`probe_stability`).
 const PROBE_MEMORY: (usize, usize, usize) = (4, 16, 16);
@@ -498,7 +510,7 @@ pub struct GpuSession {
     trigger: Option<Trigger>,
     /// FastKV's (rate, TSP layer, window, kernel): a prompt into the empty slot runs
     /// `GpuDecoder::prefill_fastkv`.
-    tsp: Option<(f64, usize, usize, usize)>,
+    tsp: Option<crate::session::TspRule>,
     name: &'static str,
     attended: f64,
     dense: f64,
@@ -551,14 +563,8 @@ impl Steps for GpuSession {
         }
         let refreshes = self.dec.step_counts().2;
         match self.tsp {
-            Some((rate, layer, window, kernel)) if self.dec.slot_len(0) == 0 => {
-                let len = crate::session::tsp_len(tokens.len(), rate, window);
-                let tsp = TspArgs {
-                    layer,
-                    len,
-                    window,
-                    kernel,
-                };
+            Some(rule) if self.dec.slot_len(0) == 0 => {
+                let tsp = tsp_args(&rule, tokens.len());
                 self.dec.prefill_fastkv(0, tokens, &tsp).map_err(gpu_err)?;
             }
             _ => {
@@ -1093,15 +1099,10 @@ pub fn bench(
             let next = crate::sampler::argmax(&first[..cfg.vocab_size]).unwrap_or(0);
             let (mut prefill_s, mut tflops) = (prefill_s, tflops);
             match crate::session::tsp_of(&pspec, &m.model) {
-                Some((rate, layer, window, kernel)) => {
+                Some(rule) => {
                     // its own prefill of the whole prompt, timed (FastKV's point), then copied
-                    let len = crate::session::tsp_len(n, rate, window);
-                    let tsp = TspArgs {
-                        layer,
-                        len,
-                        window,
-                        kernel,
-                    };
+                    let tsp = tsp_args(&rule, n);
+                    let (len, layer) = (tsp.len, tsp.layer);
                     progress(&format!(
                         "context {n} {pname}: prefill ({len} tokens past layer {layer})"
                     ));

@@ -250,7 +250,7 @@ pub const DEFAULT_CHUNK: usize = 512;
 pub struct Session<'m> {
     pub model: &'m Model,
     /// FastKV prefill: (fraction of the prompt propagated, TSP layer, window, kernel).
-    pub(crate) tsp: Option<(f64, usize, usize, usize)>,
+    pub(crate) tsp: Option<TspRule>,
     pub(crate) cache: Cache,
     pub(crate) scratch: Scratch,
     pub(crate) chunk: usize,
@@ -478,15 +478,10 @@ impl<'m> Session<'m> {
         let &(a, b) = plan.get(i).ok_or_else(|| {
             EngineError::BadInput(format!("prefill part {i} of a {}-part plan", plan.len()))
         })?;
-        if let (Some((rate, layer, window, kernel)), 0) = (self.tsp, self.pos()) {
+        if let (Some(rule), 0) = (self.tsp, self.pos()) {
             let n = tokens.len();
             let bounds = chunk_bounds(n, self.chunk, self.prefill_tail());
-            let tsp = TspConfig {
-                layer,
-                len: tsp_len(n, rate, window),
-                window,
-                kernel,
-            };
+            let tsp = rule.config(n);
             let (m, s, l) = (self.model, &mut self.scratch, &mut self.logits);
             match &mut self.cache {
                 Cache::F32(c, p) => fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
@@ -679,40 +674,53 @@ impl<'m> Session<'m> {
     }
 }
 
-/// Tokens FastKV's propagation keeps of a prompt of `n` (`rate` of them, at least the
-/// window; on both devices).
-pub(crate) fn tsp_len(n: usize, rate: f64, window: usize) -> usize {
-    ((n as f64 * rate).floor() as usize).clamp(window.min(n), n)
+/// FastKV's token-selective propagation under a policy, for one model: `rate` of a prompt
+/// goes past `layer`, scored by the last `window` rows max-pooled with `kernel`. One rule for
+/// both devices.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct TspRule {
+    rate: f64,
+    layer: usize,
+    window: usize,
+    kernel: usize,
 }
 
-/// FastKV's (rate, TSP layer, window, kernel) under `policy` for `model` (the default TSP
-/// layer: the global layer nearest the middle), or None for a policy without it.
-pub(crate) fn tsp_of(policy: &PolicySpec, model: &Model) -> Option<(f64, usize, usize, usize)> {
-    match policy {
+impl TspRule {
+    /// The propagation of a prompt of `n` tokens: `rate` of them, at least the window.
+    pub(crate) fn config(&self, n: usize) -> TspConfig {
+        TspConfig {
+            layer: self.layer,
+            len: ((n as f64 * self.rate).floor() as usize).clamp(self.window.min(n), n),
+            window: self.window,
+            kernel: self.kernel,
+        }
+    }
+}
+
+/// FastKV's propagation under `policy` for `model` (the default TSP layer: the global layer
+/// nearest the middle), or None for a policy without it.
+pub(crate) fn tsp_of(policy: &PolicySpec, model: &Model) -> Option<TspRule> {
+    let (rate, layer, window, kernel) = match policy {
         PolicySpec::FastKv {
             cfg,
             tsp_rate,
             tsp_layer,
-        } => Some((
-            *tsp_rate,
-            tsp_layer.unwrap_or_else(|| model.default_tsp_layer()),
-            cfg.window,
-            cfg.kernel,
-        )),
+        } => (*tsp_rate, *tsp_layer, cfg.window, cfg.kernel),
         PolicySpec::FastKvPrefill {
             tsp_rate,
             tsp_layer,
             window,
             kernel,
             ..
-        } => Some((
-            *tsp_rate,
-            tsp_layer.unwrap_or_else(|| model.default_tsp_layer()),
-            *window,
-            *kernel,
-        )),
-        _ => None,
-    }
+        } => (*tsp_rate, *tsp_layer, *window, *kernel),
+        _ => return None,
+    };
+    Some(TspRule {
+        rate,
+        layer: layer.unwrap_or_else(|| model.default_tsp_layer()),
+        window,
+        kernel,
+    })
 }
 
 /// FastKV's token-selective prefill into an empty `c`, then the layers it left holding only

@@ -133,15 +133,7 @@ impl CudaContext {
     /// lower position first) in `sc`, as positions.
     pub fn snap_select(&self, a: &SnapArgs, sc: &mut SnapScratch) -> Result<(), CudaError> {
         self.snap_scores(a, sc, "snap_select")?;
-        sc.k = a.k;
-        let picks = [
-            sc.scores.device_ptr(),
-            sc.cnt.device_ptr(),
-            sc.sel.device_ptr(),
-            sc.mcount.device_ptr(),
-        ];
-        let (kvh, n) = (sc.kv_heads as u32, a.n as u32);
-        self.topk_launch(picks, (kvh, 1, 1024), (kvh, n, a.k as u32, a.lo as u32))
+        self.snap_topk(a, sc, sc.kv_heads as u32)
     }
 
     /// FastKV's token choice at its TSP layer (the CPU's `Model::tsp_select`): `snap_select`'s
@@ -163,6 +155,11 @@ impl CudaContext {
                 KArg::U(n),
             ],
         )?;
+        self.snap_topk(a, sc, 1)
+    }
+
+    /// The top `a.k` of the first `rows` rows of `sc`'s scores (`sfi_topk`), into its picks.
+    fn snap_topk(&self, a: &SnapArgs, sc: &mut SnapScratch, rows: u32) -> Result<(), CudaError> {
         sc.k = a.k;
         let picks = [
             sc.scores.device_ptr(),
@@ -170,7 +167,8 @@ impl CudaContext {
             sc.sel.device_ptr(),
             sc.mcount.device_ptr(),
         ];
-        self.topk_launch(picks, (1, 1, 1024), (1, n, a.k as u32, a.lo as u32))
+        let (n, k, lo) = (a.n as u32, a.k as u32, a.lo as u32);
+        self.topk_launch(picks, (rows, 1, 1024), (rows, n, k, lo))
     }
 
     /// The scores of `snap_select` (row stats, column sums, pooling), checked.

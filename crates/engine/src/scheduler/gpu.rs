@@ -89,7 +89,7 @@ pub(super) struct GpuDevice {
     dense_below: usize,
     /// FastKV's (rate, TSP layer, window, kernel): a prompt is one part, prefilled by
     /// `GpuDecoder::prefill_fastkv` (as on the CPU, it shares no prefix).
-    tsp: Option<(f64, usize, usize, usize)>,
+    tsp: Option<crate::session::TspRule>,
     vocab: usize,
 }
 
@@ -546,13 +546,8 @@ impl BatchDevice for GpuDevice {
         self.dirty = true;
         let refreshes = self.dec.step_counts().2;
         match self.tsp {
-            Some((rate, layer, window, kernel)) if a == 0 => {
-                let tsp = slowfast_cuda::TspArgs {
-                    layer,
-                    len: crate::session::tsp_len(b, rate, window),
-                    window,
-                    kernel,
-                };
+            Some(rule) if a == 0 => {
+                let tsp = crate::cuda::tsp_args(&rule, b);
                 self.dec
                     .prefill_fastkv(slot, &prompt[..b], &tsp)
                     .map_err(gpu_err)?;
