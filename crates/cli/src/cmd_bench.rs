@@ -22,7 +22,8 @@ pub struct Args {
     /// Comma-separated KV policies, each timed at every context: full, streaming, h2o, snapkv,
     /// pyramidkv, quest, fastkv, sfi, sfi+fastkv (SFI's decode after FastKV's prefill, see
     /// --prefill; the others: `generate --help`). With `--device cuda`: full, streaming, sfi,
-    /// snapkv, pyramidkv, quest, h2o and the oracles; SFI's slow step then comes every
+    /// snapkv, pyramidkv, quest, h2o, fastkv (its own whole-prompt prefill, timed, after the
+    /// others; not with --real-prefill) and the oracles; SFI's slow step then comes every
     /// `--sfi-refresh-interval` steps per sequence (staggered over the batch), and fast and slow
     /// steps are also timed alone.
     #[arg(long, default_value = "full")]

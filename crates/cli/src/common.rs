@@ -12,8 +12,8 @@ pub struct ModelArgs {
     pub model: String,
     /// Compute device. `cuda` needs a build with `--features cuda` and an NVIDIA GPU; it runs
     /// generate, bench, serve and eval (tasks nll, agree, passkey, ruler and stability) with the
-    /// policies full, streaming, sfi, snapkv, pyramidkv, quest and h2o, and (eval) the
-    /// diagnostic oracle and oracle-sfi.
+    /// policies full, streaming, sfi, snapkv, pyramidkv, quest, h2o and fastkv (on models whose
+    /// layers after its TSP layer are global), and (eval) the diagnostic oracle and oracle-sfi.
     /// (--sfi-async-lag trades a little of SFI's quality there for speed).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
