@@ -508,7 +508,7 @@ pub struct GpuSession {
     vlogits: Vec<f32>,
     steps: usize,
     trigger: Option<Trigger>,
-    /// FastKV's (rate, TSP layer, window, kernel): a prompt into the empty slot runs
+    /// FastKV's propagation rule (`TspRule`): a prompt into the empty slot runs
     /// `GpuDecoder::prefill_fastkv`.
     tsp: Option<crate::session::TspRule>,
     name: &'static str,

@@ -87,7 +87,7 @@ pub(super) struct GpuDevice {
     graphs: bool,
     /// SFI: a slot longer than this without a memory gets a (bridge) refresh.
     dense_below: usize,
-    /// FastKV's (rate, TSP layer, window, kernel): a prompt is one part, prefilled by
+    /// FastKV's propagation rule (`TspRule`): a prompt is one part, prefilled by
     /// `GpuDecoder::prefill_fastkv` (as on the CPU, it shares no prefix).
     tsp: Option<crate::session::TspRule>,
     vocab: usize,
