@@ -10,6 +10,7 @@ use rayon::prelude::*;
 use slowfast_backend::cpu::attention::{
     attention, AttnShape, KvElem, KvPositions, KvSegment, Mask, QueryPositions,
 };
+use slowfast_backend::e4m3::E4m3;
 use std::time::Instant;
 
 struct Model {
@@ -281,6 +282,7 @@ fn main() {
             for ctx in [8192, 32768] {
                 decode::<f32>(m, ctx, "f32", |x| x);
                 decode::<f16>(m, ctx, "f16", f16::from_f32);
+                decode::<E4m3>(m, ctx, "fp8", E4m3::from_f32);
             }
         }
     }

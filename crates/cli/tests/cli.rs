@@ -90,6 +90,38 @@ fn generates_on_a_tiny_hf_model_with_json_output() {
     assert_eq!(v["policy"], "full");
 }
 
+/// `--kv-dtype fp8` on the CPU: the same generation in a KV cache of half f16's bytes (and a
+/// quarter of f32's).
+#[test]
+fn fp8_kv_generates_on_the_cpu_in_half_the_bytes_of_f16() {
+    let dir = fixture("qwen3");
+    let kv_bytes = |kv: &str| {
+        let out = bin()
+            .args([
+                "generate",
+                "--model",
+                dir.to_str().unwrap(),
+                "--prompt",
+                "Hello world",
+            ])
+            .args(["-n", "8", "--temperature", "0", "--ignore-eos", "--json"])
+            .args(["--kv-dtype", kv])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["generated_tokens"], 8, "{kv}: {v}");
+        v["kv_bytes"].as_u64().unwrap()
+    };
+    let (b32, b16, b8) = (kv_bytes("f32"), kv_bytes("f16"), kv_bytes("fp8"));
+    assert!(b8 > 0);
+    assert_eq!((b16, b32), (2 * b8, 4 * b8));
+}
+
 #[test]
 fn truncated_gguf_is_a_clear_error() {
     // A GGUF header that promises one tensor whose data is not in the file.
@@ -543,10 +575,6 @@ fn bench_speculate_on_the_cpu_replays_the_acceptance() {
         (
             &["--speculate", "ngram", "--spec-graphs", "off"],
             "--spec-graphs off: verification graphs exist on --device cuda only",
-        ),
-        (
-            &["--kv-dtype", "fp8"],
-            "--kv-dtype fp8 runs on the GPU only (--device cuda)",
         ),
     ] {
         let mut args = vec!["bench", "--model", m, "--contexts", "96"];

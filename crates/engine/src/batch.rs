@@ -35,6 +35,7 @@ pub fn step_batch(
     let dtype = |s: &Session<'_>| match s.cache {
         Cache::F32(..) => "f32",
         Cache::F16(..) => "f16",
+        Cache::E4m3(..) => "fp8",
     };
     let dtype0 = dtype(first);
     for (i, s) in sessions.iter().enumerate() {
@@ -54,6 +55,7 @@ pub fn step_batch(
     let mut logits: Vec<&mut Vec<f32>> = Vec::with_capacity(sessions.len());
     let mut rows32: Vec<DecodeRow<'_, f32>> = Vec::new();
     let mut rows16: Vec<DecodeRow<'_, f16>> = Vec::new();
+    let mut rows8: Vec<DecodeRow<'_, slowfast_kv::E4m3>> = Vec::new();
     for (s, &token) in sessions.iter_mut().zip(tokens) {
         let Session {
             cache, logits: l, ..
@@ -70,12 +72,20 @@ pub fn step_batch(
                 cache,
                 policy: p.as_mut(),
             }),
+            Cache::E4m3(cache, p) => rows8.push(DecodeRow {
+                token,
+                cache,
+                policy: p.as_mut(),
+            }),
         }
     }
-    if rows16.is_empty() {
-        step_rows(model, &mut rows32, scratch, &mut logits)
-    } else {
+    // one dtype a batch (checked above): the non-empty list
+    if !rows16.is_empty() {
         step_rows(model, &mut rows16, scratch, &mut logits)
+    } else if !rows8.is_empty() {
+        step_rows(model, &mut rows8, scratch, &mut logits)
+    } else {
+        step_rows(model, &mut rows32, scratch, &mut logits)
     }
 }
 

@@ -154,7 +154,7 @@ fn run_one(
     let kv_elem = match o.kv_dtype {
         KvDtype::F32 => 4,
         KvDtype::F16 => 2,
-        KvDtype::Fp8 => return Err(KvDtype::cpu_only_error()),
+        KvDtype::Fp8 => 1,
     };
     let avg_ctx = (ctx + o.new_tokens / 2) as f64;
     let kv_read: f64 = (0..cfg.num_hidden_layers)

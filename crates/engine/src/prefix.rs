@@ -20,6 +20,7 @@ use crate::EngineError;
 pub enum PrefixCacheCpu {
     F32(PrefixKv<f32>),
     F16(PrefixKv<f16>),
+    E4m3(PrefixKv<slowfast_kv::E4m3>),
 }
 
 /// Tokens a KV block (of a CPU server's sequences and of its prefix cache) holds by default
@@ -49,7 +50,7 @@ impl PrefixCacheCpu {
         Ok(match kv {
             KvDtype::F32 => Self::F32(PrefixKv::new(l, h, d, block, bytes)),
             KvDtype::F16 => Self::F16(PrefixKv::new(l, h, d, block, bytes)),
-            KvDtype::Fp8 => return Err(KvDtype::cpu_only_error()),
+            KvDtype::Fp8 => Self::E4m3(PrefixKv::new(l, h, d, block, bytes)),
         })
     }
 
@@ -57,6 +58,7 @@ impl PrefixCacheCpu {
         match self {
             Self::F32(p) => p.stats(),
             Self::F16(p) => p.stats(),
+            Self::E4m3(p) => p.stats(),
         }
     }
 
@@ -65,6 +67,7 @@ impl PrefixCacheCpu {
         match self {
             Self::F32(p) => p.nbytes(),
             Self::F16(p) => p.nbytes(),
+            Self::E4m3(p) => p.nbytes(),
         }
     }
 
@@ -83,6 +86,7 @@ impl PrefixCacheCpu {
         let r = match (self, &mut sess.cache) {
             (Self::F32(p), Cache::F32(c, _)) => restore(p, c, chunk, prompt, &plan[..whole]),
             (Self::F16(p), Cache::F16(c, _)) => restore(p, c, chunk, prompt, &plan[..whole]),
+            (Self::E4m3(p), Cache::E4m3(c, _)) => restore(p, c, chunk, prompt, &plan[..whole]),
             _ => Ok(0),
         };
         r.unwrap_or_else(|e| {
@@ -103,6 +107,7 @@ impl PrefixCacheCpu {
         let r = match (self, &sess.cache) {
             (Self::F32(p), Cache::F32(c, _)) => p.remember(ns(c, chunk), prompt, a, b, c),
             (Self::F16(p), Cache::F16(c, _)) => p.remember(ns(c, chunk), prompt, a, b, c),
+            (Self::E4m3(p), Cache::E4m3(c, _)) => p.remember(ns(c, chunk), prompt, a, b, c),
             _ => Ok(0),
         };
         if let Err(e) = r {

@@ -7,29 +7,21 @@ use slowfast_kv::sfi::selector::SelectorError;
 use slowfast_kv::sfi::trigger::TriggerConfig;
 pub use slowfast_kv::sfi::trigger::TriggerKind;
 use slowfast_kv::{
-    CacheElem, FullPolicy, H2oPolicy, KvPolicy, KvStore, OracleConfig, OraclePolicy, PolicyStats,
-    QuestPolicy, SnapKvConfig, SnapKvPolicy, StreamingPolicy,
+    CacheElem, E4m3, FullPolicy, H2oPolicy, KvPolicy, KvStore, OracleConfig, OraclePolicy,
+    PolicyStats, QuestPolicy, SnapKvConfig, SnapKvPolicy, StreamingPolicy,
 };
 use slowfast_model::{LogitsRows, Model, Scratch, TspConfig};
 
 use crate::EngineError;
 
-/// Element type of the KV cache: f32 / f16 on the CPU; on the GPU bf16 for either of them,
-/// or e4m3 with `Fp8` (GPU only).
+/// Element type of the KV cache: f32 / f16 on the CPU (bf16 on the GPU for either of them), or
+/// e4m3 with `Fp8` on both (one byte a value; the GPU calibrates power-of-two scales at load,
+/// the CPU stores the values as they are, e4m3's range reaching 448).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvDtype {
     F32,
     F16,
     Fp8,
-}
-
-impl KvDtype {
-    /// The error for fp8 KV on the CPU.
-    pub fn cpu_only_error() -> EngineError {
-        EngineError::BadInput(
-            "--kv-dtype fp8 runs on the GPU only (--device cuda); the CPU keeps f16 or f32".into(),
-        )
-    }
 }
 
 impl std::str::FromStr for KvDtype {
@@ -219,6 +211,8 @@ impl PolicySpec {
 pub(crate) enum Cache {
     F32(KvStore<f32>, Box<dyn KvPolicy<f32>>),
     F16(KvStore<f16>, Box<dyn KvPolicy<f16>>),
+    /// fp8 KV (`--kv-dtype fp8`): one byte a value.
+    E4m3(KvStore<E4m3>, Box<dyn KvPolicy<E4m3>>),
 }
 
 /// What a session asks of its policy token by token, whatever the cache's element type.
@@ -283,7 +277,10 @@ impl<'m> Session<'m> {
                 model.new_cache(max_tokens, chunk),
                 policy.build(model.cfg.attn_scale)?,
             ),
-            KvDtype::Fp8 => return Err(KvDtype::cpu_only_error()),
+            KvDtype::Fp8 => Cache::E4m3(
+                model.new_cache(max_tokens, chunk),
+                policy.build(model.cfg.attn_scale)?,
+            ),
         };
         let tsp = tsp_of(policy, model);
         Ok(Session {
@@ -303,6 +300,7 @@ impl<'m> Session<'m> {
         let cache = match &self.cache {
             Cache::F32(c, _) => Cache::F32(c.clone(), policy.build(self.model.cfg.attn_scale)?),
             Cache::F16(c, _) => Cache::F16(c.clone(), policy.build(self.model.cfg.attn_scale)?),
+            Cache::E4m3(c, _) => Cache::E4m3(c.clone(), policy.build(self.model.cfg.attn_scale)?),
         };
         Ok(self.with_cache(cache))
     }
@@ -335,6 +333,9 @@ impl<'m> Session<'m> {
         let cache = match &self.cache {
             Cache::F32(c, p) => Cache::F32(c.clone(), p.try_clone().ok_or_else(|| copy(p.name()))?),
             Cache::F16(c, p) => Cache::F16(c.clone(), p.try_clone().ok_or_else(|| copy(p.name()))?),
+            Cache::E4m3(c, p) => {
+                Cache::E4m3(c.clone(), p.try_clone().ok_or_else(|| copy(p.name()))?)
+            }
         };
         Ok(self.with_cache(cache))
     }
@@ -349,6 +350,7 @@ impl<'m> Session<'m> {
         match &self.cache {
             Cache::F32(c, _) => c.len(),
             Cache::F16(c, _) => c.len(),
+            Cache::E4m3(c, _) => c.len(),
         }
     }
 
@@ -357,6 +359,7 @@ impl<'m> Session<'m> {
         match &self.cache {
             Cache::F32(c, p) => p.held(layer, c),
             Cache::F16(c, p) => p.held(layer, c),
+            Cache::E4m3(c, p) => p.held(layer, c),
         }
     }
 
@@ -364,6 +367,7 @@ impl<'m> Session<'m> {
         match &self.cache {
             Cache::F32(c, _) => c.capacity(),
             Cache::F16(c, _) => c.capacity(),
+            Cache::E4m3(c, _) => c.capacity(),
         }
     }
 
@@ -372,6 +376,7 @@ impl<'m> Session<'m> {
         match &self.cache {
             Cache::F32(c, _) => c.nbytes(),
             Cache::F16(c, _) => c.nbytes(),
+            Cache::E4m3(c, _) => c.nbytes(),
         }
     }
 
@@ -381,6 +386,7 @@ impl<'m> Session<'m> {
         match &mut self.cache {
             Cache::F32(c, _) => c.set_block(block),
             Cache::F16(c, _) => c.set_block(block),
+            Cache::E4m3(c, _) => c.set_block(block),
         }
         .map_err(|e| EngineError::BadInput(e.to_string()))
     }
@@ -390,6 +396,7 @@ impl<'m> Session<'m> {
         match &self.cache {
             Cache::F32(c, _) => c.nbytes_at(len),
             Cache::F16(c, _) => c.nbytes_at(len),
+            Cache::E4m3(c, _) => c.nbytes_at(len),
         }
     }
 
@@ -398,6 +405,7 @@ impl<'m> Session<'m> {
         match &self.cache {
             Cache::F32(_, p) => p.stats(),
             Cache::F16(_, p) => p.stats(),
+            Cache::E4m3(_, p) => p.stats(),
         }
     }
 
@@ -408,6 +416,7 @@ impl<'m> Session<'m> {
             && match &self.cache {
                 Cache::F32(_, p) => p.shares_prefix(),
                 Cache::F16(_, p) => p.shares_prefix(),
+                Cache::E4m3(_, p) => p.shares_prefix(),
             }
     }
 
@@ -415,6 +424,7 @@ impl<'m> Session<'m> {
         match &self.cache {
             Cache::F32(_, p) => p.name(),
             Cache::F16(_, p) => p.name(),
+            Cache::E4m3(_, p) => p.name(),
         }
     }
 
@@ -425,6 +435,7 @@ impl<'m> Session<'m> {
         match &mut self.cache {
             Cache::F32(c, p) => m.forward_with(tokens, pos, c, p.as_mut(), s, rows, l)?,
             Cache::F16(c, p) => m.forward_with(tokens, pos, c, p.as_mut(), s, rows, l)?,
+            Cache::E4m3(c, p) => m.forward_with(tokens, pos, c, p.as_mut(), s, rows, l)?,
         }
         Ok(&self.logits)
     }
@@ -458,6 +469,7 @@ impl<'m> Session<'m> {
         match &self.cache {
             Cache::F32(_, p) => p.prefill_tail(),
             Cache::F16(_, p) => p.prefill_tail(),
+            Cache::E4m3(_, p) => p.prefill_tail(),
         }
     }
 
@@ -486,6 +498,7 @@ impl<'m> Session<'m> {
             match &mut self.cache {
                 Cache::F32(c, p) => fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
                 Cache::F16(c, p) => fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
+                Cache::E4m3(c, p) => fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
             };
         } else {
             let rows = if i + 1 == plan.len() {
@@ -501,6 +514,7 @@ impl<'m> Session<'m> {
         let r = match &mut self.cache {
             Cache::F32(c, p) => p.end_prefill(c),
             Cache::F16(c, p) => p.end_prefill(c),
+            Cache::E4m3(c, p) => p.end_prefill(c),
         };
         r.map_err(|e| {
             EngineError::BadInput(format!("end of prefill ({}): {e}", self.policy_name()))
@@ -516,6 +530,7 @@ impl<'m> Session<'m> {
         match &mut self.cache {
             Cache::F32(c, _) => fill_store(c, n, seed),
             Cache::F16(c, _) => fill_store(c, n, seed),
+            Cache::E4m3(c, _) => fill_store(c, n, seed),
         }
     }
 
@@ -568,6 +583,7 @@ impl<'m> Session<'m> {
         match &self.cache {
             Cache::F32(_, p) => p,
             Cache::F16(_, p) => p,
+            Cache::E4m3(_, p) => p,
         }
     }
 
@@ -575,6 +591,7 @@ impl<'m> Session<'m> {
         match &mut self.cache {
             Cache::F32(_, p) => p,
             Cache::F16(_, p) => p,
+            Cache::E4m3(_, p) => p,
         }
     }
 
@@ -584,6 +601,7 @@ impl<'m> Session<'m> {
         let r = match &mut self.cache {
             Cache::F32(c, p) => p.end_step(c),
             Cache::F16(c, p) => p.end_step(c),
+            Cache::E4m3(c, p) => p.end_step(c),
         };
         r.map_err(|e| EngineError::BadInput(format!("decode step ({}): {e}", self.policy_name())))?;
         Ok(&self.logits)
@@ -600,6 +618,7 @@ impl<'m> Session<'m> {
         match &mut self.cache {
             Cache::F32(c, _) => c.truncate(len),
             Cache::F16(c, _) => c.truncate(len),
+            Cache::E4m3(c, _) => c.truncate(len),
         }
     }
 
@@ -609,6 +628,7 @@ impl<'m> Session<'m> {
         let r = match &mut self.cache {
             Cache::F32(_, p) => p.begin_draft(),
             Cache::F16(_, p) => p.begin_draft(),
+            Cache::E4m3(_, p) => p.begin_draft(),
         };
         r.map_err(EngineError::BadInput)
     }
@@ -619,6 +639,7 @@ impl<'m> Session<'m> {
         match &self.cache {
             Cache::F32(c, _) => self.model.verify_rows_max(c),
             Cache::F16(c, _) => self.model.verify_rows_max(c),
+            Cache::E4m3(c, _) => self.model.verify_rows_max(c),
         }
     }
 
@@ -630,6 +651,10 @@ impl<'m> Session<'m> {
                 p.end_draft(len)
             }
             Cache::F16(c, p) => {
+                c.truncate(len);
+                p.end_draft(len)
+            }
+            Cache::E4m3(c, p) => {
                 c.truncate(len);
                 p.end_draft(len)
             }
@@ -653,6 +678,10 @@ impl<'m> Session<'m> {
                 p.begin_verify(pos, scale);
                 m.verify_forward(tokens, pos, c, p.as_mut(), s, l)?
             }
+            Cache::E4m3(c, p) => {
+                p.begin_verify(pos, scale);
+                m.verify_forward(tokens, pos, c, p.as_mut(), s, l)?
+            }
         }
         Ok(&self.logits)
     }
@@ -667,6 +696,10 @@ impl<'m> Session<'m> {
                 p.end_verify(fed, len, refresh, c)
             }
             Cache::F16(c, p) => {
+                c.truncate(len);
+                p.end_verify(fed, len, refresh, c)
+            }
+            Cache::E4m3(c, p) => {
                 c.truncate(len);
                 p.end_verify(fed, len, refresh, c)
             }

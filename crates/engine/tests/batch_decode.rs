@@ -173,6 +173,56 @@ fn batched_steps_equal_single_steps_quantized_sliding() {
 }
 
 #[test]
+fn batched_steps_equal_single_steps_with_fp8_kv() {
+    check(&gemma_like(GgmlType::Q8_0), 9, KvDtype::Fp8, 7);
+    check(&qwen_like(GgmlType::F32), 8, KvDtype::Fp8, 8);
+}
+
+/// fp8 (e4m3) KV on the CPU: a prompt and teacher-forced decode steps stay close to f32 KV
+/// (the worst logit within 0.25 sd of the logits, the GPU fp8 test's bound), further from it than f16 KV
+/// (the cache really is narrower), and the cache holds half of f16's bytes.
+#[test]
+fn fp8_kv_is_near_f32_kv_in_half_the_bytes_of_f16() {
+    for m in [gemma_like(GgmlType::Q8_0), qwen_like(GgmlType::F32)] {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let prompt: Vec<u32> = (0..40).map(|_| rng.token()).collect();
+        let rest: Vec<u32> = (0..24).map(|_| rng.token()).collect();
+        let run = |kv: KvDtype| {
+            let mut s = Session::new(&m, 80, kv, 16);
+            let mut rows = vec![s.prefill(&prompt, &mut |_, _| {}).unwrap().to_vec()];
+            for &t in &rest {
+                rows.push(s.step(t).unwrap().to_vec());
+            }
+            (rows, s.kv_bytes())
+        };
+        let (r32, _) = run(KvDtype::F32);
+        let (r16, b16) = run(KvDtype::F16);
+        let (r8, b8) = run(KvDtype::Fp8);
+        // the worst |logit - f32's| of any step, over that step's standard deviation of logits
+        let off = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+            a.iter()
+                .zip(b)
+                .map(|(p, q)| {
+                    let n = p.len() as f64;
+                    let mean = p.iter().map(|&x| x as f64).sum::<f64>() / n;
+                    let sd = (p.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+                    let worst = p.iter().zip(q).map(|(&x, &y)| (x - y).abs() as f64);
+                    worst.fold(0.0f64, f64::max) / sd
+                })
+                .fold(0.0f64, f64::max)
+        };
+        let (o16, o8) = (off(&r32, &r16), off(&r32, &r8));
+        eprintln!("worst logit off f32 KV's, in sd: f16 {o16:.2e}, fp8 {o8:.2e}");
+        assert!(
+            o8 > o16,
+            "fp8 KV ({o8:.2e}) no further from f32 than f16 ({o16:.2e})"
+        );
+        assert!(o8 < 0.25, "fp8 KV's worst logit is {o8:.3} sd off f32 KV's");
+        assert_eq!(2 * b8, b16, "fp8 KV bytes {b8}, f16 {b16}");
+    }
+}
+
+#[test]
 fn one_session_batch_equals_step() {
     let m = gemma_like(GgmlType::Q8_0);
     let mut a = sessions(&m, 3, KvDtype::F32, 4).pop().unwrap();

@@ -21,7 +21,7 @@ pub use policy::{AttnCall, FullPolicy, KvPolicy, PolicyStats, StepCounter};
 pub use quest::QuestPolicy;
 pub use snapkv::{SnapKvConfig, SnapKvPolicy};
 pub use store::{
-    block_slots, CacheElem, HeadRows, KvBlock, KvError, KvStore, LayerKv, LayerSpec, KV_BLOCK,
-    KV_GROW,
+    block_slots, CacheElem, E4m3, HeadRows, KvBlock, KvError, KvStore, LayerKv, LayerSpec,
+    KV_BLOCK, KV_GROW,
 };
 pub use streaming::StreamingPolicy;

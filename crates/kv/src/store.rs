@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
 use slowfast_backend::cpu::attention::{KvElem, KvPositions, KvSegment};
+pub use slowfast_backend::e4m3::E4m3;
 
 /// A KV element type that can be written from f32 (f32 as is, f16 rounded to nearest).
 pub trait CacheElem: KvElem + Default {
@@ -36,6 +37,21 @@ impl CacheElem for half::f16 {
     }
     fn load(src: &[half::f16], dst: &mut [f32]) {
         src.convert_to_f32_slice(dst);
+    }
+}
+
+/// fp8 KV (`--kv-dtype fp8`): one byte a value, rounded to nearest even and saturated at
+/// +-448 (`slowfast_backend::e4m3`, the GPU's rounding too).
+impl CacheElem for E4m3 {
+    fn store(src: &[f32], dst: &mut [E4m3]) {
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = E4m3::from_f32(x);
+        }
+    }
+    fn load(src: &[E4m3], dst: &mut [f32]) {
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = x.to_f32();
+        }
     }
 }
 

@@ -241,7 +241,9 @@ pub fn eval_stability_on(
         (crate::Device::Cuda, _) => return Err(crate::device::not_built()),
         (crate::Device::Cpu, KvDtype::F32) => run::<f32>(m, tokens, o, &mut probe, progress)?,
         (crate::Device::Cpu, KvDtype::F16) => run::<half::f16>(m, tokens, o, &mut probe, progress)?,
-        (crate::Device::Cpu, KvDtype::Fp8) => return Err(KvDtype::cpu_only_error()),
+        (crate::Device::Cpu, KvDtype::Fp8) => {
+            run::<slowfast_kv::E4m3>(m, tokens, o, &mut probe, progress)?
+        }
     };
     Ok(EvalRecord {
         task: "stability".into(),

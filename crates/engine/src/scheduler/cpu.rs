@@ -225,6 +225,7 @@ impl<'m> BatchDevice for CpuDevice<'m> {
         Some(match &seq.sess.cache {
             Cache::F32(store, policy) => Inspection::of(self.model, store, policy.as_ref()),
             Cache::F16(store, policy) => Inspection::of(self.model, store, policy.as_ref()),
+            Cache::E4m3(store, policy) => Inspection::of(self.model, store, policy.as_ref()),
         })
     }
 }

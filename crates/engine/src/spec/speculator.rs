@@ -394,8 +394,6 @@ impl<'m> Speculator<'m> {
                 let m = draft.ok_or_else(|| {
                     EngineError::BadInput("--speculate model needs --draft-model".into())
                 })?;
-                // The draft model runs on the CPU: its KV stays f16 under fp8 KV on the GPU.
-                let kv = if kv == KvDtype::Fp8 { KvDtype::F16 } else { kv };
                 let mut sess = Box::new(Session::new(
                     m,
                     target.capacity(),

@@ -23,7 +23,7 @@ mod tests;
 #[cfg(test)]
 mod tests_paths;
 
-pub use elem::KvElem;
+pub use elem::{ElemKind, KvElem};
 pub use merge::merge_partials;
 pub use reference::attention_reference;
 pub use types::{

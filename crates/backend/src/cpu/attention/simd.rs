@@ -16,6 +16,8 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     unsafe fn store(p: *mut f32, v: Self::V);
     /// Loads `LANES` f16 values (raw bits) and widens them to f32.
     unsafe fn load_f16(p: *const u16) -> Self::V;
+    /// Loads `LANES` e4m3 bytes and widens them to f32 (through f16: `crate::e4m3`).
+    unsafe fn load_e4m3(p: *const u8) -> Self::V;
     /// `a * b + c`.
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
@@ -89,6 +91,10 @@ impl Simd for Scalar {
     #[inline(always)]
     unsafe fn load_f16(p: *const u16) -> f32 {
         half::f16::from_bits(*p).to_f32()
+    }
+    #[inline(always)]
+    unsafe fn load_e4m3(p: *const u8) -> f32 {
+        crate::e4m3::e4m3_to_f32(*p)
     }
     #[inline(always)]
     unsafe fn fma(a: f32, b: f32, c: f32) -> f32 {
@@ -172,6 +178,15 @@ mod x86 {
             _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
         }
         #[inline(always)]
+        unsafe fn load_e4m3(p: *const u8) -> __m256 {
+            // 8 bytes sign-extended to 8 i16 lanes: << 7 puts the 7 value bits at f16's 13..7
+            // and the sign at bit 15 (bit 14, the sign's copy, masked off); times 2^8
+            let x = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(p as *const __m128i)), 7);
+            let h16 = _mm_and_si128(x, _mm_set1_epi16(0xBF80u16 as i16));
+            let h = _mm256_cvtph_ps(h16);
+            _mm256_mul_ps(h, _mm256_set1_ps(crate::e4m3::E4M3_F16_FACTOR))
+        }
+        #[inline(always)]
         unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
             _mm256_fmadd_ps(a, b, c)
         }
@@ -245,6 +260,17 @@ mod x86 {
         #[inline(always)]
         unsafe fn load_f16(p: *const u16) -> __m512 {
             _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        }
+        #[inline(always)]
+        unsafe fn load_e4m3(p: *const u8) -> __m512 {
+            // 16 bytes sign-extended to 16 i16 lanes, shifted and masked as in the AVX2 load
+            let x = _mm256_slli_epi16(
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(p as *const __m128i)),
+                7,
+            );
+            let h16 = _mm256_and_si256(x, _mm256_set1_epi16(0xBF80u16 as i16));
+            let h = _mm512_cvtph_ps(h16);
+            _mm512_mul_ps(h, _mm512_set1_ps(crate::e4m3::E4M3_F16_FACTOR))
         }
         #[inline(always)]
         unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {

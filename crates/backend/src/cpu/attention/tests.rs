@@ -52,6 +52,11 @@ impl FromF32 for f16 {
         f16::from_f32(x)
     }
 }
+impl FromF32 for crate::e4m3::E4m3 {
+    fn from_f32(x: f32) -> Self {
+        crate::e4m3::E4m3::from_f32(x)
+    }
+}
 
 impl<T: FromF32> SegData<T> {
     /// Random keys/values at the given positions.
@@ -317,6 +322,28 @@ fn f16_kv_cache() {
         let c = Case::<f16>::new(seed, (8, 2, 128), 90, 40, &[range(0, 130)], 3.0);
         all_isas(|isa| c.check(Mask::CAUSAL, isa, None, TOL));
         let c = Case::<f16>::new(seed, (4, 1, 256), 1, 2999, &[range(0, 3000)], 3.0);
+        all_isas(|isa| c.check(Mask::CAUSAL, isa, None, TOL));
+    }
+}
+
+/// fp8 (e4m3) keys and values: every ISA's widening (8 or 16 bytes through f16) against the
+/// reference's byte-by-byte one, prefill and decode rows, one and several tiles.
+#[test]
+fn e4m3_kv_cache() {
+    use crate::e4m3::E4m3;
+    for seed in 0..3 {
+        let c = Case::<E4m3>::new(seed, (8, 2, 128), 90, 40, &[range(0, 130)], 3.0);
+        all_isas(|isa| c.check(Mask::CAUSAL, isa, None, TOL));
+        let c = Case::<E4m3>::new(seed, (4, 1, 256), 1, 2999, &[range(0, 3000)], 3.0);
+        all_isas(|isa| c.check(Mask::CAUSAL, isa, None, TOL));
+        let c = Case::<E4m3>::new(
+            seed,
+            (8, 4, 64),
+            2,
+            700,
+            &[range(0, 300), range(400, 802)],
+            3.0,
+        );
         all_isas(|isa| c.check(Mask::CAUSAL, isa, None, TOL));
     }
 }

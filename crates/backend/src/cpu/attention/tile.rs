@@ -317,12 +317,12 @@ fn finish(
 unsafe fn run_cols<T: KvElem, S: Simd>(t: &Task<'_, T>, out: &mut [f32], lse: &mut [f32]) {
     let (d, rows) = (t.geo.d, t.rows());
     let rows_pad = rows.div_ceil(2 * S::LANES) * 2 * S::LANES;
-    let kc_len = if T::IS_F16 { BK_COLS * d } else { 0 };
+    let kc_len = if T::NARROW { BK_COLS * d } else { 0 };
     let total = d * rows_pad + kc_len + BK_COLS * rows_pad + rows_pad * d + 3 * rows_pad;
     let mut buf = Scratch::take(POOL_TILE, total);
     {
         let (qt, rest) = buf.split_at_mut(d * rows_pad); // [d, rows_pad]
-        let (kc, rest) = rest.split_at_mut(kc_len); // [BK_COLS, d] widened keys (f16 only)
+        let (kc, rest) = rest.split_at_mut(kc_len); // [BK_COLS, d] widened keys (narrow types only)
         let (st, rest) = rest.split_at_mut(BK_COLS * rows_pad); // [BK_COLS, rows_pad]
         let (o, rest) = rest.split_at_mut(rows_pad * d); // [rows_pad, d]
         let (m, rest) = rest.split_at_mut(rows_pad);
@@ -340,7 +340,7 @@ unsafe fn run_cols<T: KvElem, S: Simd>(t: &Task<'_, T>, out: &mut [f32], lse: &m
             }
             let check = !t.mask.all_visible(q_range, k_range);
             for p in tile.pieces() {
-                let kp = if T::IS_F16 {
+                let kp = if T::NARROW {
                     let kc = kc.as_mut_ptr().add(p.off * d);
                     widen::<T, S>(p.k(d), kc, p.n * d);
                     kc
