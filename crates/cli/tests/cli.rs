@@ -46,8 +46,9 @@ fn fails(args: &[&str], expect: &str) -> String {
     err
 }
 
-#[test]
-fn generates_on_a_tiny_hf_model_with_json_output() {
+/// `generate --json` of 8 greedy tokens after "Hello world" on the tiny Qwen3 fixture, with
+/// `extra` flags: the printed object (the command must succeed).
+fn generate_json(extra: &[&str]) -> serde_json::Value {
     let dir = fixture("qwen3");
     let out = bin()
         .args([
@@ -59,14 +60,8 @@ fn generates_on_a_tiny_hf_model_with_json_output() {
             "-n",
             "8",
         ])
-        .args([
-            "--temperature",
-            "0",
-            "--ignore-eos",
-            "--json",
-            "--kv-dtype",
-            "f32",
-        ])
+        .args(["--temperature", "0", "--ignore-eos", "--json"])
+        .args(extra)
         .output()
         .unwrap();
     assert!(
@@ -74,7 +69,12 @@ fn generates_on_a_tiny_hf_model_with_json_output() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn generates_on_a_tiny_hf_model_with_json_output() {
+    let v = generate_json(&["--kv-dtype", "f32"]);
     for k in [
         "text",
         "prompt_tokens",
@@ -94,26 +94,8 @@ fn generates_on_a_tiny_hf_model_with_json_output() {
 /// quarter of f32's).
 #[test]
 fn fp8_kv_generates_on_the_cpu_in_half_the_bytes_of_f16() {
-    let dir = fixture("qwen3");
     let kv_bytes = |kv: &str| {
-        let out = bin()
-            .args([
-                "generate",
-                "--model",
-                dir.to_str().unwrap(),
-                "--prompt",
-                "Hello world",
-            ])
-            .args(["-n", "8", "--temperature", "0", "--ignore-eos", "--json"])
-            .args(["--kv-dtype", kv])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let v = generate_json(&["--kv-dtype", kv]);
         assert_eq!(v["generated_tokens"], 8, "{kv}: {v}");
         v["kv_bytes"].as_u64().unwrap()
     };

@@ -215,6 +215,32 @@ pub(crate) enum Cache {
     E4m3(KvStore<E4m3>, Box<dyn KvPolicy<E4m3>>),
 }
 
+/// A `match` over a [`Cache`] (a place or a reference to one) with one body for every element
+/// type: `each_cache!(&self.cache, (c, p) => c.len())` binds the store and the policy of
+/// whichever variant it is.
+macro_rules! each_cache {
+    ($cache:expr, ($c:pat, $p:pat) => $body:expr) => {
+        match $cache {
+            Cache::F32($c, $p) => $body,
+            Cache::F16($c, $p) => $body,
+            Cache::E4m3($c, $p) => $body,
+        }
+    };
+}
+pub(crate) use each_cache;
+
+/// A [`Cache`] of the same element type as `$cache`, from the store and policy its body makes
+/// of `$cache`'s: `map_cache!(&self.cache, (c, p) => (c.clone(), p.try_clone()?))`.
+macro_rules! map_cache {
+    ($cache:expr, ($c:pat, $p:pat) => ($store:expr, $policy:expr)) => {
+        match $cache {
+            Cache::F32($c, $p) => Cache::F32($store, $policy),
+            Cache::F16($c, $p) => Cache::F16($store, $policy),
+            Cache::E4m3($c, $p) => Cache::E4m3($store, $policy),
+        }
+    };
+}
+
 /// What a session asks of its policy token by token, whatever the cache's element type.
 trait PolicyView {
     fn on_token(&mut self, token: u32);
@@ -297,11 +323,8 @@ impl<'m> Session<'m> {
     /// `policy` with a fresh policy state. Meant for policies whose state a dense prefill does
     /// not touch (full, streaming): `eval` prefills once and forks.
     pub fn fork(&self, policy: &PolicySpec) -> Result<Session<'m>, EngineError> {
-        let cache = match &self.cache {
-            Cache::F32(c, _) => Cache::F32(c.clone(), policy.build(self.model.cfg.attn_scale)?),
-            Cache::F16(c, _) => Cache::F16(c.clone(), policy.build(self.model.cfg.attn_scale)?),
-            Cache::E4m3(c, _) => Cache::E4m3(c.clone(), policy.build(self.model.cfg.attn_scale)?),
-        };
+        let scale = self.model.cfg.attn_scale;
+        let cache = map_cache!(&self.cache, (c, _) => (c.clone(), policy.build(scale)?));
         Ok(self.with_cache(cache))
     }
 
@@ -330,13 +353,10 @@ impl<'m> Session<'m> {
         if self.tsp.is_some() {
             return Err(copy("fastkv"));
         }
-        let cache = match &self.cache {
-            Cache::F32(c, p) => Cache::F32(c.clone(), p.try_clone().ok_or_else(|| copy(p.name()))?),
-            Cache::F16(c, p) => Cache::F16(c.clone(), p.try_clone().ok_or_else(|| copy(p.name()))?),
-            Cache::E4m3(c, p) => {
-                Cache::E4m3(c.clone(), p.try_clone().ok_or_else(|| copy(p.name()))?)
-            }
-        };
+        let cache = map_cache!(&self.cache, (c, p) => (
+            c.clone(),
+            p.try_clone().ok_or_else(|| copy(p.name()))?
+        ));
         Ok(self.with_cache(cache))
     }
 
@@ -347,96 +367,57 @@ impl<'m> Session<'m> {
 
     /// Tokens in the cache.
     pub fn pos(&self) -> usize {
-        match &self.cache {
-            Cache::F32(c, _) => c.len(),
-            Cache::F16(c, _) => c.len(),
-            Cache::E4m3(c, _) => c.len(),
-        }
+        each_cache!(&self.cache, (c, _) => c.len())
     }
 
     /// What the KV policy holds on `layer` now, per kv head, by role (`KvPolicy::held`).
     pub fn held(&self, layer: usize) -> Vec<slowfast_kv::Held> {
-        match &self.cache {
-            Cache::F32(c, p) => p.held(layer, c),
-            Cache::F16(c, p) => p.held(layer, c),
-            Cache::E4m3(c, p) => p.held(layer, c),
-        }
+        each_cache!(&self.cache, (c, p) => p.held(layer, c))
     }
 
     pub fn capacity(&self) -> usize {
-        match &self.cache {
-            Cache::F32(c, _) => c.capacity(),
-            Cache::F16(c, _) => c.capacity(),
-            Cache::E4m3(c, _) => c.capacity(),
-        }
+        each_cache!(&self.cache, (c, _) => c.capacity())
     }
 
     /// Bytes of KV cache allocated.
     pub fn kv_bytes(&self) -> usize {
-        match &self.cache {
-            Cache::F32(c, _) => c.nbytes(),
-            Cache::F16(c, _) => c.nbytes(),
-            Cache::E4m3(c, _) => c.nbytes(),
-        }
+        each_cache!(&self.cache, (c, _) => c.nbytes())
     }
 
     /// Keep the global layers' KV in blocks of `block` tokens (a server's, to share its prefix
     /// cache's blocks): only before anything is written.
     pub fn set_kv_block(&mut self, block: usize) -> Result<(), EngineError> {
-        match &mut self.cache {
-            Cache::F32(c, _) => c.set_block(block),
-            Cache::F16(c, _) => c.set_block(block),
-            Cache::E4m3(c, _) => c.set_block(block),
-        }
-        .map_err(|e| EngineError::BadInput(e.to_string()))
+        each_cache!(&mut self.cache, (c, _) => c.set_block(block))
+            .map_err(|e| EngineError::BadInput(e.to_string()))
     }
 
     /// KV bytes once positions `[0, len)` are written (the global layers grow on demand).
     pub fn kv_bytes_at(&self, len: usize) -> usize {
-        match &self.cache {
-            Cache::F32(c, _) => c.nbytes_at(len),
-            Cache::F16(c, _) => c.nbytes_at(len),
-            Cache::E4m3(c, _) => c.nbytes_at(len),
-        }
+        each_cache!(&self.cache, (c, _) => c.nbytes_at(len))
     }
 
     /// The KV policy's counters (slow/fast steps, attended tokens).
     pub fn policy_stats(&self) -> PolicyStats {
-        match &self.cache {
-            Cache::F32(_, p) => p.stats(),
-            Cache::F16(_, p) => p.stats(),
-            Cache::E4m3(_, p) => p.stats(),
-        }
+        each_cache!(&self.cache, (_, p) => p.stats())
     }
 
     /// Whether a prefix cache may stand in for this session's prefill of a prompt's leading
     /// chunks (see `KvPolicy::shares_prefix`; never under FastKV's token-selective prefill).
     pub fn shares_prefix(&self) -> bool {
-        self.tsp.is_none()
-            && match &self.cache {
-                Cache::F32(_, p) => p.shares_prefix(),
-                Cache::F16(_, p) => p.shares_prefix(),
-                Cache::E4m3(_, p) => p.shares_prefix(),
-            }
+        self.tsp.is_none() && each_cache!(&self.cache, (_, p) => p.shares_prefix())
     }
 
     pub fn policy_name(&self) -> &'static str {
-        match &self.cache {
-            Cache::F32(_, p) => p.name(),
-            Cache::F16(_, p) => p.name(),
-            Cache::E4m3(_, p) => p.name(),
-        }
+        each_cache!(&self.cache, (_, p) => p.name())
     }
 
     /// Run `tokens` at the current position; returns logits of the requested rows.
     pub fn forward(&mut self, tokens: &[u32], rows: LogitsRows) -> Result<&[f32], EngineError> {
         let pos = self.pos();
         let (m, s, l) = (self.model, &mut self.scratch, &mut self.logits);
-        match &mut self.cache {
-            Cache::F32(c, p) => m.forward_with(tokens, pos, c, p.as_mut(), s, rows, l)?,
-            Cache::F16(c, p) => m.forward_with(tokens, pos, c, p.as_mut(), s, rows, l)?,
-            Cache::E4m3(c, p) => m.forward_with(tokens, pos, c, p.as_mut(), s, rows, l)?,
-        }
+        each_cache!(&mut self.cache, (c, p) => {
+            m.forward_with(tokens, pos, c, p.as_mut(), s, rows, l)?
+        });
         Ok(&self.logits)
     }
 
@@ -466,11 +447,7 @@ impl<'m> Session<'m> {
     }
 
     fn prefill_tail(&self) -> usize {
-        match &self.cache {
-            Cache::F32(_, p) => p.prefill_tail(),
-            Cache::F16(_, p) => p.prefill_tail(),
-            Cache::E4m3(_, p) => p.prefill_tail(),
-        }
+        each_cache!(&self.cache, (_, p) => p.prefill_tail())
     }
 
     /// Runs part `i` of `plan` (from `prefill_plan(tokens.len())`, parts in order); the last
@@ -495,11 +472,9 @@ impl<'m> Session<'m> {
             let bounds = chunk_bounds(n, self.chunk, self.prefill_tail());
             let tsp = rule.config(n);
             let (m, s, l) = (self.model, &mut self.scratch, &mut self.logits);
-            match &mut self.cache {
-                Cache::F32(c, p) => fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
-                Cache::F16(c, p) => fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
-                Cache::E4m3(c, p) => fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?,
-            };
+            each_cache!(&mut self.cache, (c, p) => {
+                fastkv_prefill(m, tokens, c, p.as_mut(), s, &bounds, &tsp, l)?
+            });
         } else {
             let rows = if i + 1 == plan.len() {
                 LogitsRows::Last
@@ -511,11 +486,7 @@ impl<'m> Session<'m> {
         if i + 1 < plan.len() {
             return Ok(());
         }
-        let r = match &mut self.cache {
-            Cache::F32(c, p) => p.end_prefill(c),
-            Cache::F16(c, p) => p.end_prefill(c),
-            Cache::E4m3(c, p) => p.end_prefill(c),
-        };
+        let r = each_cache!(&mut self.cache, (c, p) => p.end_prefill(c));
         r.map_err(|e| {
             EngineError::BadInput(format!("end of prefill ({}): {e}", self.policy_name()))
         })
@@ -527,11 +498,7 @@ impl<'m> Session<'m> {
     /// not depend on the values). The policy sees none of these positions; a real prefill
     /// after them (e.g. the prompt's last chunk) bootstraps it as usual.
     pub fn fill_synthetic(&mut self, n: usize, seed: u64) -> Result<(), EngineError> {
-        match &mut self.cache {
-            Cache::F32(c, _) => fill_store(c, n, seed),
-            Cache::F16(c, _) => fill_store(c, n, seed),
-            Cache::E4m3(c, _) => fill_store(c, n, seed),
-        }
+        each_cache!(&mut self.cache, (c, _) => fill_store(c, n, seed))
     }
 
     /// Decode one token; returns its next-token logits.
@@ -580,29 +547,17 @@ impl<'m> Session<'m> {
 
     /// The policy, whatever the cache's element type.
     fn policy(&self) -> &dyn PolicyView {
-        match &self.cache {
-            Cache::F32(_, p) => p,
-            Cache::F16(_, p) => p,
-            Cache::E4m3(_, p) => p,
-        }
+        each_cache!(&self.cache, (_, p) => p)
     }
 
     fn policy_mut(&mut self) -> &mut dyn PolicyView {
-        match &mut self.cache {
-            Cache::F32(_, p) => p,
-            Cache::F16(_, p) => p,
-            Cache::E4m3(_, p) => p,
-        }
+        each_cache!(&mut self.cache, (_, p) => p)
     }
 
     /// The decode step after the policy saw its token: forward, then the policy's end of step.
     fn forward_step(&mut self, token: u32) -> Result<&[f32], EngineError> {
         self.forward(&[token], LogitsRows::Last)?;
-        let r = match &mut self.cache {
-            Cache::F32(c, p) => p.end_step(c),
-            Cache::F16(c, p) => p.end_step(c),
-            Cache::E4m3(c, p) => p.end_step(c),
-        };
+        let r = each_cache!(&mut self.cache, (c, p) => p.end_step(c));
         r.map_err(|e| EngineError::BadInput(format!("decode step ({}): {e}", self.policy_name())))?;
         Ok(&self.logits)
     }
@@ -615,50 +570,28 @@ impl<'m> Session<'m> {
     /// Drop positions `>= len` from the cache (a draft model's rejected tokens); the policy is
     /// not told, so this is for full KV sessions.
     pub fn truncate(&mut self, len: usize) {
-        match &mut self.cache {
-            Cache::F32(c, _) => c.truncate(len),
-            Cache::F16(c, _) => c.truncate(len),
-            Cache::E4m3(c, _) => c.truncate(len),
-        }
+        each_cache!(&mut self.cache, (c, _) => c.truncate(len))
     }
 
     /// Speculative decoding, self-drafting: the decode steps from here on are drafts of the
     /// session's sparse policy, undone by `end_draft`. Errors for policies that cannot draft.
     pub fn begin_draft(&mut self) -> Result<(), EngineError> {
-        let r = match &mut self.cache {
-            Cache::F32(_, p) => p.begin_draft(),
-            Cache::F16(_, p) => p.begin_draft(),
-            Cache::E4m3(_, p) => p.begin_draft(),
-        };
+        let r = each_cache!(&mut self.cache, (_, p) => p.begin_draft());
         r.map_err(EngineError::BadInput)
     }
 
     /// Most tokens one `verify` can take (sliding-window rings bound it; see
     /// `Model::verify_rows_max`).
     pub fn verify_rows_max(&self) -> usize {
-        match &self.cache {
-            Cache::F32(c, _) => self.model.verify_rows_max(c),
-            Cache::F16(c, _) => self.model.verify_rows_max(c),
-            Cache::E4m3(c, _) => self.model.verify_rows_max(c),
-        }
+        each_cache!(&self.cache, (c, _) => self.model.verify_rows_max(c))
     }
 
     /// End of the draft steps: the cache goes back to `len` positions (the drafted keys go).
     pub fn end_draft(&mut self, len: usize) {
-        match &mut self.cache {
-            Cache::F32(c, p) => {
+        each_cache!(&mut self.cache, (c, p) => {
                 c.truncate(len);
                 p.end_draft(len)
-            }
-            Cache::F16(c, p) => {
-                c.truncate(len);
-                p.end_draft(len)
-            }
-            Cache::E4m3(c, p) => {
-                c.truncate(len);
-                p.end_draft(len)
-            }
-        }
+        })
     }
 
     /// A verification forward: `tokens` at the current position in one pass over the weights,
@@ -669,20 +602,10 @@ impl<'m> Session<'m> {
         let pos = self.pos();
         let (m, s, l) = (self.model, &mut self.scratch, &mut self.logits);
         let scale = m.cfg.attn_scale;
-        match &mut self.cache {
-            Cache::F32(c, p) => {
+        each_cache!(&mut self.cache, (c, p) => {
                 p.begin_verify(pos, scale);
                 m.verify_forward(tokens, pos, c, p.as_mut(), s, l)?
-            }
-            Cache::F16(c, p) => {
-                p.begin_verify(pos, scale);
-                m.verify_forward(tokens, pos, c, p.as_mut(), s, l)?
-            }
-            Cache::E4m3(c, p) => {
-                p.begin_verify(pos, scale);
-                m.verify_forward(tokens, pos, c, p.as_mut(), s, l)?
-            }
-        }
+        });
         Ok(&self.logits)
     }
 
@@ -690,20 +613,10 @@ impl<'m> Session<'m> {
     /// at `len - fed.len() .. len` it kept; the policy may refresh its sparse memory from the
     /// verification's dense attention (always with `refresh`, else when its trigger fires).
     pub fn end_verify(&mut self, fed: &[u32], len: usize, refresh: bool) {
-        match &mut self.cache {
-            Cache::F32(c, p) => {
+        each_cache!(&mut self.cache, (c, p) => {
                 c.truncate(len);
                 p.end_verify(fed, len, refresh, c)
-            }
-            Cache::F16(c, p) => {
-                c.truncate(len);
-                p.end_verify(fed, len, refresh, c)
-            }
-            Cache::E4m3(c, p) => {
-                c.truncate(len);
-                p.end_verify(fed, len, refresh, c)
-            }
-        }
+        })
     }
 }
 

@@ -8,7 +8,7 @@ use slowfast_model::{Model, Scratch};
 use super::{BatchDevice, Inspection, SpecTurn};
 use crate::prefix::PrefixCacheCpu;
 use crate::sampler::SamplerConfig;
-use crate::session::{Cache, KvDtype, PolicySpec, Session};
+use crate::session::{each_cache, Cache, KvDtype, PolicySpec, Session};
 use crate::spec::{SpecOptions, SpecStats, Speculator};
 use crate::EngineError;
 
@@ -222,10 +222,8 @@ impl<'m> BatchDevice for CpuDevice<'m> {
     }
 
     fn inspect(&self, seq: &CpuSeq<'m>) -> Option<Inspection> {
-        Some(match &seq.sess.cache {
-            Cache::F32(store, policy) => Inspection::of(self.model, store, policy.as_ref()),
-            Cache::F16(store, policy) => Inspection::of(self.model, store, policy.as_ref()),
-            Cache::E4m3(store, policy) => Inspection::of(self.model, store, policy.as_ref()),
-        })
+        Some(each_cache!(&seq.sess.cache, (store, policy) => {
+            Inspection::of(self.model, store, policy.as_ref())
+        }))
     }
 }
